@@ -1,0 +1,94 @@
+"""evstore: an async, event-sourced allocation store with Placement semantics.
+
+Every change to providers, inventories and allocations is an immutable event; current state is a
+projection of the log; rules (capacity, generations, tombstones) are enforced atomically at
+append time. Start with ``async with evstore.open_store("sqlite:///evstore.db") as store:``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from evstore.errors import (
+    CannotDeleteParent,
+    CapacityExceeded,
+    ConcurrentUpdate,
+    ConstraintViolation,
+    ConsumerDeleted,
+    CorruptEvent,
+    DuplicateName,
+    EvstoreError,
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidInventory,
+    InventoryInUse,
+    NotFound,
+    ProviderInUse,
+    ProviderNotFound,
+    SchemaVersionError,
+    StorageError,
+    StoreClosed,
+    UnknownResourceClass,
+)
+from evstore.events import Metadata, RecordedEvent
+from evstore.schema import ConsumerAllocations, Inventory
+
+if TYPE_CHECKING:
+    from evstore.log import Receipt
+    from evstore.store import AllocationStore, command_metadata, open_store
+    from projections.audit import AuditReport, Finding
+
+__version__ = "0.1.0"
+
+# The store pulls in the projections package, which itself imports evstore.events: load it on
+# first use so that `import evstore` stays light and the import graph cannot cycle.
+_LAZY = {
+    "open_store": "evstore.store",
+    "AllocationStore": "evstore.store",
+    "command_metadata": "evstore.store",
+    "Receipt": "evstore.log",
+    "AuditReport": "projections.audit",
+    "Finding": "projections.audit",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'evstore' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "AllocationStore",
+    "AuditReport",
+    "CannotDeleteParent",
+    "CapacityExceeded",
+    "ConcurrentUpdate",
+    "ConstraintViolation",
+    "ConsumerAllocations",
+    "ConsumerDeleted",
+    "CorruptEvent",
+    "DuplicateName",
+    "EvstoreError",
+    "Finding",
+    "IdempotencyConflict",
+    "InvalidInput",
+    "InvalidInventory",
+    "Inventory",
+    "InventoryInUse",
+    "Metadata",
+    "NotFound",
+    "ProviderInUse",
+    "ProviderNotFound",
+    "Receipt",
+    "RecordedEvent",
+    "SchemaVersionError",
+    "StorageError",
+    "StoreClosed",
+    "UnknownResourceClass",
+    "command_metadata",
+    "open_store",
+]

@@ -1,0 +1,612 @@
+"""Commands and the pure decision: ``decide(command, state) -> events`` or a typed error.
+
+``decide`` never does I/O. The store loads the slice of state a command needs (see
+:func:`needs`), calls ``decide``, appends the events and folds them with
+:func:`projections.state.evolve`. Tests of business rules call ``decide`` directly:
+given events, when command, then events or error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from evstore import errors as err
+from evstore import events as ev
+from evstore.schema import CUSTOM_PREFIX, STANDARD_CLASSES, Inventory, is_known_class
+from projections.invariants import allocation_fits
+from projections.state import ConsumerState, ProviderState, State
+
+Allocs = dict[str, dict[str, int]]
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResourceClass:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CreateProvider:
+    provider: str
+    name: str
+    parent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RenameProvider:
+    provider: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteProvider:
+    provider: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetInventories:
+    provider: str
+    inventories: dict[str, Inventory]
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetInventory:
+    """Update or add one class (Placement's PUT /inventories/{rc}, with generation check)."""
+
+    provider: str
+    resource_class: str
+    inventory: Inventory
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteInventory:
+    """Remove one class (Placement's DELETE /inventories/{rc}: no generation check)."""
+
+    provider: str
+    resource_class: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerWrite:
+    consumer: str
+    allocations: Allocs
+    project_id: str
+    user_id: str
+    consumer_type: str
+    generation: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteAllocations:
+    consumers: tuple[ConsumerWrite, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    consumer: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartMigration:
+    instance: str
+    migration: str
+
+
+@dataclass(frozen=True, slots=True)
+class RevertMigration:
+    migration: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConfirmMigration:
+    migration: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteConsumer:
+    consumer: str
+
+
+Command = (
+    CreateResourceClass
+    | CreateProvider
+    | RenameProvider
+    | DeleteProvider
+    | SetInventories
+    | SetInventory
+    | DeleteInventory
+    | WriteAllocations
+    | Release
+    | StartMigration
+    | RevertMigration
+    | ConfirmMigration
+    | DeleteConsumer
+)
+
+
+@dataclass(slots=True)
+class Needs:
+    """What slice of state a command's decision reads (the store loads exactly this)."""
+
+    consumers: set[str] = field(default_factory=set)
+    providers: set[str] = field(default_factory=set)
+    provider_names: set[str] = field(default_factory=set)
+    children_of: set[str] = field(default_factory=set)
+    migrations_of: set[str] = field(default_factory=set)
+    resource_classes: set[str] = field(default_factory=set)
+
+
+def needs(command: Command) -> Needs:
+    """The entities ``decide`` reads for ``command``, before following consumers' allocations.
+
+    The loader adds the providers of every loaded consumer's allocations and the consumers linked
+    by migrations, so this only names the entry points.
+    """
+    n = Needs()
+    match command:
+        case CreateResourceClass():
+            n.resource_classes.add(command.name)
+        case CreateProvider():
+            n.providers.add(command.provider)
+            n.provider_names.add(command.name)
+            if command.parent:
+                n.providers.add(command.parent)
+        case RenameProvider():
+            n.providers.add(command.provider)
+            n.provider_names.add(command.name)
+        case DeleteProvider():
+            n.providers.add(command.provider)
+            n.children_of.add(command.provider)
+        case SetInventories():
+            n.providers.add(command.provider)
+            n.resource_classes.update(command.inventories)
+        case SetInventory() | DeleteInventory():
+            n.providers.add(command.provider)
+            n.resource_classes.add(command.resource_class)
+        case WriteAllocations():
+            for cw in command.consumers:
+                n.consumers.add(cw.consumer)
+                n.providers.update(cw.allocations)
+                for resources in cw.allocations.values():
+                    n.resource_classes.update(resources)
+        case Release():
+            n.consumers.add(command.consumer)
+        case StartMigration():
+            n.consumers.update((command.instance, command.migration))
+        case RevertMigration() | ConfirmMigration():
+            n.consumers.add(command.migration)
+        case DeleteConsumer():
+            n.consumers.add(command.consumer)
+            n.migrations_of.add(command.consumer)
+    return n
+
+
+# --- decisions --------------------------------------------------------------------------------
+
+
+def decide(command: Command, state: State) -> list[ev.EventBase]:
+    """Return the events ``command`` produces against ``state``, or raise a typed error."""
+    match command:
+        case WriteAllocations():
+            return _write_allocations(state, list(command.consumers))
+        case Release():
+            return _release(state, command)
+        case StartMigration():
+            return _start_migration(state, command)
+        case RevertMigration():
+            return _revert_migration(state, command)
+        case ConfirmMigration():
+            return _confirm_migration(state, command)
+        case DeleteConsumer():
+            return _delete_consumer(state, command)
+        case SetInventories():
+            return _set_inventories(state, command.provider, command.inventories, command.generation)
+        case SetInventory():
+            prov = _provider(state, command.provider)
+            inventories = dict(prov.inventories)
+            inventories[command.resource_class] = command.inventory
+            return _set_inventories(state, command.provider, inventories, command.generation)
+        case DeleteInventory():
+            return _delete_inventory(state, command)
+        case CreateProvider():
+            return _create_provider(state, command)
+        case RenameProvider():
+            return _rename_provider(state, command)
+        case DeleteProvider():
+            return _delete_provider(state, command)
+        case CreateResourceClass():
+            return _create_resource_class(state, command)
+    raise err.InvalidInput(f"Unknown command {type(command).__name__}")  # pragma: no cover
+
+
+def _provider(state: State, uuid: str) -> ProviderState:
+    prov = state.providers.get(uuid)
+    if prov is None:
+        raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
+    return prov
+
+
+def _generation_conflict(expected: int | None, got: int | None, consumer: str) -> err.ConcurrentUpdate:
+    # Placement's wording: "expected" is the stored generation, "got" what the caller sent.
+    exp = "null" if expected is None else str(expected)
+    return err.ConcurrentUpdate(
+        f"consumer generation conflict - expected {exp} but got {got}",
+        consumer=consumer,
+        expected=expected,
+        got=got,
+    )
+
+
+def _check_consumer_generation(c: ConsumerState, given: int | None) -> None:
+    if c.deleted:
+        raise err.ConsumerDeleted(
+            f"Consumer {c.uuid} was deleted at position {c.deleted_at}; "
+            "no allocations can be written for it any more",
+            consumer=c.uuid,
+            deleted_at=c.deleted_at,
+        )
+    if c.generation != given:
+        raise _generation_conflict(c.generation, given, c.uuid)
+
+
+@dataclass(slots=True)
+class _Change:
+    """One consumer's replacement inside an allocation command (shared by writes and migrations)."""
+
+    consumer: str
+    new: Allocs
+    #: ``False`` skips the generation check (the command already checked its own preconditions).
+    check_generation: bool = True
+    generation: int | None = None
+
+
+def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
+    """Placement's check order for a replace of several consumers at once.
+
+    Returns the providers named by the command's rows, in first-seen order (each gets one
+    generation bump). Raises the first error Placement would report.
+    """
+    # 1. generations of all consumers, in the order given.
+    for ch in changes:
+        c = state.consumer(ch.consumer)
+        if ch.check_generation:
+            _check_consumer_generation(c, ch.generation)
+        elif c.deleted:
+            _check_consumer_generation(c, c.generation)
+    # Rows: new allocations; a consumer being emptied contributes its current ones at amount 0.
+    rows: list[tuple[str, str, int]] = []
+    for ch in changes:
+        if ch.new:
+            rows.extend((p, rc, amt) for p, res in ch.new.items() for rc, amt in res.items())
+        else:
+            current = state.consumer(ch.consumer).allocations
+            rows.extend((p, rc, 0) for p, res in current.items() for rc in res)
+    named: list[str] = list(dict.fromkeys(p for p, _, _ in rows))
+    # 2. every provider named exists.
+    for p in named:
+        if p not in state.providers:
+            raise err.ProviderNotFound(
+                f"Allocation for resource provider '{p}' that does not exist.", provider=p
+            )
+    # 3. every class named exists.
+    classes = list(dict.fromkeys(rc for _, rc, _ in rows))
+    for rc in classes:
+        if not is_known_class(rc, state.custom_classes):
+            raise err.UnknownResourceClass(f"No such resource class {rc}.", resource_class=rc)
+    # 4. every provider has inventory of at least one class of the command.
+    class_set = set(classes)
+    missing = [p for p in named if not class_set & state.providers[p].inventories.keys()]
+    if missing:
+        raise err.InvalidInventory(
+            f"Inventory for '{', '.join(classes)}' on resource provider '{', '.join(missing)}' invalid.",
+            providers=missing,
+            resource_classes=classes,
+        )
+    # 5. row by row: inventory, constraints, capacity (after the old allocations are removed).
+    prev_used: dict[tuple[str, str], int] = {}
+    used: dict[tuple[str, str], int] = {}
+    for p, rc, _ in rows:
+        u = state.providers[p].usages.get(rc, 0)
+        prev_used[(p, rc)] = u
+        used[(p, rc)] = u
+    for ch in changes:
+        for p, res in state.consumer(ch.consumer).allocations.items():
+            for rc, amt in res.items():
+                if (p, rc) in used:
+                    used[(p, rc)] -= amt
+    running: dict[tuple[str, str], int] = {}
+    for p, rc, amount in rows:
+        key = (p, rc)
+        running[key] = running.get(key, 0) + amount
+        if amount == 0:
+            continue
+        inv = state.providers[p].inventories.get(rc)
+        if inv is None:
+            raise err.InvalidInventory(
+                f"Inventory for '{rc}' on resource provider '{p}' invalid.", provider=p, resource_class=rc
+            )
+        if amount < inv.min_unit or amount > inv.max_unit or amount % inv.step_size:
+            raise err.ConstraintViolation(
+                f"Unable to allocate inventory: Allocation for {rc} on resource provider '{p}' "
+                f"violates min_unit ({inv.min_unit}), max_unit ({inv.max_unit}) or step_size "
+                f"({inv.step_size}). Requested: {amount}. "
+                "The requested amount would violate inventory constraints.",
+                provider=p,
+                resource_class=rc,
+                amount=amount,
+                min_unit=inv.min_unit,
+                max_unit=inv.max_unit,
+                step_size=inv.step_size,
+            )
+        capacity = inv.capacity
+        # Placement refuses when capacity < used + amount or < used + running sum; the running
+        # sum includes this row, so the second test implies the first.
+        if not allocation_fits(capacity, used[key] + running[key], prev_used[key] or None):
+            raise err.CapacityExceeded(
+                f"Unable to create allocation for '{rc}' on resource provider '{p}'. "
+                f"The requested amount would exceed the capacity. "
+                f"(capacity {capacity:g}, used {used[key]}, requested {running[key]})",
+                provider=p,
+                resource_class=rc,
+                capacity=capacity,
+                used=used[key],
+                requested=running[key],
+            )
+    return named
+
+
+def _bumps(state: State, named: list[str], already: set[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in named:
+        if p not in already:
+            already.add(p)
+            out[p] = state.providers[p].generation + 1
+    return out
+
+
+def _named_by(ch: _Change, state: State) -> list[str]:
+    return list(ch.new) if ch.new else list(state.consumer(ch.consumer).allocations)
+
+
+def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.EventBase]:
+    seen: set[str] = set()
+    for w in writes:
+        if w.consumer in seen:
+            raise err.InvalidInput(f"Consumer {w.consumer} appears twice in one command", consumer=w.consumer)
+        seen.add(w.consumer)
+    changes = [_Change(w.consumer, w.allocations, True, w.generation) for w in writes]
+    _check_and_plan(state, changes)
+    events: list[ev.EventBase] = []
+    bumped: set[str] = set()
+    for w, ch in zip(writes, changes, strict=True):
+        c = state.consumer(w.consumer)
+        if not w.allocations and not c.allocations:
+            continue  # emptying an absent consumer: nothing happens, no orphan is created
+        new_gen = None if not w.allocations else (c.generation or 0) + 1
+        events.append(
+            ev.AllocationsReplaced(
+                consumer=w.consumer,
+                allocations=w.allocations,
+                previous=c.allocations,
+                project_id=w.project_id,
+                user_id=w.user_id,
+                consumer_type=w.consumer_type,
+                generation=new_gen,
+                provider_generations=_bumps(state, _named_by(ch, state), bumped),
+            )
+        )
+    return events
+
+
+def _release(state: State, command: Release) -> list[ev.EventBase]:
+    c = state.consumer(command.consumer)
+    if c.deleted:
+        _check_consumer_generation(c, c.generation)
+    if not c.allocations:
+        raise err.NotFound(f"No allocations for consumer '{c.uuid}'", consumer=c.uuid)
+    return [ev.AllocationsReleased(consumer=c.uuid, released=c.allocations)]
+
+
+def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase]:
+    if command.instance == command.migration:
+        raise err.InvalidInput("instance and migration must be different consumers")
+    inst = state.consumer(command.instance)
+    mig = state.consumer(command.migration)
+    if inst.deleted:
+        _check_consumer_generation(inst, inst.generation)
+    if mig.deleted:
+        _check_consumer_generation(mig, None)
+    if not inst.allocations:
+        raise err.NotFound(
+            f"Instance {inst.uuid} holds no allocations to move to migration {mig.uuid}", consumer=inst.uuid
+        )
+    if mig.allocations:
+        raise _generation_conflict(mig.generation, None, mig.uuid)
+    if inst.on_behalf_of is not None:
+        raise err.InvalidInput(f"Consumer {inst.uuid} is itself a migration; it cannot be migrated")
+    changes = [_Change(inst.uuid, {}, False), _Change(mig.uuid, inst.allocations, False)]
+    named = _check_and_plan(state, changes)
+    assert inst.generation is not None and inst.project_id and inst.user_id
+    return [
+        ev.MigrationStarted(
+            instance=inst.uuid,
+            migration=mig.uuid,
+            allocations=inst.allocations,
+            project_id=inst.project_id,
+            user_id=inst.user_id,
+            instance_consumer_type=inst.consumer_type or "INSTANCE",
+            instance_generation=inst.generation,
+            migration_generation=1,
+            provider_generations=_bumps(state, named, set()),
+        )
+    ]
+
+
+def _migration_and_instance(state: State, migration: str) -> tuple[ConsumerState, ConsumerState]:
+    mig = state.consumer(migration)
+    if mig.deleted:
+        _check_consumer_generation(mig, mig.generation)
+    if mig.on_behalf_of is None:
+        raise err.NotFound(
+            f"Consumer {migration} holds no allocations for a migration in progress", consumer=migration
+        )
+    inst = state.consumer(mig.on_behalf_of)
+    if inst.deleted:
+        raise err.ConsumerDeleted(
+            f"Instance {inst.uuid} was deleted at position {inst.deleted_at}; its migration {migration} "
+            "cannot give allocations back to it (they were released with the instance)",
+            consumer=inst.uuid,
+            migration=migration,
+            deleted_at=inst.deleted_at,
+        )
+    if not mig.allocations:
+        raise err.NotFound(f"Migration {migration} holds no allocations", consumer=migration)
+    return mig, inst
+
+
+def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBase]:
+    mig, inst = _migration_and_instance(state, command.migration)
+    changes = [_Change(mig.uuid, {}, False), _Change(inst.uuid, mig.allocations, False)]
+    named = _check_and_plan(state, changes)
+    assert mig.project_id and mig.user_id
+    return [
+        ev.MigrationReverted(
+            migration=mig.uuid,
+            instance=inst.uuid,
+            allocations=mig.allocations,
+            replaced=inst.allocations,
+            project_id=inst.project_id or mig.project_id,
+            user_id=inst.user_id or mig.user_id,
+            instance_consumer_type=inst.consumer_type or "INSTANCE",
+            instance_generation=(inst.generation or 0) + 1,
+            provider_generations=_bumps(state, named, set()),
+        )
+    ]
+
+
+def _confirm_migration(state: State, command: ConfirmMigration) -> list[ev.EventBase]:
+    mig, inst = _migration_and_instance(state, command.migration)
+    return [ev.MigrationConfirmed(migration=mig.uuid, instance=inst.uuid, released=mig.allocations)]
+
+
+def _delete_consumer(state: State, command: DeleteConsumer) -> list[ev.EventBase]:
+    c = state.consumer(command.consumer)
+    if c.deleted:
+        return []  # a tombstone is permanent; deleting again changes nothing
+    return [
+        ev.ConsumerDeleted(
+            consumer=c.uuid,
+            released=c.allocations,
+            migrations_released={m.uuid: m.allocations for m in state.migrations_for(c.uuid)},
+        )
+    ]
+
+
+def _check_classes(state: State, classes: list[str]) -> None:
+    for rc in classes:
+        if not is_known_class(rc, state.custom_classes):
+            raise err.UnknownResourceClass(f"Unknown resource class in inventory: {rc}", resource_class=rc)
+
+
+def _set_inventories(
+    state: State, provider: str, inventories: dict[str, Inventory], generation: int
+) -> list[ev.EventBase]:
+    prov = _provider(state, provider)
+    _check_classes(state, list(inventories))
+    removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
+    if removed_in_use:
+        raise err.InventoryInUse(
+            f"Inventory for '{', '.join(removed_in_use)}' on resource provider '{provider}' in use.",
+            provider=provider,
+            resource_classes=removed_in_use,
+        )
+    if prov.generation != generation:
+        raise err.ConcurrentUpdate(
+            f"resource provider generation conflict - expected {prov.generation} but got {generation}",
+            provider=provider,
+            expected=prov.generation,
+            got=generation,
+        )
+    return [
+        ev.InventoriesReplaced(provider=provider, inventories=inventories, generation=prov.generation + 1)
+    ]
+
+
+def _delete_inventory(state: State, command: DeleteInventory) -> list[ev.EventBase]:
+    prov = _provider(state, command.provider)
+    rc = command.resource_class
+    if rc not in prov.inventories:
+        raise err.NotFound(
+            f"No inventory of class {rc} found for delete", provider=prov.uuid, resource_class=rc
+        )
+    if prov.usages.get(rc):
+        raise err.InventoryInUse(
+            f"Inventory for '{rc}' on resource provider '{prov.uuid}' in use.",
+            provider=prov.uuid,
+            resource_class=rc,
+        )
+    inventories = {k: v for k, v in prov.inventories.items() if k != rc}
+    return [
+        ev.InventoriesReplaced(provider=prov.uuid, inventories=inventories, generation=prov.generation + 1)
+    ]
+
+
+def _name_taken(state: State, name: str, other_than: str | None = None) -> bool:
+    return any(p.name == name and p.uuid != other_than for p in state.providers.values())
+
+
+def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase]:
+    if command.provider in state.providers or _name_taken(state, command.name):
+        raise err.DuplicateName(
+            f"Conflicting resource provider {command.name} already exists.",
+            provider=command.provider,
+            name=command.name,
+        )
+    root = command.provider
+    if command.parent is not None:
+        if command.parent == command.provider:
+            raise err.InvalidInput("A resource provider cannot be its own parent")
+        parent = _provider(state, command.parent)
+        root = parent.root
+    return [
+        ev.ProviderCreated(provider=command.provider, name=command.name, parent=command.parent, root=root)
+    ]
+
+
+def _rename_provider(state: State, command: RenameProvider) -> list[ev.EventBase]:
+    prov = _provider(state, command.provider)
+    if prov.name == command.name:
+        return []
+    if _name_taken(state, command.name, command.provider):
+        raise err.DuplicateName(
+            f"Conflicting resource provider {command.name} already exists.", name=command.name
+        )
+    return [ev.ProviderUpdated(provider=prov.uuid, name=command.name)]
+
+
+def _delete_provider(state: State, command: DeleteProvider) -> list[ev.EventBase]:
+    prov = _provider(state, command.provider)
+    if prov.usages:
+        raise err.ProviderInUse(
+            f"Unable to delete resource provider {prov.uuid}: Resource provider has allocations.",
+            provider=prov.uuid,
+        )
+    if any(p.parent == prov.uuid for p in state.providers.values()):
+        raise err.CannotDeleteParent(
+            f"Unable to delete parent resource provider {prov.uuid}: It has child resource providers.",
+            provider=prov.uuid,
+        )
+    return [ev.ProviderDeleted(provider=prov.uuid)]
+
+
+def _create_resource_class(state: State, command: CreateResourceClass) -> list[ev.EventBase]:
+    name = command.name
+    if not name.startswith(CUSTOM_PREFIX) or name in STANDARD_CLASSES:
+        raise err.InvalidInput(f"Custom resource classes must start with {CUSTOM_PREFIX}: {name}")
+    if name in state.custom_classes:
+        return []
+    return [ev.ResourceClassCreated(name=name)]

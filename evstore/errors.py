@@ -1,0 +1,131 @@
+"""Typed errors with stable codes.
+
+Every error the store raises on purpose is an :class:`EvstoreError` with a ``code`` that
+scripts can match on. Where OpenStack Placement has a code for the same condition we reuse
+it (``placement.*``); conditions Placement does not name get an ``evstore.*`` code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class EvstoreError(Exception):
+    """Base of every error evstore raises on purpose.
+
+    ``code`` is stable across releases; ``message`` is for people; ``details`` carries the
+    machine-readable facts (uuids, amounts, positions) behind the message.
+    """
+
+    code: ClassVar[str] = "evstore.error"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = details
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+
+class InvalidInput(EvstoreError, ValueError):
+    """An argument to a store method is malformed (bad uuid, amount, name, class...)."""
+
+    code = "evstore.invalid_input"
+
+
+class UnknownResourceClass(InvalidInput):
+    """A resource class that is neither standard nor a created ``CUSTOM_*`` class."""
+
+    code = "evstore.resource_class.unknown"
+
+
+class NotFound(EvstoreError):
+    """The thing asked for does not exist (e.g. releasing a consumer that holds nothing)."""
+
+    code = "evstore.not_found"
+
+
+class ProviderNotFound(NotFound):
+    code = "placement.resource_provider.not_found"
+
+
+class ConcurrentUpdate(EvstoreError):
+    """A generation (optimistic-concurrency token) did not match."""
+
+    code = "placement.concurrent_update"
+
+
+class ConsumerDeleted(EvstoreError):
+    """The command would give allocations to (or act for) a tombstoned consumer."""
+
+    code = "evstore.consumer.deleted"
+
+
+class CapacityExceeded(EvstoreError):
+    code = "evstore.allocation.capacity_exceeded"
+
+
+class ConstraintViolation(EvstoreError):
+    """An amount violates min_unit, max_unit or step_size of the inventory."""
+
+    code = "evstore.allocation.constraint_violation"
+
+
+class InvalidInventory(EvstoreError):
+    """No usable inventory for an allocation, or an inventory record that cannot be."""
+
+    code = "evstore.inventory.invalid"
+
+
+class InvalidInventoryValue(InvalidInput, InvalidInventory):
+    """An inventory record whose fields cannot describe a real inventory (reserved > total...)."""
+
+    code = "evstore.inventory.invalid"
+
+
+class InventoryInUse(EvstoreError):
+    code = "placement.inventory.inuse"
+
+
+class ProviderInUse(EvstoreError):
+    code = "placement.resource_provider.inuse"
+
+
+class CannotDeleteParent(EvstoreError):
+    code = "placement.resource_provider.cannot_delete_parent"
+
+
+class DuplicateName(EvstoreError):
+    code = "placement.duplicate_name"
+
+
+class IdempotencyConflict(EvstoreError):
+    """An idempotency key was reused for a different command."""
+
+    code = "evstore.idempotency.conflict"
+
+
+class StorageError(EvstoreError):
+    """The storage backend failed (locked too long, disk error, lost connection...)."""
+
+    code = "evstore.storage"
+
+
+class CorruptEvent(StorageError):
+    """A stored event row cannot be decoded. ``details['position']`` names it."""
+
+    code = "evstore.log.corrupt"
+
+
+class SchemaVersionError(StorageError):
+    """The database or an event was written by a newer, unknown schema version."""
+
+    code = "evstore.schema.version"
+
+
+class StoreClosed(EvstoreError):
+    code = "evstore.store.closed"

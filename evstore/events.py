@@ -1,0 +1,393 @@
+"""The events: immutable, past-tense facts, and the envelope they are recorded in.
+
+Every event type is a pydantic model in the discriminated union :data:`Event`. Each carries a
+``schema_version``; rows written by an older version are brought up to date on read by the
+upcasters registered in :data:`UPCASTERS`, so old logs stay readable forever.
+Payloads carry everything needed to fold state, so replay never reads anything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from evstore.errors import CorruptEvent, SchemaVersionError
+from evstore.schema import Inventory
+
+Allocs = dict[str, dict[str, int]]
+
+
+class EventBase(BaseModel):
+    """Common behaviour of all events. Fields read like attributes or like a mapping."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    @property
+    def schema_version(self) -> int:
+        return self.SCHEMA_VERSION
+
+    @property
+    def event_type(self) -> str:
+        """The discriminator (``"AllocationsReplaced"``...), typed for callers of the base class."""
+        return str(self.__dict__["type"])
+
+    def payload(self) -> dict[str, Any]:
+        """The stored JSON payload (without ``type``)."""
+        return self.model_dump(mode="json", exclude={"type"})
+
+    def entities(self) -> set[str]:
+        """``consumer:<uuid>`` / ``provider:<uuid>`` keys this event touches (the history index)."""
+        raise NotImplementedError
+
+
+def _providers_of(allocs: Allocs) -> set[str]:
+    return {f"provider:{p}" for p in allocs}
+
+
+class ResourceClassCreated(EventBase):
+    type: Literal["ResourceClassCreated"] = "ResourceClassCreated"
+    name: str
+
+    def entities(self) -> set[str]:
+        return {f"resource_class:{self.name}"}
+
+
+class ProviderCreated(EventBase):
+    type: Literal["ProviderCreated"] = "ProviderCreated"
+    provider: str
+    name: str
+    parent: str | None = None
+    root: str
+
+    def entities(self) -> set[str]:
+        keys = {f"provider:{self.provider}"}
+        if self.parent:
+            keys.add(f"provider:{self.parent}")
+        return keys
+
+
+class ProviderUpdated(EventBase):
+    type: Literal["ProviderUpdated"] = "ProviderUpdated"
+    provider: str
+    name: str
+
+    def entities(self) -> set[str]:
+        return {f"provider:{self.provider}"}
+
+
+class ProviderDeleted(EventBase):
+    type: Literal["ProviderDeleted"] = "ProviderDeleted"
+    provider: str
+
+    def entities(self) -> set[str]:
+        return {f"provider:{self.provider}"}
+
+
+class InventoriesReplaced(EventBase):
+    """The whole inventory of a provider after the change, and its new generation."""
+
+    type: Literal["InventoriesReplaced"] = "InventoriesReplaced"
+    provider: str
+    inventories: dict[str, Inventory]
+    generation: int
+
+    def entities(self) -> set[str]:
+        return {f"provider:{self.provider}"}
+
+
+class AllocationsReplaced(EventBase):
+    """One consumer's allocations replaced (Placement's PUT/POST /allocations), replace semantics.
+
+    ``generation`` is the consumer's generation after the write, ``None`` when the write left it
+    with nothing (it is absent again). ``provider_generations`` are the new generations of the
+    providers this event bumps (in a multi-consumer command, the first event naming a provider
+    carries its bump). ``previous`` is what the consumer held before, for history and diff.
+    """
+
+    SCHEMA_VERSION: ClassVar[int] = 2
+    type: Literal["AllocationsReplaced"] = "AllocationsReplaced"
+    consumer: str
+    allocations: Allocs
+    previous: Allocs = Field(default_factory=dict)
+    project_id: str
+    user_id: str
+    consumer_type: str
+    generation: int | None
+    provider_generations: dict[str, int] = Field(default_factory=dict)
+
+    def entities(self) -> set[str]:
+        return {f"consumer:{self.consumer}"} | _providers_of(self.allocations) | _providers_of(self.previous)
+
+
+class AllocationsReleased(EventBase):
+    """A consumer's allocations removed without a generation check (Placement's DELETE)."""
+
+    type: Literal["AllocationsReleased"] = "AllocationsReleased"
+    consumer: str
+    released: Allocs
+
+    def entities(self) -> set[str]:
+        return {f"consumer:{self.consumer}"} | _providers_of(self.released)
+
+
+class MigrationStarted(EventBase):
+    """All of ``instance``'s allocations moved to ``migration``, held on the instance's behalf."""
+
+    type: Literal["MigrationStarted"] = "MigrationStarted"
+    instance: str
+    migration: str
+    allocations: Allocs
+    project_id: str
+    user_id: str
+    instance_consumer_type: str
+    instance_generation: int
+    migration_consumer_type: str = "MIGRATION"
+    migration_generation: int = 1
+    provider_generations: dict[str, int] = Field(default_factory=dict)
+
+    def entities(self) -> set[str]:
+        return {f"consumer:{self.instance}", f"consumer:{self.migration}"} | _providers_of(self.allocations)
+
+
+class MigrationReverted(EventBase):
+    """The migration's allocations given back to its instance (replacing what the instance held)."""
+
+    type: Literal["MigrationReverted"] = "MigrationReverted"
+    migration: str
+    instance: str
+    allocations: Allocs
+    replaced: Allocs = Field(default_factory=dict)
+    project_id: str
+    user_id: str
+    instance_consumer_type: str
+    instance_generation: int
+    provider_generations: dict[str, int] = Field(default_factory=dict)
+
+    def entities(self) -> set[str]:
+        return (
+            {f"consumer:{self.instance}", f"consumer:{self.migration}"}
+            | _providers_of(self.allocations)
+            | _providers_of(self.replaced)
+        )
+
+
+class MigrationConfirmed(EventBase):
+    """The migration's (source) allocations released; the instance keeps what it holds."""
+
+    type: Literal["MigrationConfirmed"] = "MigrationConfirmed"
+    migration: str
+    instance: str
+    released: Allocs
+
+    def entities(self) -> set[str]:
+        return {f"consumer:{self.instance}", f"consumer:{self.migration}"} | _providers_of(self.released)
+
+
+class ConsumerDeleted(EventBase):
+    """The tombstone. Releases the consumer's allocations and those of migrations holding for it."""
+
+    type: Literal["ConsumerDeleted"] = "ConsumerDeleted"
+    consumer: str
+    released: Allocs = Field(default_factory=dict)
+    migrations_released: dict[str, Allocs] = Field(default_factory=dict)
+
+    def entities(self) -> set[str]:
+        keys = {f"consumer:{self.consumer}"} | _providers_of(self.released)
+        for migration, allocs in self.migrations_released.items():
+            keys.add(f"consumer:{migration}")
+            keys |= _providers_of(allocs)
+        return keys
+
+
+Event = Annotated[
+    ResourceClassCreated
+    | ProviderCreated
+    | ProviderUpdated
+    | ProviderDeleted
+    | InventoriesReplaced
+    | AllocationsReplaced
+    | AllocationsReleased
+    | MigrationStarted
+    | MigrationReverted
+    | MigrationConfirmed
+    | ConsumerDeleted,
+    Field(discriminator="type"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+EVENT_TYPES: dict[str, type[EventBase]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (
+        ResourceClassCreated,
+        ProviderCreated,
+        ProviderUpdated,
+        ProviderDeleted,
+        InventoriesReplaced,
+        AllocationsReplaced,
+        AllocationsReleased,
+        MigrationStarted,
+        MigrationReverted,
+        MigrationConfirmed,
+        ConsumerDeleted,
+    )
+}
+
+# --- upcasters -------------------------------------------------------------------------------
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+#: (event type, from schema_version) -> function turning that payload into version + 1.
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcaster(event_type: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
+    def register(fn: Upcaster) -> Upcaster:
+        UPCASTERS[(event_type, from_version)] = fn
+        return fn
+
+    return register
+
+
+@upcaster("AllocationsReplaced", 1)
+def _allocations_replaced_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    # Version 1 was written before consumer types (Placement < 1.38): such consumers are
+    # shown by Placement as "unknown"; we record them as the UNKNOWN type.
+    data = dict(data)
+    data.setdefault("consumer_type", "UNKNOWN")
+    data.setdefault("previous", {})
+    return data
+
+
+def upcast(event_type: str, version: int, data: dict[str, Any]) -> dict[str, Any]:
+    cls = EVENT_TYPES[event_type]
+    while version < cls.SCHEMA_VERSION:
+        step = UPCASTERS.get((event_type, version))
+        if step is None:
+            raise SchemaVersionError(f"No upcaster for {event_type} from schema_version {version}")
+        data = step(data)
+        version += 1
+    return data
+
+
+def decode_event(
+    event_type: str, version: int, data: str | dict[str, Any], position: int | None = None
+) -> EventBase:
+    """Turn a stored row into an event, upcasting old versions. Raises CorruptEvent naming the position."""
+    where = f" at position {position}" if position is not None else ""
+    cls = EVENT_TYPES.get(event_type)
+    if cls is None:
+        raise CorruptEvent(
+            f"Unknown event type {event_type!r}{where}", position=position, reason="unknown_type"
+        )
+    if version > cls.SCHEMA_VERSION or version < 1:
+        raise CorruptEvent(
+            f"{event_type}{where} has schema_version {version}; "
+            f"this evstore reads up to {cls.SCHEMA_VERSION}",
+            position=position,
+            reason="unknown_schema_version",
+        )
+    try:
+        payload = json.loads(data) if isinstance(data, str) else data
+        if not isinstance(payload, dict):
+            raise ValueError("payload is not a JSON object")
+        payload = upcast(event_type, version, payload)
+        return cls.model_validate(payload)
+    except (ValueError, ValidationError, SchemaVersionError) as exc:
+        raise CorruptEvent(
+            f"Cannot decode {event_type}{where}: {exc}".splitlines()[0],
+            position=position,
+            reason="undecodable",
+        ) from None
+
+
+class Metadata(BaseModel):
+    """Who asked and why: carried with every event of a command, shown by history."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    request_id: str | None = None
+    correlation_id: str | None = None
+    causation_id: str | None = None
+    actor: str | None = None
+    command: str | None = None
+    command_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedEvent:
+    """An event as stored in the log, with its envelope: position, id, time and metadata."""
+
+    position: int
+    event_id: str
+    recorded_at: datetime
+    metadata: Metadata
+    event: EventBase
+
+    @property
+    def type(self) -> str:
+        return self.event.event_type
+
+    @property
+    def schema_version(self) -> int:
+        return self.event.schema_version
+
+    @property
+    def payload(self) -> EventBase:
+        """The typed event; also readable as a mapping (``payload["consumer"]``)."""
+        return self.event
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return self.event.payload()
+
+    def entities(self) -> set[str]:
+        return self.event.entities()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "event_id": self.event_id,
+            "type": self.type,
+            "schema_version": self.schema_version,
+            "recorded_at": self.recorded_at.isoformat(),
+            "metadata": self.metadata.model_dump(exclude_none=True),
+            "data": self.data,
+        }
+
+
+GENESIS_HASH = "0" * 64
+
+
+def event_hash(
+    prev_hash: str,
+    position: int,
+    event_id: str,
+    event_type: str,
+    schema_version: int,
+    data: str,
+    metadata: str,
+    recorded_at: str,
+) -> str:
+    """The tamper-evident chain: each row's hash covers the previous hash and its own content."""
+    h = hashlib.sha256()
+    h.update(
+        "\x1f".join(
+            (prev_hash, str(position), event_id, event_type, str(schema_version), data, metadata, recorded_at)
+        ).encode()
+    )
+    return h.hexdigest()

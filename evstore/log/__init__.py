@@ -1,0 +1,101 @@
+"""The storage protocol every backend implements, and what crosses it.
+
+A backend owns the log (append-only events with positions, ids, hashes, an entity index) and
+the persisted projection, and runs commands as *jobs*: for each job, inside one write
+transaction, it checks the idempotency key, loads the slice of state the command needs, calls
+the pure ``decide``, appends the events, folds them with ``evolve`` into the projection, and
+commits. Several queued jobs may share one transaction (group commit); each still succeeds or
+fails on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from evstore.commands import Command
+from evstore.errors import EvstoreError
+from evstore.events import GENESIS_HASH, RecordedEvent, event_hash
+from projections.state import State
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    command: Command
+    metadata: dict[str, Any]
+    idempotency_key: str | None = None
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """What an accepted command did: the positions it appended and the generations it left."""
+
+    positions: tuple[int, ...] = ()
+    consumer_generations: dict[str, int | None] = field(default_factory=dict)
+    provider_generations: dict[str, int] = field(default_factory=dict)
+    replayed: bool = False
+
+    @property
+    def position(self) -> int | None:
+        """The last position appended (``None`` when the command appended nothing)."""
+        return self.positions[-1] if self.positions else None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "positions": list(self.positions),
+                "consumer_generations": self.consumer_generations,
+                "provider_generations": self.provider_generations,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str, replayed: bool = True) -> Receipt:
+        raw = json.loads(text)
+        return cls(
+            tuple(raw["positions"]),
+            raw["consumer_generations"],
+            raw["provider_generations"],
+            replayed=replayed,
+        )
+
+
+Outcome = Receipt | EvstoreError
+
+__all__ = ["GENESIS_HASH", "Backend", "Job", "Outcome", "RawEvent", "Receipt", "event_hash"]
+
+
+@dataclass(frozen=True, slots=True)
+class RawEvent:
+    """A stored row before decoding (what export, import and the integrity audit see)."""
+
+    position: int
+    event_id: str
+    type: str
+    schema_version: int
+    data: str
+    metadata: str
+    recorded_at: str
+    hash: str
+
+
+class Backend(Protocol):
+    url: str
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]: ...
+    async def head(self) -> int: ...
+    async def read(self, after: int, limit: int) -> list[RecordedEvent]: ...
+    async def read_raw(self, after: int, limit: int) -> list[RawEvent]: ...
+    async def read_entities(self, entities: Sequence[str], after: int, limit: int) -> list[RecordedEvent]: ...
+    async def position_at(self, at: datetime) -> int: ...
+    async def stats(self) -> dict[str, Any]: ...
+    async def load_state(self) -> State: ...
+    async def query(self, name: str, *args: Any) -> Any: ...
+    async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int: ...

@@ -1,0 +1,632 @@
+"""The embedded SQLite backend: log and persisted projection in one file.
+
+WAL mode, ``BEGIN IMMEDIATE`` for writes (several processes can share a file safely), durable by
+default (``synchronous=FULL``). Each batch of commands costs one round trip to aiosqlite's worker
+thread: the whole transaction - idempotency check, loading the decision context, ``decide``,
+append, projection update, commit - runs there as one function, instead of one awaited call per
+statement (each costs ~100 µs on small machines). Positions are assigned under the write lock,
+so they are gap-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sqlite3
+import time
+import uuid as _uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from evstore import errors as err
+from evstore.commands import decide, needs
+from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
+from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
+from projections import persisted
+from projections.state import ConsumerState, State, evolve
+
+SCHEMA_VERSION = 1
+T = TypeVar("T")
+
+DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    position INTEGER PRIMARY KEY,
+    event_id TEXT NOT NULL UNIQUE,
+    type TEXT NOT NULL,
+    schema_version INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    recorded_at TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_recorded_at ON events (recorded_at);
+CREATE TABLE IF NOT EXISTS event_entities (
+    entity TEXT NOT NULL, position INTEGER NOT NULL, PRIMARY KEY (entity, position)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS idempotency (
+    key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, receipt TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS p_providers (
+    uuid TEXT PRIMARY KEY, name TEXT NOT NULL, parent TEXT, root TEXT NOT NULL,
+    generation INTEGER NOT NULL, inventories TEXT NOT NULL, usages TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS p_providers_name ON p_providers (name);
+CREATE INDEX IF NOT EXISTS p_providers_parent ON p_providers (parent);
+CREATE TABLE IF NOT EXISTS p_consumers (
+    uuid TEXT PRIMARY KEY, project_id TEXT, user_id TEXT, consumer_type TEXT, generation INTEGER,
+    deleted INTEGER NOT NULL, deleted_at INTEGER, on_behalf_of TEXT, allocated_at INTEGER
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS p_consumers_behalf ON p_consumers (on_behalf_of);
+CREATE INDEX IF NOT EXISTS p_consumers_project ON p_consumers (project_id, user_id);
+CREATE TABLE IF NOT EXISTS p_allocations (
+    consumer TEXT NOT NULL, provider TEXT NOT NULL, rc TEXT NOT NULL, used INTEGER NOT NULL,
+    PRIMARY KEY (consumer, provider, rc)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS p_allocations_provider ON p_allocations (provider);
+CREATE TABLE IF NOT EXISTS p_classes (name TEXT PRIMARY KEY) WITHOUT ROWID;
+"""
+
+PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes")
+EVENT_COLUMNS = "position, event_id, type, schema_version, data, metadata, recorded_at, hash"
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+def decode_raw(raw: RawEvent) -> RecordedEvent:
+    event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
+    try:
+        metadata = Metadata.model_validate_json(raw.metadata)
+        recorded_at = parse_time(raw.recorded_at)
+    except ValueError as exc:
+        raise err.CorruptEvent(
+            f"Cannot decode the envelope at position {raw.position}: {exc}".splitlines()[0],
+            position=raw.position,
+            reason="undecodable",
+        ) from None
+    return RecordedEvent(raw.position, raw.event_id, recorded_at, metadata, event)
+
+
+@dataclass(slots=True)
+class _Tail:
+    position: int
+    hash: str
+    recorded_at: str
+
+
+def _in_clause(n: int) -> str:
+    return ",".join("?" * n)
+
+
+def _chunks(items: list[str], size: int = 500) -> Iterable[list[str]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+# --- work done on the database thread ---------------------------------------------------------
+
+
+def load_slice(conn: sqlite3.Connection, command: Any) -> State:
+    """Load from the persisted projection exactly the entities ``decide(command)`` reads."""
+    n = needs(command)
+    state = State()
+    consumers = set(n.consumers)
+    if n.migrations_of:
+        for chunk in _chunks(sorted(n.migrations_of)):
+            rows = conn.execute(
+                f"SELECT uuid FROM p_consumers WHERE on_behalf_of IN ({_in_clause(len(chunk))})", chunk
+            )
+            consumers.update(r[0] for r in rows)
+    _load_consumers(conn, state, consumers)
+    # a migration's decision reads its instance too
+    linked = {c.on_behalf_of for c in state.consumers.values() if c.on_behalf_of} - state.consumers.keys()
+    if linked:
+        _load_consumers(conn, state, linked)
+    providers = set(n.providers)
+    for c in state.consumers.values():
+        providers.update(c.allocations)
+    if n.provider_names:
+        names = sorted(n.provider_names)
+        rows = conn.execute(f"SELECT uuid FROM p_providers WHERE name IN ({_in_clause(len(names))})", names)
+        providers.update(r[0] for r in rows)
+    if n.children_of:
+        parents = sorted(n.children_of)
+        rows = conn.execute(
+            f"SELECT uuid FROM p_providers WHERE parent IN ({_in_clause(len(parents))})", parents
+        )
+        providers.update(r[0] for r in rows)
+    for chunk in _chunks(sorted(providers)):
+        for row in conn.execute(
+            "SELECT uuid, name, parent, root, generation, inventories, usages FROM p_providers "
+            f"WHERE uuid IN ({_in_clause(len(chunk))})",
+            chunk,
+        ):
+            prov = persisted.provider_from_row(row)
+            state.providers[prov.uuid] = prov
+    custom = sorted(rc for rc in n.resource_classes if rc.startswith("CUSTOM_"))
+    if custom:
+        rows = conn.execute(f"SELECT name FROM p_classes WHERE name IN ({_in_clause(len(custom))})", custom)
+        state.custom_classes.update(r[0] for r in rows)
+    return state
+
+
+def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> None:
+    for chunk in _chunks(sorted(uuids)):
+        marks = _in_clause(len(chunk))
+        for row in conn.execute(
+            "SELECT uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, "
+            f"allocated_at FROM p_consumers WHERE uuid IN ({marks})",
+            chunk,
+        ):
+            c = persisted.consumer_from_row(row)
+            state.consumers[c.uuid] = c
+        for consumer, provider, rc, used in conn.execute(
+            f"SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer IN ({marks})", chunk
+        ):
+            state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
+
+
+def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
+    if cs.delete_providers:
+        conn.executemany("DELETE FROM p_providers WHERE uuid = ?", [(u,) for u in cs.delete_providers])
+    if cs.upsert_providers:
+        conn.executemany(
+            "INSERT OR REPLACE INTO p_providers VALUES (?,?,?,?,?,?,?)",
+            [persisted.provider_row(p) for p in cs.upsert_providers],
+        )
+    gone = cs.delete_consumers + [c.uuid for c in cs.replace_allocations]
+    if gone:
+        conn.executemany("DELETE FROM p_allocations WHERE consumer = ?", [(u,) for u in gone])
+    if cs.delete_consumers:
+        conn.executemany("DELETE FROM p_consumers WHERE uuid = ?", [(u,) for u in cs.delete_consumers])
+    if cs.upsert_consumers:
+        conn.executemany(
+            "INSERT OR REPLACE INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?)",
+            [persisted.consumer_row(c) for c in cs.upsert_consumers],
+        )
+    rows = [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
+    if rows:
+        conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", rows)
+    if cs.add_classes:
+        conn.executemany("INSERT OR IGNORE INTO p_classes VALUES (?)", [(n,) for n in cs.add_classes])
+
+
+def _read_tail(conn: sqlite3.Connection) -> _Tail:
+    row = conn.execute(
+        "SELECT position, hash, recorded_at FROM events ORDER BY position DESC LIMIT 1"
+    ).fetchone()
+    if row is None:
+        return _Tail(0, GENESIS_HASH, "")
+    return _Tail(row[0], row[1], row[2])
+
+
+def append_events(
+    conn: sqlite3.Connection, tail: _Tail, events: list[EventBase], metadata: dict[str, Any]
+) -> list[tuple[int, EventBase]]:
+    """Insert events after ``tail`` (advancing it) with hash chain and entity index."""
+    meta_json = json.dumps(metadata, separators=(",", ":"), sort_keys=True)
+    now = now_iso()
+    recorded_at = now if now > tail.recorded_at else tail.recorded_at  # never goes backwards
+    rows = []
+    entity_rows: list[tuple[str, int]] = []
+    out = []
+    for event in events:
+        position = tail.position + 1
+        event_id = str(_uuid.uuid4())
+        etype = event.event_type
+        data = json.dumps(event.payload(), separators=(",", ":"))
+        digest = event_hash(
+            tail.hash, position, event_id, etype, event.SCHEMA_VERSION, data, meta_json, recorded_at
+        )
+        rows.append((position, event_id, etype, event.SCHEMA_VERSION, data, meta_json, recorded_at, digest))
+        entity_rows.extend((entity, position) for entity in event.entities())
+        tail.position, tail.hash, tail.recorded_at = position, digest, recorded_at
+        out.append((position, event))
+    conn.executemany(f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", rows)
+    conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", entity_rows)
+    return out
+
+
+def _process(conn: sqlite3.Connection, tail: _Tail, job: Job) -> Receipt:
+    key = job.idempotency_key
+    if key is not None:
+        row = conn.execute("SELECT fingerprint, receipt FROM idempotency WHERE key = ?", (key,)).fetchone()
+        if row is not None:
+            if row[0] != job.fingerprint:
+                raise err.IdempotencyConflict(
+                    f"Idempotency key {key!r} was already used for a different command", idempotency_key=key
+                )
+            return Receipt.from_json(row[1])
+    state = load_slice(conn, job.command)
+    before = persisted.clone(state)
+    events = decide(job.command, state)
+    appended = append_events(conn, tail, events, job.metadata) if events else []
+    for position, event in appended:
+        evolve(state, event, position)
+    apply_changes(conn, persisted.changes(before, state))
+    n = needs(job.command)
+    receipt = Receipt(
+        tuple(p for p, _ in appended),
+        {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
+        {p.uuid: p.generation for p in state.providers.values()},
+    )
+    if key is not None:
+        conn.execute("INSERT INTO idempotency VALUES (?,?,?)", (key, job.fingerprint, receipt.to_json()))
+    return receipt
+
+
+def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job]) -> list[Outcome]:
+    """One write transaction for a batch of jobs; each job in its own savepoint."""
+    outcomes: list[Outcome] = []
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        tail = _read_tail(conn)
+        for job in jobs:
+            saved = _Tail(tail.position, tail.hash, tail.recorded_at)
+            conn.execute("SAVEPOINT job")
+            try:
+                outcomes.append(_process(conn, tail, job))
+            except err.EvstoreError as exc:
+                conn.execute("ROLLBACK TO job")
+                tail = saved
+                outcomes.append(exc)
+            conn.execute("RELEASE job")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return outcomes
+
+
+# --- the async facade -------------------------------------------------------------------------
+
+
+def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
+    """``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (memory); ``?k=v`` options."""
+    if not url.startswith("sqlite://"):
+        raise err.InvalidInput(f"Not a SQLite URL: {url!r}")
+    rest = url[len("sqlite://") :]
+    query = ""
+    if "?" in rest:
+        rest, query = rest.split("?", 1)
+    options = dict(part.split("=", 1) for part in query.split("&") if "=" in part)
+    if rest in ("", "/", "/:memory:"):
+        return ":memory:", options
+    if not rest.startswith("/"):
+        raise err.InvalidInput(
+            f"SQLite URL must look like sqlite:///relative.db or sqlite:////abs.db: {url!r}"
+        )
+    return rest[1:], options
+
+
+class SqliteBackend:
+    """Log and projection in one SQLite file; one writer connection, one reader connection."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.url = url
+        path, url_options = parse_sqlite_url(url)
+        merged = {**url_options, **{k: str(v) for k, v in options.items()}}
+        self.path = path
+        self._parent_dir = os.path.dirname(os.path.abspath(path))
+        sync = merged.pop("synchronous", "FULL").upper()
+        if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}")
+        self.synchronous = sync
+        try:
+            self.busy_timeout_ms = int(float(merged.pop("busy_timeout", "30")) * 1000)
+        except ValueError:
+            raise err.InvalidInput("busy_timeout must be a number of seconds") from None
+        self._writer: aiosqlite.Connection | None = None
+        self._reader: aiosqlite.Connection | None = None
+
+    @property
+    def memory(self) -> bool:
+        return self.path == ":memory:"
+
+    async def _connect(self) -> aiosqlite.Connection:
+        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+        if not self.memory:
+            await conn.execute("PRAGMA journal_mode = WAL")
+        await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        return conn
+
+    async def open(self) -> None:
+        if not self.memory:
+            parent = self._parent_dir
+            if not await asyncio.to_thread(os.path.isdir, parent):
+                raise err.StorageError(f"Cannot open {self.url}: directory {parent} does not exist")
+        try:
+            self._writer = await self._connect()
+            await self._on_writer(_ensure_schema)
+            self._reader = self._writer if self.memory else await self._connect()
+        except sqlite3.Error as exc:
+            await self.close()
+            raise err.StorageError(f"Cannot open {self.url}: {exc}") from None
+
+    async def close(self) -> None:
+        for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
+            await conn.close()
+        self._reader = self._writer = None
+
+    async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await _on_thread(self._writer, fn)
+
+    async def _on_reader(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await _on_thread(self._reader, fn)
+
+    async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
+        return await self._on_writer(lambda conn: _retry_busy(lambda: run_batch(conn, jobs)))
+
+    async def head(self) -> int:
+        def q(conn: sqlite3.Connection) -> int:
+            row = conn.execute("SELECT max(position) FROM events").fetchone()
+            return int(row[0] or 0)
+
+        return await self._on_reader(q)
+
+    async def read_raw(self, after: int, limit: int) -> list[RawEvent]:
+        def q(conn: sqlite3.Connection) -> list[RawEvent]:
+            rows = conn.execute(
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?",
+                (after, limit),
+            ).fetchall()
+            return [RawEvent(*r) for r in rows]
+
+        return await self._on_reader(q)
+
+    async def read(self, after: int, limit: int) -> list[RecordedEvent]:
+        return [decode_raw(r) for r in await self.read_raw(after, limit)]
+
+    async def read_entities(self, entities: Sequence[str], after: int, limit: int) -> list[RecordedEvent]:
+        keys = list(entities)
+
+        def q(conn: sqlite3.Connection) -> list[RawEvent]:
+            rows = conn.execute(
+                f"SELECT {', '.join('e.' + c.strip() for c in EVENT_COLUMNS.split(','))} FROM events e "
+                "WHERE e.position IN (SELECT DISTINCT position FROM event_entities "
+                f"WHERE entity IN ({_in_clause(len(keys))}) AND position > ?) ORDER BY e.position LIMIT ?",
+                (*keys, after, limit),
+            ).fetchall()
+            return [RawEvent(*r) for r in rows]
+
+        return [decode_raw(r) for r in await self._on_reader(q)]
+
+    async def position_at(self, at: datetime) -> int:
+        stamp = at.astimezone(UTC).isoformat(timespec="microseconds")
+
+        def q(conn: sqlite3.Connection) -> int:
+            row = conn.execute("SELECT max(position) FROM events WHERE recorded_at <= ?", (stamp,)).fetchone()
+            return int(row[0] or 0)
+
+        return await self._on_reader(q)
+
+    async def load_state(self) -> State:
+        return await self._on_reader(load_all)
+
+    async def query(self, name: str, *args: Any) -> Any:
+        fn = QUERIES[name]
+        return await self._on_reader(lambda conn: _snapshot(conn, lambda: fn(conn, *args)))
+
+    async def tamper(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Run raw SQL on the writer (tests and repair tools only)."""
+        await self._on_writer(lambda conn: conn.execute(sql, params))
+
+    async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
+        return await self._on_writer(lambda conn: _retry_busy(lambda: _rebuild(conn, batch_size, progress)))
+
+    async def stats(self) -> dict[str, Any]:
+        def q(conn: sqlite3.Connection) -> dict[str, Any]:
+            counts = dict(conn.execute("SELECT type, count(*) FROM events GROUP BY type").fetchall())
+            head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
+            out: dict[str, Any] = {"head": head, "events_by_type": counts}
+            if not self.memory:
+                size = 0
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(OSError):
+                        size += os.path.getsize(self.path + suffix)
+                out["db_bytes"] = size
+            return out
+
+        return await self._on_reader(q)
+
+
+async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Connection], T]) -> T:
+    if conn is None:
+        raise err.StoreClosed("The store is closed")
+
+    def call() -> T:
+        # aiosqlite's worker thread owns the sqlite3 connection; we run the whole unit of work
+        # there in one hop. ``_execute`` is aiosqlite's own primitive for that (every public
+        # method is built on it); the version range in pyproject pins it.
+        return fn(conn._conn)
+
+    try:
+        return await conn._execute(call)  # type: ignore[no-any-return,no-untyped-call]
+    except sqlite3.DatabaseError as exc:
+        raise err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__) from None
+    except ValueError as exc:
+        if "closed" in str(exc).lower() or "no active connection" in str(exc).lower():
+            raise err.StoreClosed("The store is closed") from None
+        raise
+
+
+def _retry_busy(fn: Callable[[], T], attempts: int = 5) -> T:
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if attempt == attempts - 1:
+                raise err.StorageError(
+                    f"The database stayed locked by another writer: {exc}", sqlite_error="busy"
+                ) from None
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _ensure_schema(conn: sqlite3.Connection) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        exists = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
+        if exists:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            found = int(row[0]) if row else None
+            if found is not None and found > SCHEMA_VERSION:
+                raise err.SchemaVersionError(
+                    f"This database has schema version {found}; this evstore understands up to "
+                    f"{SCHEMA_VERSION}. Upgrade evstore to open it.",
+                    found=found,
+                    supported=SCHEMA_VERSION,
+                )
+        for statement in DDL.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
+    """Run several SELECTs on one consistent snapshot (a deferred read transaction)."""
+    if conn.in_transaction:
+        return fn()
+    conn.execute("BEGIN")
+    try:
+        return fn()
+    finally:
+        conn.execute("COMMIT")
+
+
+def load_all(conn: sqlite3.Connection) -> State:
+    """The whole persisted projection as a State (for the audit and time travel)."""
+    return _snapshot(conn, lambda: _load_all(conn))
+
+
+def _load_all(conn: sqlite3.Connection) -> State:
+    state = State()
+    row = conn.execute("SELECT max(position) FROM events").fetchone()
+    state.position = int(row[0] or 0)
+    for prow in conn.execute(
+        "SELECT uuid, name, parent, root, generation, inventories, usages FROM p_providers"
+    ):
+        p = persisted.provider_from_row(prow)
+        state.providers[p.uuid] = p
+    for crow in conn.execute(
+        "SELECT uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, "
+        "allocated_at FROM p_consumers"
+    ):
+        c = persisted.consumer_from_row(crow)
+        state.consumers[c.uuid] = c
+    for consumer, provider, rc, used in conn.execute(
+        "SELECT consumer, provider, rc, used FROM p_allocations"
+    ):
+        holder = state.consumers.get(consumer)
+        if holder is None:
+            holder = state.consumers[consumer] = ConsumerState(consumer)
+        holder.allocations.setdefault(provider, {})[rc] = used
+    state.custom_classes = {r[0] for r in conn.execute("SELECT name FROM p_classes")}
+    return state
+
+
+def _rebuild(conn: sqlite3.Connection, batch_size: int, progress: Callable[[int, int], None] | None) -> int:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
+        state = State()
+        cursor = conn.execute(f"SELECT {EVENT_COLUMNS} FROM events ORDER BY position")
+        count = 0
+        while True:
+            rows = cursor.fetchmany(batch_size)
+            if not rows:
+                break
+            for r in rows:
+                raw = RawEvent(*r)
+                evolve(
+                    state, decode_event(raw.type, raw.schema_version, raw.data, raw.position), raw.position
+                )
+            count += len(rows)
+            if progress is not None:
+                progress(count, head)
+        for table in PROJECTION_TABLES:
+            conn.execute(f"DELETE FROM {table}")
+        apply_changes(conn, persisted.changes(State(), state))
+        conn.execute("COMMIT")
+        return count
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+# --- queries on the persisted projection --------------------------------------------------------
+
+
+def _q_provider(conn: sqlite3.Connection, provider: str) -> Any:
+    row = conn.execute(
+        "SELECT uuid, name, parent, root, generation, inventories, usages FROM p_providers WHERE uuid = ?",
+        (provider,),
+    ).fetchone()
+    return None if row is None else persisted.provider_from_row(row)
+
+
+def _q_consumer(conn: sqlite3.Connection, consumer: str) -> Any:
+    state = State()
+    _load_consumers(conn, state, {consumer})
+    return state.consumers.get(consumer)
+
+
+def _q_provider_allocations(conn: sqlite3.Connection, provider: str) -> dict[str, dict[str, int]] | None:
+    if conn.execute("SELECT 1 FROM p_providers WHERE uuid = ?", (provider,)).fetchone() is None:
+        return None
+    out: dict[str, dict[str, int]] = {}
+    for consumer, rc, used in conn.execute(
+        "SELECT consumer, rc, used FROM p_allocations WHERE provider = ? ORDER BY consumer", (provider,)
+    ):
+        out.setdefault(consumer, {})[rc] = used
+    return out
+
+
+def _q_project_usages(
+    conn: sqlite3.Connection, project_id: str, user_id: str | None, consumer_type: str | None
+) -> list[tuple[str, str, str, int]]:
+    sql = (
+        "SELECT c.consumer_type, c.uuid, a.rc, a.used FROM p_allocations a "
+        "JOIN p_consumers c ON c.uuid = a.consumer WHERE c.project_id = ?"
+    )
+    params: list[Any] = [project_id]
+    if user_id is not None:
+        sql += " AND c.user_id = ?"
+        params.append(user_id)
+    if consumer_type is not None:
+        sql += " AND c.consumer_type = ?"
+        params.append(consumer_type)
+    return conn.execute(sql, params).fetchall()
+
+
+def _q_providers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
+    return conn.execute("SELECT uuid, name FROM p_providers ORDER BY name").fetchall()
+
+
+QUERIES: dict[str, Callable[..., Any]] = {
+    "provider": _q_provider,
+    "consumer": _q_consumer,
+    "provider_allocations": _q_provider_allocations,
+    "project_usages": _q_project_usages,
+    "providers": _q_providers,
+}

@@ -1,0 +1,210 @@
+"""Value types of the domain and the validation of everything a caller hands in.
+
+Inventory and ConsumerAllocations are pydantic models with Placement's defaults and ranges;
+the ``normalize_*`` helpers turn loose caller input (str or UUID, any mapping) into the
+canonical form the rest of the code relies on, or raise :class:`InvalidInput`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid as _uuid
+from collections.abc import Mapping
+from typing import Any
+
+import os_resource_classes
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from evstore.errors import InvalidInput, InvalidInventoryValue
+
+MAX_INT = 2147483647
+RC_PATTERN = re.compile(r"^[A-Z0-9_]+$")
+CUSTOM_PREFIX = "CUSTOM_"
+STANDARD_CLASSES: frozenset[str] = frozenset(os_resource_classes.STANDARDS)
+
+UuidLike = str | _uuid.UUID
+
+
+def normalize_uuid(value: object, what: str = "uuid") -> str:
+    """Return the lowercase dashed form of a uuid given as ``str`` or ``UUID``."""
+    if isinstance(value, _uuid.UUID):
+        return str(value)
+    if isinstance(value, str):
+        try:
+            return str(_uuid.UUID(value))
+        except ValueError:
+            pass
+    raise InvalidInput(f"Malformed {what}: {value!r} is not a UUID", field=what, value=repr(value)[:100])
+
+
+def validate_resource_class_name(name: object) -> str:
+    if not isinstance(name, str) or not RC_PATTERN.match(name) or len(name) > 255:
+        raise InvalidInput(
+            f"Invalid resource class {name!r}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
+            resource_class=repr(name)[:100],
+        )
+    return name
+
+
+def validate_amount(amount: object, resource_class: str) -> int:
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise InvalidInput(
+            f"Amount of {resource_class} must be an integer, got {amount!r}", resource_class=resource_class
+        )
+    if amount < 1 or amount > MAX_INT:
+        raise InvalidInput(
+            f"Amount of {resource_class} must be between 1 and {MAX_INT}, got {amount}",
+            resource_class=resource_class,
+            amount=amount,
+        )
+    return amount
+
+
+def normalize_allocations(value: object, what: str = "allocations") -> dict[str, dict[str, int]]:
+    """``{provider: {class: amount}}`` with canonical uuids, order preserved (it decides errors)."""
+    if not isinstance(value, Mapping):
+        raise InvalidInput(f"{what} must be a mapping of provider uuid to {{class: amount}}")
+    out: dict[str, dict[str, int]] = {}
+    for provider, resources in value.items():
+        puuid = normalize_uuid(provider, "provider uuid")
+        if not isinstance(resources, Mapping):
+            raise InvalidInput(f"{what} for provider {puuid} must be a mapping of class to amount")
+        if not resources:
+            raise InvalidInput(f"{what} for provider {puuid} names no resource class")
+        row = out.setdefault(puuid, {})
+        for rc, amount in resources.items():
+            rc = validate_resource_class_name(rc)
+            row[rc] = validate_amount(amount, rc)
+    return out
+
+
+def validate_name(value: object, what: str, max_len: int = 255) -> str:
+    if not isinstance(value, str) or not (1 <= len(value) <= max_len):
+        raise InvalidInput(f"{what} must be a string of 1..{max_len} characters, got {value!r:.80}")
+    return value
+
+
+def validate_consumer_type(value: object) -> str:
+    if not isinstance(value, str) or not RC_PATTERN.match(value) or len(value) > 255:
+        raise InvalidInput(f"consumer_type must match ^[A-Z0-9_]+$, got {value!r:.80}")
+    return value
+
+
+def validate_generation(value: object, what: str = "generation", nullable: bool = True) -> int | None:
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 2**62:
+        raise InvalidInput(
+            f"{what} must be a non-negative integer{' or None' if nullable else ''}, got {value!r}"
+        )
+    return value
+
+
+def pydantic_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "value"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+class Inventory(BaseModel):
+    """The inventory of one resource class on one provider (Placement's fields and defaults)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    total: int = Field(ge=1, le=MAX_INT)
+    reserved: int = Field(default=0, ge=0, le=MAX_INT)
+    min_unit: int = Field(default=1, ge=1, le=MAX_INT)
+    max_unit: int = Field(default=MAX_INT, ge=1, le=MAX_INT)
+    step_size: int = Field(default=1, ge=1, le=MAX_INT)
+    allocation_ratio: float = Field(default=1.0, gt=0, le=3.40282e38)
+
+    @field_validator("allocation_ratio", mode="before")
+    @classmethod
+    def _finite_ratio(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("allocation_ratio must be a number")
+        if isinstance(v, int):
+            v = float(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("allocation_ratio must be finite")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Inventory:
+        if self.reserved > self.total:
+            raise ValueError(f"reserved ({self.reserved}) is greater than total ({self.total})")
+        if self.min_unit > self.max_unit:
+            raise ValueError(f"min_unit ({self.min_unit}) is greater than max_unit ({self.max_unit})")
+        return self
+
+    @property
+    def capacity(self) -> float:
+        """``(total - reserved) * allocation_ratio``, a float, as Placement computes it."""
+        return (self.total - self.reserved) * self.allocation_ratio
+
+
+def coerce_inventory(value: object, resource_class: str) -> Inventory:
+    if isinstance(value, Inventory):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return Inventory.model_validate(dict(value))
+        except ValidationError as exc:
+            raise InvalidInventoryValue(
+                f"Invalid inventory for {resource_class}: {pydantic_message(exc)}",
+                resource_class=resource_class,
+            ) from None
+    raise InvalidInput(
+        f"Inventory for {resource_class} must be an Inventory or a mapping, got {type(value).__name__}"
+    )
+
+
+def make_inventory(**fields: Any) -> Inventory:
+    """Build an Inventory, raising InvalidInventoryValue (an InvalidInput) instead of pydantic's error."""
+    try:
+        return Inventory(**fields)
+    except ValidationError as exc:
+        raise InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}") from None
+
+
+class ConsumerAllocations(BaseModel):
+    """One consumer's part of a ``write_allocations`` command (Placement's POST /allocations entry).
+
+    ``consumer_generation=None`` means "I expect this consumer not to exist".
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    allocations: dict[str, dict[str, int]]
+    project_id: str = Field(min_length=1, max_length=255)
+    user_id: str = Field(min_length=1, max_length=255)
+    consumer_type: str = Field(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")
+    consumer_generation: int | None = Field(default=None, ge=0)
+
+    @field_validator("allocations", mode="before")
+    @classmethod
+    def _normalize(cls, v: Any) -> Any:
+        try:
+            return normalize_allocations(v)
+        except InvalidInput as exc:
+            raise ValueError(exc.message) from None
+
+
+def coerce_consumer_allocations(value: object, consumer: str) -> ConsumerAllocations:
+    if isinstance(value, ConsumerAllocations):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return ConsumerAllocations.model_validate(dict(value))
+        except ValidationError as exc:
+            raise InvalidInput(
+                f"Invalid allocations for consumer {consumer}: {pydantic_message(exc)}"
+            ) from None
+    raise InvalidInput(f"Allocations for consumer {consumer} must be a ConsumerAllocations or a mapping")
+
+
+def is_known_class(name: str, custom: set[str] | frozenset[str]) -> bool:
+    return name in STANDARD_CLASSES or name in custom

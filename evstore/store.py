@@ -1,0 +1,582 @@
+"""The async facade: ``async with open_store(url) as store:``.
+
+Commands are validated here (bad arguments raise :class:`InvalidInput`), queued, and executed by
+one writer task in batches: several queued commands share one transaction (group commit) while
+each succeeds or fails on its own. A caller cancelled while its command waits in the queue
+removes it; a command already in a transaction is committed or rolled back whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import contextvars
+import hashlib
+import json
+import uuid as _uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+import structlog
+from pydantic import BaseModel
+
+from evstore import commands as cmd
+from evstore import errors as err
+from evstore.events import Metadata, RecordedEvent
+from evstore.log import Backend, Job, Outcome, Receipt
+from evstore.schema import (
+    ConsumerAllocations,
+    Inventory,
+    coerce_consumer_allocations,
+    coerce_inventory,
+    normalize_allocations,
+    normalize_uuid,
+    validate_consumer_type,
+    validate_generation,
+    validate_name,
+    validate_resource_class_name,
+)
+from projections import audit as _audit
+from projections.audit import AuditReport
+from projections.replay import StateView, replay
+from projections.state import State
+from projections.views import ConsumerView, ProjectUsages, ProviderUsage
+
+_command_metadata: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "evstore_command_metadata", default=None
+)
+log = structlog.get_logger("evstore")
+
+
+@contextlib.contextmanager
+def command_metadata(**metadata: Any) -> Iterator[None]:
+    """Attach metadata (``request_id``, ``correlation_id``, ``causation_id``, ``actor``...) to every
+    command issued in this context (it follows the current task and its children)."""
+    current = dict(_command_metadata.get() or {})
+    current.update({k: v for k, v in metadata.items() if v is not None})
+    token = _command_metadata.set(current)
+    try:
+        yield
+    finally:
+        _command_metadata.reset(token)
+
+
+def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, Any]:
+    merged = dict(_command_metadata.get() or {})
+    if isinstance(metadata, Metadata):
+        merged.update(metadata.model_dump(exclude_none=True))
+    elif metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise err.InvalidInput("metadata must be a mapping or evstore.Metadata")
+        merged.update({str(k): v for k, v in metadata.items() if v is not None})
+    try:
+        json.dumps(merged)
+    except (TypeError, ValueError):
+        raise err.InvalidInput("metadata values must be JSON-serialisable") from None
+    return merged
+
+
+def _fingerprint(command: cmd.Command) -> str:
+    def default(o: Any) -> Any:
+        if isinstance(o, BaseModel):
+            return o.model_dump()
+        raise TypeError(type(o).__name__)
+
+    payload = json.dumps([type(command).__name__, asdict(command)], default=default, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _validate_key(key: object) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not (1 <= len(key) <= 255):
+        raise err.InvalidInput("idempotency_key must be a string of 1..255 characters")
+    return key
+
+
+class AllocationStore:
+    """Providers, inventories, consumers and their allocations, kept as an event log.
+
+    Example::
+
+        async with open_store("sqlite:///cloud.db") as store:
+            await store.create_provider(node, "compute-1")
+            gen = await store.set_inventories(node, {"VCPU": Inventory(total=8)}, generation=0)
+            await store.set_allocations(server, {node: {"VCPU": 2}}, project_id="p", user_id="u",
+                                        consumer_type="INSTANCE", generation=None)
+    """
+
+    def __init__(self, backend: Backend, *, max_batch: int = 256, poll_interval: float = 0.2) -> None:
+        self._backend = backend
+        self._max_batch = max_batch
+        self._poll_interval = poll_interval
+        self._queue: collections.deque[tuple[Job, asyncio.Future[Receipt]]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._appended = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def url(self) -> str:
+        return self._backend.url
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def open(self) -> AllocationStore:
+        await self._backend.open()
+        self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="evstore-writer")
+        return self
+
+    async def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._writer is not None:
+            self._wake.set()
+            # Let queued commands finish; then stop the writer.
+            pending = [fut for _, fut in self._queue]
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        await self._backend.close()
+
+    async def __aenter__(self) -> AllocationStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- the writer -----------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch: list[tuple[Job, asyncio.Future[Receipt]]] = []
+            while self._queue and len(batch) < self._max_batch:
+                job, fut = self._queue.popleft()
+                if not fut.done():
+                    batch.append((job, fut))
+            if not batch:
+                continue
+            outcomes: list[Outcome]
+            try:
+                # The batch must run to its end even if the writer task is cancelled meanwhile
+                # (the thread cannot be interrupted); shield it and deliver the outcomes.
+                outcomes = await asyncio.shield(self._backend.run_jobs([j for j, _ in batch]))
+            except err.EvstoreError as exc:
+                outcomes = [exc] * len(batch)
+            except Exception as exc:  # a backend bug must not kill the writer
+                outcomes = [err.StorageError(f"Storage failure: {exc!r}")] * len(batch)
+            appended = False
+            for (_, fut), outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, Receipt):
+                    appended = appended or bool(outcome.positions)
+                    if not fut.done():
+                        fut.set_result(outcome)
+                elif not fut.done():
+                    fut.set_exception(outcome)
+            if appended:
+                self._appended.set()
+                self._appended = asyncio.Event()
+
+    async def _submit(
+        self,
+        command: cmd.Command,
+        idempotency_key: object = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
+    ) -> Receipt:
+        if self._closing or self._writer is None:
+            raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
+        key = _validate_key(idempotency_key)
+        meta = _metadata_dict(metadata)
+        meta["command"] = type(command).__name__
+        meta["command_id"] = _uuid.uuid4().hex
+        if key is not None:
+            meta["idempotency_key"] = key
+        job = Job(command, meta, key, _fingerprint(command) if key is not None else "")
+        fut: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
+        self._queue.append((job, fut))
+        self._wake.set()
+        n = cmd.needs(command)
+        context = {
+            "command": meta["command"],
+            "request_id": meta.get("request_id"),
+            "consumer": sorted(n.consumers) or None,
+            "provider": sorted(n.providers) or None,
+        }
+        try:
+            receipt = await fut
+        except err.EvstoreError as exc:
+            log.info("command.rejected", code=exc.code, error=exc.message, **context)
+            raise
+        log.info(
+            "command.accepted",
+            positions=list(receipt.positions),
+            position=receipt.position,
+            replayed=receipt.replayed,
+            **context,
+        )
+        return receipt
+
+    # --- commands -------------------------------------------------------------------------
+
+    async def create_resource_class(
+        self, name: str, *, idempotency_key: str | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> Receipt:
+        return await self._submit(
+            cmd.CreateResourceClass(validate_resource_class_name(name)), idempotency_key, metadata
+        )
+
+    async def create_provider(
+        self,
+        uuid: str | _uuid.UUID,
+        name: str,
+        parent: str | _uuid.UUID | None = None,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        command = cmd.CreateProvider(
+            normalize_uuid(uuid, "provider uuid"),
+            validate_name(name, "provider name", 200),
+            normalize_uuid(parent, "parent provider uuid") if parent is not None else None,
+        )
+        return await self._submit(command, idempotency_key, metadata)
+
+    async def rename_provider(
+        self,
+        uuid: str | _uuid.UUID,
+        name: str,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        command = cmd.RenameProvider(
+            normalize_uuid(uuid, "provider uuid"), validate_name(name, "provider name", 200)
+        )
+        return await self._submit(command, idempotency_key, metadata)
+
+    async def delete_provider(
+        self,
+        uuid: str | _uuid.UUID,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        return await self._submit(
+            cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid")), idempotency_key, metadata
+        )
+
+    async def create_resource_provider(self, uuid: str | _uuid.UUID, name: str, **kw: Any) -> Receipt:
+        return await self.create_provider(uuid, name, **kw)
+
+    async def set_inventories(
+        self,
+        provider: str | _uuid.UUID,
+        inventories: Mapping[str, Inventory | Mapping[str, Any]],
+        generation: int,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Replace the provider's whole inventory; returns the new provider generation."""
+        puuid = normalize_uuid(provider, "provider uuid")
+        if not isinstance(inventories, Mapping):
+            raise err.InvalidInput("inventories must be a mapping of resource class to Inventory")
+        invs = {
+            validate_resource_class_name(rc): coerce_inventory(inv, rc) for rc, inv in inventories.items()
+        }
+        gen = validate_generation(generation, "provider generation", nullable=False)
+        assert gen is not None
+        receipt = await self._submit(cmd.SetInventories(puuid, invs, gen), idempotency_key, metadata)
+        return receipt.provider_generations[puuid]
+
+    async def set_inventory(
+        self,
+        provider: str | _uuid.UUID,
+        resource_class: str,
+        inventory: Inventory | Mapping[str, Any],
+        generation: int,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Add or update one class of the provider's inventory; returns the new generation."""
+        puuid = normalize_uuid(provider, "provider uuid")
+        rc = validate_resource_class_name(resource_class)
+        gen = validate_generation(generation, "provider generation", nullable=False)
+        assert gen is not None
+        command = cmd.SetInventory(puuid, rc, coerce_inventory(inventory, rc), gen)
+        receipt = await self._submit(command, idempotency_key, metadata)
+        return receipt.provider_generations[puuid]
+
+    async def delete_inventory(
+        self,
+        provider: str | _uuid.UUID,
+        resource_class: str,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> int:
+        puuid = normalize_uuid(provider, "provider uuid")
+        command = cmd.DeleteInventory(puuid, validate_resource_class_name(resource_class))
+        receipt = await self._submit(command, idempotency_key, metadata)
+        return receipt.provider_generations[puuid]
+
+    async def write_allocations(
+        self,
+        allocations: Mapping[str | _uuid.UUID, ConsumerAllocations | Mapping[str, Any]],
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        """Replace the allocations of one or more consumers atomically (Placement's POST /allocations)."""
+        if not isinstance(allocations, Mapping) or not allocations:
+            raise err.InvalidInput(
+                "write_allocations needs a non-empty mapping of consumer to ConsumerAllocations"
+            )
+        writes = []
+        for consumer, value in allocations.items():
+            cuuid = normalize_uuid(consumer, "consumer uuid")
+            ca = coerce_consumer_allocations(value, cuuid)
+            writes.append(
+                cmd.ConsumerWrite(
+                    cuuid, ca.allocations, ca.project_id, ca.user_id, ca.consumer_type, ca.consumer_generation
+                )
+            )
+        return await self._submit(cmd.WriteAllocations(tuple(writes)), idempotency_key, metadata)
+
+    async def set_allocations(
+        self,
+        consumer: str | _uuid.UUID,
+        allocations: Mapping[str | _uuid.UUID, Mapping[str, int]],
+        *,
+        project_id: str,
+        user_id: str,
+        consumer_type: str,
+        generation: int | None,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        """Replace one consumer's allocations (Placement's PUT /allocations/{consumer}).
+
+        ``generation=None`` means "I expect this consumer not to exist".
+        """
+        write = cmd.ConsumerWrite(
+            normalize_uuid(consumer, "consumer uuid"),
+            normalize_allocations(allocations),
+            validate_name(project_id, "project_id"),
+            validate_name(user_id, "user_id"),
+            validate_consumer_type(consumer_type),
+            validate_generation(generation, "consumer generation"),
+        )
+        return await self._submit(cmd.WriteAllocations((write,)), idempotency_key, metadata)
+
+    async def release(
+        self,
+        consumer: str | _uuid.UUID,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        """Remove all of a consumer's allocations (Placement's DELETE /allocations/{consumer})."""
+        return await self._submit(
+            cmd.Release(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
+        )
+
+    async def start_migration(
+        self,
+        instance: str | _uuid.UUID,
+        migration: str | _uuid.UUID,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        command = cmd.StartMigration(
+            normalize_uuid(instance, "instance uuid"), normalize_uuid(migration, "migration uuid")
+        )
+        return await self._submit(command, idempotency_key, metadata)
+
+    async def revert_migration(
+        self,
+        migration: str | _uuid.UUID,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        return await self._submit(
+            cmd.RevertMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
+        )
+
+    async def confirm_migration(
+        self,
+        migration: str | _uuid.UUID,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        return await self._submit(
+            cmd.ConfirmMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
+        )
+
+    async def delete_consumer(
+        self,
+        consumer: str | _uuid.UUID,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        """Tombstone a consumer: release its allocations and its migrations', forever."""
+        return await self._submit(
+            cmd.DeleteConsumer(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
+        )
+
+    # --- queries --------------------------------------------------------------------------
+
+    async def usage(self, provider: str | _uuid.UUID) -> ProviderUsage:
+        uuid = normalize_uuid(provider, "provider uuid")
+        prov = await self._backend.query("provider", uuid)
+        if prov is None:
+            raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
+        return ProviderUsage.of(prov)
+
+    async def allocations(self, consumer: str | _uuid.UUID) -> ConsumerView:
+        uuid = normalize_uuid(consumer, "consumer uuid")
+        return ConsumerView.of(uuid, await self._backend.query("consumer", uuid))
+
+    async def provider_allocations(self, provider: str | _uuid.UUID) -> dict[str, dict[str, int]]:
+        uuid = normalize_uuid(provider, "provider uuid")
+        found: dict[str, dict[str, int]] | None = await self._backend.query("provider_allocations", uuid)
+        if found is None:
+            raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
+        return found
+
+    async def usages(
+        self, project_id: str, user_id: str | None = None, consumer_type: str | None = None
+    ) -> ProjectUsages:
+        validate_name(project_id, "project_id")
+        if user_id is not None:
+            validate_name(user_id, "user_id")
+        if consumer_type is not None:
+            validate_consumer_type(consumer_type)
+        rows = await self._backend.query("project_usages", project_id, user_id, consumer_type)
+        return ProjectUsages.from_rows(rows)
+
+    async def providers(self) -> list[tuple[str, str]]:
+        """``(uuid, name)`` of every provider, by name."""
+        result: list[tuple[str, str]] = await self._backend.query("providers")
+        return [(u, n) for u, n in result]
+
+    async def head(self) -> int:
+        return await self._backend.head()
+
+    async def read(self, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        """Recorded events after ``after``, in order (at most ``limit``)."""
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise err.InvalidInput("after must be a non-negative integer position")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise err.InvalidInput("limit must be a positive integer")
+        return await self._backend.read(after, limit)
+
+    async def history(
+        self, uuid: str | _uuid.UUID, *, batch_size: int = 1000
+    ) -> AsyncIterator[RecordedEvent]:
+        """Every recorded event touching the consumer or provider ``uuid``, oldest first."""
+        key = normalize_uuid(uuid)
+        entities = [f"consumer:{key}", f"provider:{key}"]
+        after = 0
+        while True:
+            batch = await self._backend.read_entities(entities, after, batch_size)
+            for recorded in batch:
+                yield recorded
+            if len(batch) < batch_size:
+                return
+            after = batch[-1].position
+
+    async def subscribe(self, after: int = 0, *, batch_size: int = 500) -> AsyncIterator[RecordedEvent]:
+        """Every recorded event after ``after``: catch up, then follow new appends live.
+
+        Wakes on this process's commits at once and polls for other processes' commits.
+        """
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise err.InvalidInput("after must be a non-negative integer position")
+        while True:
+            signal = self._appended
+            batch = await self._backend.read(after, batch_size)
+            for recorded in batch:
+                yield recorded
+                after = recorded.position
+            if len(batch) < batch_size:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(signal.wait(), self._poll_interval)
+
+    async def audit(self) -> AuditReport:
+        """Replay the log, check its integrity and compare with the persisted projection."""
+        return await _audit.audit(self._backend.read_raw, self._backend.load_state)
+
+    async def rebuild(self, batch_size: int = 5000) -> int:
+        """Drop and refold the persisted projection from the log; returns the events folded."""
+        return await self._backend.rebuild(batch_size)
+
+    async def replay(self, to_position: int | None = None) -> State:
+        """The state folded from the log up to ``to_position`` (all of it by default)."""
+        return await replay(self._backend.read, to_position)
+
+    async def state_at(self, position: int | None = None, at: datetime | None = None) -> StateView:
+        """The whole state as it was at a position or a time (exactly one of them)."""
+        if (position is None) == (at is None):
+            raise err.InvalidInput("state_at needs exactly one of position= or at=")
+        if at is not None:
+            if not isinstance(at, datetime) or at.tzinfo is None:
+                raise err.InvalidInput("at must be a timezone-aware datetime")
+            position = await self._backend.position_at(at)
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise err.InvalidInput("position must be a non-negative integer")
+        return StateView(await replay(self._backend.read, position))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._backend.stats()
+
+
+def make_backend(url: str, **options: Any) -> Backend:
+    if not isinstance(url, str):
+        raise err.InvalidInput("url must be a string such as sqlite:///evstore.db")
+    if url.startswith("sqlite:"):
+        from evstore.log.sqlite import SqliteBackend
+
+        return SqliteBackend(url, **options)
+    if url.startswith(("postgresql://", "postgres://")):
+        try:
+            from evstore.log.postgres import PostgresBackend  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            raise err.InvalidInput("The PostgreSQL backend is not available in this build") from None
+        return PostgresBackend(url, **options)  # type: ignore[no-any-return,unused-ignore]
+    raise err.InvalidInput(f"Unsupported store URL {url!r}: use sqlite:///path.db or postgresql://...")
+
+
+@contextlib.asynccontextmanager
+async def open_store(url: str, **options: Any) -> AsyncIterator[AllocationStore]:
+    """Open a store: ``async with open_store("sqlite:///evstore.db") as store: ...``.
+
+    Options: ``synchronous`` (SQLite: FULL by default, NORMAL trades the last commits on power
+    loss for speed), ``busy_timeout`` (seconds), ``max_batch`` (commands per group commit).
+    """
+    store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}
+    store = AllocationStore(make_backend(url, **options), **store_options)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()

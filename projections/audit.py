@@ -1,0 +1,336 @@
+"""The audit: prove the persisted projection equals a fresh replay, and find what should not be.
+
+Findings, each naming the positions of the events that produced it:
+- ``integrity``: undecodable rows, unknown types or schema versions, position gaps or disorder,
+  a broken hash chain (the first broken position);
+- ``drift``: every difference between the persisted projection and a replay of the log;
+- ``leak``: allocations held by a tombstoned consumer, or by a migration for a tombstoned instance;
+- ``over_capacity``: usage above capacity (possible after an inventory shrink), since which event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from evstore.errors import CorruptEvent
+from evstore.events import GENESIS_HASH, decode_event, event_hash
+from projections.invariants import find_leaks
+from projections.state import State, evolve
+
+
+class StoredRow(Protocol):
+    position: int
+    event_id: str
+    type: str
+    schema_version: int
+    data: str
+    metadata: str
+    recorded_at: str
+    hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: str
+    message: str
+    positions: tuple[int, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "positions": list(self.positions),
+            "details": self.details,
+        }
+
+
+@dataclass(slots=True)
+class AuditReport:
+    head: int = 0
+    events_checked: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+    def of_kind(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    @property
+    def drift(self) -> list[Finding]:
+        return self.of_kind("drift")
+
+    @property
+    def leaks(self) -> list[Finding]:
+        return self.of_kind("leak")
+
+    @property
+    def over_capacity(self) -> list[Finding]:
+        return self.of_kind("over_capacity")
+
+    @property
+    def integrity(self) -> list[Finding]:
+        return self.of_kind("integrity")
+
+    def to_dict(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for f in self.findings:
+            counts[f.kind] = counts.get(f.kind, 0) + 1
+        return {
+            "clean": self.clean,
+            "head": self.head,
+            "events_checked": self.events_checked,
+            "counts": counts,
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+@dataclass(slots=True)
+class _OverTracker:
+    """Remembers since which position each (provider, class) has been over capacity."""
+
+    since: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def update(self, state: State, providers: set[str], position: int) -> None:
+        for uuid in providers:
+            prov = state.providers.get(uuid)
+            keys = {k for k in self.since if k[0] == uuid}
+            if prov is not None:
+                for rc, used in prov.usages.items():
+                    inv = prov.inventories.get(rc)
+                    cap = inv.capacity if inv is not None else 0.0
+                    if used > cap:
+                        self.since.setdefault((uuid, rc), position)
+                        keys.discard((uuid, rc))
+            for k in keys:
+                del self.since[k]
+
+
+ReadRows = Callable[[int, int], Awaitable[list[Any]]]
+
+
+@dataclass(slots=True)
+class _Replay:
+    """A checked replay that can be resumed: positions, hash chain and decoding are verified."""
+
+    report: AuditReport
+    state: State = field(default_factory=State)
+    over: _OverTracker = field(default_factory=_OverTracker)
+    expected: int = 1
+    prev_hash: str = GENESIS_HASH
+    chain_broken: bool = False
+    last_seen: int = 0
+
+    async def run(
+        self,
+        read: ReadRows,
+        batch_size: int,
+        until: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        while until is None or self.last_seen < until:
+            batch = await read(self.last_seen, batch_size)
+            if not batch:
+                return
+            for row in batch:
+                if until is not None and row.position > until:
+                    return
+                self.check(row)
+            if progress is not None:
+                progress(self.report.events_checked)
+
+    def check(self, row: Any) -> None:
+        report = self.report
+        report.events_checked += 1
+        self.last_seen = max(self.last_seen, row.position)
+        if row.position != self.expected:
+            kind = "gap" if row.position > self.expected else "disorder"
+            report.findings.append(
+                Finding(
+                    "integrity",
+                    f"Position {kind}: expected {self.expected}, found {row.position}",
+                    (row.position,),
+                    {"reason": f"position_{kind}", "expected": self.expected},
+                )
+            )
+        self.expected = row.position + 1
+        digest = event_hash(
+            self.prev_hash,
+            row.position,
+            row.event_id,
+            row.type,
+            row.schema_version,
+            row.data,
+            row.metadata,
+            row.recorded_at,
+        )
+        if not self.chain_broken and digest != row.hash:
+            self.chain_broken = True
+            report.findings.append(
+                Finding(
+                    "integrity",
+                    f"Hash chain broken at position {row.position}: this row or one before it was altered",
+                    (row.position,),
+                    {"reason": "hash_chain"},
+                )
+            )
+        self.prev_hash = row.hash
+        try:
+            event = decode_event(row.type, row.schema_version, row.data, row.position)
+        except CorruptEvent as exc:
+            report.findings.append(Finding("integrity", exc.message, (row.position,), dict(exc.details)))
+            return
+        evolve(self.state, event, row.position)
+        touched = {e.split(":", 1)[1] for e in event.entities() if e.startswith("provider:")}
+        self.over.update(self.state, touched, row.position)
+
+
+def compare_states(replayed: State, persisted: State) -> list[Finding]:
+    """Every difference between the replay (truth) and the persisted projection."""
+    findings: list[Finding] = []
+
+    def add(message: str, positions: tuple[int, ...], **details: Any) -> None:
+        findings.append(Finding("drift", message, positions, details))
+
+    for uuid in sorted(replayed.providers.keys() | persisted.providers.keys()):
+        want, have = replayed.providers.get(uuid), persisted.providers.get(uuid)
+        if want == have:
+            continue
+        if want is None or have is None:
+            add(
+                f"Provider {uuid} is {'missing from' if have is None else 'extra in'} the projection",
+                (),
+                provider=uuid,
+            )
+            continue
+        for attr in ("name", "parent", "root", "generation", "inventories"):
+            if getattr(want, attr) != getattr(have, attr):
+                add(
+                    f"Provider {uuid} {attr}: projection has {_short(getattr(have, attr))}, "
+                    f"replay gives {_short(getattr(want, attr))}",
+                    (),
+                    provider=uuid,
+                    field=attr,
+                )
+        for rc in sorted(want.usages.keys() | have.usages.keys()):
+            if want.usages.get(rc, 0) != have.usages.get(rc, 0):
+                add(
+                    f"Usage of {rc} on provider {uuid}: projection has {have.usages.get(rc, 0)}, "
+                    f"replay gives {want.usages.get(rc, 0)}",
+                    (),
+                    provider=uuid,
+                    resource_class=rc,
+                    projection=have.usages.get(rc, 0),
+                    replay=want.usages.get(rc, 0),
+                )
+    for uuid in sorted(replayed.consumers.keys() | persisted.consumers.keys()):
+        cw, ch = replayed.consumers.get(uuid), persisted.consumers.get(uuid)
+        if cw == ch:
+            continue
+        positions = tuple(p for p in ((cw.allocated_at if cw else None),) if p)
+        if cw is None or ch is None:
+            add(
+                f"Consumer {uuid} is {'missing from' if ch is None else 'extra in'} the projection",
+                positions,
+                consumer=uuid,
+            )
+            continue
+        for attr in (
+            "allocations",
+            "generation",
+            "deleted",
+            "project_id",
+            "user_id",
+            "consumer_type",
+            "on_behalf_of",
+        ):
+            if getattr(cw, attr) != getattr(ch, attr):
+                add(
+                    f"Consumer {uuid} {attr}: projection has {_short(getattr(ch, attr))}, "
+                    f"replay gives {_short(getattr(cw, attr))}",
+                    positions,
+                    consumer=uuid,
+                    field=attr,
+                )
+    if replayed.custom_classes != persisted.custom_classes:
+        add(
+            "Custom resource classes differ: projection has "
+            f"{sorted(persisted.custom_classes)}, replay gives {sorted(replayed.custom_classes)}",
+            (),
+        )
+    return findings
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def leak_findings(state: State) -> list[Finding]:
+    out = []
+    for leak in find_leaks(state):
+        positions = tuple(sorted(p for p in (leak.allocated_at, leak.tombstone_position) if p))
+        out.append(
+            Finding(
+                "leak",
+                f"Consumer {leak.consumer} holds {leak.allocations} but {leak.reason} "
+                f"(allocated at position {leak.allocated_at}, tombstone at {leak.tombstone_position})",
+                positions,
+                {"consumer": leak.consumer, "allocations": leak.allocations, "reason": leak.reason},
+            )
+        )
+    return out
+
+
+def over_capacity_findings(state: State, over: _OverTracker) -> list[Finding]:
+    out = []
+    for (uuid, rc), since in sorted(over.since.items()):
+        prov = state.providers.get(uuid)
+        if prov is None:
+            continue
+        used = prov.usages.get(rc, 0)
+        inv = prov.inventories.get(rc)
+        cap = inv.capacity if inv is not None else 0.0
+        out.append(
+            Finding(
+                "over_capacity",
+                f"Provider {uuid} uses {used} {rc} with capacity {cap:g} (over by {used - cap:g}) "
+                f"since position {since}",
+                (since,),
+                {"provider": uuid, "resource_class": rc, "used": used, "capacity": cap, "since": since},
+            )
+        )
+    return out
+
+
+async def audit(
+    read: ReadRows,
+    load_persisted: Callable[[], Awaitable[State]],
+    batch_size: int = 5000,
+    progress: Callable[[int], None] | None = None,
+) -> AuditReport:
+    """Run the full audit: a checked replay of every stored row against the persisted projection.
+
+    Writers may go on while the audit runs: the replay catches up to the position the persisted
+    projection was read at, so both sides describe the same point of the log.
+    """
+    report = AuditReport()
+    replay = _Replay(report)
+    await replay.run(read, batch_size, progress=progress)
+    persisted_state = await load_persisted()
+    for _ in range(10):
+        if persisted_state.position <= replay.last_seen:
+            break
+        await replay.run(read, batch_size, until=persisted_state.position, progress=progress)
+        if replay.last_seen < persisted_state.position:
+            persisted_state = await load_persisted()
+    replayed = replay.state
+    report.head = replay.last_seen
+    report.findings.extend(compare_states(replayed, persisted_state))
+    report.findings.extend(leak_findings(replayed))
+    report.findings.extend(over_capacity_findings(replayed, replay.over))
+    return report

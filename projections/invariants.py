@@ -1,0 +1,72 @@
+"""Pure predicates over the folded state, shared by the command side and the audit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from projections.state import ConsumerState, ProviderState, State
+
+
+@dataclass(frozen=True, slots=True)
+class Leak:
+    consumer: str
+    allocations: dict[str, dict[str, int]]
+    reason: str
+    tombstone_position: int | None
+    allocated_at: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class OverCapacity:
+    provider: str
+    resource_class: str
+    used: int
+    capacity: float
+
+
+def holds_allocations_while_deleted(consumer: ConsumerState) -> bool:
+    return consumer.deleted and bool(consumer.allocations)
+
+
+def find_leaks(state: State) -> list[Leak]:
+    """Allocations held by a tombstoned consumer, or by a migration whose instance is tombstoned."""
+    leaks: list[Leak] = []
+    for c in state.consumers.values():
+        if holds_allocations_while_deleted(c):
+            leaks.append(Leak(c.uuid, c.allocations, "consumer is deleted", c.deleted_at, c.allocated_at))
+        elif c.on_behalf_of is not None and c.allocations:
+            inst = state.consumers.get(c.on_behalf_of)
+            if inst is not None and inst.deleted:
+                leaks.append(
+                    Leak(
+                        c.uuid,
+                        c.allocations,
+                        f"migration holds resources for deleted instance {inst.uuid}",
+                        inst.deleted_at,
+                        c.allocated_at,
+                    )
+                )
+    return leaks
+
+
+def over_capacity(provider: ProviderState) -> list[OverCapacity]:
+    found = []
+    for rc, used in provider.usages.items():
+        inv = provider.inventories.get(rc)
+        capacity = inv.capacity if inv is not None else 0.0
+        if used > capacity:
+            found.append(OverCapacity(provider.uuid, rc, used, capacity))
+    return found
+
+
+def allocation_fits(capacity: float, used_after: int, prev_used: int | None) -> bool:
+    """Placement's capacity rule with its over-capacity tolerance.
+
+    ``used_after`` is the usage once the command's rows so far are added to what remains after
+    the command's consumers let go of their old allocations; ``prev_used`` is the usage before
+    the command (``None`` when nothing was allocated). A change that leaves the provider no worse
+    off than before is accepted even when it stays over capacity.
+    """
+    if capacity >= used_after:
+        return True
+    return prev_used is not None and used_after <= prev_used

@@ -1,0 +1,134 @@
+"""Read models returned by queries: the same shapes for the live store and for time travel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from projections.state import ConsumerState, ProviderState, State
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderUsage(Mapping[str, int]):
+    """``usage(provider)``: the generation and one entry per inventory class (0 where unused)."""
+
+    provider: str
+    generation: int
+    usages: dict[str, int]
+
+    def __getitem__(self, key: str) -> int:
+        return self.usages[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.usages)
+
+    def __len__(self) -> int:
+        return len(self.usages)
+
+    @classmethod
+    def of(cls, p: ProviderState) -> ProviderUsage:
+        return cls(p.uuid, p.generation, p.usage_view())
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerView(Mapping[str, dict[str, int]]):
+    """``allocations(consumer)``: what it holds, its owner and generation; empty when absent or deleted."""
+
+    consumer: str
+    allocations: dict[str, dict[str, int]]
+    project_id: str | None
+    user_id: str | None
+    consumer_type: str | None
+    generation: int | None
+    deleted: bool
+    deleted_at: int | None = None
+    on_behalf_of: str | None = None
+
+    def __getitem__(self, key: str) -> dict[str, int]:
+        return self.allocations[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.allocations)
+
+    def __len__(self) -> int:
+        return len(self.allocations)
+
+    @classmethod
+    def of(cls, uuid: str, c: ConsumerState | None) -> ConsumerView:
+        if c is None:
+            return cls(uuid, {}, None, None, None, None, False)
+        return cls(
+            uuid,
+            {p: dict(r) for p, r in c.allocations.items()},
+            c.project_id if c.allocations else (c.project_id if c.deleted else None),
+            c.user_id if c.allocations else (c.user_id if c.deleted else None),
+            c.consumer_type if c.allocations else (c.consumer_type if c.deleted else None),
+            c.generation if c.allocations else None,
+            c.deleted,
+            c.deleted_at,
+            c.on_behalf_of,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectUsages(Mapping[str, int]):
+    """``usages(project_id, user_id, consumer_type)``: totals per class, and per consumer type.
+
+    ``by_consumer_type[TYPE]`` maps classes to totals plus ``consumer_count``.
+    """
+
+    usages: dict[str, int]
+    consumer_count: int
+    by_consumer_type: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> int:
+        return self.usages[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.usages)
+
+    def __len__(self) -> int:
+        return len(self.usages)
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[str | None, str, str, int]]) -> ProjectUsages:
+        totals: dict[str, int] = {}
+        by_type: dict[str, dict[str, int]] = {}
+        consumers: set[str] = set()
+        per_type_consumers: dict[str, set[str]] = {}
+        for ctype, consumer, rc, used in rows:
+            t = ctype or "unknown"
+            totals[rc] = totals.get(rc, 0) + used
+            group = by_type.setdefault(t, {})
+            group[rc] = group.get(rc, 0) + used
+            consumers.add(consumer)
+            per_type_consumers.setdefault(t, set()).add(consumer)
+        for t, members in per_type_consumers.items():
+            by_type[t]["consumer_count"] = len(members)
+        return cls(totals, len(consumers), by_type)
+
+
+def project_usage_rows(
+    state: State, project_id: str, user_id: str | None, consumer_type: str | None
+) -> list[tuple[str | None, str, str, int]]:
+    rows = []
+    for c in state.consumers.values():
+        if c.project_id != project_id or not c.allocations:
+            continue
+        if user_id is not None and c.user_id != user_id:
+            continue
+        if consumer_type is not None and c.consumer_type != consumer_type:
+            continue
+        for res in c.allocations.values():
+            for rc, used in res.items():
+                rows.append((c.consumer_type, c.uuid, rc, used))
+    return rows
+
+
+def provider_allocations(state: State, provider: str) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for c in sorted(state.consumers.values(), key=lambda c: c.uuid):
+        res = c.allocations.get(provider)
+        if res:
+            out[c.uuid] = dict(res)
+    return out

@@ -1,0 +1,80 @@
+"""Shared fixtures. ``store`` runs every backend-agnostic test on each configured backend."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from evstore import AllocationStore, Inventory, open_store
+
+BACKENDS = ["sqlite"]
+if os.environ.get("EVSTORE_TEST_POSTGRES_URL"):
+    BACKENDS.append("postgres")
+
+
+def new_uuid() -> str:
+    return str(uuid.uuid4())
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store_url(backend_name: str, tmp_path: Path) -> str:
+    """A URL to a fresh, empty store on the backend under test."""
+    if backend_name == "sqlite":
+        return f"sqlite:///{tmp_path}/evstore.db"
+    from tests.pg import fresh_database_url
+
+    return fresh_database_url()
+
+
+@pytest.fixture
+async def store(store_url: str) -> AsyncIterator[AllocationStore]:
+    async with open_store(store_url) as s:
+        yield s
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path}/evstore.db"
+
+
+ProviderFactory = Callable[..., object]
+
+
+async def make_provider(
+    store: AllocationStore, name: str | None = None, parent: str | None = None, **inventories: Inventory | int
+) -> str:
+    """Create a provider with inventories given as ``VCPU=8`` (total) or ``VCPU=Inventory(...)``."""
+    rp = new_uuid()
+    await store.create_provider(rp, name or f"rp-{rp[:8]}", parent=parent)
+    if inventories:
+        invs = {rc: inv if isinstance(inv, Inventory) else Inventory(total=inv) for rc, inv in inventories.items()}
+        await store.set_inventories(rp, invs, generation=0)
+    return rp
+
+
+async def allocate(
+    store: AllocationStore,
+    consumer: str,
+    allocations: dict[str, dict[str, int]],
+    generation: int | None = None,
+    project_id: str = "project",
+    user_id: str = "user",
+    consumer_type: str = "INSTANCE",
+) -> None:
+    await store.set_allocations(
+        consumer,
+        allocations,
+        project_id=project_id,
+        user_id=user_id,
+        consumer_type=consumer_type,
+        generation=generation,
+    )
