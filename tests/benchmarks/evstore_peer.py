@@ -1,0 +1,309 @@
+"""evstore's side of the benchmark: ``python -m tests.benchmarks.evstore_peer PHASE ...``.
+
+Each phase runs in its own process (clean peak RSS, no warm caches shared between systems) and
+prints one JSON line. Phases: ``seq`` (one command at a time, then queries), ``conc`` (one task
+per stream, all at once: group commit), ``biglog`` (write a large log fast, not measured),
+``rebuild``, ``replay``, ``timetravel``, ``audit`` (on the big log), ``pgclient`` (one client of
+the PostgreSQL scaling test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import structlog
+
+import evstore
+from evstore import AllocationStore, Inventory, open_store
+from projections.state import State, evolve
+from tests.benchmarks.common import Recorder, emit, peak_rss_mb
+from tests.benchmarks.workload import COMMANDS_PER_OP, INVENTORY, Op, Workload
+
+
+def configure_logging(info: bool) -> None:
+    if info:
+        # structlog's defaults (dev console renderer) at info level, written to /dev/null: what a
+        # host that leaves logging unconfigured pays per command.
+        structlog.configure(
+            logger_factory=structlog.PrintLoggerFactory(file=open(os.devnull, "w")),  # noqa: SIM115
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        )
+    else:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def load_workload(path: str) -> Workload:
+    with open(path) as f:
+        return Workload.from_json(json.load(f))
+
+
+async def setup(store: AllocationStore, w: Workload) -> None:
+    inventories = {rc: Inventory(**spec) for rc, spec in INVENTORY.items()}
+    for uuid, name in zip(w.providers, w.provider_names, strict=True):
+        await store.create_provider(uuid, name)
+        await store.set_inventories(uuid, inventories, generation=0)
+
+
+class Driver:
+    """Runs workload operations against a store, recording each command's latency."""
+
+    def __init__(self, store: AllocationStore, rec: Recorder) -> None:
+        self.store = store
+        self.rec = rec
+        self.owners: dict[str, tuple[str, str]] = {}
+
+    async def run(self, op: Op) -> None:
+        s = self.store
+        kind = op[0]
+        t0 = time.perf_counter()
+        outcome = "ok"
+        try:
+            if kind == "build":
+                _, inst, prov, res, project, user = op
+                self.owners[inst] = (project, user)
+                await s.set_allocations(
+                    inst, {prov: res}, project_id=project, user_id=user, consumer_type="INSTANCE", generation=None
+                )
+            elif kind == "migrate":
+                _, inst, mig, dest, res = op
+                project, user = self.owners[inst]
+                await s.start_migration(inst, mig)
+                await s.set_allocations(
+                    inst, {dest: res}, project_id=project, user_id=user, consumer_type="INSTANCE", generation=None
+                )
+            elif kind == "revert":
+                await s.revert_migration(op[2])
+            elif kind == "confirm":
+                await s.confirm_migration(op[2])
+            elif kind == "delete":
+                await s.delete_consumer(op[1])
+            else:
+                raise ValueError(kind)
+        except evstore.ConsumerDeleted:
+            outcome = "rejected"
+        except evstore.EvstoreError as exc:
+            outcome = f"error:{exc.code}"
+        self.rec.add(time.perf_counter() - t0, outcome, COMMANDS_PER_OP[kind])
+
+    async def query(self, op: Op) -> None:
+        t0 = time.perf_counter()
+        if op[0] == "usage":
+            await self.store.usage(op[1])
+        else:
+            await self.store.allocations(op[1])
+        self.rec.add(time.perf_counter() - t0)
+
+
+async def phase_seq(args: argparse.Namespace) -> dict[str, Any]:
+    w = load_workload(args.workload)
+    async with open_store(f"sqlite:///{args.db}", synchronous=args.synchronous) as store:
+        await setup(store, w)
+        rec = Recorder()
+        driver = Driver(store, rec)
+        rec.start()
+        for op in w.streams[0]:
+            await driver.run(op)
+        rec.stop()
+        qrec = Recorder()
+        qdriver = Driver(store, qrec)
+        qrec.start()
+        for op in w.queries:
+            await qdriver.query(op)
+        qrec.stop()
+        head = await store.head()
+    return rec.result(queries=qrec.result(), head=head)
+
+
+async def phase_conc(args: argparse.Namespace) -> dict[str, Any]:
+    w = load_workload(args.workload)
+    url = args.url or f"sqlite:///{args.db}"
+    options: dict[str, Any] = {} if url.startswith("postgres") else {"synchronous": args.synchronous}
+    async with open_store(url, **options) as store:
+        await setup(store, w)
+        rec = Recorder()
+
+        async def task(stream: list[Op]) -> None:
+            driver = Driver(store, rec)
+            for op in stream:
+                await driver.run(op)
+
+        rec.start()
+        await asyncio.gather(*(task(s) for s in w.streams))
+        rec.stop()
+        head = await store.head()
+    return rec.result(head=head, tasks=len(w.streams))
+
+
+async def phase_pgclient(args: argparse.Namespace) -> dict[str, Any]:
+    """One client process of the PostgreSQL scaling test: its own stream on its own providers."""
+    w = load_workload(args.workload)
+    stream = w.streams[args.stream]
+    async with open_store(args.url) as store:
+        rec = Recorder()
+        driver = Driver(store, rec)
+        # wait for the runner's start signal so that all clients overlap
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        await asyncio.to_thread(sys.stdin.readline)
+        rec.start()
+        for op in stream:
+            await driver.run(op)
+        rec.stop()
+    return rec.result()
+
+
+async def phase_pgsetup(args: argparse.Namespace) -> dict[str, Any]:
+    w = load_workload(args.workload)
+    async with open_store(args.url) as store:
+        await setup(store, w)
+    return {"ok": True}
+
+
+async def phase_biglog(args: argparse.Namespace) -> dict[str, Any]:
+    """Write a large log quickly (synchronous=OFF, many tasks): the input of the read phases."""
+    w = load_workload(args.workload)
+    t0 = time.perf_counter()
+    async with open_store(f"sqlite:///{args.db}", synchronous="OFF", max_batch=1024) as store:
+        await setup(store, w)
+        rec = Recorder()
+        target = args.events
+        queue = list(range(len(w.streams)))
+
+        async def task(i: int) -> None:
+            driver = Driver(store, rec)
+            for op in w.streams[i]:
+                await driver.run(op)
+
+        # keep starting streams until the log is long enough
+        while queue:
+            batch, queue = queue[:64], queue[64:]
+            await asyncio.gather(*(task(i) for i in batch))
+            if await store.head() >= target:
+                break
+        head = await store.head()
+    return {"head": head, "seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
+
+
+async def phase_rebuild(args: argparse.Namespace) -> dict[str, Any]:
+    async with open_store(f"sqlite:///{args.db}") as store:
+        t0 = time.perf_counter()
+        n = await store.rebuild()
+        dt = time.perf_counter() - t0
+    return {"events": n, "seconds": dt, "events_per_s": n / dt, "peak_rss_mb": peak_rss_mb()}
+
+
+async def phase_replay(args: argparse.Namespace) -> dict[str, Any]:
+    async with open_store(f"sqlite:///{args.db}") as store:
+        t0 = time.perf_counter()
+        state = await store.replay()
+        dt = time.perf_counter() - t0
+    return {
+        "events": state.position,
+        "seconds": dt,
+        "events_per_s": state.position / dt,
+        "peak_rss_mb": peak_rss_mb(),
+        "consumers": len(state.consumers),
+    }
+
+
+async def phase_audit(args: argparse.Namespace) -> dict[str, Any]:
+    async with open_store(f"sqlite:///{args.db}") as store:
+        t0 = time.perf_counter()
+        report = await store.audit()
+        dt = time.perf_counter() - t0
+    return {
+        "events": report.events_checked,
+        "seconds": dt,
+        "events_per_s": report.events_checked / dt if dt else 0.0,
+        "clean": report.clean,
+        "findings": len(report.findings),
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+async def consumer_at(store: AllocationStore, consumer: str, position: int) -> State:
+    """A consumer's state at ``position``: fold only its own history (the entity index)."""
+    state = State()
+    async for recorded in store.history(consumer):
+        if recorded.position > position:
+            break
+        evolve(state, recorded.event, recorded.position)
+    return state
+
+
+async def phase_timetravel(args: argparse.Namespace) -> dict[str, Any]:
+    w = load_workload(args.workload)
+    rng = random.Random(args.seed)
+    consumers = [op[1] for s in w.streams for op in s if op[0] == "build"]
+    async with open_store(f"sqlite:///{args.db}") as store:
+        head = await store.head()
+        samples: dict[str, list[float]] = {"consumer_at": [], "provider_at": [], "state_at": []}
+        for _ in range(args.consumer_samples):
+            c = rng.choice(consumers)
+            pos = rng.randint(1, head)
+            t0 = time.perf_counter()
+            await consumer_at(store, c, pos)
+            samples["consumer_at"].append(time.perf_counter() - t0)
+        for _ in range(args.state_samples):
+            pos = rng.randint(head // 2, head)  # the expensive half: no snapshots yet
+            t0 = time.perf_counter()
+            view = await store.state_at(position=pos)
+            samples["state_at"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await view.usage(rng.choice(w.providers))
+            samples["provider_at"].append(samples["state_at"][-1] + time.perf_counter() - t0)
+    out: dict[str, Any] = {"head": head, "peak_rss_mb": peak_rss_mb()}
+    for name, values in samples.items():
+        values.sort()
+        out[name] = {
+            "n": len(values),
+            "mean_ms": 1000 * sum(values) / len(values) if values else 0.0,
+            "max_ms": 1000 * values[-1] if values else 0.0,
+        }
+    return out
+
+
+PHASES = {
+    "seq": phase_seq,
+    "conc": phase_conc,
+    "biglog": phase_biglog,
+    "rebuild": phase_rebuild,
+    "replay": phase_replay,
+    "audit": phase_audit,
+    "timetravel": phase_timetravel,
+    "pgclient": phase_pgclient,
+    "pgsetup": phase_pgsetup,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("phase", choices=sorted(PHASES))
+    p.add_argument("--workload")
+    p.add_argument("--db")
+    p.add_argument("--url")
+    p.add_argument("--synchronous", default="FULL")
+    p.add_argument("--log-info", action="store_true")
+    p.add_argument("--events", type=int, default=0)
+    p.add_argument("--stream", type=int, default=0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--consumer-samples", type=int, default=50)
+    p.add_argument("--state-samples", type=int, default=3)
+    args = p.parse_args()
+    configure_logging(args.log_info)
+    result = asyncio.run(PHASES[args.phase](args))
+    result["system"] = "evstore"
+    result["phase"] = args.phase
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
