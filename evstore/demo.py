@@ -1,0 +1,235 @@
+"""A small simulated cloud, run against a real store: what ``evstore demo`` does.
+
+Compute nodes get inventories; instances are built, resized and migrated by many concurrent
+tasks; some migrations are reverted, some confirmed, and some instances are deleted while their
+migration is in flight, *racing the revert* (Nova bug 1848343). Every random choice is drawn
+up front from one seeded generator, so a seed always produces the same plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid as _uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+
+from evstore import errors as err
+from evstore.schema import Inventory
+from evstore.store import AllocationStore, command_metadata
+
+log = structlog.get_logger("evstore")
+
+Flavor = dict[str, int]
+FLAVORS: dict[str, Flavor] = {
+    "m1.small": {"VCPU": 1, "MEMORY_MB": 2048, "DISK_GB": 20},
+    "m1.medium": {"VCPU": 2, "MEMORY_MB": 4096, "DISK_GB": 40},
+    "m1.large": {"VCPU": 4, "MEMORY_MB": 8192, "DISK_GB": 80},
+    "m1.xlarge": {"VCPU": 8, "MEMORY_MB": 16384, "DISK_GB": 160},
+}
+#: asks for more than any node has: the scheduler finds no valid host (a rejected build).
+HUGE_FLAVOR: Flavor = {"VCPU": 1024, "MEMORY_MB": 2048, "DISK_GB": 20}
+NODE_INVENTORY = {
+    "VCPU": Inventory(total=64, allocation_ratio=4.0),
+    "MEMORY_MB": Inventory(total=393216, reserved=4096, allocation_ratio=1.5),
+    "DISK_GB": Inventory(total=4000, reserved=100),
+}
+PROJECTS = ("project-alpha", "project-beta", "project-gamma")
+
+Fate = Literal[
+    "keep", "migrate_confirm", "migrate_revert", "resize_confirm", "resize_revert", "delete", "race"
+]
+FATES: tuple[tuple[Fate, int], ...] = (
+    ("keep", 30),
+    ("migrate_confirm", 14),
+    ("migrate_revert", 12),
+    ("resize_confirm", 8),
+    ("resize_revert", 6),
+    ("delete", 10),
+    ("race", 20),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePlan:
+    uuid: str
+    project_id: str
+    user_id: str
+    flavor: str
+    hosts: tuple[int, ...]  # scheduling preference: try these nodes in order
+    fate: Fate
+    migration: str
+    new_flavor: str
+    delete_first: bool  # in a race: the delete task is started before the revert task
+
+
+@dataclass(slots=True)
+class DemoReport:
+    """What happened, for printing and for tests."""
+
+    seed: int
+    providers: list[tuple[str, str]] = field(default_factory=list)  # (uuid, name)
+    counts: Counter[str] = field(default_factory=Counter)
+    #: error code -> how many commands were rejected with it
+    rejected: Counter[str] = field(default_factory=Counter)
+    #: instances deleted while a migration held their resources, and that migration
+    deleted_mid_migration: list[tuple[str, str]] = field(default_factory=list)
+    #: (instance, migration) pairs whose revert lost the race and was rejected with ConsumerDeleted
+    rejected_reverts: list[tuple[str, str]] = field(default_factory=list)
+    head: int = 0
+
+
+def _uuid_from(rng: random.Random) -> str:
+    return str(_uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def plan_cloud(seed: int, nodes: int, instances: int) -> tuple[list[tuple[str, str]], list[InstancePlan]]:
+    """Everything random, drawn from ``seed``: node uuids and names, and each instance's story."""
+    rng = random.Random(seed)
+    providers = [(_uuid_from(rng), f"compute-{i + 1:02d}") for i in range(nodes)]
+    fates = [f for f, _ in FATES]
+    weights = [w for _, w in FATES]
+    plans = []
+    for _ in range(instances):
+        hosts = list(range(nodes))
+        rng.shuffle(hosts)
+        flavor = rng.choice(list(FLAVORS))
+        plans.append(
+            InstancePlan(
+                uuid=_uuid_from(rng),
+                project_id=rng.choice(PROJECTS),
+                user_id=f"user-{rng.randint(1, 5)}",
+                flavor=flavor,
+                hosts=tuple(hosts),
+                fate=rng.choices(fates, weights)[0],
+                migration=_uuid_from(rng),
+                new_flavor=rng.choice([f for f in FLAVORS if f != flavor]),
+                delete_first=rng.random() < 0.5,
+            )
+        )
+    return providers, plans
+
+
+class _Cloud:
+    def __init__(self, store: AllocationStore, report: DemoReport) -> None:
+        self.store = store
+        self.report = report
+        self.nodes = [u for u, _ in report.providers]
+
+    def _reject(self, exc: err.EvstoreError) -> None:
+        self.report.rejected[exc.code] += 1
+
+    async def _place(self, plan: InstancePlan, flavor: Flavor, avoid: int | None = None) -> int | None:
+        """Write the instance's allocations on the first node (in its preference order) with room."""
+        for host in plan.hosts:
+            if host == avoid:
+                continue
+            try:
+                await self.store.set_allocations(
+                    plan.uuid,
+                    {self.nodes[host]: flavor},
+                    project_id=plan.project_id,
+                    user_id=plan.user_id,
+                    consumer_type="INSTANCE",
+                    generation=None,
+                )
+                return host
+            except err.CapacityExceeded as exc:
+                self._reject(exc)  # the scheduler's claim failed on a full node: try the next one
+        return None
+
+    async def run(self, plan: InstancePlan) -> None:
+        with command_metadata(request_id=f"req-{plan.uuid[:8]}", actor="demo-scheduler"):
+            host = await self._place(plan, FLAVORS[plan.flavor])
+            if host is None:
+                self.report.counts["builds_failed"] += 1
+                return
+            self.report.counts["builds"] += 1
+            if plan.fate == "keep":
+                return
+            if plan.fate == "delete":
+                await self.store.delete_consumer(plan.uuid)
+                self.report.counts["deletes"] += 1
+                return
+            await self._migrate(plan, host)
+
+    async def _migrate(self, plan: InstancePlan, source: int) -> None:
+        resize = plan.fate.startswith("resize")
+        flavor = FLAVORS[plan.new_flavor if resize else plan.flavor]
+        await self.store.start_migration(plan.uuid, plan.migration)
+        self.report.counts["resizes_started" if resize else "migrations_started"] += 1
+        dest = await self._place(plan, flavor, avoid=source)
+        if dest is None:
+            # NoValidHost: the conductor rolls the migration back.
+            await self.store.revert_migration(plan.migration)
+            self.report.counts["migrations_no_valid_host"] += 1
+            return
+        if plan.fate in ("migrate_confirm", "resize_confirm"):
+            await self.store.confirm_migration(plan.migration)
+            self.report.counts["confirmed"] += 1
+        elif plan.fate in ("migrate_revert", "resize_revert"):
+            await self.store.revert_migration(plan.migration)
+            self.report.counts["reverted"] += 1
+        else:
+            await self._race(plan)
+
+    async def _race(self, plan: InstancePlan) -> None:
+        """The user deletes the instance while the compute service reverts its migration."""
+        loop = asyncio.get_running_loop()
+
+        async def delete() -> None:
+            with command_metadata(request_id=f"req-del-{plan.uuid[:8]}", actor="demo-user"):
+                await self.store.delete_consumer(plan.uuid)
+
+        async def revert() -> None:
+            with command_metadata(request_id=f"req-rev-{plan.uuid[:8]}", actor="demo-compute"):
+                await self.store.revert_migration(plan.migration)
+
+        first, second = (delete, revert) if plan.delete_first else (revert, delete)
+        tasks = [loop.create_task(first()), loop.create_task(second())]
+        delete_result, revert_result = await asyncio.gather(
+            *(tasks if plan.delete_first else tasks[::-1]), return_exceptions=True
+        )
+        if isinstance(delete_result, BaseException):
+            raise delete_result
+        self.report.counts["deletes"] += 1
+        self.report.deleted_mid_migration.append((plan.uuid, plan.migration))
+        if isinstance(revert_result, err.ConsumerDeleted | err.NotFound):
+            self._reject(revert_result)
+            self.report.counts["races_delete_won"] += 1
+            self.report.rejected_reverts.append((plan.uuid, plan.migration))
+        elif isinstance(revert_result, BaseException):
+            raise revert_result
+        else:
+            self.report.counts["races_revert_won"] += 1
+
+
+async def run_demo(
+    store: AllocationStore, seed: int = 1848343, nodes: int = 6, instances: int = 200
+) -> DemoReport:
+    """Play a seeded cloud against ``store`` (which should be empty) and report what happened."""
+    if nodes < 2:
+        raise err.InvalidInput("the demo needs at least 2 compute nodes (migrations need a destination)")
+    if instances < 1:
+        raise err.InvalidInput("the demo needs at least 1 instance")
+    providers, plans = plan_cloud(seed, nodes, instances)
+    report = DemoReport(seed, providers)
+    with command_metadata(actor="demo-operator"):
+        await asyncio.gather(*(store.create_provider(u, name) for u, name in providers))
+        await asyncio.gather(*(store.set_inventories(u, NODE_INVENTORY, generation=0) for u, _ in providers))
+    cloud = _Cloud(store, report)
+    await asyncio.gather(*(cloud.run(p) for p in plans))
+    # A build the scheduler cannot place anywhere: every node refuses it.
+    huge = InstancePlan(
+        str(_uuid.UUID(int=seed, version=4)), PROJECTS[0], "user-1", "huge", tuple(range(nodes)),
+        "keep", "", "", False,
+    )  # fmt: skip
+    with command_metadata(request_id="req-huge", actor="demo-scheduler"):
+        if await cloud._place(huge, HUGE_FLAVOR) is None:
+            report.counts["builds_failed"] += 1
+    report.head = await store.head()
+    log.info("demo.done", seed=seed, head=report.head, **report.counts)
+    return report

@@ -1,0 +1,82 @@
+"""`evstore demo` and `evstore audit`, run as a user would, on real database files."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+from tests.test_cli_support import demo_db, evstore
+
+
+def test_demo_prints_usage_summary_and_a_clean_audit(tmp_path: Path) -> None:
+    db = tmp_path / "demo.db"
+    db.write_text("not a database")  # a previous file is replaced, and the demo says so
+    done = evstore("demo", "--db", str(db), "--seed", "5", "--instances", "50", "--nodes", "4")
+    assert done.returncode == 0, done.stderr
+    assert "removed existing demo.db" in done.stderr
+    assert "compute-01" in done.stdout and "VCPU" in done.stdout
+    assert "instances built" in done.stdout
+    assert "race won by the delete" in done.stdout
+    assert "evstore.consumer.deleted" in done.stdout
+    assert "clean" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_demo_json_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    runs = []
+    for name in ("a.db", "b.db"):
+        done = evstore("demo", "--db", str(tmp_path / name), "--seed", "9", "--instances", "40", "--json")
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout))
+    a, b = runs
+    assert a["audit"]["clean"] is True
+    for key in ("head", "counts", "rejected", "usage", "deleted_mid_migration", "rejected_reverts"):
+        assert a[key] == b[key], key
+    assert a["counts"]["deletes"] >= len(a["deleted_mid_migration"]) > 0
+
+
+def test_audit_exit_codes_clean_findings_error(tmp_path: Path) -> None:
+    db = demo_db(tmp_path / "cloud.db", instances=30)
+    clean = evstore("audit", "--db", str(db), "--json")
+    assert clean.returncode == 0, clean.stderr
+    report = json.loads(clean.stdout)
+    assert report["clean"] is True and report["head"] > 0
+
+    # EVSTORE_URL works in place of --db
+    via_env = evstore("audit", env={"EVSTORE_URL": f"sqlite:///{db}"})
+    assert via_env.returncode == 0 and "clean" in via_env.stdout
+
+    with sqlite3.connect(db) as conn:  # silently corrupt the persisted projection
+        conn.execute("UPDATE p_providers SET usages = '{\"VCPU\": 9999}' WHERE name = 'compute-01'")
+    dirty = evstore("audit", "--db", str(db), "--json")
+    assert dirty.returncode == 3, dirty.stderr
+    found = json.loads(dirty.stdout)
+    assert found["clean"] is False
+    assert any(
+        f["kind"] == "drift" and f["details"].get("resource_class") == "VCPU" for f in found["findings"]
+    )
+    human = evstore("audit", "--db", str(db))
+    assert human.returncode == 3 and "drift" in human.stdout
+
+    missing = evstore("audit", "--db", str(tmp_path / "nope.db"))
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("error: evstore.not_found: ")
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_errors_are_one_line_with_a_code(tmp_path: Path) -> None:
+    nothing = evstore("audit")
+    assert nothing.returncode == 1
+    assert nothing.stderr.strip() == (
+        "error: evstore.invalid_input: no store given: use --db PATH, --url URL or set EVSTORE_URL"
+    )
+    bad_url = evstore("audit", "--url", "mysql://x")
+    assert bad_url.returncode == 1 and bad_url.stderr.startswith("error: evstore.invalid_input: ")
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not sqlite" * 100)
+    broken = evstore("audit", "--db", str(junk))
+    assert broken.returncode == 1 and broken.stderr.startswith("error: evstore.storage: ")
+    assert "Traceback" not in broken.stderr
+    usage = evstore("audit", "--bogus")
+    assert usage.returncode == 2 and usage.stderr.startswith("error: evstore.usage: ")
