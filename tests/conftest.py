@@ -78,3 +78,11 @@ async def allocate(
         consumer_type=consumer_type,
         generation=generation,
     )
+
+
+@pytest.fixture
+def pg_url() -> str:
+    """A URL to a fresh, empty PostgreSQL store (skipped without a server, a failure under CI=true)."""
+    from tests.pg import fresh_database_url
+
+    return fresh_database_url()

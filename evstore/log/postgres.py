@@ -1,0 +1,951 @@
+"""The PostgreSQL backend: many processes on many machines share one database (asyncpg, a pool).
+
+**Parallel writers.** Each command runs in its own READ COMMITTED transaction on a pooled
+connection. It first takes ``pg_advisory_xact_lock`` on hashed keys of the entities it touches
+(consumers, providers, provider names, custom classes, its idempotency key), in sorted order; the
+loader then follows consumers to their providers and migrations, and any entity discovered beyond
+what is locked is locked too - directly if its key sorts after every held key, otherwise the
+transaction restarts with the whole set locked in order, so lock waits never form a cycle.
+Commands on disjoint entities therefore commit in parallel; commands sharing one are serialised.
+A deadlock (40P01) or serialization failure (40001) reported by the server is retried.
+
+**Positions: gap-free, in commit order, assigned after commit.** A writer inserts its events with
+``position`` NULL, an internal ``seq`` (bigserial, may have gaps) and
+``transaction_id xid8 DEFAULT pg_current_xact_id()``, and commits. A *sequencer* then - in a short
+transaction of its own, under one advisory lock - gives every committed, not yet positioned event
+the next positions (``tail + 1 ...``, ordered by ``(transaction_id, seq)`` so a transaction's
+events stay contiguous and in order), the ``recorded_at`` time and the hash chain, and commits.
+Whoever commits runs it (coalesced in-process), and so does a reader that finds positionless
+events (a writer may have died between its commit and the sequencing), so nothing waits for a
+particular process. Why this is safe for a position cursor (``read(after)``, ``subscribe``):
+
+- only the sequencer assigns positions, one run at a time, each run above the previous tail;
+  a run commits (becomes visible) before it releases the lock, so the next run starts after it.
+  A snapshot that sees a run therefore sees every earlier run: **the visible positions are always
+  exactly 1..head**, never a prefix with holes, so ``position > after`` can neither skip nor repeat;
+- events are positioned only once committed and visible: an aborted transaction's events are
+  never positioned, so committed positions have **no gaps** (the audit's gap check holds as is);
+- a position is final once visible, and the hash chain is computed in position order by the
+  single sequencer, so the chain is the same as SQLite's (``events.event_hash``).
+
+This is the transaction-id technique applied once, by the sequencer, instead of by every reader:
+readers keep an ``int`` cursor. The sequencer needs no ``pg_snapshot_xmin`` horizon because it
+orders by *when it sees* commits rather than by ids fixed before commit; the horizon would only
+make every receipt wait for the oldest write transaction in the whole cluster. The price is a
+second short transaction per commit (shared by all commits that finish meanwhile) and one
+serialised step in the write path: contention is on a few row updates, never on a command.
+
+**Position-valued projection fields** (a consumer's ``allocated_at`` and ``deleted_at``) are
+written before positions exist: the write path folds with ``-seq`` as the position, and the
+``p_consumers_resolved`` view turns a negative value into the event's position once assigned.
+Rebuild writes real positions.
+
+**A consistent (projection, head) pair** - what the audit and rebuild need - must not fall
+between a writer's commit and its sequencing: writers hold a shared advisory "fence" lock for the
+length of their transaction; ``load_state`` and ``rebuild`` take it exclusively (waiting for the
+writers in flight, holding new ones back), run the sequencer, then read. Plain queries do not.
+
+Schema changes are versioned migrations run on open under an advisory lock (safe when several
+processes open at once). Faults (a connection killed mid-command) fail that command with
+:class:`StorageError`, its transaction rolled back; the pool replaces the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import uuid as _uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg  # type: ignore[import-untyped,unused-ignore]
+
+from evstore import errors as err
+from evstore.commands import Command, decide, needs
+from evstore.events import EventBase, RecordedEvent, decode_event
+from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
+from evstore.log.sqlite import decode_raw, now_iso
+from projections import persisted
+from projections.state import ConsumerState, State, evolve
+
+SCHEMA_VERSION = 1
+
+#: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE evstore_meta (key text PRIMARY KEY, value text NOT NULL);
+    CREATE TABLE events (
+        seq bigserial PRIMARY KEY,
+        transaction_id xid8 NOT NULL DEFAULT pg_current_xact_id(),
+        position bigint UNIQUE,
+        event_id text NOT NULL UNIQUE,
+        type text NOT NULL,
+        schema_version integer NOT NULL,
+        data text NOT NULL,
+        metadata text NOT NULL,
+        recorded_at text,
+        hash text
+    );
+    CREATE INDEX events_unpositioned ON events (transaction_id, seq) WHERE position IS NULL;
+    CREATE INDEX events_recorded_at ON events (recorded_at) WHERE position IS NOT NULL;
+    CREATE TABLE event_entities (entity text NOT NULL, seq bigint NOT NULL, PRIMARY KEY (entity, seq));
+    CREATE TABLE idempotency (key text PRIMARY KEY, fingerprint text NOT NULL, receipt text NOT NULL);
+    CREATE TABLE p_providers (
+        uuid text PRIMARY KEY, name text NOT NULL, parent text, root text NOT NULL,
+        generation bigint NOT NULL, inventories text NOT NULL, usages text NOT NULL
+    );
+    CREATE INDEX p_providers_name ON p_providers (name);
+    CREATE INDEX p_providers_parent ON p_providers (parent);
+    CREATE TABLE p_consumers (
+        uuid text PRIMARY KEY, project_id text, user_id text, consumer_type text, generation bigint,
+        deleted integer NOT NULL, deleted_at bigint, on_behalf_of text, allocated_at bigint
+    );
+    CREATE INDEX p_consumers_behalf ON p_consumers (on_behalf_of);
+    CREATE INDEX p_consumers_project ON p_consumers (project_id, user_id);
+    CREATE TABLE p_allocations (
+        consumer text NOT NULL, provider text NOT NULL, rc text NOT NULL, used bigint NOT NULL,
+        PRIMARY KEY (consumer, provider, rc)
+    );
+    CREATE INDEX p_allocations_provider ON p_allocations (provider);
+    CREATE TABLE p_classes (name text PRIMARY KEY);
+    CREATE VIEW p_consumers_resolved AS
+    SELECT c.uuid, c.project_id, c.user_id, c.consumer_type, c.generation, c.deleted,
+           CASE WHEN c.deleted_at < 0
+                THEN coalesce((SELECT e.position FROM events e WHERE e.seq = -c.deleted_at), c.deleted_at)
+                ELSE c.deleted_at END AS deleted_at,
+           c.on_behalf_of,
+           CASE WHEN c.allocated_at < 0
+                THEN coalesce((SELECT e.position FROM events e WHERE e.seq = -c.allocated_at), c.allocated_at)
+                ELSE c.allocated_at END AS allocated_at
+    FROM p_consumers c;
+    CREATE FUNCTION evstore_lock(fence bigint, keys bigint[]) RETURNS void LANGUAGE plpgsql AS $$
+    DECLARE k bigint;
+    BEGIN
+        IF fence IS NOT NULL THEN PERFORM pg_advisory_xact_lock_shared(fence); END IF;
+        FOREACH k IN ARRAY keys LOOP PERFORM pg_advisory_xact_lock(k); END LOOP;
+    END $$;
+    """,
+)
+
+PROJECTION_TABLES = ("p_allocations", "p_consumers", "p_providers", "p_classes")
+EVENT_COLUMNS = "position, event_id, type, schema_version, data, metadata, recorded_at, hash"
+PROVIDER_COLUMNS = "uuid, name, parent, root, generation, inventories, usages"
+CONSUMER_COLUMNS = (
+    "uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, allocated_at"
+)
+RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
+SEQUENCE_BATCH = 5000
+OPTIONS = ("pool_size", "min_pool_size", "connect_timeout", "command_timeout", "max_retries")
+
+TestHook = Callable[[Any], Awaitable[None]]
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for messages and logs)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "postgresql://<unparseable url>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+class _Relock(Exception):
+    """Restart the transaction holding this larger set of locks, taken in order."""
+
+    def __init__(self, keys: set[int]) -> None:
+        super().__init__()
+        self.keys = keys
+
+
+class _StaleConnection(Exception):
+    """A pooled connection was dead before the command sent anything."""
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    return isinstance(
+        exc,
+        OSError
+        | asyncpg.exceptions.ConnectionDoesNotExistError
+        | asyncpg.exceptions.InterfaceError
+        | asyncpg.exceptions.PostgresConnectionError
+        | asyncpg.exceptions.AdminShutdownError
+        | asyncpg.exceptions.CrashShutdownError
+        | asyncpg.exceptions.CannotConnectNowError,
+    )
+
+
+def _storage_error(exc: BaseException, doing: str, committing: bool = False) -> err.StorageError:
+    sqlstate = getattr(exc, "sqlstate", None)
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if _is_connection_error(exc):
+        outcome = (
+            "it may or may not have been committed (retry with the same idempotency key to be sure)"
+            if committing
+            else "it was rolled back"
+        )
+        return err.StorageError(
+            f"Lost the connection to PostgreSQL while {doing}: {text}; {outcome}",
+            sqlstate=sqlstate,
+            outcome_unknown=committing,
+        )
+    return err.StorageError(f"PostgreSQL error while {doing}: {text}", sqlstate=sqlstate)
+
+
+class PostgresBackend:
+    """Log and projection in one PostgreSQL database (or schema), shared by many processes.
+
+    Example::
+
+        async with open_store("postgresql://evstore@db.example:5432/evstore", pool_size=20) as store:
+            ...
+
+    Options: ``pool_size`` (connections, default 10), ``min_pool_size`` (1), ``connect_timeout``
+    (seconds, 10), ``command_timeout`` (seconds per statement, none), ``max_retries`` (attempts
+    on deadlock/serialization failure, 10). URL query parameters other than libpq's are passed
+    to the server as settings, e.g. ``?search_path=tenant_a``.
+    """
+
+    def __init__(self, url: str, **options: Any) -> None:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise err.InvalidInput(
+                f"Unknown PostgreSQL store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
+            )
+        self.url = url
+        self.safe_url = redact(url)
+        try:
+            self.pool_size = int(options.get("pool_size", 10))
+            self.min_pool_size = int(options.get("min_pool_size", 1))
+            self.connect_timeout = float(options.get("connect_timeout", 10))
+            timeout = options.get("command_timeout")
+            self.command_timeout = None if timeout is None else float(timeout)
+            self.max_retries = int(options.get("max_retries", 10))
+        except (TypeError, ValueError):
+            raise err.InvalidInput("pool sizes and retries must be integers, timeouts numbers") from None
+        if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
+            raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
+        self._pool: asyncpg.Pool | None = None
+        self._namespace = ""
+        self._slots = asyncio.Semaphore(self.pool_size)
+        # in-process coalescing of sequencer runs (see _sequenced)
+        self._seq_lock = asyncio.Lock()
+        self._seq_started = 0
+        self._seq_done = 0
+        #: test hooks: awaited with the connection just before COMMIT / after it, before sequencing
+        self._before_commit: TestHook | None = None
+        self._after_commit: TestHook | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            self._pool = await asyncpg.create_pool(
+                self.url,
+                min_size=self.min_pool_size,
+                max_size=self.pool_size,
+                timeout=self.connect_timeout,
+                command_timeout=self.command_timeout,
+            )
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise err.StorageError(
+                f"Cannot connect to PostgreSQL at {self.safe_url}: {text}", url=self.safe_url
+            ) from None
+        try:
+            await self._migrate()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), 10)
+            except (TimeoutError, OSError, asyncpg.InterfaceError):
+                pool.terminate()
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Any]:
+        pool = self._pool
+        if pool is None:
+            raise err.StoreClosed("The store is closed")
+        try:
+            conn = await pool.acquire()
+        except asyncpg.exceptions.InterfaceError as exc:
+            if self._pool is None or "clos" in str(exc):
+                raise err.StoreClosed("The store is closed") from None
+            raise _storage_error(exc, "connecting") from None
+        except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            raise _storage_error(exc, f"connecting to {self.safe_url}") from None
+        try:
+            yield conn
+        finally:
+            with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
+                await pool.release(conn)
+
+    async def _migrate(self) -> None:
+        async with self._connection() as conn:
+            try:
+                schema = await conn.fetchval("SELECT current_schema()")
+                if schema is None:
+                    raise err.StorageError(
+                        f"Cannot open {self.safe_url}: no schema of the search_path exists to create "
+                        "the store in (create it first)",
+                        url=self.safe_url,
+                    )
+                database = await conn.fetchval("SELECT current_database()")
+                self._namespace = f"{database}.{schema}"
+                async with conn.transaction():
+                    # Serialise concurrent opens of the same store; the key is per database+schema.
+                    await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!migrate"))
+                    found = 0
+                    if await conn.fetchval("SELECT to_regclass('evstore_meta')") is not None:
+                        value = await conn.fetchval(
+                            "SELECT value FROM evstore_meta WHERE key = 'schema_version'"
+                        )
+                        found = int(value) if value is not None else 0
+                    if found > SCHEMA_VERSION:
+                        raise err.SchemaVersionError(
+                            f"This database has schema version {found}; this evstore understands up "
+                            f"to {SCHEMA_VERSION}. Upgrade evstore to open it.",
+                            found=found,
+                            supported=SCHEMA_VERSION,
+                        )
+                    for version in range(found, SCHEMA_VERSION):
+                        await conn.execute(MIGRATIONS[version])
+                    if found < SCHEMA_VERSION:
+                        await conn.execute(
+                            "INSERT INTO evstore_meta VALUES ('schema_version', $1) "
+                            "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                            str(SCHEMA_VERSION),
+                        )
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                raise err.StorageError(
+                    f"Cannot prepare the store at {self.safe_url}: {_storage_error(exc, 'migrating')}",
+                    url=self.safe_url,
+                ) from None
+
+    def _key(self, name: str) -> int:
+        digest = hashlib.blake2b(f"{self._namespace}\x1f{name}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big", signed=True)
+
+    # --- writing --------------------------------------------------------------------------
+
+    async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
+        """Run the jobs concurrently, each in its own transaction on its own connection.
+
+        Jobs of one batch that name a common entity run in the order given (the order their
+        callers queued them); the others run in parallel.
+        """
+        if self._pool is None:
+            raise err.StoreClosed("The store is closed")
+        last: dict[str, asyncio.Task[Outcome]] = {}
+        tasks: list[asyncio.Task[Outcome]] = []
+        for job in jobs:
+            names = _lock_names(job)
+            before = {last[n] for n in names if n in last}
+            task = asyncio.ensure_future(self._run_after(before, job))
+            for n in names:
+                last[n] = task
+            tasks.append(task)
+        return list(await asyncio.gather(*tasks))
+
+    async def _run_after(self, before: set[asyncio.Task[Outcome]], job: Job) -> Outcome:
+        if before:
+            await asyncio.wait(before)
+        async with self._slots:
+            try:
+                return await self._run_job(job)
+            except err.EvstoreError as exc:
+                return exc
+            except Exception as exc:  # a backend bug must not take the batch down
+                return err.StorageError(f"Storage failure: {exc!r}")
+
+    async def _run_job(self, job: Job) -> Outcome:
+        keys = {self._key(n) for n in _lock_names(job)}
+        attempt = 0
+        while True:
+            try:
+                result = await self._attempt(job, keys)
+                break
+            except _Relock as relock:
+                keys = relock.keys
+            except _StaleConnection:
+                attempt += 1
+                if attempt >= self.max_retries:
+                    raise err.StorageError(f"Cannot get a working connection to {self.safe_url}") from None
+            except asyncpg.PostgresError as exc:
+                if exc.sqlstate not in RETRYABLE_SQLSTATES:
+                    raise _storage_error(exc, "running a command") from None
+                attempt += 1
+                if attempt >= self.max_retries:
+                    raise err.StorageError(
+                        f"Gave up after {attempt} attempts: {str(exc).splitlines()[0]}",
+                        sqlstate=exc.sqlstate,
+                    ) from None
+                await asyncio.sleep(random.uniform(0, 0.002 * 2**attempt))
+        if isinstance(result, err.EvstoreError):
+            return result
+        receipt, seqs = result
+        hook = self._after_commit
+        if hook is not None:
+            await hook(None)
+        if not seqs:
+            return receipt
+        positions = await self._positions_of(seqs)
+        return Receipt(
+            positions, receipt.consumer_generations, receipt.provider_generations, receipt.replayed
+        )
+
+    async def _attempt(self, job: Job, keys: set[int]) -> tuple[Receipt, list[int]] | err.EvstoreError:
+        """One transaction for ``job``: the receipt (with seqs, not positions yet) or its error."""
+        async with self._connection() as conn:
+            committing = False
+            tx = conn.transaction()
+            try:
+                try:
+                    await tx.start()
+                except (OSError, asyncpg.InterfaceError, asyncpg.PostgresError) as exc:
+                    if _is_connection_error(exc):
+                        raise _StaleConnection() from None  # nothing was sent: safe to retry
+                    raise
+                await conn.execute("SELECT evstore_lock($1, $2)", self._key("!fence"), sorted(keys))
+                outcome = await self._decide_and_append(conn, job, keys)
+                if isinstance(outcome, err.EvstoreError):
+                    await tx.rollback()
+                    return outcome
+                hook = self._before_commit
+                if hook is not None:
+                    await hook(conn)
+                committing = True
+                await tx.commit()
+                return outcome
+            except BaseException as exc:
+                if not committing and not conn.is_closed():
+                    with contextlib.suppress(Exception):
+                        await tx.rollback()
+                if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE_SQLSTATES:
+                    raise
+                if isinstance(exc, OSError | asyncpg.PostgresError | asyncpg.InterfaceError):
+                    raise _storage_error(exc, "running a command", committing) from None
+                raise
+
+    async def _decide_and_append(
+        self, conn: Any, job: Job, locked: set[int]
+    ) -> tuple[Receipt, list[int]] | err.EvstoreError:
+        key = job.idempotency_key
+        if key is not None:
+            row = await conn.fetchrow("SELECT fingerprint, receipt FROM idempotency WHERE key = $1", key)
+            if row is not None:
+                if row["fingerprint"] != job.fingerprint:
+                    return err.IdempotencyConflict(
+                        f"Idempotency key {key!r} was already used for a different command",
+                        idempotency_key=key,
+                    )
+                replayed = Receipt.from_json(row["receipt"])
+                return replayed, list(replayed.positions)  # stored as seqs
+        while True:
+            state = await load_slice(conn, job.command)
+            extra = {self._key(n) for n in _slice_names(state)} - locked
+            if not extra:
+                break
+            if min(extra) > max(locked):
+                await conn.execute("SELECT evstore_lock(NULL, $1)", sorted(extra))
+                locked |= extra
+                continue  # reload: what we read before holding these locks may be stale
+            raise _Relock(locked | extra)
+        before = persisted.clone(state)
+        try:
+            events = decide(job.command, state)
+        except err.EvstoreError as exc:
+            return exc
+        seqs = await append_events(conn, events, job.metadata) if events else []
+        for seq, event in zip(seqs, events, strict=True):
+            evolve(state, event, -seq)  # resolved to the position once assigned (see module doc)
+        await apply_changes(conn, persisted.changes(before, state))
+        n = needs(job.command)
+        receipt = Receipt(
+            tuple(seqs),
+            {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
+            {p.uuid: p.generation for p in state.providers.values()},
+        )
+        if key is not None:
+            await conn.execute(
+                "INSERT INTO idempotency VALUES ($1, $2, $3)", key, job.fingerprint, receipt.to_json()
+            )
+        return receipt, seqs
+
+    # --- the sequencer --------------------------------------------------------------------
+
+    async def _positions_of(self, seqs: Sequence[int]) -> tuple[int, ...]:
+        """Positions of committed events, running the sequencer if they have none yet."""
+        for _ in range(3):
+            await self._sequenced()
+            async with self._connection() as conn:
+                rows = await self._guard(
+                    conn.fetch("SELECT seq, position FROM events WHERE seq = ANY($1::bigint[])", list(seqs)),
+                    "reading positions",
+                )
+            found = {r["seq"]: r["position"] for r in rows}
+            if len(found) == len(seqs) and all(found[s] is not None for s in seqs):
+                return tuple(found[s] for s in seqs)
+        raise err.StorageError(f"Committed events {list(seqs)} did not get positions", seqs=list(seqs))
+
+    async def _sequenced(self) -> None:
+        """Return once a sequencer run that started after this call has finished.
+
+        Commits that finish while a run is in progress share the next run (in-process); other
+        processes' runs are serialised by the sequencer's advisory lock.
+        """
+        target = self._seq_started + 1
+        while self._seq_done < target:
+            async with self._seq_lock:
+                if self._seq_done >= target:
+                    return
+                self._seq_started += 1
+                run = self._seq_started
+                try:
+                    await self._sequence_with_retry(wait=True)
+                finally:
+                    self._seq_done = run
+
+    async def _sequence_with_retry(self, wait: bool) -> int:
+        last: BaseException | None = None
+        for _ in range(3):
+            try:
+                async with self._connection() as conn, conn.transaction():
+                    return await _sequence(conn, self._key("!sequencer"), wait)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                if (
+                    not _is_connection_error(exc)
+                    and getattr(exc, "sqlstate", None) not in RETRYABLE_SQLSTATES
+                ):
+                    raise _storage_error(exc, "assigning positions") from None
+                last = exc  # sequencing is idempotent: try again on a fresh connection
+        assert last is not None
+        raise _storage_error(last, "assigning positions")
+
+    async def _catch_up(self, conn: Any) -> None:
+        """Position events left by a writer that died between its commit and the sequencing."""
+        if await conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"):
+            await self._sequence_with_retry(wait=False)
+
+    async def _guard(self, awaitable: Awaitable[Any], doing: str) -> Any:
+        try:
+            return await awaitable
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise _storage_error(exc, doing) from None
+
+    # --- reading --------------------------------------------------------------------------
+
+    async def head(self) -> int:
+        async with self._connection() as conn:
+            await self._guard(self._catch_up(conn), "reading the head")
+            value = await self._guard(conn.fetchval("SELECT max(position) FROM events"), "reading the head")
+            return int(value or 0)
+
+    async def read_raw(self, after: int, limit: int) -> list[RawEvent]:
+        sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
+        async with self._connection() as conn:
+            rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
+            if len(rows) < limit and await self._guard(
+                conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"),
+                "reading the log",
+            ):
+                await self._sequence_with_retry(wait=False)
+                rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
+        return [RawEvent(*r) for r in rows]
+
+    async def read(self, after: int, limit: int) -> list[RecordedEvent]:
+        return [decode_raw(r) for r in await self.read_raw(after, limit)]
+
+    async def read_entities(self, entities: Sequence[str], after: int, limit: int) -> list[RecordedEvent]:
+        cols = ", ".join("e." + c.strip() for c in EVENT_COLUMNS.split(","))
+        sql = (
+            f"SELECT {cols} FROM events e WHERE e.position > $2 AND e.seq IN "
+            "(SELECT seq FROM event_entities WHERE entity = ANY($1::text[])) ORDER BY e.position LIMIT $3"
+        )
+        async with self._connection() as conn:
+            rows = await self._guard(conn.fetch(sql, list(entities), after, limit), "reading history")
+        return [decode_raw(RawEvent(*r)) for r in rows]
+
+    async def position_at(self, at: datetime) -> int:
+        stamp = at.astimezone(UTC).isoformat(timespec="microseconds")
+        async with self._connection() as conn:
+            value = await self._guard(
+                conn.fetchval(
+                    "SELECT max(position) FROM events WHERE position IS NOT NULL AND recorded_at <= $1", stamp
+                ),
+                "reading the log",
+            )
+        return int(value or 0)
+
+    async def load_state(self) -> State:
+        """The whole persisted projection, exactly as of the head it reports (writers wait meanwhile)."""
+        async with self._connection() as conn:
+            try:
+                async with conn.transaction():
+                    await self._fenced(conn)
+                    return await _load_all(conn)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                raise _storage_error(exc, "loading the projection") from None
+
+    async def _fenced(self, conn: Any) -> None:
+        """Inside a transaction: hold writers back, and position every committed event."""
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!fence"))
+        await _sequence(conn, self._key("!sequencer"), wait=True)
+
+    async def query(self, name: str, *args: Any) -> Any:
+        fn = QUERIES[name]
+        async with self._connection() as conn:
+            try:
+                async with conn.transaction(isolation="repeatable_read", readonly=True):
+                    return await fn(conn, *args)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                raise _storage_error(exc, f"querying {name}") from None
+
+    async def tamper(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Run raw SQL (tests and repair tools only); ``?`` placeholders become ``$n``."""
+        if "?" in sql:
+            parts = sql.split("?")
+            sql = parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
+        async with self._connection() as conn:
+            await self._guard(conn.execute(sql, *params), "tampering")
+
+    async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
+        async with self._connection() as conn:
+            try:
+                async with conn.transaction():
+                    await self._fenced(conn)
+                    return await _rebuild(conn, batch_size, progress)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                raise _storage_error(exc, "rebuilding the projection") from None
+
+    async def stats(self) -> dict[str, Any]:
+        async with self._connection() as conn:
+            try:
+                counts = {
+                    r["type"]: r["count"]
+                    for r in await conn.fetch(
+                        "SELECT type, count(*) AS count FROM events WHERE position IS NOT NULL GROUP BY type"
+                    )
+                }
+                head = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
+                pending = await conn.fetchval("SELECT count(*) FROM events WHERE position IS NULL")
+                size = await conn.fetchval(
+                    "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname = current_schema() AND c.relkind = 'r'"
+                )
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                raise _storage_error(exc, "reading statistics") from None
+        return {
+            "head": int(head),
+            "events_by_type": counts,
+            "unpositioned": int(pending),
+            "db_bytes": int(size),
+            "pool_size": self.pool_size,
+        }
+
+
+# --- lock keys ----------------------------------------------------------------------------------
+
+
+def _lock_names(job: Job) -> set[str]:
+    """The entities a command names before anything is loaded (its first set of locks)."""
+    n = needs(job.command)
+    names = {f"consumer:{c}" for c in n.consumers | n.migrations_of}
+    names |= {f"provider:{p}" for p in n.providers | n.children_of}
+    names |= {f"provider_name:{name}" for name in n.provider_names}
+    names |= {f"class:{rc}" for rc in n.resource_classes if rc.startswith("CUSTOM_")}
+    if job.idempotency_key is not None:
+        names.add(f"idempotency:{job.idempotency_key}")
+    return names
+
+
+def _slice_names(state: State) -> Iterable[str]:
+    """Every entity in a loaded slice: all of them are read and may be written."""
+    yield from (f"consumer:{c}" for c in state.consumers)
+    yield from (f"provider:{p}" for p in state.providers)
+    yield from (f"provider_name:{p.name}" for p in state.providers.values())
+
+
+# --- the write path -----------------------------------------------------------------------------
+
+
+async def load_slice(conn: Any, command: Command) -> State:
+    """Load from the persisted projection exactly the entities ``decide(command)`` reads."""
+    n = needs(command)
+    state = State()
+    consumers = set(n.consumers)
+    if n.migrations_of:
+        rows = await conn.fetch(
+            "SELECT uuid FROM p_consumers WHERE on_behalf_of = ANY($1::text[])", sorted(n.migrations_of)
+        )
+        consumers.update(r[0] for r in rows)
+    await _load_consumers(conn, state, consumers)
+    linked = {c.on_behalf_of for c in state.consumers.values() if c.on_behalf_of} - state.consumers.keys()
+    if linked:
+        await _load_consumers(conn, state, linked)
+    providers = set(n.providers)
+    for c in state.consumers.values():
+        providers.update(c.allocations)
+    if n.provider_names:
+        rows = await conn.fetch(
+            "SELECT uuid FROM p_providers WHERE name = ANY($1::text[])", sorted(n.provider_names)
+        )
+        providers.update(r[0] for r in rows)
+    if n.children_of:
+        rows = await conn.fetch(
+            "SELECT uuid FROM p_providers WHERE parent = ANY($1::text[])", sorted(n.children_of)
+        )
+        providers.update(r[0] for r in rows)
+    if providers:
+        for row in await conn.fetch(
+            f"SELECT {PROVIDER_COLUMNS} FROM p_providers WHERE uuid = ANY($1::text[])", sorted(providers)
+        ):
+            prov = persisted.provider_from_row(tuple(row))
+            state.providers[prov.uuid] = prov
+    custom = sorted(rc for rc in n.resource_classes if rc.startswith("CUSTOM_"))
+    if custom:
+        rows = await conn.fetch("SELECT name FROM p_classes WHERE name = ANY($1::text[])", custom)
+        state.custom_classes.update(r[0] for r in rows)
+    return state
+
+
+async def _load_consumers(conn: Any, state: State, uuids: set[str]) -> None:
+    if not uuids:
+        return
+    keys = sorted(uuids)
+    for row in await conn.fetch(
+        f"SELECT {CONSUMER_COLUMNS} FROM p_consumers_resolved WHERE uuid = ANY($1::text[])", keys
+    ):
+        c = persisted.consumer_from_row(tuple(row))
+        state.consumers[c.uuid] = c
+    for consumer, provider, rc, used in await conn.fetch(
+        "SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer = ANY($1::text[])", keys
+    ):
+        state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
+
+
+async def append_events(conn: Any, events: list[EventBase], metadata: dict[str, Any]) -> list[int]:
+    """Insert events without positions (the sequencer assigns them after commit); their seqs."""
+    meta_json = json.dumps(metadata, separators=(",", ":"), sort_keys=True)
+    ids = [str(_uuid.uuid4()) for _ in events]
+    rows = await conn.fetch(
+        "INSERT INTO events (event_id, type, schema_version, data, metadata) "
+        "SELECT i, t, v, d, $5 FROM unnest($1::text[], $2::text[], $3::int[], $4::text[]) AS u(i, t, v, d) "
+        "RETURNING event_id, seq",
+        ids,
+        [e.event_type for e in events],
+        [e.SCHEMA_VERSION for e in events],
+        [json.dumps(e.payload(), separators=(",", ":")) for e in events],
+        meta_json,
+    )
+    by_id = {r["event_id"]: r["seq"] for r in rows}
+    seqs = [by_id[i] for i in ids]
+    entity_rows = [(entity, seq) for seq, e in zip(seqs, events, strict=True) for entity in e.entities()]
+    if entity_rows:
+        await conn.executemany(
+            "INSERT INTO event_entities VALUES ($1, $2) ON CONFLICT DO NOTHING", entity_rows
+        )
+    return seqs
+
+
+async def apply_changes(conn: Any, cs: persisted.ChangeSet) -> None:
+    if cs.delete_providers:
+        await conn.execute("DELETE FROM p_providers WHERE uuid = ANY($1::text[])", cs.delete_providers)
+    if cs.upsert_providers:
+        await conn.executemany(
+            "INSERT INTO p_providers VALUES ($1,$2,$3,$4,$5,$6,$7) ON CONFLICT (uuid) DO UPDATE SET "
+            "name = EXCLUDED.name, parent = EXCLUDED.parent, root = EXCLUDED.root, "
+            "generation = EXCLUDED.generation, inventories = EXCLUDED.inventories, usages = EXCLUDED.usages",
+            [persisted.provider_row(p) for p in cs.upsert_providers],
+        )
+    gone = cs.delete_consumers + [c.uuid for c in cs.replace_allocations]
+    if gone:
+        await conn.execute("DELETE FROM p_allocations WHERE consumer = ANY($1::text[])", gone)
+    if cs.delete_consumers:
+        await conn.execute("DELETE FROM p_consumers WHERE uuid = ANY($1::text[])", cs.delete_consumers)
+    if cs.upsert_consumers:
+        await conn.executemany(
+            "INSERT INTO p_consumers VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9) ON CONFLICT (uuid) DO UPDATE SET "
+            "project_id = EXCLUDED.project_id, user_id = EXCLUDED.user_id, "
+            "consumer_type = EXCLUDED.consumer_type, generation = EXCLUDED.generation, "
+            "deleted = EXCLUDED.deleted, deleted_at = EXCLUDED.deleted_at, "
+            "on_behalf_of = EXCLUDED.on_behalf_of, allocated_at = EXCLUDED.allocated_at",
+            [persisted.consumer_row(c) for c in cs.upsert_consumers],
+        )
+    rows = [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
+    if rows:
+        await conn.executemany("INSERT INTO p_allocations VALUES ($1, $2, $3, $4)", rows)
+    if cs.add_classes:
+        await conn.executemany(
+            "INSERT INTO p_classes VALUES ($1) ON CONFLICT DO NOTHING", [(n,) for n in cs.add_classes]
+        )
+
+
+async def _sequence(conn: Any, lock_key: int, wait: bool) -> int:
+    """Inside a transaction: give every committed, unpositioned event its position and hash.
+
+    With ``wait=False`` it returns at once (``0``) if another sequencer holds the lock: that one
+    will position what is there (its run or the writer's own next run will).
+    """
+    if wait:
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key)
+    elif not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", lock_key):
+        return 0
+    tail = await conn.fetchrow(
+        "SELECT position, hash, recorded_at FROM events WHERE position IS NOT NULL "
+        "ORDER BY position DESC LIMIT 1"
+    )
+    position, prev_hash, last_at = (0, GENESIS_HASH, "") if tail is None else tuple(tail)
+    total = 0
+    while True:
+        rows = await conn.fetch(
+            "SELECT seq, event_id, type, schema_version, data, metadata FROM events "
+            "WHERE position IS NULL ORDER BY transaction_id, seq LIMIT $1",
+            SEQUENCE_BATCH,
+        )
+        if not rows:
+            return total
+        now = now_iso()
+        recorded_at = now if now > last_at else last_at  # never goes backwards
+        seqs, positions, hashes = [], [], []
+        for seq, event_id, etype, version, data, metadata in rows:
+            position += 1
+            prev_hash = event_hash(prev_hash, position, event_id, etype, version, data, metadata, recorded_at)
+            seqs.append(seq)
+            positions.append(position)
+            hashes.append(prev_hash)
+        await conn.execute(
+            "UPDATE events e SET position = u.p, hash = u.h, recorded_at = $4 "
+            "FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS u(s, p, h) WHERE e.seq = u.s",
+            seqs,
+            positions,
+            hashes,
+            recorded_at,
+        )
+        last_at = recorded_at
+        total += len(rows)
+        if len(rows) < SEQUENCE_BATCH:
+            return total
+
+
+# --- whole-store reads --------------------------------------------------------------------------
+
+
+async def _load_all(conn: Any) -> State:
+    state = State()
+    state.position = int(await conn.fetchval("SELECT coalesce(max(position), 0) FROM events"))
+    for row in await conn.fetch(f"SELECT {PROVIDER_COLUMNS} FROM p_providers"):
+        p = persisted.provider_from_row(tuple(row))
+        state.providers[p.uuid] = p
+    for row in await conn.fetch(f"SELECT {CONSUMER_COLUMNS} FROM p_consumers_resolved"):
+        c = persisted.consumer_from_row(tuple(row))
+        state.consumers[c.uuid] = c
+    for consumer, provider, rc, used in await conn.fetch(
+        "SELECT consumer, provider, rc, used FROM p_allocations"
+    ):
+        holder = state.consumers.get(consumer)
+        if holder is None:
+            holder = state.consumers[consumer] = ConsumerState(consumer)
+        holder.allocations.setdefault(provider, {})[rc] = used
+    state.custom_classes = {r[0] for r in await conn.fetch("SELECT name FROM p_classes")}
+    return state
+
+
+async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], None] | None) -> int:
+    head = int(await conn.fetchval("SELECT coalesce(max(position), 0) FROM events"))
+    state = State()
+    count = 0
+    cursor = await conn.cursor(
+        "SELECT position, type, schema_version, data FROM events WHERE position IS NOT NULL ORDER BY position"
+    )
+    while True:
+        rows = await cursor.fetch(batch_size)
+        if not rows:
+            break
+        for position, etype, version, data in rows:
+            evolve(state, decode_event(etype, version, data, position), position)
+        count += len(rows)
+        if progress is not None:
+            progress(count, head)
+    for table in PROJECTION_TABLES:
+        await conn.execute(f"DELETE FROM {table}")
+    cs = persisted.changes(State(), state)
+    await _copy(conn, "p_providers", [persisted.provider_row(p) for p in cs.upsert_providers])
+    await _copy(conn, "p_consumers", [persisted.consumer_row(c) for c in cs.upsert_consumers])
+    await _copy(
+        conn, "p_allocations", [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
+    )
+    await _copy(conn, "p_classes", [(n,) for n in cs.add_classes])
+    return count
+
+
+async def _copy(conn: Any, table: str, rows: list[tuple[Any, ...]]) -> None:
+    if rows:
+        schema = await conn.fetchval("SELECT current_schema()")
+        await conn.copy_records_to_table(table, records=rows, schema_name=schema)
+
+
+# --- queries on the persisted projection --------------------------------------------------------
+
+
+async def _q_provider(conn: Any, provider: str) -> Any:
+    row = await conn.fetchrow(f"SELECT {PROVIDER_COLUMNS} FROM p_providers WHERE uuid = $1", provider)
+    return None if row is None else persisted.provider_from_row(tuple(row))
+
+
+async def _q_consumer(conn: Any, consumer: str) -> Any:
+    state = State()
+    await _load_consumers(conn, state, {consumer})
+    return state.consumers.get(consumer)
+
+
+async def _q_provider_allocations(conn: Any, provider: str) -> dict[str, dict[str, int]] | None:
+    if await conn.fetchval("SELECT 1 FROM p_providers WHERE uuid = $1", provider) is None:
+        return None
+    out: dict[str, dict[str, int]] = {}
+    for consumer, rc, used in await conn.fetch(
+        "SELECT consumer, rc, used FROM p_allocations WHERE provider = $1 ORDER BY consumer", provider
+    ):
+        out.setdefault(consumer, {})[rc] = used
+    return out
+
+
+async def _q_project_usages(
+    conn: Any, project_id: str, user_id: str | None, consumer_type: str | None
+) -> list[tuple[str, str, str, int]]:
+    rows = await conn.fetch(
+        "SELECT c.consumer_type, c.uuid, a.rc, a.used FROM p_allocations a "
+        "JOIN p_consumers c ON c.uuid = a.consumer WHERE c.project_id = $1 "
+        "AND ($2::text IS NULL OR c.user_id = $2) AND ($3::text IS NULL OR c.consumer_type = $3)",
+        project_id,
+        user_id,
+        consumer_type,
+    )
+    return [tuple(r) for r in rows]
+
+
+async def _q_providers(conn: Any) -> list[tuple[str, str]]:
+    return [tuple(r) for r in await conn.fetch("SELECT uuid, name FROM p_providers ORDER BY name")]
+
+
+QUERIES: dict[str, Callable[..., Awaitable[Any]]] = {
+    "provider": _q_provider,
+    "consumer": _q_consumer,
+    "provider_allocations": _q_provider_allocations,
+    "project_usages": _q_project_usages,
+    "providers": _q_providers,
+}
