@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+import uuid as _uuid
 from typing import Any
 
 import structlog
@@ -25,7 +26,7 @@ import evstore
 from evstore import AllocationStore, Inventory, open_store
 from projections.state import State, evolve
 from tests.benchmarks.common import Recorder, emit, peak_rss_mb
-from tests.benchmarks.workload import COMMANDS_PER_OP, INVENTORY, Op, Workload
+from tests.benchmarks.workload import COMMANDS_PER_OP, INVENTORY, Op, Workload, generate
 
 
 def configure_logging(info: bool) -> None:
@@ -33,7 +34,7 @@ def configure_logging(info: bool) -> None:
         # structlog's defaults (dev console renderer) at info level, written to /dev/null: what a
         # host that leaves logging unconfigured pays per command.
         structlog.configure(
-            logger_factory=structlog.PrintLoggerFactory(file=open(os.devnull, "w")),  # noqa: SIM115
+            logger_factory=structlog.PrintLoggerFactory(file=open(os.devnull, "w")),
             wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         )
     else:
@@ -70,14 +71,24 @@ class Driver:
                 _, inst, prov, res, project, user = op
                 self.owners[inst] = (project, user)
                 await s.set_allocations(
-                    inst, {prov: res}, project_id=project, user_id=user, consumer_type="INSTANCE", generation=None
+                    inst,
+                    {prov: res},
+                    project_id=project,
+                    user_id=user,
+                    consumer_type="INSTANCE",
+                    generation=None,
                 )
             elif kind == "migrate":
                 _, inst, mig, dest, res = op
                 project, user = self.owners[inst]
                 await s.start_migration(inst, mig)
                 await s.set_allocations(
-                    inst, {dest: res}, project_id=project, user_id=user, consumer_type="INSTANCE", generation=None
+                    inst,
+                    {dest: res},
+                    project_id=project,
+                    user_id=user,
+                    consumer_type="INSTANCE",
+                    generation=None,
                 )
             elif kind == "revert":
                 await s.revert_migration(op[2])
@@ -168,27 +179,31 @@ async def phase_pgsetup(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def phase_biglog(args: argparse.Namespace) -> dict[str, Any]:
-    """Write a large log quickly (synchronous=OFF, many tasks): the input of the read phases."""
-    w = load_workload(args.workload)
+    """Write a large log quickly (synchronous=OFF, 64 tasks): the input of the read phases.
+
+    The operations are generated slice by slice (same providers, new consumers) so that a
+    million events never sit in memory as one workload.
+    """
     t0 = time.perf_counter()
     async with open_store(f"sqlite:///{args.db}", synchronous="OFF", max_batch=1024) as store:
-        await setup(store, w)
         rec = Recorder()
-        target = args.events
-        queue = list(range(len(w.streams)))
+        head = 0
+        sliced = 0
+        while head < args.events:
+            w = generate(streams=64, commands_per_stream=200, target_live=8, n_queries=0, stream_seed=sliced)
+            if sliced == 0:
+                await setup(store, w)
 
-        async def task(i: int) -> None:
-            driver = Driver(store, rec)
-            for op in w.streams[i]:
-                await driver.run(op)
+            async def task(stream: list[Op]) -> None:
+                driver = Driver(store, rec)
+                for op in stream:
+                    await driver.run(op)
 
-        # keep starting streams until the log is long enough
-        while queue:
-            batch, queue = queue[:64], queue[64:]
-            await asyncio.gather(*(task(i) for i in batch))
-            if await store.head() >= target:
-                break
-        head = await store.head()
+            await asyncio.gather(*(task(s) for s in w.streams))
+            head = await store.head()
+            sliced += 1
+            if args.progress:
+                print(f"biglog: {head} events", file=sys.stderr, flush=True)
     return {"head": head, "seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
 
 
@@ -240,17 +255,19 @@ async def consumer_at(store: AllocationStore, consumer: str, position: int) -> S
 
 
 async def phase_timetravel(args: argparse.Namespace) -> dict[str, Any]:
-    w = load_workload(args.workload)
     rng = random.Random(args.seed)
-    consumers = [op[1] for s in w.streams for op in s if op[0] == "build"]
     async with open_store(f"sqlite:///{args.db}") as store:
         head = await store.head()
+        providers = [u for u, _ in await store.providers()]
         samples: dict[str, list[float]] = {"consumer_at": [], "provider_at": [], "state_at": []}
         for _ in range(args.consumer_samples):
-            c = rng.choice(consumers)
+            # a consumer that exists somewhere in the log, asked about at a random position
+            batch = await store.read(after=rng.randint(0, head - 1), limit=20)
+            named = [getattr(r.event, "consumer", None) or getattr(r.event, "instance", None) for r in batch]
+            consumer = rng.choice([c for c in named if c] or [str(_uuid.uuid4())])
             pos = rng.randint(1, head)
             t0 = time.perf_counter()
-            await consumer_at(store, c, pos)
+            await consumer_at(store, consumer, pos)
             samples["consumer_at"].append(time.perf_counter() - t0)
         for _ in range(args.state_samples):
             pos = rng.randint(head // 2, head)  # the expensive half: no snapshots yet
@@ -258,7 +275,7 @@ async def phase_timetravel(args: argparse.Namespace) -> dict[str, Any]:
             view = await store.state_at(position=pos)
             samples["state_at"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            await view.usage(rng.choice(w.providers))
+            await view.usage(rng.choice(providers))
             samples["provider_at"].append(samples["state_at"][-1] + time.perf_counter() - t0)
     out: dict[str, Any] = {"head": head, "peak_rss_mb": peak_rss_mb()}
     for name, values in samples.items():
@@ -297,6 +314,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--consumer-samples", type=int, default=50)
     p.add_argument("--state-samples", type=int, default=3)
+    p.add_argument("--progress", action="store_true")
     args = p.parse_args()
     configure_logging(args.log_info)
     result = asyncio.run(PHASES[args.phase](args))

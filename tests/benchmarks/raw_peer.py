@@ -138,7 +138,8 @@ class Commands:
         self._use(json.loads(inst[1]), -1, check=False)  # the destination allocations go
         self._event("MigrationReverted", {"migration": migration, "instance": mig[6], "allocations": mig[1]})
         self.conn.execute(
-            "UPDATE consumers SET generation = coalesce(generation, 0) + 1, allocations = ?, migration = NULL "
+            "UPDATE consumers SET generation = coalesce(generation, 0) + 1, allocations = ?, "
+            "migration = NULL "
             "WHERE uuid = ?",
             (mig[1], mig[6]),
         )
@@ -164,12 +165,15 @@ class Commands:
                     self.conn.execute("DELETE FROM consumers WHERE uuid = ?", (row[5],))
         self._event("ConsumerDeleted", {"consumer": consumer, "migration": row[5] if row else None})
         self.conn.execute(
-            "INSERT OR REPLACE INTO consumers (uuid, generation, allocations, deleted) VALUES (?, NULL, '{}', 1)",
+            "INSERT OR REPLACE INTO consumers (uuid, generation, allocations, deleted) "
+            "VALUES (?, NULL, '{}', 1)",
             (consumer,),
         )
 
     def usage(self, provider: str) -> dict[str, int]:
-        return dict(self.conn.execute("SELECT rc, used FROM usage WHERE provider = ?", (provider,)).fetchall())
+        return dict(
+            self.conn.execute("SELECT rc, used FROM usage WHERE provider = ?", (provider,)).fetchall()
+        )
 
     def allocations(self, consumer: str) -> Allocs:
         row = self._consumer(consumer)

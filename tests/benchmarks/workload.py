@@ -84,8 +84,15 @@ class Workload:
 
 
 def _stream(
-    rng: random.Random, providers: list[str], weights: list[float], n_commands: int, target_live: int, tag: int
+    rng: random.Random,
+    providers: list[str],
+    weights: list[float],
+    n_commands: int,
+    target_live: int,
+    tag: int,
 ) -> list[Op]:
+    if len(providers) < 2:
+        raise ValueError("a stream needs at least two providers (migrations move between them)")
     project = f"project-{tag % 7}"
     user = f"user-{tag % 13}"
     live: dict[str, tuple[str, dict[str, int]]] = {}  # instance -> (provider, resources)
@@ -141,8 +148,10 @@ def _stream(
             del live[inst]
             ops.append(["delete", inst])
             ops.append(["revert", inst, mig])
-        commands += sum(COMMANDS_PER_OP[op[0]] for op in ops[-2:]) if kind == "delete_racing" else (
-            COMMANDS_PER_OP[ops[-1][0]]
+        commands += (
+            sum(COMMANDS_PER_OP[op[0]] for op in ops[-2:])
+            if kind == "delete_racing"
+            else (COMMANDS_PER_OP[ops[-1][0]])
         )
     return ops
 
@@ -155,17 +164,29 @@ def generate(
     target_live: int = 200,
     n_queries: int = 1000,
     seed: int = 1848343,
+    stream_seed: int | None = None,
+    disjoint: bool = False,
 ) -> Workload:
+    """``stream_seed`` varies the operations while keeping the providers (the big log is written
+    in slices); ``disjoint`` gives each stream its own share of the providers (the PostgreSQL
+    scaling test: clients that never touch a common entity)."""
     rng = random.Random(seed)
     providers = [_uuid(rng) for _ in range(n_providers)]
     names = [f"compute-{i:03d}" for i in range(n_providers)]
     weights = [1.0 / (rank + 1) ** 1.1 for rank in range(n_providers)]  # skewed popularity
-    all_streams = [
-        _stream(rng, providers, weights, commands_per_stream, target_live, tag) for tag in range(streams)
-    ]
+    if stream_seed is not None:
+        rng = random.Random(stream_seed)
+    all_streams = []
+    for tag in range(streams):
+        if disjoint:
+            share = n_providers // streams
+            mine = providers[tag * share : (tag + 1) * share]
+            all_streams.append(_stream(rng, mine, weights[:share], commands_per_stream, target_live, tag))
+        else:
+            all_streams.append(_stream(rng, providers, weights, commands_per_stream, target_live, tag))
     consumers = [op[1] for s in all_streams for op in s if op[0] == "build"]
     queries: list[Op] = []
-    for _ in range(n_queries):
+    for _ in range(n_queries if consumers else 0):
         if rng.random() < 0.6:
             queries.append(["usage", rng.choices(providers, weights)[0]])
         else:

@@ -1,0 +1,550 @@
+"""Run the benchmark suite: ``python -m tests.benchmarks.run [--quick] [--json PATH]``.
+
+One workload (see :mod:`tests.benchmarks.workload`), four systems, each phase in its own
+process, peers run back-to-back (and, in the full run, interleaved over several rounds, the
+median kept), everything compared as ratios within this one run:
+
+- evstore on SQLite (``synchronous=FULL``, WAL: its durable default);
+- OpenStack Placement 16.0.0 driven as Nova drives it, in-process through its WSGI app, in its
+  own venv under the cache dir (created and pip-installed on first use);
+- the ``eventsourcing`` library on SQLite (installed into a cache venv if this interpreter lacks it);
+- raw ``sqlite3`` doing the minimum durable work (the limit).
+
+Plus rebuild/replay against raw reads of the same log, time travel and audit on a large log,
+and, when a server is given (``--postgres URL`` or ``EVSTORE_TEST_POSTGRES_URL``) and the
+backend exists, PostgreSQL with 8 clients on disjoint providers versus one.
+Prints one table and writes JSON with ``--json PATH``. Never part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.benchmarks.workload import generate
+
+REPO = Path(__file__).resolve().parents[2]
+PLACEMENT_VERSION = "16.0.0"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    seq_commands: int
+    placement_ops: int
+    queries: int
+    placement_queries: int
+    conc_commands_per_task: int
+    big_events: int
+    consumer_samples: int
+    state_samples: int
+    rounds: int
+    pg_commands: int
+
+
+QUICK = Sizes(1500, 250, 1000, 200, 25, 20_000, 30, 2, 1, 300)
+FULL = Sizes(10_000, 1500, 5000, 1000, 150, 1_000_000, 200, 3, 3, 2000)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- environments -----------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EVSTORE_BENCH_CACHE") or os.path.join(Path.home(), ".cache", "evstore-bench")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def ensure_venv(name: str, requirement: str, probe: str) -> Path | None:
+    """A venv under the cache dir with ``requirement`` installed; its python, or None."""
+    venv = cache_dir() / name
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
+        return python
+    log(f"installing {requirement} into {venv} (first run only)...")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", requirement],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        log(f"could not install {requirement}: {(exc.stderr or '')[-500:]}")
+        return None
+    return python
+
+
+def eventsourcing_python() -> tuple[str, str]:
+    """This interpreter if it has eventsourcing, else a cache venv that does."""
+    probe = "import eventsourcing"
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
+        return sys.executable, "this interpreter"
+    python = ensure_venv("eventsourcing-venv", "eventsourcing", probe)
+    if python is None:
+        return "", "not installable"
+    return str(python), f"installed by the benchmark into {python.parent.parent}"
+
+
+# --- running peers ----------------------------------------------------------------------------
+
+
+def run_peer(argv: list[str], python: str = sys.executable, timeout: float = 3600) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([python, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def peer(module: str, *args: str) -> list[str]:
+    return ["-m", f"tests.benchmarks.{module}", *args]
+
+
+def fresh(workdir: Path, name: str) -> str:
+    for suffix in ("", "-wal", "-shm"):
+        p = workdir / f"{name}{suffix}"
+        if p.exists():
+            p.unlink()
+    return str(workdir / name)
+
+
+def median_result(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median throughput (its latencies and RSS come with it)."""
+    ordered = sorted(results, key=lambda r: r["ops_per_s"])
+    chosen = dict(ordered[len(ordered) // 2])
+    chosen["rounds_ops_per_s"] = [r["ops_per_s"] for r in results]
+    return chosen
+
+
+# --- the suite --------------------------------------------------------------------------------
+
+
+def suite(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = QUICK if args.quick else FULL
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="evstore-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {
+        "mode": "quick" if args.quick else "full",
+        "machine": machine(),
+        "sizes": vars_of(sizes),
+    }
+    started = time.perf_counter()
+
+    seq_w = generate(commands_per_stream=sizes.seq_commands, target_live=200, n_queries=sizes.queries)
+    conc_w = generate(
+        streams=64, commands_per_stream=sizes.conc_commands_per_task, target_live=8, n_queries=0
+    )
+    seq_path, conc_path = workdir / "seq.json", workdir / "conc.json"
+    seq_path.write_text(json.dumps(seq_w.to_json()))
+    conc_path.write_text(json.dumps(conc_w.to_json()))
+    placement_w = generate(
+        commands_per_stream=sizes.seq_commands, target_live=200, n_queries=sizes.placement_queries
+    )
+    placement_path = workdir / "placement.json"
+    placement_path.write_text(json.dumps(placement_w.to_json()))
+
+    es_python, es_how = eventsourcing_python()
+    out["eventsourcing_env"] = es_how
+    placement_python = (
+        None
+        if args.skip_placement
+        else ensure_venv(
+            "placement-venv", f"openstack-placement=={PLACEMENT_VERSION}", "import placement.deploy"
+        )
+    )
+
+    # sequential and concurrent, peers back-to-back within each round
+    seq: dict[str, list[dict[str, Any]]] = {}
+    conc: dict[str, list[dict[str, Any]]] = {}
+    for rnd in range(sizes.rounds):
+        log(f"round {rnd + 1}/{sizes.rounds}: sequential")
+        ev = peer("evstore_peer")
+        seq.setdefault("evstore", []).append(
+            run_peer([*ev, "seq", "--workload", str(seq_path), "--db", fresh(workdir, "ev.db")])
+        )
+        seq.setdefault("sqlite3", []).append(
+            run_peer(peer("raw_peer", "seq", "--workload", str(seq_path), "--db", fresh(workdir, "raw.db")))
+        )
+        if es_python:
+            seq.setdefault("eventsourcing", []).append(
+                run_peer(
+                    peer("es_peer", "seq", "--workload", str(seq_path), "--db", fresh(workdir, "es.db")),
+                    es_python,
+                )
+            )
+        if rnd == 0:
+            seq.setdefault("evstore+info-logging", []).append(
+                run_peer(
+                    [*ev, "seq", "--log-info", "--workload", str(seq_path), "--db", fresh(workdir, "ev.db")]
+                )
+            )
+        log(f"round {rnd + 1}/{sizes.rounds}: 64 concurrent tasks")
+        conc.setdefault("evstore", []).append(
+            run_peer([*ev, "conc", "--workload", str(conc_path), "--db", fresh(workdir, "ev.db")])
+        )
+        for variant in ("conc", "conc-group"):
+            conc.setdefault("sqlite3" if variant == "conc" else "sqlite3 group commit", []).append(
+                run_peer(
+                    peer("raw_peer", variant, "--workload", str(conc_path), "--db", fresh(workdir, "raw.db"))
+                )
+            )
+        if es_python:
+            conc.setdefault("eventsourcing", []).append(
+                run_peer(
+                    peer("es_peer", "conc", "--workload", str(conc_path), "--db", fresh(workdir, "es.db")),
+                    es_python,
+                )
+            )
+    if placement_python is not None:
+        log(f"Placement {PLACEMENT_VERSION}: sequential ({sizes.placement_ops} operations)")
+        # the evstore rounds above ran the whole stream; Placement runs its first operations
+        seq["placement"] = [
+            run_peer(
+                [
+                    "tests/benchmarks/placement_peer.py",
+                    "seq",
+                    "--workload",
+                    str(placement_path),
+                    "--db",
+                    fresh(workdir, "placement.db"),
+                    "--max-ops",
+                    str(sizes.placement_ops),
+                ],
+                str(placement_python),
+            )
+        ]
+    else:
+        out["placement_skipped"] = "--skip-placement" if args.skip_placement else "install failed"
+    out["sequential"] = {k: median_result(v) for k, v in seq.items()}
+    out["concurrent"] = {k: median_result(v) for k, v in conc.items()}
+
+    # the big log: rebuild, replay (vs raw reads), time travel, audit
+    log(f"writing a log of {sizes.big_events} events (not measured)...")
+    big = fresh(workdir, "big.db")
+    out["big_log"] = run_peer(peer("evstore_peer", "biglog", "--db", big, "--events", str(sizes.big_events)))
+    reads: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(2 if args.quick else 3):  # interleaved; the median is kept
+        reads.setdefault("sqlite3 read+json.loads", []).append(
+            run_peer(peer("raw_peer", "read", "--db", big))
+        )
+        for phase in ("replay", "rebuild"):
+            reads.setdefault(phase, []).append(run_peer(peer("evstore_peer", phase, "--db", big)))
+    out["log_reads"] = {k: sorted(v, key=lambda r: r["events_per_s"])[len(v) // 2] for k, v in reads.items()}
+    log("time travel and audit...")
+    samples = ["--consumer-samples", str(sizes.consumer_samples), "--state-samples", str(sizes.state_samples)]
+    out["time_travel"] = run_peer(peer("evstore_peer", "timetravel", "--db", big, *samples))
+    out["audit"] = run_peer(peer("evstore_peer", "audit", "--db", big))
+
+    pg_url = args.postgres or os.environ.get("EVSTORE_TEST_POSTGRES_URL")
+    out["postgres"] = postgres_scaling(pg_url, workdir, sizes) if pg_url else {"skipped": "no server given"}
+    out["duration_s"] = time.perf_counter() - started
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def postgres_scaling(url: str, workdir: Path, sizes: Sizes) -> dict[str, Any]:
+    """8 client processes on disjoint providers versus one client, same per-client stream length."""
+    probe = "from evstore.log.postgres import PostgresBackend"
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True, cwd=REPO).returncode != 0:
+        return {"skipped": "the PostgreSQL backend (evstore.log.postgres) is not in this build"}
+    w = generate(
+        n_providers=8 * 5,
+        streams=8,
+        commands_per_stream=sizes.pg_commands,
+        target_live=50,
+        disjoint=True,
+        n_queries=0,
+    )
+    path = workdir / "pg.json"
+    path.write_text(json.dumps(w.to_json()))
+    try:
+        run_peer(peer("evstore_peer", "pgsetup", "--workload", str(path), "--url", url))
+    except RuntimeError as exc:
+        return {"skipped": f"cannot use {url}: {str(exc)[-300:]}"}
+    results: dict[str, Any] = {}
+    for clients in (1, 8):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    *peer(
+                        "evstore_peer", "pgclient", "--workload", str(path), "--url", url, "--stream", str(i)
+                    ),
+                ],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(clients)
+        ]
+        for p in procs:
+            assert p.stdout is not None
+            p.stdout.readline()  # "ready"
+        t0 = time.perf_counter()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=3600) for p in procs]
+        wall = time.perf_counter() - t0
+        per = [json.loads([x for x in o.splitlines() if x.startswith("{")][-1]) for o, _ in outs]
+        ops = sum(r["ops"] for r in per)
+        results[f"{clients}_clients"] = {
+            "ops": ops,
+            "seconds": wall,
+            "ops_per_s": ops / wall,
+            "p50_ms": statistics.median(r["p50_ms"] for r in per),
+            "p99_ms": max(r["p99_ms"] for r in per),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in per),
+        }
+        if clients == 1:
+            # the 8-client run must not reuse the consumers of stream 0
+            w2 = generate(
+                n_providers=8 * 5,
+                streams=8,
+                commands_per_stream=sizes.pg_commands,
+                target_live=50,
+                disjoint=True,
+                n_queries=0,
+                stream_seed=99,
+            )
+            path.write_text(json.dumps(w2.to_json()))
+    results["scaling"] = results["8_clients"]["ops_per_s"] / results["1_clients"]["ops_per_s"]
+    return results
+
+
+def vars_of(sizes: Sizes) -> dict[str, int]:
+    return dict(sizes.__dict__)
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import sqlite3
+
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "platform": platform.platform(),
+    }
+
+
+# --- the table --------------------------------------------------------------------------------
+
+TARGETS = {
+    ("sequential", "placement"): 50.0,
+    ("sequential", "eventsourcing"): 1.2,
+    ("sequential", "sqlite3"): 0.6,
+    ("concurrent", "sqlite3"): 3.0,
+    ("concurrent", "eventsourcing"): 5.0,
+    ("log_reads", "rebuild"): 0.6,
+    ("log_reads", "replay"): 0.6,
+}
+
+
+def mark(ratio: float, target: float | None) -> str:
+    if target is None:
+        return ""
+    return f"{'PASS' if ratio >= target else 'FAIL'} (>= {target:g}x)"
+
+
+def table(out: dict[str, Any]) -> str:
+    rows: list[tuple[str, ...]] = []
+    head = ("phase", "system", "ops/s", "p50 ms", "p99 ms", "peak RSS MiB", "evstore is", "target")
+
+    def add_rate_rows(section: str, label: str) -> None:
+        results = out.get(section, {})
+        base = results.get("evstore")
+        for system, r in results.items():
+            ratio = base["ops_per_s"] / r["ops_per_s"] if base and r["ops_per_s"] else 0.0
+            target = TARGETS.get((section, system))
+            rows.append(
+                (
+                    label,
+                    system,
+                    f"{r['ops_per_s']:,.0f}",
+                    f"{r['p50_ms']:.2f}",
+                    f"{r['p99_ms']:.2f}",
+                    f"{r['peak_rss_mb']:.0f}",
+                    "" if system == "evstore" else f"{ratio:,.2f}x",
+                    mark(ratio, target),
+                )
+            )
+
+    add_rate_rows("sequential", "sequential commands")
+    seq = out.get("sequential", {})
+    for system, r in seq.items():
+        q = r.get("queries")
+        if q:
+            rows.append(
+                (
+                    "queries",
+                    system,
+                    f"{q['ops_per_s']:,.0f}",
+                    f"{q['p50_ms']:.3f}",
+                    f"{q['p99_ms']:.3f}",
+                    "",
+                    "",
+                    "",
+                )
+            )
+    add_rate_rows("concurrent", "64 concurrent tasks")
+    reads = out.get("log_reads", {})
+    raw = reads.get("sqlite3 read+json.loads")
+    for name, r in reads.items():
+        ratio = r["events_per_s"] / raw["events_per_s"] if raw else 0.0
+        label = f"{name} ({r['events']:,} events)"
+        rows.append(
+            (
+                "rebuild / replay",
+                label,
+                f"{r['events_per_s']:,.0f} ev/s",
+                f"{r['seconds']:.2f} s",
+                "",
+                f"{r['peak_rss_mb']:.0f}",
+                "" if r is raw else f"{ratio:.2f}x of raw",
+                mark(ratio, TARGETS.get(("log_reads", name))),
+            )
+        )
+    tt = out.get("time_travel")
+    if tt:
+        for key, what in (
+            ("consumer_at", "one consumer at a random position"),
+            ("provider_at", "one provider at a random position"),
+            ("state_at", "whole store at a random position"),
+        ):
+            rows.append(
+                (
+                    "time travel",
+                    f"{what} ({tt['head']:,} events)",
+                    "",
+                    f"{tt[key]['mean_ms']:.1f} mean",
+                    f"{tt[key]['max_ms']:.1f} max",
+                    f"{tt['peak_rss_mb']:.0f}",
+                    "",
+                    "",
+                )
+            )
+    au = out.get("audit")
+    if au:
+        rows.append(
+            (
+                "audit",
+                f"store.audit() ({au['events']:,} events, clean={au['clean']})",
+                f"{au['events_per_s']:,.0f} ev/s",
+                f"{au['seconds']:.2f} s",
+                "",
+                f"{au['peak_rss_mb']:.0f}",
+                "",
+                "",
+            )
+        )
+    pg = out.get("postgres", {})
+    if "skipped" in pg:
+        rows.append(("postgresql", f"skipped: {pg['skipped']}", "", "", "", "", "", ""))
+    else:
+        for k in ("1_clients", "8_clients"):
+            r = pg[k]
+            rows.append(
+                (
+                    "postgresql",
+                    k.replace("_", " "),
+                    f"{r['ops_per_s']:,.0f}",
+                    f"{r['p50_ms']:.2f}",
+                    f"{r['p99_ms']:.2f}",
+                    f"{r['peak_rss_mb']:.0f}",
+                    "",
+                    "",
+                )
+            )
+        rows.append(("postgresql", "8 clients / 1 client", f"{pg['scaling']:.2f}x", "", "", "", "", ""))
+
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*row) for row in rows]
+    return "\n".join(lines)
+
+
+def notes(out: dict[str, Any]) -> str:
+    m = out["machine"]
+    lines = [
+        f"machine: {m['nproc']} CPUs, {m['cpu']}, Python {m['python']}, SQLite {m['sqlite']}",
+        f"mode: {out['mode']}, duration {out['duration_s']:.0f} s; "
+        f"eventsourcing from {out.get('eventsourcing_env')}",
+    ]
+    seq = out.get("sequential", {})
+    if "evstore" in seq and "evstore+info-logging" in seq:
+        a, b = seq["evstore"], seq["evstore+info-logging"]
+        cost = (b["seconds"] / b["ops"] - a["seconds"] / a["ops"]) * 1e6
+        lines.append(
+            f"structlog at info level (default config, to /dev/null) costs {cost:.0f} us per command"
+        )
+    pl = seq.get("placement")
+    if pl:
+        lines.append(
+            f"Placement: {pl['operations']} operations = {pl['ops']} commands = "
+            f"{pl['http_requests']} HTTP requests; SQLite synchronous={pl['durability']['synchronous']} "
+            f"journal={pl['durability']['journal_mode']}; "
+            f"{pl['leaked_consumers']} deleted instances left holding allocations (bug 1848343; evstore: 0)"
+        )
+    es = seq.get("eventsourcing")
+    if es:
+        lines.append(
+            f"eventsourcing {es.get('version')}: SQLite synchronous={es.get('synchronous')} (2 = FULL), WAL"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, one round (about 2 minutes)")
+    p.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    p.add_argument("--postgres", metavar="URL", help="a PostgreSQL server for the scaling test")
+    p.add_argument("--skip-placement", action="store_true", help="do not install or run Placement")
+    p.add_argument("--workdir", help="where the databases go (default: a temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the databases")
+    args = p.parse_args()
+    out = suite(args)
+    print(table(out))
+    print()
+    print(notes(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
