@@ -1,0 +1,1 @@
+"""Peer implementations that evstore is tested against (differential tests)."""

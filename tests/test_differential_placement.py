@@ -1,0 +1,753 @@
+"""Differential test: evstore against the real OpenStack Placement 16.0.0.
+
+Random Nova-like command sequences (single and multi-consumer writes with null, current and stale
+consumer generations; Nova-style swaps as ``move_allocations`` sends them; releases; inventory
+replacement, shrinking below usage and class deletion; provider creation and deletion; evstore's
+first-class migration commands against the POST a Nova would send) are applied to an evstore
+store and to Placement's own WSGI app (in-process, SQLite, microversion 1.39; see
+``tests/peers/``). After every step the test compares:
+
+- the **outcome**: accepted, or which kind of rejection (``concurrent_update``, ``capacity``,
+  ``constraint``, ``invalid_inventory``, ``provider_not_found``, ``inventory_in_use``, ...);
+- the **full state**: for every provider its existence, generation and usages; for every consumer
+  its allocations, generation, project, user and type.
+
+Any difference is an evstore bug, except the deliberate departures of SPEC.md, handled here so:
+
+- tombstones: ``delete_consumer`` is never used (Placement has nothing to compare it with);
+- orphan consumers: Placement leaves a consumer record at generation 0 with no allocations after
+  an empty write to a new consumer with a null generation, or after a 400 for an unknown provider.
+  After each step the driver deletes consumer records that hold nothing and reports them; the test
+  asserts that exactly the consumers those two documented triggers predict were purged, so any
+  other orphan would still show up as a difference;
+- inventory sanity: no generated inventory has ``min_unit > max_unit``; ratios are positive.
+
+The default run does a few seeded sequences (well under a minute once the Placement venv exists);
+``EVSTORE_SLOW=1`` or ``-m slow`` runs hundreds of random ones. The Placement venv is built on
+first use (``python -m tests.peers.venv`` pre-builds it); without it the test is skipped, except
+under ``CI=true`` where that is a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evstore import (
+    AllocationStore,
+    CapacityExceeded,
+    ConcurrentUpdate,
+    ConstraintViolation,
+    ConsumerAllocations,
+    DuplicateName,
+    EvstoreError,
+    InvalidInput,
+    InvalidInventory,
+    Inventory,
+    InventoryInUse,
+    NotFound,
+    ProviderInUse,
+    ProviderNotFound,
+    open_store,
+)
+from evstore.errors import InvalidInventoryValue
+from tests.peers.placement_client import PlacementPeer
+from tests.peers.venv import PeerUnavailable, placement_python
+
+CLASSES = ("VCPU", "MEMORY_MB", "DISK_GB")
+N_PROVIDERS = 3  # P0 and P1 exist from the start; P2 must be created by the sequence
+N_CONSUMERS = 4
+PROJECTS = ("project-a", "project-b")
+MAX_INT = 2147483647
+
+
+# --- the abstract commands ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InvSpec:
+    total: int
+    reserved: int = 0
+    min_unit: int = 1
+    max_unit: int = MAX_INT
+    step_size: int = 1
+    allocation_ratio: float = 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "reserved": self.reserved,
+            "min_unit": self.min_unit,
+            "max_unit": self.max_unit,
+            "step_size": self.step_size,
+            "allocation_ratio": self.allocation_ratio,
+        }
+
+
+@dataclass(frozen=True)
+class CreateProvider:
+    p: int
+
+
+@dataclass(frozen=True)
+class DeleteProvider:
+    p: int
+
+
+@dataclass(frozen=True)
+class SetInventories:
+    p: int
+    inventories: tuple[tuple[str, InvSpec], ...]
+    stale: int  # 0: the current generation; else current + stale (or - if that stays >= 0)
+
+
+@dataclass(frozen=True)
+class ShrinkInventory:
+    """Set one class's capacity to one less than its usage (over capacity), current generation."""
+
+    p: int
+    rc: str
+
+
+@dataclass(frozen=True)
+class DeleteInventory:
+    p: int
+    rc: str
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    c: int
+    allocations: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]  # () = remove everything
+    generation: str  # "null" | "current" | "stale"
+    project: str
+    consumer_type: str
+
+
+@dataclass(frozen=True)
+class Write:
+    consumers: tuple[ConsumerSpec, ...]
+    post: bool  # POST /allocations even for one consumer (PUT /allocations/{c} otherwise)
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Nova's move_allocations: one POST emptying ``src`` and giving its allocations to ``dst``."""
+
+    src: int
+    dst: int
+    src_generation: str
+    dst_generation: str
+
+
+@dataclass(frozen=True)
+class Release:
+    c: int
+
+
+@dataclass(frozen=True)
+class StartMigration:
+    instance: int
+    migration: int
+
+
+@dataclass(frozen=True)
+class RevertMigration:
+    migration: int
+
+
+@dataclass(frozen=True)
+class ConfirmMigration:
+    migration: int
+
+
+Step = (
+    CreateProvider
+    | DeleteProvider
+    | SetInventories
+    | ShrinkInventory
+    | DeleteInventory
+    | Write
+    | Swap
+    | Release
+    | StartMigration
+    | RevertMigration
+    | ConfirmMigration
+)
+
+SETUP: tuple[Step, ...] = (
+    CreateProvider(0),
+    CreateProvider(1),
+    SetInventories(0, (("VCPU", InvSpec(8)), ("MEMORY_MB", InvSpec(16, 2, step_size=2))), 0),
+    SetInventories(1, (("VCPU", InvSpec(4, allocation_ratio=1.5)), ("DISK_GB", InvSpec(20, max_unit=10))), 0),
+)
+
+
+# --- strategies -----------------------------------------------------------------------------------
+
+
+@st.composite
+def inv_specs(draw: st.DrawFn) -> InvSpec:
+    total = draw(st.integers(1, 24))
+    reserved = draw(st.sampled_from([0, 0, 1, 2]))
+    reserved = min(reserved, total)  # reserved > total is refused by both, but only at the facade here
+    min_unit = draw(st.sampled_from([1, 1, 1, 2]))
+    max_unit = draw(st.sampled_from([MAX_INT, MAX_INT, 4, 8]))
+    step_size = draw(st.sampled_from([1, 1, 1, 2]))
+    ratio = draw(st.sampled_from([1.0, 1.0, 1.5, 2.0, 0.5]))
+    return InvSpec(total, reserved, min_unit, max(min_unit, max_unit), step_size, ratio)
+
+
+providers = st.integers(0, N_PROVIDERS - 1)
+consumers = st.integers(0, N_CONSUMERS - 1)
+classes = st.sampled_from(CLASSES)
+generations = st.sampled_from(["null", "current", "current", "current", "stale"])
+
+resources = st.dictionaries(classes, st.integers(1, 10), min_size=1, max_size=2).map(
+    lambda d: tuple(d.items())
+)
+allocation_maps = st.one_of(
+    st.just(()),
+    st.dictionaries(providers, resources, min_size=1, max_size=2).map(lambda d: tuple(d.items())),
+    st.dictionaries(providers, resources, min_size=1, max_size=2).map(lambda d: tuple(d.items())),
+)
+consumer_specs = st.builds(
+    ConsumerSpec,
+    c=consumers,
+    allocations=allocation_maps,
+    generation=generations,
+    project=st.sampled_from(PROJECTS),
+    consumer_type=st.sampled_from(["INSTANCE", "INSTANCE", "MIGRATION"]),
+)
+
+steps: st.SearchStrategy[Step] = st.one_of(
+    st.builds(CreateProvider, providers),
+    st.builds(DeleteProvider, providers),
+    st.builds(
+        SetInventories,
+        providers,
+        st.dictionaries(classes, inv_specs(), max_size=3).map(lambda d: tuple(d.items())),
+        st.sampled_from([0, 0, 0, 1, -1, 2]),
+    ),
+    st.builds(ShrinkInventory, providers, classes),
+    st.builds(DeleteInventory, providers, classes),
+    st.builds(
+        Write,
+        st.lists(consumer_specs, min_size=1, max_size=3, unique_by=lambda s: s.c).map(tuple),
+        st.booleans(),
+    ),
+    st.builds(
+        Write,
+        st.lists(consumer_specs, min_size=1, max_size=1).map(tuple),
+        st.booleans(),
+    ),
+    st.builds(Swap, consumers, consumers, generations, generations).filter(lambda s: s.src != s.dst),
+    st.builds(Release, consumers),
+    st.builds(StartMigration, consumers, consumers).filter(lambda s: s.instance != s.migration),
+    st.builds(RevertMigration, consumers),
+    st.builds(ConfirmMigration, consumers),
+)
+programs = st.lists(steps, min_size=1, max_size=30)
+
+
+# --- outcome kinds ----------------------------------------------------------------------------
+
+
+def placement_kind(status: int, body: Any) -> str:
+    if 200 <= status < 300:
+        return "accepted"
+    error = (body or {}).get("errors", [{}])[0]
+    detail, code = str(error.get("detail", "")), str(error.get("code", ""))
+    if status == 404:
+        return "not_found"
+    if status == 400 and "that does not exist" in detail:
+        return "provider_not_found"
+    if status == 409:
+        if "exceed the capacity" in detail:
+            return "capacity"
+        if "violate inventory constraints" in detail:
+            return "constraint"
+        if code == "placement.inventory.inuse" or "in use" in detail:
+            # DELETE /inventories/{rc} says "in use" with the code placement.concurrent_update (sic)
+            return "inventory_in_use"
+        if code == "placement.concurrent_update":
+            return "concurrent_update"
+        if "Inventory for" in detail and "invalid" in detail:
+            return "invalid_inventory"
+        if code == "placement.duplicate_name":
+            return "duplicate"
+        if code == "placement.resource_provider.inuse":
+            return "provider_in_use"
+    return f"http {status} {code}: {detail.strip()[:160]}"
+
+
+def evstore_kind(exc: EvstoreError | None) -> str:
+    match exc:
+        case None:
+            return "accepted"
+        case ConcurrentUpdate():
+            return "concurrent_update"
+        case CapacityExceeded():
+            return "capacity"
+        case ConstraintViolation():
+            return "constraint"
+        case InvalidInventoryValue():
+            return "bad_request"
+        case InvalidInventory():
+            return "invalid_inventory"
+        case InventoryInUse():
+            return "inventory_in_use"
+        case ProviderNotFound() if "does not exist" in exc.message:
+            return "provider_not_found"
+        case NotFound():
+            return "not_found"
+        case DuplicateName():
+            return "duplicate"
+        case ProviderInUse():
+            return "provider_in_use"
+        case InvalidInput():
+            return "bad_request"
+    return f"evstore {exc.code}: {exc.message[:160]}"
+
+
+# --- running a sequence on both ------------------------------------------------------------------
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+class Sequence:
+    """One sequence on a fresh evstore store and a fresh Placement database."""
+
+    def __init__(self, store: AllocationStore, peer: PlacementPeer) -> None:
+        self.store = store
+        self.peer = peer
+        self.providers = [str(uuid.uuid4()) for _ in range(N_PROVIDERS)]
+        self.consumers = [str(uuid.uuid4()) for _ in range(N_CONSUMERS)]
+        self.names = {u: f"P{i}" for i, u in enumerate(self.providers)}
+        self.names.update({u: f"C{i}" for i, u in enumerate(self.consumers)})
+        self.trace: list[str] = []
+
+    # ---- helpers over evstore's view (equal to Placement's, or the test has already failed) ----
+
+    async def provider_generation(self, p: str) -> int | None:
+        try:
+            return (await self.store.usage(p)).generation
+        except ProviderNotFound:
+            return None
+
+    def consumer_generation(self, choice: str, current: int | None) -> int | None:
+        if choice == "null":
+            return None
+        if choice == "current":
+            return current
+        return 0 if current is None else current + 1
+
+    def allocs(self, spec: ConsumerSpec) -> dict[str, dict[str, int]]:
+        return {self.providers[p]: dict(res) for p, res in spec.allocations}
+
+    @staticmethod
+    def placement_allocs(allocs: dict[str, dict[str, int]]) -> dict[str, Any]:
+        return {p: {"resources": res} for p, res in allocs.items()}
+
+    # ---- one step ----
+
+    async def apply(self, step: Step) -> None:
+        plan = await self.translate(step)
+        if plan is None:
+            self.trace.append(f"{step}  -> skipped (precondition)")
+            return
+        method, path, body, run_evstore, new_null = plan
+        status, answer = await self.peer.acall(method, path, body)
+        p_kind = placement_kind(status, answer)
+        try:
+            await run_evstore()
+            e_kind = evstore_kind(None)
+        except EvstoreError as exc:
+            e_kind = evstore_kind(exc)
+        self.trace.append(f"{self.show(step)}  -> placement {p_kind} / evstore {e_kind}")
+        if p_kind != e_kind:
+            self.fail(f"outcome differs: Placement {p_kind!r} ({status} {answer}), evstore {e_kind!r}")
+        # Orphans: Placement keeps a null-generation new consumer at generation 0 after an empty
+        # write or a 400 for an unknown provider (SPEC.md, deliberate departures).
+        expected_orphans = {
+            c for c, empty in new_null if (p_kind == "accepted" and empty) or p_kind == "provider_not_found"
+        }
+        purged = set(await asyncio.to_thread(self.peer.purge_orphans))
+        if purged != expected_orphans:
+            self.fail(
+                f"Placement orphans {sorted(map(self.show_uuid, purged))} but the documented "
+                f"departures predict {sorted(map(self.show_uuid, expected_orphans))}"
+            )
+        await self.compare_state()
+
+    async def translate(self, step: Step) -> Any:
+        """``(method, path, body, evstore coroutine factory, [(new consumer, empty)])`` or None."""
+        store = self.store
+        match step:
+            case CreateProvider(p):
+                u = self.providers[p]
+                return (
+                    "POST",
+                    "/resource_providers",
+                    {"uuid": u, "name": f"rp-{p}"},
+                    lambda: store.create_provider(u, f"rp-{p}"),
+                    [],
+                )
+            case DeleteProvider(p):
+                u = self.providers[p]
+                return ("DELETE", f"/resource_providers/{u}", None, lambda: store.delete_provider(u), [])
+            case SetInventories(p, inventories, stale):
+                u = self.providers[p]
+                current = await self.provider_generation(u) or 0
+                gen = current + stale if current + stale >= 0 else current + abs(stale)
+                invs = {rc: spec.as_dict() for rc, spec in inventories}
+                return (
+                    "PUT",
+                    f"/resource_providers/{u}/inventories",
+                    {"resource_provider_generation": gen, "inventories": invs},
+                    lambda: store.set_inventories(u, {rc: Inventory(**v) for rc, v in invs.items()}, gen),
+                    [],
+                )
+            case ShrinkInventory(p, rc):
+                u = self.providers[p]
+                status, body = await self.peer.acall("GET", f"/resource_providers/{u}/inventories")
+                if status != 200 or rc not in body["inventories"]:
+                    return None
+                usage = await self.store.usage(u)
+                invs = dict(body["inventories"])
+                shrunk = dict(invs[rc])
+                shrunk.update(total=max(1, usage[rc] - 1), reserved=0, allocation_ratio=1.0)
+                invs[rc] = shrunk
+                gen = body["resource_provider_generation"]
+                return (
+                    "PUT",
+                    f"/resource_providers/{u}/inventories",
+                    {"resource_provider_generation": gen, "inventories": invs},
+                    lambda: store.set_inventories(u, {k: Inventory(**v) for k, v in invs.items()}, gen),
+                    [],
+                )
+            case DeleteInventory(p, rc):
+                u = self.providers[p]
+                return (
+                    "DELETE",
+                    f"/resource_providers/{u}/inventories/{rc}",
+                    None,
+                    lambda: store.delete_inventory(u, rc),
+                    [],
+                )
+            case Write(specs, post):
+                return await self.translate_write(specs, post)
+            case Swap(src, dst, src_choice, dst_choice):
+                s = await store.allocations(self.consumers[src])
+                d = await store.allocations(self.consumers[dst])
+                project = s.project_id or PROJECTS[0]
+                specs_body = {
+                    s.consumer: {
+                        "allocations": {},
+                        "project_id": project,
+                        "user_id": "user",
+                        "consumer_type": s.consumer_type or "INSTANCE",
+                        "consumer_generation": self.consumer_generation(src_choice, s.generation),
+                    },
+                    d.consumer: {
+                        "allocations": self.placement_allocs(s.allocations),
+                        "project_id": project,
+                        "user_id": "user",
+                        "consumer_type": "MIGRATION",
+                        "consumer_generation": self.consumer_generation(dst_choice, d.generation),
+                    },
+                }
+                return await self.post_plan_with_views(
+                    specs_body, {s.consumer: {}, d.consumer: s.allocations}
+                )
+            case Release(c):
+                u = self.consumers[c]
+                return ("DELETE", f"/allocations/{u}", None, lambda: store.release(u), [])
+            case StartMigration(i, m):
+                inst = await store.allocations(self.consumers[i])
+                mig = await store.allocations(self.consumers[m])
+                if not inst.allocations or inst.on_behalf_of is not None or mig.allocations:
+                    return None
+                body = {
+                    inst.consumer: {
+                        "allocations": {},
+                        "project_id": inst.project_id,
+                        "user_id": inst.user_id,
+                        "consumer_type": inst.consumer_type,
+                        "consumer_generation": inst.generation,
+                    },
+                    mig.consumer: {
+                        "allocations": self.placement_allocs(inst.allocations),
+                        "project_id": inst.project_id,
+                        "user_id": inst.user_id,
+                        "consumer_type": "MIGRATION",
+                        "consumer_generation": None,
+                    },
+                }
+                return (
+                    "POST",
+                    "/allocations",
+                    body,
+                    lambda: store.start_migration(inst.consumer, mig.consumer),
+                    [],
+                )
+            case RevertMigration(m):
+                mig = await store.allocations(self.consumers[m])
+                if mig.on_behalf_of is None or not mig.allocations:
+                    return None
+                inst = await store.allocations(mig.on_behalf_of)
+                body = {
+                    mig.consumer: {
+                        "allocations": {},
+                        "project_id": mig.project_id,
+                        "user_id": mig.user_id,
+                        "consumer_type": mig.consumer_type,
+                        "consumer_generation": mig.generation,
+                    },
+                    inst.consumer: {
+                        "allocations": self.placement_allocs(mig.allocations),
+                        "project_id": inst.project_id or mig.project_id,
+                        "user_id": inst.user_id or mig.user_id,
+                        "consumer_type": inst.consumer_type or "INSTANCE",
+                        "consumer_generation": inst.generation,
+                    },
+                }
+                return ("POST", "/allocations", body, lambda: store.revert_migration(mig.consumer), [])
+            case ConfirmMigration(m):
+                mig = await store.allocations(self.consumers[m])
+                if mig.on_behalf_of is None or not mig.allocations:
+                    return None
+                return (
+                    "DELETE",
+                    f"/allocations/{mig.consumer}",
+                    None,
+                    lambda: store.confirm_migration(mig.consumer),
+                    [],
+                )
+        raise AssertionError(f"unknown step {step!r}")
+
+    async def translate_write(self, specs: tuple[ConsumerSpec, ...], post: bool) -> Any:
+        body: dict[str, dict[str, Any]] = {}
+        new_allocs: dict[str, dict[str, dict[str, int]]] = {}
+        for spec in specs:
+            u = self.consumers[spec.c]
+            view = await self.store.allocations(u)
+            allocs = self.allocs(spec)
+            new_allocs[u] = allocs
+            body[u] = {
+                "allocations": self.placement_allocs(allocs),
+                "project_id": spec.project,
+                "user_id": "user",
+                "consumer_type": spec.consumer_type,
+                "consumer_generation": self.consumer_generation(spec.generation, view.generation),
+            }
+        if post or len(specs) > 1:
+            return await self.post_plan_with_views(body, new_allocs)
+        (u,) = body
+        entry = body[u]
+        plan = await self.post_plan_with_views(body, new_allocs)
+        store = self.store
+        return (
+            "PUT",
+            f"/allocations/{u}",
+            entry,
+            lambda: store.set_allocations(
+                u,
+                new_allocs[u],
+                project_id=entry["project_id"],
+                user_id=entry["user_id"],
+                consumer_type=entry["consumer_type"],
+                generation=entry["consumer_generation"],
+            ),
+            plan[4],
+        )
+
+    async def post_plan_with_views(
+        self, body: dict[str, dict[str, Any]], new_allocs: dict[str, dict[str, dict[str, int]]]
+    ) -> Any:
+        plan = self.post_plan(body, new_allocs)
+        new_null = []
+        for u, entry in body.items():
+            view = await self.store.allocations(u)
+            if view.generation is None and entry["consumer_generation"] is None:
+                new_null.append((u, not new_allocs[u]))
+        return (*plan[:4], new_null)
+
+    def post_plan(
+        self, body: dict[str, dict[str, Any]], new_allocs: dict[str, dict[str, dict[str, int]]]
+    ) -> Any:
+        store = self.store
+        writes = {
+            u: ConsumerAllocations(
+                allocations=new_allocs[u],
+                project_id=entry["project_id"],
+                user_id=entry["user_id"],
+                consumer_type=entry["consumer_type"],
+                consumer_generation=entry["consumer_generation"],
+            )
+            for u, entry in body.items()
+        }
+        return ("POST", "/allocations", body, lambda: store.write_allocations(writes), [])
+
+    # ---- state ----
+
+    async def placement_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for u in self.providers:
+            status, body = await self.peer.acall("GET", f"/resource_providers/{u}/usages")
+            if status == 404:
+                state[self.names[u]] = None
+            else:
+                assert status == 200, body
+                state[self.names[u]] = (body["resource_provider_generation"], body["usages"])
+        for u in self.consumers:
+            status, body = await self.peer.acall("GET", f"/allocations/{u}")
+            assert status == 200, body
+            allocs = {self.names[p]: a["resources"] for p, a in body["allocations"].items()}
+            state[self.names[u]] = (
+                allocs,
+                body.get("consumer_generation"),
+                body.get("project_id"),
+                body.get("user_id"),
+                body.get("consumer_type"),
+            )
+        return state
+
+    async def evstore_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for u in self.providers:
+            try:
+                usage = await self.store.usage(u)
+            except ProviderNotFound:
+                state[self.names[u]] = None
+            else:
+                state[self.names[u]] = (usage.generation, dict(usage.usages))
+        for u in self.consumers:
+            view = await self.store.allocations(u)
+            allocs = {self.names[p]: dict(r) for p, r in view.allocations.items()}
+            held = bool(allocs)
+            state[self.names[u]] = (
+                allocs,
+                view.generation,
+                view.project_id if held else None,
+                view.user_id if held else None,
+                view.consumer_type if held else None,
+            )
+        return state
+
+    async def compare_state(self) -> None:
+        expected, got = await self.placement_state(), await self.evstore_state()
+        if expected != got:
+            diff = [
+                f"  {k}: Placement {expected[k]} / evstore {got[k]}"
+                for k in expected
+                if expected[k] != got[k]
+            ]
+            self.fail("state differs:\n" + "\n".join(diff))
+
+    # ---- reporting ----
+
+    def show_uuid(self, u: str) -> str:
+        return self.names.get(u, u)
+
+    def show(self, step: Step) -> str:
+        return repr(step)
+
+    def fail(self, message: str) -> None:
+        history = "\n".join(f"  {i:2d}. {line}" for i, line in enumerate(self.trace, 1))
+        raise Mismatch(f"{message}\nsteps so far:\n{history}")
+
+
+async def run_sequence(peer: PlacementPeer, program: list[Step], workdir: Path) -> None:
+    await asyncio.to_thread(peer.reset, workdir / "placement.sqlite")
+    async with open_store(f"sqlite:///{workdir}/evstore.db") as store:
+        seq = Sequence(store, peer)
+        for step in (*SETUP, *program):
+            await seq.apply(step)
+
+
+def check_program(peer: PlacementPeer, program: list[Step]) -> None:
+    # capture_logs keeps evstore's per-command log lines out of failure reports.
+    with tempfile.TemporaryDirectory(prefix="evstore-diff-") as tmp, structlog.testing.capture_logs():
+        asyncio.run(run_sequence(peer, program, Path(tmp)))
+
+
+# --- fixtures and tests ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def placement_peer() -> Iterator[PlacementPeer]:
+    try:
+        python = placement_python()
+    except PeerUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the Placement 16.0.0 peer is required under CI: {exc}")
+        pytest.skip(f"Placement 16.0.0 peer unavailable: {exc}")
+    peer = PlacementPeer(python)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+COMMON = {
+    "deadline": None,
+    "database": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+}
+
+
+@settings(max_examples=12, derandomize=True, **COMMON)  # type: ignore[arg-type]
+@given(program=programs)
+def test_evstore_matches_placement(placement_peer: PlacementPeer, program: list[Step]) -> None:
+    check_program(placement_peer, program)
+
+
+def _slow_enabled(config: pytest.Config) -> bool:
+    return os.environ.get("EVSTORE_SLOW") == "1" or "slow" in str(config.getoption("-m") or "")
+
+
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get("EVSTORE_DIFF_EXAMPLES", "400")), **COMMON)  # type: ignore[arg-type]
+@given(program=st.lists(steps, min_size=5, max_size=60))
+def test_evstore_matches_placement_campaign(
+    pytestconfig: pytest.Config, placement_peer: PlacementPeer, program: list[Step]
+) -> None:
+    if not _slow_enabled(pytestconfig):
+        pytest.skip("long campaign: run with EVSTORE_SLOW=1 or -m slow")
+    check_program(placement_peer, program)
+
+
+def test_nova_swap_scenario(placement_peer: PlacementPeer) -> None:
+    """A hand-written Nova sequence: build, move to a migration, revert, confirm, release."""
+    full = ConsumerSpec(0, ((0, (("VCPU", 4), ("MEMORY_MB", 8))),), "null", PROJECTS[0], "INSTANCE")
+    check_program(
+        placement_peer,
+        [
+            Write((full,), post=False),
+            Swap(0, 1, "current", "null"),
+            Write((ConsumerSpec(0, ((1, (("VCPU", 2),)),), "null", PROJECTS[0], "INSTANCE"),), post=False),
+            StartMigration(0, 2),
+            RevertMigration(2),
+            Swap(0, 3, "current", "current"),
+            Release(1),
+            Release(1),
+            ShrinkInventory(0, "VCPU"),
+            Swap(3, 0, "current", "null"),
+            DeleteInventory(0, "VCPU"),
+            ConfirmMigration(2),
+        ],
+    )
