@@ -27,18 +27,18 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Recorder, emit
-from workload import COMMANDS_PER_OP, INVENTORY, Op, Workload
+from common import Recorder, emit  # type: ignore[import-not-found,unused-ignore]
+from workload import COMMANDS_PER_OP, INVENTORY, Op, Workload  # type: ignore[import-not-found,unused-ignore]
 
 CLAIM_VERSION = "placement 1.38"
 MOVE_VERSION = "placement 1.28"
 
 
 def durable_sqlite() -> None:
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
+    from sqlalchemy import event  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    from sqlalchemy.engine import Engine  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
-    @event.listens_for(Engine, "connect")
+    @event.listens_for(Engine, "connect")  # type: ignore[untyped-decorator,misc,unused-ignore]
     def _pragmas(dbapi_con: Any, _record: Any) -> None:
         cur = dbapi_con.cursor()
         cur.execute("PRAGMA journal_mode = WAL")
@@ -51,11 +51,11 @@ def build_app(db: str) -> Any:
 
     logging.getLogger().setLevel(logging.WARNING)  # as the evstore side: no info logging
     durable_sqlite()
-    from oslo_config import cfg
-    from oslo_policy import opts as policy_opts
-    from placement import conf as placement_conf
-    from placement import db_api, deploy
-    from placement.db.sqlalchemy import migration
+    from oslo_config import cfg  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    from oslo_policy import opts as policy_opts  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    from placement import conf as placement_conf  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    from placement import db_api, deploy  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    from placement.db.sqlalchemy import migration  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
     conf = cfg.ConfigOpts()
     placement_conf.register_opts(conf)
@@ -72,7 +72,7 @@ class Client:
     """Placement's HTTP API, called in-process."""
 
     def __init__(self, app: Any) -> None:
-        import webob
+        import webob  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
         self.app = app
         self.webob = webob
@@ -181,7 +181,7 @@ def setup(client: Client, w: Workload) -> None:
 
 
 def check_durability(db: str) -> dict[str, Any]:
-    from placement import db_api
+    from placement import db_api  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
     engine = db_api.get_placement_engine()
     with engine.connect() as conn:

@@ -40,7 +40,7 @@ FLAVOR_WEIGHTS = [4, 4, 2, 1]
 
 # Generous inventory: the workload measures the write path, not scheduling failures, and every
 # system must see the same outcomes (Placement's leaked allocations must never make it run out).
-INVENTORY = {
+INVENTORY: dict[str, dict[str, Any]] = {
     "VCPU": {"total": 1_000_000, "allocation_ratio": 4.0},
     "MEMORY_MB": {"total": 1_000_000_000, "reserved": 512},
     "DISK_GB": {"total": 100_000_000},
