@@ -56,7 +56,9 @@ async def make_provider(
     rp = new_uuid()
     await store.create_provider(rp, name or f"rp-{rp[:8]}", parent=parent)
     if inventories:
-        invs = {rc: inv if isinstance(inv, Inventory) else Inventory(total=inv) for rc, inv in inventories.items()}
+        invs = {
+            rc: inv if isinstance(inv, Inventory) else Inventory(total=inv) for rc, inv in inventories.items()
+        }
         await store.set_inventories(rp, invs, generation=0)
     return rp
 

@@ -1,0 +1,129 @@
+"""Races for real: many tasks, several OS processes on one SQLite file, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from evstore import AllocationStore, CapacityExceeded, ConsumerAllocations, Inventory, open_store
+from tests.conftest import allocate, make_provider, new_uuid
+
+
+async def test_hundred_tasks_race_for_ten_slots(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=10)
+    consumers = [new_uuid() for _ in range(100)]
+
+    async def claim(c: str) -> bool:
+        try:
+            await allocate(store, c, {rp: {"VCPU": 1}})
+            return True
+        except CapacityExceeded:
+            return False
+
+    results = await asyncio.gather(*(claim(c) for c in consumers))
+    assert results.count(True) == 10
+    assert (await store.usage(rp)).usages == {"VCPU": 10}
+    winners = [c for c, ok in zip(consumers, results, strict=True) if ok]
+    for c in winners:
+        assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
+    # 10 accepted writes + provider creation + inventory: nothing else was appended
+    assert await store.head() == 12
+    assert (await store.audit()).clean
+
+
+async def test_four_processes_share_one_sqlite_file(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/shared.db"
+    async with open_store(url) as store:
+        providers = [await make_provider(store, f"node-{i}", VCPU=Inventory(total=12)) for i in range(3)]
+    n = 60
+    outs = [tmp_path / f"out-{i}.jsonl" for i in range(4)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.mp_worker", url, str(seed), str(n), str(out), env=env
+        )
+        for seed, out in enumerate(outs)
+    ]
+    codes = await asyncio.gather(*(p.wait() for p in procs))
+    assert codes == [0, 0, 0, 0]
+
+    acknowledged: list[int] = []
+    for out in outs:
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(lines) == n
+        for line in lines:
+            acknowledged.extend(line.get("positions", []))
+    async with open_store(url) as store:
+        head = await store.head()
+        events = await store.read(0, head + 10)
+        positions = [e.position for e in events]
+        assert positions == list(range(1, head + 1)), "positions are gap-free and in order"
+        assert len({e.event_id for e in events}) == head, "no duplicated event"
+        assert len(acknowledged) == len(set(acknowledged)), "no position acknowledged twice"
+        assert set(acknowledged) <= set(positions), "every acknowledged event is in the log"
+        # everything after setup (2 events per provider) was acknowledged to some process
+        assert set(positions) - set(acknowledged) == set(range(1, 2 * len(providers) + 1))
+        report = await store.audit()
+        assert report.clean, report.findings  # includes: never over capacity at any position, no drift
+        for p in providers:
+            assert (await store.usage(p)).usages["VCPU"] <= 12
+
+
+async def test_cancelled_commands_are_all_or_nothing(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=1000)
+    rng = random.Random(7)
+    pairs: list[tuple[str, str]] = []
+
+    async def move(a: str, b: str) -> None:
+        await store.write_allocations(
+            {
+                a: ConsumerAllocations(
+                    allocations={rp: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE"
+                ),
+                b: ConsumerAllocations(
+                    allocations={rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE"
+                ),
+            }
+        )
+
+    tasks = []
+    for _ in range(60):
+        a, b = new_uuid(), new_uuid()
+        pairs.append((a, b))
+        tasks.append(asyncio.create_task(move(a, b)))
+    for task in tasks:
+        for _ in range(rng.randint(0, 3)):
+            await asyncio.sleep(0)
+        if rng.random() < 0.6:
+            task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
+    assert 0 < cancelled < 60
+    present = 0
+    for a, b in pairs:
+        ha, hb = (await store.allocations(a)).allocations, (await store.allocations(b)).allocations
+        assert bool(ha) == bool(hb), "a command is all or nothing"
+        present += bool(ha)
+    assert (await store.usage(rp)).usages["VCPU"] == 3 * present
+    # the store is still usable
+    await allocate(store, new_uuid(), {rp: {"VCPU": 5}})
+    assert (await store.audit()).clean
+
+
+async def test_timeout_around_a_command_behaves(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0):
+            await allocate(store, c, {rp: {"VCPU": 1}})
+    # Whether it committed or not, the store is consistent and usable afterwards.
+    held = (await store.allocations(c)).allocations
+    assert held in ({}, {rp: {"VCPU": 1}})
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    assert (await store.audit()).clean

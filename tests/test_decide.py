@@ -1,0 +1,443 @@
+"""Business rules as given-events / when-command / then-events-or-error, with no database.
+
+Placement-exact where SPEC.md says so: check order, capacity with the over-capacity tolerance,
+per-row min/max/step, generation arithmetic.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from evstore import errors as err
+from evstore import events as ev
+from evstore.commands import (
+    ConfirmMigration,
+    ConsumerWrite,
+    CreateProvider,
+    CreateResourceClass,
+    DeleteConsumer,
+    DeleteInventory,
+    DeleteProvider,
+    Release,
+    RenameProvider,
+    RevertMigration,
+    SetInventories,
+    SetInventory,
+    StartMigration,
+    WriteAllocations,
+    decide,
+)
+from evstore.schema import Inventory
+from projections.state import State, evolve
+
+RP1 = "00000000-0000-0000-0000-0000000000a1"
+RP2 = "00000000-0000-0000-0000-0000000000a2"
+C1 = "00000000-0000-0000-0000-0000000000c1"
+C2 = "00000000-0000-0000-0000-0000000000c2"
+MIG = "00000000-0000-0000-0000-0000000000f1"
+
+
+def given(*events: ev.EventBase) -> State:
+    state = State()
+    for i, e in enumerate(events, start=1):
+        evolve(state, e, i)
+    return state
+
+
+def when(state: State, command: object) -> list[ev.EventBase]:
+    """Decide, then fold the result into ``state`` (so the next ``when`` sees it)."""
+    events = decide(command, state)  # type: ignore[arg-type]
+    for e in events:
+        evolve(state, e, state.position + 1)
+    return events
+
+
+def provider(uuid: str, name: str, **inventories: Inventory) -> list[ev.EventBase]:
+    out: list[ev.EventBase] = [ev.ProviderCreated(provider=uuid, name=name, root=uuid)]
+    if inventories:
+        out.append(ev.InventoriesReplaced(provider=uuid, inventories=inventories, generation=1))
+    return out
+
+
+def write(
+    consumer: str,
+    allocs: dict[str, dict[str, int]],
+    generation: int | None = None,
+    project: str = "p",
+    user: str = "u",
+    ctype: str = "INSTANCE",
+) -> ConsumerWrite:
+    return ConsumerWrite(consumer, allocs, project, user, ctype, generation)
+
+
+def one(*writes: ConsumerWrite) -> WriteAllocations:
+    return WriteAllocations(tuple(writes))
+
+
+def cloud(**inventories: Inventory) -> State:
+    return given(*provider(RP1, "rp1", **inventories))
+
+
+# --- allocations: generations ----------------------------------------------------------------
+
+
+def test_new_consumer_is_first_seen_at_generation_1_and_provider_bumped_once() -> None:
+    state = cloud(VCPU=Inventory(total=8), MEMORY_MB=Inventory(total=1024))
+    [e] = when(state, one(write(C1, {RP1: {"VCPU": 2, "MEMORY_MB": 256}})))
+    assert isinstance(e, ev.AllocationsReplaced)
+    assert e.generation == 1
+    assert e.provider_generations == {RP1: 2}
+    assert state.consumers[C1].generation == 1
+    assert state.providers[RP1].usages == {"VCPU": 2, "MEMORY_MB": 256}
+
+
+def test_generation_mismatch_uses_placements_wording() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}})))
+    with pytest.raises(err.ConcurrentUpdate, match="consumer generation conflict - expected 1 but got 7"):
+        when(state, one(write(C1, {RP1: {"VCPU": 2}}, generation=7)))
+    with pytest.raises(err.ConcurrentUpdate, match="expected 1 but got None"):
+        when(state, one(write(C1, {RP1: {"VCPU": 2}}, generation=None)))
+    with pytest.raises(err.ConcurrentUpdate, match="expected null but got 3"):
+        when(state, one(write(C2, {RP1: {"VCPU": 2}}, generation=3)))
+
+
+def test_generation_checks_run_first_in_the_order_given() -> None:
+    # C2 has a stale generation AND RP2 does not exist: the generation error wins (Placement order).
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C2, {RP1: {"VCPU": 1}})))
+    with pytest.raises(err.ConcurrentUpdate, match="expected 1 but got 5"):
+        when(state, one(write(C1, {RP2: {"VCPU": 1}}), write(C2, {RP1: {"VCPU": 1}}, generation=5)))
+
+
+def test_unknown_provider_before_inventory_and_capacity() -> None:
+    state = cloud(VCPU=Inventory(total=1))
+    with pytest.raises(err.ProviderNotFound, match="that does not exist"):
+        when(state, one(write(C1, {RP1: {"VCPU": 99}, RP2: {"VCPU": 1}})))
+
+
+def test_provider_without_inventory_for_any_requested_class() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    with pytest.raises(err.InvalidInventory, match="on resource provider"):
+        when(state, one(write(C1, {RP1: {"DISK_GB": 10}})))
+
+
+def test_missing_class_on_a_provider_that_has_some_other_requested_class() -> None:
+    state = given(
+        *provider(RP1, "rp1", VCPU=Inventory(total=8)), *provider(RP2, "rp2", DISK_GB=Inventory(total=8))
+    )
+    with pytest.raises(err.InvalidInventory, match="Inventory for 'DISK_GB' on resource provider"):
+        when(state, one(write(C1, {RP1: {"VCPU": 1, "DISK_GB": 1}, RP2: {"DISK_GB": 1}})))
+
+
+def test_unknown_custom_class_is_rejected_until_created() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    with pytest.raises(err.UnknownResourceClass):
+        when(state, one(write(C1, {RP1: {"CUSTOM_GOLD": 1}})))
+    assert when(state, CreateResourceClass("CUSTOM_GOLD")) == [ev.ResourceClassCreated(name="CUSTOM_GOLD")]
+    when(state, SetInventories(RP1, {"VCPU": Inventory(total=8), "CUSTOM_GOLD": Inventory(total=2)}, 1))
+    when(state, one(write(C1, {RP1: {"CUSTOM_GOLD": 2}})))
+    assert state.providers[RP1].usages == {"CUSTOM_GOLD": 2}
+
+
+# --- allocations: rows, constraints and capacity ---------------------------------------------
+
+
+@pytest.mark.parametrize("amount", [5, 1000 + 10, 15])
+def test_min_max_step_per_row(amount: int) -> None:
+    state = cloud(DISK_GB=Inventory(total=2048, min_unit=10, max_unit=1000, step_size=10))
+    with pytest.raises(err.ConstraintViolation, match="violate inventory constraints"):
+        when(state, one(write(C1, {RP1: {"DISK_GB": amount}})))
+
+
+def test_constraints_are_checked_per_row_not_on_the_sum() -> None:
+    # Two consumers of 600 each: each row is within max_unit 1000 although the sum is not.
+    state = cloud(DISK_GB=Inventory(total=2048, max_unit=1000))
+    events = when(state, one(write(C1, {RP1: {"DISK_GB": 600}}), write(C2, {RP1: {"DISK_GB": 600}})))
+    assert len(events) == 2
+    assert state.providers[RP1].usages == {"DISK_GB": 1200}
+
+
+def test_capacity_formula_is_a_float_not_truncated() -> None:
+    # (3 - 0) * 1.5 = 4.5: 4 fits, 5 does not.
+    state = cloud(VCPU=Inventory(total=3, allocation_ratio=1.5))
+    when(state, one(write(C1, {RP1: {"VCPU": 4}})))
+    with pytest.raises(err.CapacityExceeded, match="exceed the capacity"):
+        when(state, one(write(C2, {RP1: {"VCPU": 1}})))
+
+
+def test_reserved_reduces_capacity() -> None:
+    state = cloud(VCPU=Inventory(total=8, reserved=6))
+    when(state, one(write(C1, {RP1: {"VCPU": 2}})))
+    with pytest.raises(err.CapacityExceeded):
+        when(state, one(write(C2, {RP1: {"VCPU": 1}})))
+
+
+def test_capacity_uses_the_running_sum_of_the_command() -> None:
+    state = cloud(VCPU=Inventory(total=4))
+    with pytest.raises(err.CapacityExceeded):
+        when(state, one(write(C1, {RP1: {"VCPU": 3}}), write(C2, {RP1: {"VCPU": 2}})))
+    assert state.providers[RP1].usages == {}
+
+
+def test_first_failing_row_decides_the_error() -> None:
+    state = given(
+        *provider(RP1, "rp1", VCPU=Inventory(total=1)),
+        *provider(RP2, "rp2", VCPU=Inventory(total=8, step_size=2)),
+    )
+    # Row order: RP2 VCPU 3 (constraint) comes before RP1 VCPU 5 (capacity).
+    with pytest.raises(err.ConstraintViolation):
+        when(state, one(write(C1, {RP2: {"VCPU": 3}, RP1: {"VCPU": 5}})))
+    with pytest.raises(err.CapacityExceeded):
+        when(state, one(write(C1, {RP1: {"VCPU": 5}, RP2: {"VCPU": 3}})))
+
+
+def test_replace_semantics_let_a_swap_succeed_on_a_full_provider() -> None:
+    state = cloud(VCPU=Inventory(total=4))
+    when(state, one(write(C1, {RP1: {"VCPU": 4}})))
+    events = when(state, one(write(C1, {}, generation=1), write(C2, {RP1: {"VCPU": 4}})))
+    assert [type(e) for e in events] == [ev.AllocationsReplaced, ev.AllocationsReplaced]
+    # the move bumps the provider once, carried by the first event naming it
+    assert events[0].provider_generations == {RP1: 3}  # type: ignore[attr-defined]
+    assert events[1].provider_generations == {}  # type: ignore[attr-defined]
+    assert C1 not in state.consumers  # emptied: absent again
+    assert state.consumers[C2].generation == 1
+    assert state.providers[RP1].generation == 3
+
+
+def test_over_capacity_tolerance_no_worse_is_accepted() -> None:
+    # capacity 6, usage 12 (after a shrink): 12 -> 10 accepted, 10 -> 12 refused, 10 -> 10 accepted.
+    state = cloud(VCPU=Inventory(total=16))
+    when(state, one(write(C1, {RP1: {"VCPU": 12}})))
+    when(state, SetInventories(RP1, {"VCPU": Inventory(total=6)}, state.providers[RP1].generation))
+    assert state.providers[RP1].usages == {"VCPU": 12}
+    when(state, one(write(C1, {RP1: {"VCPU": 10}}, generation=1)))
+    with pytest.raises(err.CapacityExceeded):
+        when(state, one(write(C1, {RP1: {"VCPU": 12}}, generation=2)))
+    when(state, one(write(C1, {RP1: {"VCPU": 10}}, generation=2)))
+    assert state.consumers[C1].generation == 3
+
+
+def test_rewrite_onto_another_provider_bumps_only_the_provider_named() -> None:
+    state = given(
+        *provider(RP1, "rp1", VCPU=Inventory(total=8)), *provider(RP2, "rp2", VCPU=Inventory(total=8))
+    )
+    when(state, one(write(C1, {RP1: {"VCPU": 2}})))
+    assert state.providers[RP1].generation == 2
+    [e] = when(state, one(write(C1, {RP2: {"VCPU": 2}}, generation=1)))
+    assert e.provider_generations == {RP2: 2}  # type: ignore[attr-defined]
+    assert state.providers[RP1].generation == 2  # left, not named: not bumped
+    assert state.providers[RP1].usages == {}
+
+
+def test_emptying_a_consumer_bumps_the_providers_it_held() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 2}})))
+    [e] = when(state, one(write(C1, {}, generation=1)))
+    assert e.generation is None  # type: ignore[attr-defined]
+    assert e.provider_generations == {RP1: 3}  # type: ignore[attr-defined]
+    # absent again: the next write must say null
+    with pytest.raises(err.ConcurrentUpdate, match="expected null but got 2"):
+        when(state, one(write(C1, {RP1: {"VCPU": 1}}, generation=2)))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}}, generation=None)))
+    assert state.consumers[C1].generation == 1
+
+
+def test_empty_write_to_an_absent_consumer_creates_no_orphan() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    assert when(state, one(write(C1, {}))) == []
+    assert C1 not in state.consumers
+
+
+def test_release_bumps_nothing_and_needs_allocations() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 2}})))
+    [e] = when(state, Release(C1))
+    assert e == ev.AllocationsReleased(consumer=C1, released={RP1: {"VCPU": 2}})
+    assert state.providers[RP1].generation == 2
+    assert C1 not in state.consumers
+    with pytest.raises(err.NotFound, match="No allocations for consumer"):
+        when(state, Release(C1))
+
+
+def test_a_consumer_twice_in_one_command_is_invalid() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    with pytest.raises(err.InvalidInput):
+        when(state, one(write(C1, {RP1: {"VCPU": 1}}), write(C1, {RP1: {"VCPU": 1}})))
+
+
+# --- inventories -------------------------------------------------------------------------------
+
+
+def test_inventory_generation_check_and_bump() -> None:
+    state = given(*provider(RP1, "rp1"))
+    [e] = when(state, SetInventories(RP1, {"VCPU": Inventory(total=4)}, 0))
+    assert e.generation == 1  # type: ignore[attr-defined]
+    with pytest.raises(err.ConcurrentUpdate, match="resource provider generation conflict"):
+        when(state, SetInventories(RP1, {"VCPU": Inventory(total=8)}, 0))
+
+
+def test_shrinking_below_usage_is_allowed_but_removing_a_used_class_is_not() -> None:
+    state = cloud(VCPU=Inventory(total=8), DISK_GB=Inventory(total=100))
+    when(state, one(write(C1, {RP1: {"VCPU": 6}})))
+    gen = state.providers[RP1].generation
+    when(state, SetInventories(RP1, {"VCPU": Inventory(total=2), "DISK_GB": Inventory(total=100)}, gen))
+    with pytest.raises(err.InventoryInUse, match="in use"):
+        when(state, SetInventories(RP1, {"DISK_GB": Inventory(total=100)}, gen + 1))
+    with pytest.raises(err.InventoryInUse):
+        when(state, DeleteInventory(RP1, "VCPU"))
+    # an unused class can go
+    when(state, DeleteInventory(RP1, "DISK_GB"))
+    assert set(state.providers[RP1].inventories) == {"VCPU"}
+    assert state.providers[RP1].generation == gen + 2
+
+
+def test_set_single_inventory_and_delete_missing() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, SetInventory(RP1, "MEMORY_MB", Inventory(total=512), 1))
+    assert set(state.providers[RP1].inventories) == {"VCPU", "MEMORY_MB"}
+    with pytest.raises(err.NotFound):
+        when(state, DeleteInventory(RP1, "DISK_GB"))
+
+
+# --- providers -------------------------------------------------------------------------------
+
+
+def test_provider_rules() -> None:
+    state = given(*provider(RP1, "rp1", VCPU=Inventory(total=8)))
+    with pytest.raises(err.DuplicateName):
+        when(state, CreateProvider(RP2, "rp1"))
+    with pytest.raises(err.DuplicateName):
+        when(state, CreateProvider(RP1, "other"))
+    [created] = when(state, CreateProvider(RP2, "child", parent=RP1))
+    assert created == ev.ProviderCreated(provider=RP2, name="child", parent=RP1, root=RP1)
+    with pytest.raises(err.CannotDeleteParent):
+        when(state, DeleteProvider(RP1))
+    with pytest.raises(err.DuplicateName):
+        when(state, RenameProvider(RP2, "rp1"))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}})))
+    when(state, DeleteProvider(RP2))
+    with pytest.raises(err.ProviderInUse):
+        when(state, DeleteProvider(RP1))
+    when(state, Release(C1))
+    when(state, DeleteProvider(RP1))
+    assert state.providers == {}
+
+
+# --- migrations and tombstones ---------------------------------------------------------------
+
+
+def migrated() -> State:
+    state = given(
+        *provider(RP1, "src", VCPU=Inventory(total=8)), *provider(RP2, "dst", VCPU=Inventory(total=8))
+    )
+    when(state, one(write(C1, {RP1: {"VCPU": 4}})))
+    when(state, StartMigration(C1, MIG))
+    return state
+
+
+def test_start_migration_moves_everything_to_the_migration_on_behalf_of_the_instance() -> None:
+    state = migrated()
+    assert C1 not in state.consumers  # absent
+    mig = state.consumers[MIG]
+    assert mig.allocations == {RP1: {"VCPU": 4}}
+    assert mig.on_behalf_of == C1
+    assert mig.consumer_type == "MIGRATION"
+    assert mig.generation == 1
+    assert state.providers[RP1].generation == 3  # one bump for the move
+    assert state.providers[RP1].usages == {"VCPU": 4}
+
+
+def test_revert_replaces_destination_allocations_and_empties_the_migration() -> None:
+    state = migrated()
+    when(state, one(write(C1, {RP2: {"VCPU": 4}})))  # scheduler claims the destination
+    [e] = when(state, RevertMigration(MIG))
+    assert isinstance(e, ev.MigrationReverted)
+    assert e.replaced == {RP2: {"VCPU": 4}}
+    assert state.consumers[C1].allocations == {RP1: {"VCPU": 4}}
+    assert state.consumers[C1].generation == 2
+    assert MIG not in state.consumers
+    assert state.providers[RP2].usages == {}
+    assert e.provider_generations == {RP1: 4}  # destination only loses allocations: not bumped
+
+
+def test_confirm_releases_the_source() -> None:
+    state = migrated()
+    when(state, one(write(C1, {RP2: {"VCPU": 4}})))
+    [e] = when(state, ConfirmMigration(MIG))
+    assert e == ev.MigrationConfirmed(migration=MIG, instance=C1, released={RP1: {"VCPU": 4}})
+    assert state.providers[RP1].usages == {}
+    assert state.consumers[C1].allocations == {RP2: {"VCPU": 4}}
+    with pytest.raises(err.NotFound):
+        when(state, RevertMigration(MIG))
+
+
+def test_delete_releases_the_instance_and_its_migrations_in_one_event() -> None:
+    state = migrated()
+    when(state, one(write(C1, {RP2: {"VCPU": 4}})))
+    [e] = when(state, DeleteConsumer(C1))
+    assert e == ev.ConsumerDeleted(
+        consumer=C1, released={RP2: {"VCPU": 4}}, migrations_released={MIG: {RP1: {"VCPU": 4}}}
+    )
+    assert state.providers[RP1].usages == {} and state.providers[RP2].usages == {}
+    assert state.consumers[C1].deleted
+
+
+def test_revert_to_a_tombstoned_instance_is_rejected() -> None:
+    state = migrated()
+    when(state, DeleteConsumer(C1))
+    with pytest.raises(err.ConsumerDeleted) as info:
+        when(state, RevertMigration(MIG))
+    assert info.value.code == "evstore.consumer.deleted"
+
+
+@pytest.mark.parametrize("generation", [None, 0, 1, 5])
+def test_no_write_can_resurrect_a_tombstoned_consumer(generation: int | None) -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, DeleteConsumer(C1))  # never seen: the tombstone is still recorded
+    assert state.consumers[C1].deleted
+    with pytest.raises(err.ConsumerDeleted):
+        when(state, one(write(C1, {RP1: {"VCPU": 1}}, generation=generation)))
+    # the way Nova's move_allocations would revert: empty the migration, fill the instance with null
+    with pytest.raises(err.ConsumerDeleted):
+        when(state, one(write(C2, {}), write(C1, {RP1: {"VCPU": 1}})))
+    with pytest.raises(err.ConsumerDeleted):
+        when(state, StartMigration(C2, C1))
+
+
+def test_deleting_twice_changes_nothing() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, DeleteConsumer(C1))
+    assert when(state, DeleteConsumer(C1)) == []
+
+
+def test_start_migration_preconditions() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    with pytest.raises(err.NotFound):
+        when(state, StartMigration(C1, MIG))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}}), write(C2, {RP1: {"VCPU": 1}})))
+    with pytest.raises(err.ConcurrentUpdate, match="expected 1 but got None"):
+        when(state, StartMigration(C1, C2))  # the migration consumer must be absent
+    with pytest.raises(err.InvalidInput):
+        when(state, StartMigration(C1, C1))
+
+
+def test_revert_after_delete_order_ends_with_zero_usage() -> None:
+    state = migrated()
+    when(state, RevertMigration(MIG))
+    when(state, DeleteConsumer(C1))
+    assert state.providers[RP1].usages == {}
+    assert MIG not in state.consumers or not state.consumers[MIG].allocations
+
+
+def test_inventory_rejects_insane_values() -> None:
+    from evstore.schema import make_inventory
+
+    with pytest.raises(err.InvalidInput):
+        make_inventory(total=4, reserved=5)
+    with pytest.raises(err.InvalidInventory):
+        make_inventory(total=4, min_unit=5, max_unit=2)
+    with pytest.raises(err.InvalidInput):
+        make_inventory(total=4, allocation_ratio=0.0)
+    with pytest.raises(err.InvalidInput):
+        make_inventory(total=4, allocation_ratio=float("nan"))

@@ -1,0 +1,143 @@
+"""The seed scenarios of bug 1848343 (SPEC §6), each in both orders, on a real store.
+
+The instance is deleted while the migration consumer holds its source allocations; then the
+revert runs. evstore rejects the revert with ConsumerDeleted, appends nothing, and usage returns
+to what it was before the instance existed. Revert-then-delete ends with zero usage too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from evstore import AllocationStore, ConsumerDeleted, Inventory
+from tests.conftest import allocate, make_provider, new_uuid
+
+FLAVOR = {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 20}
+NEW_FLAVOR = {"VCPU": 4, "MEMORY_MB": 2048, "DISK_GB": 40}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    actor: str
+    #: the scheduler had already claimed the destination for the instance before the failure
+    destination_claimed: bool
+    #: resize to the same host (source and destination are one provider)
+    same_host: bool = False
+
+
+SCENARIOS = [
+    Scenario("conductor rollback after NoValidHost", "nova-conductor", destination_claimed=False),
+    Scenario("live-migration task rollback", "nova-conductor:live_migrate", destination_claimed=True),
+    Scenario(
+        "compute revert after failed prep_resize claim", "nova-compute:prep_resize", True, same_host=True
+    ),
+    Scenario("resize_instance fails on the source host", "nova-compute:resize_instance", True),
+    Scenario(
+        "finish_revert_resize after the user asked to revert", "nova-compute:finish_revert_resize", True
+    ),
+]
+
+
+async def cloud(store: AllocationStore) -> tuple[str, str]:
+    inv = {"VCPU": Inventory(total=16), "MEMORY_MB": Inventory(total=32768), "DISK_GB": Inventory(total=1000)}
+    src = await make_provider(store, "source-node", **inv)  # type: ignore[arg-type]
+    dst = await make_provider(store, "dest-node", **inv)  # type: ignore[arg-type]
+    return src, dst
+
+
+async def start(store: AllocationStore, scenario: Scenario, src: str, dst: str) -> tuple[str, str, str]:
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {src: FLAVOR})
+    await store.start_migration(
+        instance, migration, metadata={"actor": "nova-conductor", "request_id": "req-move"}
+    )
+    target = src if scenario.same_host else dst
+    if scenario.destination_claimed:
+        await allocate(store, instance, {target: NEW_FLAVOR})
+    return instance, migration, target
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+async def test_delete_then_revert_is_rejected_and_leaks_nothing(
+    store: AllocationStore, scenario: Scenario
+) -> None:
+    src, dst = await cloud(store)
+    before = {p: dict((await store.usage(p)).usages) for p in (src, dst)}
+    instance, migration, _ = await start(store, scenario, src, dst)
+
+    await store.delete_consumer(instance, metadata={"actor": "nova-api", "request_id": "req-delete"})
+    head = await store.head()
+    with pytest.raises(ConsumerDeleted) as info:
+        await store.revert_migration(
+            migration, metadata={"actor": scenario.actor, "request_id": "req-revert"}
+        )
+    assert info.value.code == "evstore.consumer.deleted"
+    assert instance in info.value.message
+
+    assert await store.head() == head, "a rejected revert must append nothing"
+    for p in (src, dst):
+        assert (await store.usage(p)).usages == before[p]
+    assert (await store.allocations(instance)).allocations == {}
+    assert (await store.allocations(instance)).deleted
+    assert (await store.allocations(migration)).allocations == {}
+
+    types = [e.type async for e in store.history(instance)]
+    expected = ["AllocationsReplaced", "MigrationStarted"]
+    if scenario.destination_claimed:
+        expected.append("AllocationsReplaced")
+    assert types == [*expected, "ConsumerDeleted"]
+    deleted = [e async for e in store.history(instance)][-1]
+    assert deleted.metadata.actor == "nova-api" and deleted.metadata.request_id == "req-delete"
+    assert deleted.payload["migrations_released"] == {migration: {src: FLAVOR}}
+
+    report = await store.audit()
+    assert report.clean, report.findings
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+async def test_revert_then_delete_ends_with_zero_usage(store: AllocationStore, scenario: Scenario) -> None:
+    src, dst = await cloud(store)
+    instance, migration, _ = await start(store, scenario, src, dst)
+
+    await store.revert_migration(migration, metadata={"actor": scenario.actor})
+    assert (await store.allocations(instance)).allocations == {src: FLAVOR}
+    await store.delete_consumer(instance)
+
+    for p in (src, dst):
+        assert set((await store.usage(p)).usages.values()) == {0}
+    types = [e.type async for e in store.history(instance)]
+    assert types[-2:] == ["MigrationReverted", "ConsumerDeleted"]
+    assert (await store.audit()).clean
+
+
+async def test_placement_style_revert_through_write_allocations_is_rejected_too(
+    store: AllocationStore,
+) -> None:
+    """Nova's move_allocations sends POST /allocations with the instance's generation read as null."""
+    from evstore import ConsumerAllocations
+
+    src, _ = await cloud(store)
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {src: FLAVOR})
+    await store.start_migration(instance, migration)
+    await store.delete_consumer(instance)
+    mig = await store.allocations(migration)
+    assert mig.allocations == {}  # released with the instance
+    head = await store.head()
+    with pytest.raises(ConsumerDeleted):
+        await store.write_allocations(
+            {
+                instance: ConsumerAllocations(
+                    allocations={src: FLAVOR},
+                    project_id="project",
+                    user_id="user",
+                    consumer_type="INSTANCE",
+                    consumer_generation=None,
+                )
+            }
+        )
+    assert await store.head() == head
+    assert set((await store.usage(src)).usages.values()) == {0}

@@ -1,0 +1,356 @@
+"""The public API of the store: shapes, URLs, idempotency, metadata, events, logging, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import uuid
+from pathlib import Path
+
+import pytest
+import structlog
+
+import evstore
+from evstore import (
+    AllocationStore,
+    ConsumerAllocations,
+    EvstoreError,
+    IdempotencyConflict,
+    InvalidInput,
+    Inventory,
+    NotFound,
+    ProviderNotFound,
+    command_metadata,
+    open_store,
+)
+from evstore.events import AllocationsReplaced, decode_event
+from tests.conftest import allocate, make_provider, new_uuid
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_errors_have_stable_codes() -> None:
+    assert evstore.ConcurrentUpdate.code == "placement.concurrent_update"
+    assert evstore.ConsumerDeleted.code == "evstore.consumer.deleted"
+    assert evstore.InventoryInUse.code == "placement.inventory.inuse"
+    assert evstore.ProviderInUse.code == "placement.resource_provider.inuse"
+    assert evstore.DuplicateName.code == "placement.duplicate_name"
+    assert issubclass(InvalidInput, ValueError) and issubclass(InvalidInput, EvstoreError)
+    codes = {
+        cls.code
+        for cls in vars(evstore).values()
+        if isinstance(cls, type) and issubclass(cls, EvstoreError) and cls is not EvstoreError
+    }
+    assert all(code.startswith(("placement.", "evstore.")) for code in codes)
+
+
+async def test_relative_and_absolute_urls_wal_and_durability(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with open_store("sqlite:///rel.db") as store:
+        await make_provider(store, VCPU=1)
+    assert (tmp_path / "rel.db").exists()
+    async with open_store(f"sqlite:///{tmp_path}/abs.db") as store:  # tmp_path is absolute: four slashes
+        await make_provider(store, VCPU=1)
+        backend = store.backend
+        assert backend.synchronous == "FULL"  # type: ignore[attr-defined]
+    conn = sqlite3.connect(tmp_path / "abs.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    async with open_store(f"sqlite:///{tmp_path}/n.db?synchronous=NORMAL") as store:
+        assert store.backend.synchronous == "NORMAL"  # type: ignore[attr-defined]
+    with pytest.raises(InvalidInput):
+        async with open_store("mysql://nope"):
+            pass
+    with pytest.raises(EvstoreError, match="does not exist"):
+        async with open_store(f"sqlite:///{tmp_path}/missing-dir/x.db"):
+            pass
+
+
+async def test_uuids_accept_str_or_uuid_and_come_back_lowercase(store: AllocationStore) -> None:
+    rp = uuid.uuid4()
+    await store.create_provider(rp, "node")
+    await store.set_inventories(str(rp).upper(), {"VCPU": Inventory(total=4)}, generation=0)
+    c = uuid.uuid4()
+    await store.set_allocations(
+        c.hex, {rp: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+    )
+    view = await store.allocations(c)
+    assert view.allocations == {str(rp): {"VCPU": 1}}
+    assert (await store.provider_allocations(rp)) == {str(c): {"VCPU": 1}}
+
+
+async def test_usage_lists_every_inventory_class(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8, MEMORY_MB=1024, DISK_GB=100)
+    c = new_uuid()
+    await allocate(store, c, {rp: {"VCPU": 2}})
+    usage = await store.usage(rp)
+    assert usage.usages == {"VCPU": 2, "MEMORY_MB": 0, "DISK_GB": 0}
+    assert usage.generation == 2
+    view = await store.allocations(c)
+    assert (view.project_id, view.user_id, view.consumer_type, view.generation, view.deleted) == (
+        "project",
+        "user",
+        "INSTANCE",
+        1,
+        False,
+    )
+    absent = await store.allocations(new_uuid())
+    assert absent.allocations == {} and absent.generation is None and not absent.deleted
+    with pytest.raises(ProviderNotFound):
+        await store.usage(new_uuid())
+
+
+async def test_project_usages_by_consumer_type(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=64, DISK_GB=1000)
+    await allocate(store, new_uuid(), {rp: {"VCPU": 2, "DISK_GB": 10}}, project_id="acme", user_id="alice")
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}}, project_id="acme", user_id="bob")
+    await allocate(
+        store, new_uuid(), {rp: {"VCPU": 4}}, project_id="acme", user_id="bob", consumer_type="MIGRATION"
+    )
+    await allocate(store, new_uuid(), {rp: {"VCPU": 8}}, project_id="other")
+    everything = await store.usages("acme")
+    assert everything.usages == {"VCPU": 7, "DISK_GB": 10}
+    assert everything.consumer_count == 3
+    assert everything.by_consumer_type["INSTANCE"] == {"VCPU": 3, "DISK_GB": 10, "consumer_count": 2}
+    assert (await store.usages("acme", user_id="bob")).usages == {"VCPU": 5}
+    assert (await store.usages("acme", consumer_type="MIGRATION")).usages == {"VCPU": 4}
+    assert (await store.usages("nobody")).usages == {}
+
+
+async def test_idempotent_commands_append_once(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    kwargs = dict(project_id="p", user_id="u", consumer_type="INSTANCE", generation=None)
+    first = await store.set_allocations(c, {rp: {"VCPU": 2}}, idempotency_key="req-1", **kwargs)  # type: ignore[arg-type]
+    head = await store.head()
+    again = await store.set_allocations(c, {rp: {"VCPU": 2}}, idempotency_key="req-1", **kwargs)  # type: ignore[arg-type]
+    assert again.positions == first.positions and again.replayed
+    assert await store.head() == head
+    assert (await store.usage(rp)).usages == {"VCPU": 2}
+    with pytest.raises(IdempotencyConflict):
+        await store.set_allocations(c, {rp: {"VCPU": 3}}, idempotency_key="req-1", **kwargs)  # type: ignore[arg-type]
+    # concurrent repeats of one key: exactly one append
+    d = new_uuid()
+    results = await asyncio.gather(
+        *(store.set_allocations(d, {rp: {"VCPU": 1}}, idempotency_key="req-2", **kwargs) for _ in range(5))  # type: ignore[arg-type]
+    )
+    assert len({r.positions for r in results}) == 1
+    assert await store.head() == head + 1
+    # every command takes a key, including deletes
+    await store.delete_consumer(d, idempotency_key="req-3")
+    h = await store.head()
+    await store.delete_consumer(d, idempotency_key="req-3")
+    assert await store.head() == h
+
+
+async def test_metadata_per_command_and_from_context(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    with command_metadata(correlation_id="corr-1", actor="nova-scheduler"):
+        await store.set_allocations(
+            c,
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            metadata={"request_id": "req-42", "causation_id": "evt-9"},
+        )
+    [event] = [e async for e in store.history(c)]
+    assert event.metadata.request_id == "req-42"
+    assert event.metadata.correlation_id == "corr-1"
+    assert event.metadata.causation_id == "evt-9"
+    assert event.metadata.actor == "nova-scheduler"
+    assert event.type == "AllocationsReplaced" and event.schema_version == 2
+    assert event.payload["allocations"] == {rp: {"VCPU": 1}}
+    assert event.recorded_at.tzinfo is not None
+
+
+async def test_multi_consumer_command_appends_several_events_atomically(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=4)
+    a, b = new_uuid(), new_uuid()
+    ca = ConsumerAllocations(
+        allocations={rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE"
+    )
+    receipt = await store.write_allocations({a: ca, b: ca})
+    assert len(receipt.positions) == 2
+    head = await store.head()
+    c = new_uuid()
+    with pytest.raises(evstore.CapacityExceeded):
+        await store.write_allocations({a: {**ca.model_dump(), "consumer_generation": 1}, c: ca})
+    assert await store.head() == head
+    assert (await store.allocations(c)).allocations == {}
+
+
+def test_older_event_versions_are_upcast() -> None:
+    fixture = json.loads((FIXTURES / "allocations_replaced_v1.json").read_text())
+    event = decode_event(fixture["type"], fixture["schema_version"], json.dumps(fixture["data"]), position=3)
+    assert isinstance(event, AllocationsReplaced)
+    assert event.consumer_type == "UNKNOWN"
+    assert event.schema_version == 2
+    with pytest.raises(evstore.CorruptEvent, match="position 4"):
+        decode_event("AllocationsReplaced", 3, "{}", position=4)
+    with pytest.raises(evstore.CorruptEvent, match="Unknown event type"):
+        decode_event("Nope", 1, "{}", position=5)
+
+
+async def test_each_outcome_is_logged_with_context(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=1)
+    with structlog.testing.capture_logs() as logs:
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        with pytest.raises(evstore.CapacityExceeded):
+            await store.set_allocations(
+                new_uuid(),
+                {rp: {"VCPU": 1}},
+                project_id="p",
+                user_id="u",
+                consumer_type="INSTANCE",
+                generation=None,
+                metadata={"request_id": "req-9"},
+            )
+    accepted, rejected = logs
+    assert accepted["event"] == "command.accepted" and accepted["position"] == 3
+    assert accepted["provider"] == [rp]
+    assert rejected["event"] == "command.rejected"
+    assert rejected["code"] == "evstore.allocation.capacity_exceeded"
+    assert rejected["request_id"] == "req-9"
+
+
+async def test_subscribe_catches_up_then_follows(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    seen: list[int] = []
+
+    async def follow() -> None:
+        async for e in store.subscribe(after=0):
+            seen.append(e.position)
+            if len(seen) == 5:
+                return
+
+    task = asyncio.create_task(follow())
+    for _ in range(3):
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    await asyncio.wait_for(task, 5)
+    assert seen == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s, rp: s.create_provider("not-a-uuid", "x"),
+        lambda s, rp: s.create_provider(new_uuid(), ""),
+        lambda s, rp: s.create_provider(new_uuid(), "x" * 201),
+        lambda s, rp: s.set_inventories(rp, {"vcpu": Inventory(total=1)}, 1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 0}}, 1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "reserved": 5}}, 1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "allocation_ratio": float("inf")}}, 1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4}}, -1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4}}, "1"),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 0}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": -3}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 2**40}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {"zzz": {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 1}},
+            project_id="",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="instance",
+            generation=None,
+        ),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 1.5}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"CUSTOM_NOPE": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
+        lambda s, rp: s.write_allocations({}),
+        lambda s, rp: s.write_allocations({new_uuid(): {"allocations": {}}}),
+        lambda s, rp: s.release(12),
+        lambda s, rp: s.state_at(),
+        lambda s, rp: s.read(after=-1),
+    ],
+)
+async def test_bad_input_is_a_typed_error_that_leaves_no_trace(store: AllocationStore, call: object) -> None:
+    rp = await make_provider(store, VCPU=8)
+    head = await store.head()
+    with pytest.raises(InvalidInput) as info:
+        await call(store, rp)  # type: ignore[operator]
+    assert info.value.code.startswith("evstore.")
+    assert info.value.message
+    assert await store.head() == head
+
+
+async def test_release_of_nothing_is_not_found(store: AllocationStore) -> None:
+    with pytest.raises(NotFound):
+        await store.release(new_uuid())
+
+
+async def test_future_database_schema_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with open_store(url):
+        pass
+    conn = sqlite3.connect(tmp_path / "s.db")
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(evstore.SchemaVersionError, match="schema version 99"):
+        async with open_store(url):
+            pass
+
+
+async def test_closed_store_refuses_commands(tmp_path: Path) -> None:
+    async with open_store(f"sqlite:///{tmp_path}/c.db") as store:
+        pass
+    with pytest.raises(evstore.StoreClosed):
+        await store.create_provider(new_uuid(), "late")
+    assert os.path.exists(tmp_path / "c.db")
