@@ -39,9 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import structlog
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from evstore import (
@@ -54,7 +55,6 @@ from evstore import (
     EvstoreError,
     InvalidInput,
     InvalidInventory,
-    Inventory,
     InventoryInUse,
     NotFound,
     ProviderInUse,
@@ -62,6 +62,7 @@ from evstore import (
     open_store,
 )
 from evstore.errors import InvalidInventoryValue
+from tests.conftest import allocate, make_provider, new_uuid
 from tests.peers.placement_client import PlacementPeer
 from tests.peers.venv import PeerUnavailable, placement_python
 
@@ -200,8 +201,9 @@ SETUP: tuple[Step, ...] = (
 @st.composite
 def inv_specs(draw: st.DrawFn) -> InvSpec:
     total = draw(st.integers(1, 24))
-    reserved = draw(st.sampled_from([0, 0, 1, 2]))
-    reserved = min(reserved, total)  # reserved > total is refused by both, but only at the facade here
+    reserved = min(draw(st.sampled_from([0, 0, 1, 2])), total)
+    if draw(st.integers(0, 11)) == 0:
+        reserved = total + 1  # refused by both (400 / InvalidInventoryValue)
     min_unit = draw(st.sampled_from([1, 1, 1, 2]))
     max_unit = draw(st.sampled_from([MAX_INT, MAX_INT, 4, 8]))
     step_size = draw(st.sampled_from([1, 1, 1, 2]))
@@ -212,15 +214,40 @@ def inv_specs(draw: st.DrawFn) -> InvSpec:
 providers = st.integers(0, N_PROVIDERS - 1)
 consumers = st.integers(0, N_CONSUMERS - 1)
 classes = st.sampled_from(CLASSES)
-generations = st.sampled_from(["null", "current", "current", "current", "stale"])
+UNKNOWN_CLASS = "CUSTOM_NEVER_CREATED"
+# Now and then a custom class nobody created (400 in Placement, UnknownResourceClass in evstore).
+classes_or_unknown = st.sampled_from([*CLASSES * 4, UNKNOWN_CLASS])
+# Mostly the current generation, so that most writes get as far as the capacity checks.
+generations = st.sampled_from(["null"] + ["current"] * 6 + ["stale"])
 
-resources = st.dictionaries(classes, st.integers(1, 10), min_size=1, max_size=2).map(
-    lambda d: tuple(d.items())
-)
+
+def _items(d: dict[Any, Any]) -> tuple[Any, ...]:
+    return tuple(d.items())
+
+
+# "Wild" allocations: any provider (P2 often does not exist), any class, any amount.
+wild_resources = st.dictionaries(classes_or_unknown, st.integers(1, 10), min_size=1, max_size=2).map(_items)
+wild_allocations = st.dictionaries(providers, wild_resources, min_size=1, max_size=2).map(_items)
+# "Sensible" allocations fit the SETUP inventories (classes, step sizes, max units) most of the time.
+SENSIBLE_AMOUNTS = {
+    0: {"VCPU": st.integers(1, 4), "MEMORY_MB": st.sampled_from([2, 4, 6, 8])},
+    1: {"VCPU": st.integers(1, 3), "DISK_GB": st.integers(1, 8)},
+}
+
+
+@st.composite
+def sensible_allocations(draw: st.DrawFn) -> tuple[Any, ...]:
+    chosen = draw(st.lists(st.sampled_from([0, 1]), min_size=1, max_size=2, unique=True))
+    out = []
+    for p in chosen:
+        amounts = SENSIBLE_AMOUNTS[p]
+        names = draw(st.lists(st.sampled_from(sorted(amounts)), min_size=1, max_size=2, unique=True))
+        out.append((p, tuple((rc, draw(amounts[rc])) for rc in names)))
+    return tuple(out)
+
+
 allocation_maps = st.one_of(
-    st.just(()),
-    st.dictionaries(providers, resources, min_size=1, max_size=2).map(lambda d: tuple(d.items())),
-    st.dictionaries(providers, resources, min_size=1, max_size=2).map(lambda d: tuple(d.items())),
+    st.just(()), sensible_allocations(), sensible_allocations(), sensible_allocations(), wild_allocations
 )
 consumer_specs = st.builds(
     ConsumerSpec,
@@ -231,33 +258,58 @@ consumer_specs = st.builds(
     consumer_type=st.sampled_from(["INSTANCE", "INSTANCE", "MIGRATION"]),
 )
 
-steps: st.SearchStrategy[Step] = st.one_of(
-    st.builds(CreateProvider, providers),
-    st.builds(DeleteProvider, providers),
-    st.builds(
-        SetInventories,
-        providers,
-        st.dictionaries(classes, inv_specs(), max_size=3).map(lambda d: tuple(d.items())),
-        st.sampled_from([0, 0, 0, 1, -1, 2]),
-    ),
+
+@st.composite
+def inventory_sets(draw: st.DrawFn, p: int) -> tuple[tuple[str, InvSpec], ...]:
+    if p in SENSIBLE_AMOUNTS and draw(st.booleans()):
+        names = sorted(SENSIBLE_AMOUNTS[p])  # the same classes, other amounts and constraints
+    else:
+        names = draw(st.lists(classes_or_unknown, max_size=3, unique=True))
+    return tuple((rc, draw(inv_specs())) for rc in names)
+
+
+@st.composite
+def consumer_pairs(draw: st.DrawFn) -> tuple[int, int]:
+    a = draw(consumers)
+    return a, (a + draw(st.integers(1, N_CONSUMERS - 1))) % N_CONSUMERS
+
+
+set_inventories = providers.flatmap(
+    lambda p: st.builds(SetInventories, st.just(p), inventory_sets(p), st.sampled_from([0, 0, 0, 1, -1, 2]))
+)
+single_writes = st.builds(Write, st.lists(consumer_specs, min_size=1, max_size=1).map(tuple), st.booleans())
+
+
+@st.composite
+def multi_writes(draw: st.DrawFn) -> Write:
+    chosen = draw(st.permutations(range(N_CONSUMERS)))[: draw(st.integers(2, 3))]
+    specs = [draw(consumer_specs) for _ in chosen]
+    return Write(tuple(ConsumerSpec(c, *_fields(spec)) for c, spec in zip(chosen, specs, strict=True)), True)
+
+
+def _fields(spec: ConsumerSpec) -> tuple[Any, ...]:
+    return spec.allocations, spec.generation, spec.project, spec.consumer_type
+
+
+swaps = st.builds(lambda pair, g1, g2: Swap(*pair, g1, g2), consumer_pairs(), generations, generations)
+start_migrations = consumer_pairs().map(lambda pair: StartMigration(*pair))
+
+# Weighted by repetition: allocation traffic dominates, provider churn is rare.
+WEIGHTED_STEPS: list[st.SearchStrategy[Step]] = [
+    *[single_writes] * 6,
+    *[multi_writes()] * 3,
+    *[swaps] * 3,
+    *[st.builds(Release, consumers)] * 2,
+    *[set_inventories] * 2,
     st.builds(ShrinkInventory, providers, classes),
     st.builds(DeleteInventory, providers, classes),
-    st.builds(
-        Write,
-        st.lists(consumer_specs, min_size=1, max_size=3, unique_by=lambda s: s.c).map(tuple),
-        st.booleans(),
-    ),
-    st.builds(
-        Write,
-        st.lists(consumer_specs, min_size=1, max_size=1).map(tuple),
-        st.booleans(),
-    ),
-    st.builds(Swap, consumers, consumers, generations, generations).filter(lambda s: s.src != s.dst),
-    st.builds(Release, consumers),
-    st.builds(StartMigration, consumers, consumers).filter(lambda s: s.instance != s.migration),
+    start_migrations,
     st.builds(RevertMigration, consumers),
     st.builds(ConfirmMigration, consumers),
-)
+    st.builds(CreateProvider, providers),
+    st.builds(DeleteProvider, providers),
+]
+steps: st.SearchStrategy[Step] = st.sampled_from(WEIGHTED_STEPS).flatmap(lambda strategy: strategy)
 programs = st.lists(steps, min_size=1, max_size=30)
 
 
@@ -289,6 +341,8 @@ def placement_kind(status: int, body: Any) -> str:
             return "duplicate"
         if code == "placement.resource_provider.inuse":
             return "provider_in_use"
+    if status == 400:
+        return "bad_request"
     return f"http {status} {code}: {detail.strip()[:160]}"
 
 
@@ -319,6 +373,22 @@ def evstore_kind(exc: EvstoreError | None) -> str:
         case InvalidInput():
             return "bad_request"
     return f"evstore {exc.code}: {exc.message[:160]}"
+
+
+# --- known evstore bugs ----------------------------------------------------------------------------
+# Differences found by this test that are evstore bugs (not departures), each pinned by an xfail
+# regression test below. Tolerated here only so that the random campaign keeps looking for others;
+# delete the entry together with the xfail marker when the bug is fixed.
+
+
+def known_evstore_bug(step: Step, placement: str, evstore: str) -> str | None:
+    if isinstance(step, SetInventories) and placement == "concurrent_update":
+        # test_regression_set_inventories_checks_generation_first_*: Placement compares the
+        # provider generation before anything else in the request; evstore reports a class in use,
+        # an unknown class or reserved > total first.
+        if evstore in ("inventory_in_use", "bad_request"):
+            return "test_regression_set_inventories_checks_generation_first"
+    return None
 
 
 # --- running a sequence on both ------------------------------------------------------------------
@@ -378,7 +448,8 @@ class Sequence:
         except EvstoreError as exc:
             e_kind = evstore_kind(exc)
         self.trace.append(f"{self.show(step)}  -> placement {p_kind} / evstore {e_kind}")
-        if p_kind != e_kind:
+        hypothesis.event(f"{type(step).__name__}: {p_kind}")  # --hypothesis-show-statistics
+        if p_kind != e_kind and not known_evstore_bug(step, p_kind, e_kind):
             self.fail(f"outcome differs: Placement {p_kind!r} ({status} {answer}), evstore {e_kind!r}")
         # Orphans: Placement keeps a null-generation new consumer at generation 0 after an empty
         # write or a 400 for an unknown provider (SPEC.md, deliberate departures).
@@ -418,7 +489,7 @@ class Sequence:
                     "PUT",
                     f"/resource_providers/{u}/inventories",
                     {"resource_provider_generation": gen, "inventories": invs},
-                    lambda: store.set_inventories(u, {rc: Inventory(**v) for rc, v in invs.items()}, gen),
+                    lambda: store.set_inventories(u, invs, gen),
                     [],
                 )
             case ShrinkInventory(p, rc):
@@ -436,7 +507,7 @@ class Sequence:
                     "PUT",
                     f"/resource_providers/{u}/inventories",
                     {"resource_provider_generation": gen, "inventories": invs},
-                    lambda: store.set_inventories(u, {k: Inventory(**v) for k, v in invs.items()}, gen),
+                    lambda: store.set_inventories(u, invs, gen),
                     [],
                 )
             case DeleteInventory(p, rc):
@@ -707,6 +778,8 @@ COMMON = {
     "deadline": None,
     "database": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    # No "explain" phase: it reruns the failing sequence hundreds of times for little insight.
+    "phases": [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
 }
 
 
@@ -751,3 +824,45 @@ def test_nova_swap_scenario(placement_peer: PlacementPeer) -> None:
             ConfirmMigration(2),
         ],
     )
+
+
+# --- regression tests for evstore bugs found by the differential test --------------------------------
+# Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app);
+# they need no Placement peer. xfail(strict=True): remove the marker (and the matching entry in
+# known_evstore_bug) when the bug is fixed.
+
+GENERATION_FIRST = pytest.mark.xfail(
+    strict=True,
+    reason="evstore bug: set_inventories must compare the provider generation first, as Placement's "
+    "PUT /resource_providers/{u}/inventories does (handlers/inventory.py set_inventories)",
+)
+
+
+@GENERATION_FIRST
+async def test_regression_set_inventories_checks_generation_first_in_use(store: AllocationStore) -> None:
+    """Stale generation AND removing a class in use: Placement answers 409 concurrent_update."""
+    rp = await make_provider(store, VCPU=8, MEMORY_MB=16)
+    await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+    with pytest.raises(ConcurrentUpdate):
+        await store.set_inventories(rp, {"MEMORY_MB": {"total": 16}}, generation=2)  # current is 1
+
+
+@GENERATION_FIRST
+async def test_regression_set_inventories_checks_generation_first_unknown_class(
+    store: AllocationStore,
+) -> None:
+    """Stale generation AND an unknown custom class: Placement answers 409 concurrent_update."""
+    rp = await make_provider(store, VCPU=8)
+    with pytest.raises(ConcurrentUpdate):
+        await store.set_inventories(rp, {"CUSTOM_NEVER_CREATED": {"total": 1}}, generation=0)
+
+
+@GENERATION_FIRST
+async def test_regression_set_inventories_checks_generation_first_reserved_over_total(
+    store: AllocationStore,
+) -> None:
+    """Stale generation AND reserved > total: Placement answers 409 concurrent_update (its 400 for
+    reserved > total comes after the generation check)."""
+    rp = await make_provider(store, VCPU=8)
+    with pytest.raises(ConcurrentUpdate):
+        await store.set_inventories(rp, {"VCPU": {"total": 4, "reserved": 5}}, generation=0)
