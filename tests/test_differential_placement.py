@@ -448,7 +448,8 @@ class Sequence:
         except EvstoreError as exc:
             e_kind = evstore_kind(exc)
         self.trace.append(f"{self.show(step)}  -> placement {p_kind} / evstore {e_kind}")
-        hypothesis.event(f"{type(step).__name__}: {p_kind}")  # --hypothesis-show-statistics
+        if hypothesis.currently_in_test_context():
+            hypothesis.event(f"{type(step).__name__}: {p_kind}")  # --hypothesis-show-statistics
         if p_kind != e_kind and not known_evstore_bug(step, p_kind, e_kind):
             self.fail(f"outcome differs: Placement {p_kind!r} ({status} {answer}), evstore {e_kind!r}")
         # Orphans: Placement keeps a null-generation new consumer at generation 0 after an empty
