@@ -441,3 +441,13 @@ def test_inventory_rejects_insane_values() -> None:
         make_inventory(total=4, allocation_ratio=0.0)
     with pytest.raises(err.InvalidInput):
         make_inventory(total=4, allocation_ratio=float("nan"))
+
+
+def test_inventory_generation_is_checked_before_classes_in_use() -> None:
+    # Found by the differential test: Placement's PUT /inventories compares the generation first.
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 2}})))
+    with pytest.raises(err.ConcurrentUpdate, match="resource provider generation conflict"):
+        when(state, SetInventories(RP1, {}, 1))
+    with pytest.raises(err.InventoryInUse):
+        when(state, SetInventories(RP1, {}, 2))
