@@ -515,7 +515,15 @@ def _check_classes(state: State, classes: list[str]) -> None:
 def _set_inventories(
     state: State, provider: str, inventories: dict[str, Inventory], generation: int
 ) -> list[ev.EventBase]:
+    # Placement's order: provider generation, then unknown classes, then classes in use.
     prov = _provider(state, provider)
+    if prov.generation != generation:
+        raise err.ConcurrentUpdate(
+            f"resource provider generation conflict - expected {prov.generation} but got {generation}",
+            provider=provider,
+            expected=prov.generation,
+            got=generation,
+        )
     _check_classes(state, list(inventories))
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
@@ -523,13 +531,6 @@ def _set_inventories(
             f"Inventory for '{', '.join(removed_in_use)}' on resource provider '{provider}' in use.",
             provider=provider,
             resource_classes=removed_in_use,
-        )
-    if prov.generation != generation:
-        raise err.ConcurrentUpdate(
-            f"resource provider generation conflict - expected {prov.generation} but got {generation}",
-            provider=provider,
-            expected=prov.generation,
-            got=generation,
         )
     return [
         ev.InventoriesReplaced(provider=provider, inventories=inventories, generation=prov.generation + 1)
