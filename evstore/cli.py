@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -22,6 +23,7 @@ import structlog
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from typer._click.exceptions import ClickException
 
@@ -115,7 +117,7 @@ def resolve_url(db: Path | None, url: str | None, *, must_exist: bool = True) ->
     return chosen
 
 
-def run(work: Callable[[], Coroutine[Any, Any, int]]) -> NoReturn:
+def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
     """Run one command's coroutine; turn every failure into one line on stderr and an exit code."""
     try:
         code = asyncio.run(work())
@@ -124,7 +126,7 @@ def run(work: Callable[[], Coroutine[Any, Any, int]]) -> NoReturn:
     except err.EvstoreError as exc:
         fail(exc.code, exc.message)
     except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        raise typer.Exit(interrupt_code) from None
     except OSError as exc:
         fail("evstore.io", str(exc))
     except Exception as exc:  # a bug: still one line, the traceback only at -vv
@@ -314,6 +316,579 @@ def audit(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
         return EXIT_OK if report.clean else EXIT_FINDINGS
 
     run(work)
+
+
+# --- debugging: history, state, diff, tail ------------------------------------------------------
+
+Names = dict[str, str]
+
+
+def fmt_allocs(allocs: dict[str, dict[str, int]], names: Names) -> str:
+    """``compute-01: VCPU=2 MEMORY_MB=4096`` (providers by name where known)."""
+    if not allocs:
+        return "nothing"
+    parts = []
+    for provider, resources in sorted(allocs.items(), key=lambda kv: names.get(kv[0], kv[0])):
+        amounts = " ".join(f"{rc}={n}" for rc, n in sorted(resources.items()))
+        parts.append(f"{names.get(provider, provider[:8])}: {amounts}")
+    return "; ".join(parts)
+
+
+def describe(event: Any, names: Names) -> str:
+    """One line saying what an event did, for people."""
+    from evstore import events as ev
+
+    match event:
+        case ev.AllocationsReplaced():
+            return (
+                f"consumer {event.consumer} ({event.consumer_type}) now holds "
+                f"{fmt_allocs(event.allocations, names)} (was {fmt_allocs(event.previous, names)}), "
+                f"generation {event.generation}"
+            )
+        case ev.AllocationsReleased():
+            return f"consumer {event.consumer} released {fmt_allocs(event.released, names)}"
+        case ev.MigrationStarted():
+            return (
+                f"instance {event.instance} moved {fmt_allocs(event.allocations, names)} "
+                f"to migration {event.migration}"
+            )
+        case ev.MigrationReverted():
+            return (
+                f"migration {event.migration} gave {fmt_allocs(event.allocations, names)} back to "
+                f"instance {event.instance} (replacing {fmt_allocs(event.replaced, names)})"
+            )
+        case ev.MigrationConfirmed():
+            return (
+                f"migration {event.migration} released {fmt_allocs(event.released, names)}; "
+                f"instance {event.instance} keeps its allocations"
+            )
+        case ev.ConsumerDeleted():
+            text = (
+                f"consumer {event.consumer} deleted (tombstone), released {fmt_allocs(event.released, names)}"
+            )
+            for migration, allocs in event.migrations_released.items():
+                text += f"; its migration {migration} released {fmt_allocs(allocs, names)}"
+            return text
+        case ev.InventoriesReplaced():
+            invs = ", ".join(
+                f"{rc}={inv.total}" + (f" x{inv.allocation_ratio:g}" if inv.allocation_ratio != 1 else "")
+                for rc, inv in sorted(event.inventories.items())
+            )
+            return f"inventory of {names.get(event.provider, event.provider)}: {invs or 'none'}"
+        case ev.ProviderCreated():
+            parent = f" under {names.get(event.parent, event.parent)}" if event.parent else ""
+            return f"provider {event.name} ({event.provider}) created{parent}"
+        case ev.ProviderUpdated():
+            return f"provider {event.provider} renamed to {event.name}"
+        case ev.ProviderDeleted():
+            return f"provider {names.get(event.provider, event.provider)} deleted"
+        case ev.ResourceClassCreated():
+            return f"resource class {event.name} created"
+    return str(event.event_type)
+
+
+def event_json(recorded: Any, names: Names) -> dict[str, Any]:
+    out: dict[str, Any] = recorded.to_json()
+    out["summary"] = describe(recorded.event, names)
+    return out
+
+
+def events_table(title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("position", justify="right")
+    table.add_column("recorded_at", no_wrap=True)
+    table.add_column("type")
+    table.add_column("request / actor")
+    table.add_column("what happened")
+    return table
+
+
+def add_event_row(table: Table, recorded: Any, names: Names) -> None:
+    meta = recorded.metadata
+    who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
+    table.add_row(
+        str(recorded.position),
+        recorded.recorded_at.isoformat(timespec="seconds"),
+        recorded.type,
+        escape(who),
+        escape(describe(recorded.event, names)),
+    )
+
+
+def parse_point(text: str, what: str = "--at") -> int | datetime:
+    """A position (``1234``) or an ISO 8601 time with a zone (``2026-01-02T03:04:05Z``)."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise err.InvalidInput(
+            f"{what} must be a position (e.g. 120) or an ISO time with a zone (e.g. 2026-01-02T03:04:05Z), "
+            f"got {text!r}"
+        ) from None
+    if moment.tzinfo is None:
+        raise err.InvalidInput(f"{what} time {text!r} has no time zone: add Z or +00:00")
+    return moment
+
+
+async def provider_names(store: Any) -> Names:
+    return {uuid: name for uuid, name in await store.providers()}
+
+
+@app.command()
+def history(
+    uuid: Annotated[str, typer.Argument(help="Consumer or provider uuid.")],
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Every event that touched a consumer or provider, oldest first, with who asked and what changed."""
+
+    async def work() -> int:
+        from evstore.schema import normalize_uuid
+        from evstore.store import open_store
+
+        key = normalize_uuid(uuid)
+        async with open_store(resolve_url(db, url)) as store:
+            names = await provider_names(store)
+            found = [r async for r in store.history(key)]
+        if json_out:
+            emit_json({"uuid": key, "events": [event_json(r, names) for r in found]})
+            return EXIT_OK
+        if not found:
+            raise err.NotFound(f"no event in this log touches {key}")
+        table = events_table(f"History of {names.get(key, key)}")
+        for recorded in found:
+            add_event_row(table, recorded, names)
+        console().print(table)
+        return EXIT_OK
+
+    run(work)
+
+
+def consumer_json(view: Any, migrations: list[str]) -> dict[str, Any]:
+    return {
+        "consumer": view.consumer,
+        "allocations": view.allocations,
+        "project_id": view.project_id,
+        "user_id": view.user_id,
+        "consumer_type": view.consumer_type,
+        "generation": view.generation,
+        "deleted": view.deleted,
+        "deleted_at": view.deleted_at,
+        "on_behalf_of": view.on_behalf_of,
+        "migrations_holding_for_it": migrations,
+    }
+
+
+@app.command()
+def state(
+    at: Annotated[
+        str | None, typer.Option("--at", help="Position or ISO time with zone; default: now (the head).")
+    ] = None,
+    provider: Annotated[str | None, typer.Option("--provider", help="Show one provider.")] = None,
+    consumer: Annotated[str | None, typer.Option("--consumer", help="Show one consumer.")] = None,
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """The state as it was at a position or time (time travel), or as it is now."""
+
+    async def work() -> int:
+        from evstore.schema import normalize_uuid
+        from evstore.store import open_store
+        from projections.replay import StateView
+
+        if provider is not None and consumer is not None:
+            raise err.InvalidInput("give --provider or --consumer, not both")
+        async with open_store(resolve_url(db, url)) as store:
+            head = await store.head()
+            if at is None:
+                view = StateView(await store.backend.load_state())
+            else:
+                point = parse_point(at)
+                position = await store.position_of(point)
+                if position > head:
+                    raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})")
+                view = await store.state_at(position=position)
+            position = view.position
+            when = None
+            if position:
+                [last] = await store.read(position - 1, 1)
+                when = last.recorded_at.isoformat()
+        st = view.state
+        names = {p.uuid: p.name for p in st.providers.values()}
+        header = {"position": position, "head": head, "recorded_at": when}
+        out = console()
+        if provider is not None:
+            puuid = normalize_uuid(provider, "provider uuid")
+            usage = await view.usage(puuid)
+            holders = await view.provider_allocations(puuid)
+            prov = st.providers[puuid]
+            if json_out:
+                emit_json({**header, "provider": usage_json(_only(st, puuid))[0], "allocations": holders})
+                return EXIT_OK
+            out.print(
+                f"Provider {escape(prov.name)} at position {position} ({when}), generation {usage.generation}"
+            )
+            out.print(usage_table(_only(st, puuid), "usage"))
+            table = Table(title="allocations on it")
+            table.add_column("consumer", no_wrap=True)
+            table.add_column("type")
+            table.add_column("allocations")
+            for cuuid, resources in holders.items():
+                c = st.consumers.get(cuuid)
+                table.add_row(
+                    cuuid, (c.consumer_type if c else None) or "-", fmt_allocs({puuid: resources}, names)
+                )
+            out.print(table)
+            return EXIT_OK
+        if consumer is not None:
+            cuuid = normalize_uuid(consumer, "consumer uuid")
+            cview = await view.allocations(cuuid)
+            migrations = sorted(m.uuid for m in st.migrations_for(cuuid))
+            doc = consumer_json(cview, migrations)
+            if json_out:
+                emit_json({**header, **doc})
+                return EXIT_OK
+            known = st.consumers.get(cuuid)
+            status = (
+                "deleted (tombstone)"
+                if cview.deleted
+                else "holds allocations"
+                if cview.allocations
+                else "absent"
+            )
+            out.print(f"Consumer {cuuid} at position {position} ({when}): {status}")
+            table = Table(show_header=False)
+            table.add_column("field")
+            table.add_column("value")
+            for label, value in (
+                ("allocations", fmt_allocs(cview.allocations, names)),
+                ("generation", cview.generation),
+                ("project / user", f"{cview.project_id} / {cview.user_id}"),
+                ("type", cview.consumer_type),
+                ("deleted at position", cview.deleted_at),
+                ("on behalf of (migration of)", cview.on_behalf_of),
+                ("migrations holding for it", ", ".join(migrations) or "-"),
+                ("last allocation change at", known.allocated_at if known else None),
+            ):
+                table.add_row(label, escape("-" if value is None else str(value)))
+            out.print(table)
+            return EXIT_OK
+        holding = [c for c in st.consumers.values() if c.allocations]
+        summary = {
+            "consumers_holding_allocations": len(holding),
+            "tombstones": sum(1 for c in st.consumers.values() if c.deleted),
+            "migrations_in_flight": sum(1 for c in holding if c.on_behalf_of),
+        }
+        if json_out:
+            emit_json({**header, **summary, "providers": usage_json(st)})
+            return EXIT_OK
+        out.print(usage_table(st, f"State at position {position} of {head} ({when})"))
+        out.print(
+            f"{summary['consumers_holding_allocations']} consumers hold allocations, "
+            f"{summary['migrations_in_flight']} of them migrations in flight; "
+            f"{summary['tombstones']} tombstones"
+        )
+        return EXIT_OK
+
+    run(work)
+
+
+def _only(state: State, provider: str) -> State:
+    return State(state.position, {provider: state.providers[provider]})
+
+
+def _positions(positions: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, positions[:limit]))
+    return shown + (f" (+{len(positions) - limit} more)" if len(positions) > limit else "")
+
+
+@app.command()
+def diff(
+    a: Annotated[str, typer.Argument(help="From: position or ISO time with zone.")],
+    b: Annotated[str, typer.Argument(help="To: position or ISO time with zone.")],
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """What changed between two points of the log, and which events (positions) did it."""
+
+    async def work() -> int:
+        from evstore.store import open_store
+
+        async with open_store(resolve_url(db, url)) as store:
+            result = await store.diff(parse_point(a, "A"), parse_point(b, "B"))
+            names = await provider_names(store)
+        if json_out:
+            emit_json(result.to_dict())
+            return EXIT_OK
+        out = console()
+        n = sum(result.events_by_type.values())
+        kinds = ", ".join(f"{t} {c}" for t, c in sorted(result.events_by_type.items())) or "none"
+        out.print(f"From position {result.from_position} to {result.to_position}: {n} events ({kinds})")
+        usage = Table(title="usage deltas")
+        for col in ("provider", "class", "before", "after", "delta", "events"):
+            usage.add_column(col, justify="right" if col in ("before", "after", "delta") else "left")
+        for u in result.usage:
+            usage.add_row(escape(u.name), u.resource_class, str(u.before), str(u.after), f"{u.delta:+d}",
+                          _positions(u.positions))  # fmt: skip
+        out.print(usage)
+        consumers = Table(title="consumers")
+        for col in ("consumer", "change", "type", "before", "after", "events"):
+            consumers.add_column(col, no_wrap=col == "consumer")
+        for c in result.consumers:
+            consumers.add_row(
+                c.consumer,
+                c.change,
+                c.consumer_type or "-",
+                escape(fmt_allocs(c.before, names)),
+                escape(fmt_allocs(c.after, names)),
+                _positions(c.positions),
+            )
+        out.print(consumers)
+        return EXIT_OK
+
+    run(work)
+
+
+@app.command()
+def tail(
+    after: Annotated[
+        int | None, typer.Option("--after", min=0, help="Start after this position (default: the head).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Stop after this many events.")] = None,
+    follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Wait for new events.")] = True,
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Print events as they are appended (by any process), until interrupted (Ctrl-C)."""
+
+    async def work() -> int:
+        from evstore.store import open_store
+
+        async with open_store(resolve_url(db, url)) as store:
+            start = await store.head() if after is None else after
+            head = await store.head()
+            names = await provider_names(store)
+            out = console()
+            note(f"following {store.url} after position {start} (Ctrl-C to stop)")
+            seen = 0
+            if not follow and start >= head:
+                return EXIT_OK
+            async for recorded in store.subscribe(start):
+                if not follow and recorded.position > head:
+                    break
+                if recorded.type == "ProviderCreated":
+                    names[recorded.event["provider"]] = recorded.event["name"]
+                if json_out:
+                    print(json.dumps(event_json(recorded, names), default=str), flush=True)
+                else:
+                    who = recorded.metadata.request_id or recorded.metadata.actor or "-"
+                    out.print(
+                        f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='milliseconds')} "
+                        f"{recorded.type:<20} {escape(who)}  {escape(describe(recorded.event, names))}"
+                    )
+                    sys.stdout.flush()
+                seen += 1
+                if (limit is not None and seen >= limit) or (not follow and recorded.position >= head):
+                    break
+        return EXIT_OK
+
+    run(work, interrupt_code=EXIT_OK)
+
+
+# --- maintenance: rebuild, snapshot, stats, export, import --------------------------------------
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+
+
+@app.command()
+def rebuild(
+    db: DbOption = None,
+    url: UrlOption = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Events folded per batch.")] = 5000,
+    json_out: JsonOption = False,
+) -> None:
+    """Drop the persisted projection and refold it from the log (snapshots are dropped too)."""
+
+    async def work() -> int:
+        from evstore.store import open_store
+
+        async with open_store(resolve_url(db, url)) as store:
+            head = await store.head()
+            with progress_bar() as bar:
+                task = bar.add_task("rebuilding", total=head or 1)
+                folded = await store.rebuild(batch_size, lambda done, total: bar.update(task, completed=done))
+                bar.update(task, completed=head or 1)
+        if json_out:
+            emit_json({"events": folded, "head": head})
+        else:
+            console().print(f"rebuilt the projection from {folded} events (head {head})")
+        return EXIT_OK
+
+    run(work)
+
+
+@app.command()
+def snapshot(
+    db: DbOption = None,
+    url: UrlOption = None,
+    every: Annotated[
+        int | None, typer.Option(min=1, help="Events between snapshots (default: the store's, 10000).")
+    ] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Take the missing snapshots of the folded state (every N events) so time travel is fast."""
+
+    async def work() -> int:
+        from evstore.store import open_store
+
+        options: dict[str, Any] = {} if every is None else {"snapshot_every": every}
+        async with open_store(resolve_url(db, url), **options) as store:
+            head = await store.head()
+            with progress_bar() as bar:
+                task = bar.add_task("folding", total=head or 1)
+                positions = await store.take_snapshots(lambda done: bar.update(task, completed=done))
+        if json_out:
+            emit_json({"head": head, "snapshot_positions": positions})
+        else:
+            console().print(
+                f"snapshots at positions: {', '.join(map(str, positions)) or 'none'} (head {head})"
+            )
+        return EXIT_OK
+
+    run(work)
+
+
+@app.command()
+def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = False) -> None:
+    """Event counts by type, head position, database size and snapshot positions."""
+
+    async def work() -> int:
+        from evstore.store import open_store
+
+        target = resolve_url(db, url)
+        async with open_store(target) as store:
+            found = dict(await store.stats())
+            found["snapshot_positions"] = await store.snapshot_positions()
+        if json_out:
+            emit_json({"url": target, **found})
+            return EXIT_OK
+        out = console()
+        size = found.get("db_bytes")
+        out.print(
+            f"{escape(target)}: head {found.get('head', 0)}"
+            + (f", {size:,} bytes" if size is not None else "")
+        )
+        table = Table(title="events by type")
+        table.add_column("type")
+        table.add_column("count", justify="right")
+        for etype, count in sorted(found.get("events_by_type", {}).items()):
+            table.add_row(etype, str(count))
+        out.print(table)
+        snaps = found["snapshot_positions"]
+        out.print(f"snapshots at positions: {', '.join(map(str, snaps)) or 'none'}")
+        return EXIT_OK
+
+    run(work)
+
+
+@app.command()
+def export(
+    db: DbOption = None,
+    url: UrlOption = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="File to write (default: stdout).", dir_okay=False)
+    ] = None,
+) -> None:
+    """Write the whole log as JSON lines (a header, then every row verbatim, hashes included)."""
+
+    async def work() -> int:
+        from evstore.store import open_store
+
+        async with open_store(resolve_url(db, url)) as store:
+            head = await store.head()
+            if output is None:
+                async for line in store.export():
+                    sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+                return EXIT_OK
+            partial = output.with_name(output.name + ".partial")
+            with progress_bar() as bar, partial.open("w", encoding="utf-8") as sink:
+                task = bar.add_task("exporting", total=head or 1)
+                written = -1  # the header is not an event
+                async for line in store.export():
+                    sink.write(line + "\n")
+                    written += 1
+                    if written % 1000 == 0:
+                        bar.update(task, completed=written)
+                bar.update(task, completed=head or 1)
+            partial.replace(output)  # a half-written export never carries the final name
+        note(f"exported {head} events to {output}")
+        return EXIT_OK
+
+    run(work)
+
+
+@app.command("import")
+def import_(
+    file: Annotated[Path, typer.Argument(help="An export (JSON lines).", exists=True, dir_okay=False)],
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Load an export into an empty store: validated first, positions, ids, hashes and times kept."""
+    created = db is not None and not db.exists()
+
+    async def work() -> int:
+        from evstore.store import open_store
+
+        def lines() -> Any:
+            with file.open(encoding="utf-8") as source:
+                yield from source
+
+        async with open_store(resolve_url(db, url, must_exist=False)) as store:
+            with progress_bar() as bar:
+                tasks: dict[str, Any] = {}
+
+                def on_progress(phase: str, done: int) -> None:
+                    if phase not in tasks:
+                        tasks[phase] = bar.add_task(
+                            "validating" if phase == "validate" else "importing", total=None
+                        )
+                    bar.update(tasks[phase], completed=done)
+
+                count = await store.import_events(lines, progress=on_progress)
+            report = await store.audit()
+            head = await store.head()
+        if json_out:
+            emit_json({"imported": count, "head": head, "audit": report.to_dict()})
+        else:
+            console().print(
+                f"imported {count} events (head {head}); audit: {'clean' if report.clean else 'FINDINGS'}"
+            )
+        return EXIT_OK if report.clean else EXIT_FINDINGS
+
+    try:
+        run(work)
+    except typer.Exit as exc:
+        if exc.exit_code == EXIT_ERROR and created and db is not None:
+            for suffix in ("", "-wal", "-shm"):  # leave nothing behind from a refused import
+                Path(str(db) + suffix).unlink(missing_ok=True)
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> None:

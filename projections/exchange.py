@@ -1,0 +1,201 @@
+"""The export file format (JSON lines) and the checks an import makes before trusting a file.
+
+Line 1 is a header: ``{"format": "evstore-export", "version": 1, "events": N, "head": N,
+"head_hash": "..."}``. Every other line is one stored row, verbatim: position, event_id, type,
+schema_version, ``data`` and ``metadata`` as the exact JSON *text* that was hashed, recorded_at,
+hash. Keeping the text (not re-serialised JSON) is what lets an import reproduce the hash chain
+bit for bit. :class:`ChainCheck` refuses anything that is not a complete, unbroken log.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from evstore.errors import CorruptEvent, InvalidInput
+from evstore.events import GENESIS_HASH, decode_event, event_hash
+
+EXPORT_FORMAT = "evstore-export"
+EXPORT_VERSION = 1
+ROW_FIELDS = ("position", "event_id", "type", "schema_version", "data", "metadata", "recorded_at", "hash")
+
+
+@dataclass(frozen=True, slots=True)
+class ExportRow:
+    """One stored event row, exactly as exported (the same fields as the backend's raw rows)."""
+
+    position: int
+    event_id: str
+    type: str
+    schema_version: int
+    data: str
+    metadata: str
+    recorded_at: str
+    hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExportHeader:
+    events: int
+    head: int
+    head_hash: str
+    version: int = EXPORT_VERSION
+
+    def to_line(self) -> str:
+        return json.dumps(
+            {
+                "format": EXPORT_FORMAT,
+                "version": self.version,
+                "events": self.events,
+                "head": self.head,
+                "head_hash": self.head_hash,
+            },
+            separators=(",", ":"),
+        )
+
+
+def row_line(row: Any) -> str:
+    """One row as a JSON line (``row`` is any object with the raw row's attributes)."""
+    return json.dumps({name: getattr(row, name) for name in ROW_FIELDS}, separators=(",", ":"))
+
+
+def _corrupt(message: str, line: int, **details: Any) -> CorruptEvent:
+    return CorruptEvent(f"line {line}: {message}", line=line, **details)
+
+
+def parse_header(text: str) -> ExportHeader:
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raise _corrupt("not an evstore export (the first line is not JSON)", 1, reason="header") from None
+    if not isinstance(raw, dict) or raw.get("format") != EXPORT_FORMAT:
+        raise _corrupt(f"not an evstore export (no {EXPORT_FORMAT!r} header)", 1, reason="header")
+    if raw.get("version") != EXPORT_VERSION:
+        raise _corrupt(
+            f"export format version {raw.get('version')!r}; this evstore reads version {EXPORT_VERSION}",
+            1,
+            reason="header",
+        )
+    try:
+        return ExportHeader(int(raw["events"]), int(raw["head"]), str(raw["head_hash"]))
+    except (KeyError, TypeError, ValueError):
+        raise _corrupt("malformed export header", 1, reason="header") from None
+
+
+def parse_row(text: str, line: int) -> ExportRow:
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+        values = [raw[name] for name in ROW_FIELDS]
+    except (ValueError, KeyError) as exc:
+        raise _corrupt(f"not an event row ({exc})", line, reason="undecodable") from None
+    position, event_id, etype, version, data, metadata, recorded_at, digest = values
+    ints_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (position, version))
+    strs_ok = all(isinstance(v, str) for v in (event_id, etype, data, metadata, recorded_at, digest))
+    if not (ints_ok and strs_ok):
+        raise _corrupt("an event row field has the wrong type", line, reason="undecodable")
+    return ExportRow(position, event_id, etype, version, data, metadata, recorded_at, digest)
+
+
+@dataclass(slots=True)
+class ChainCheck:
+    """Re-validates rows in order: gap-free positions from 1, the hash chain, unique event ids,
+    decodable events of known types and versions, and recorded times that never go backwards."""
+
+    expected: int = 1
+    prev_hash: str = GENESIS_HASH
+    last_time: datetime | None = None
+    event_ids: set[str] = field(default_factory=set)
+
+    def check(self, row: ExportRow, line: int) -> None:
+        if row.position != self.expected:
+            raise _corrupt(
+                f"position {row.position} where {self.expected} was expected (positions must be 1, 2, 3...)",
+                line,
+                position=row.position,
+                reason="position_gap",
+            )
+        digest = event_hash(
+            self.prev_hash,
+            row.position,
+            row.event_id,
+            row.type,
+            row.schema_version,
+            row.data,
+            row.metadata,
+            row.recorded_at,
+        )
+        if digest != row.hash:
+            raise _corrupt(
+                f"hash chain broken at position {row.position}: the row was altered, or one before it",
+                line,
+                position=row.position,
+                reason="hash_chain",
+            )
+        if row.event_id in self.event_ids:
+            raise _corrupt(
+                f"event id {row.event_id} appears twice", line, position=row.position, reason="duplicate_id"
+            )
+        try:
+            decode_event(row.type, row.schema_version, row.data, row.position)
+            json.loads(row.metadata)
+            recorded = datetime.fromisoformat(row.recorded_at)
+        except CorruptEvent as exc:
+            raise _corrupt(exc.message, line, **exc.details) from None
+        except ValueError as exc:
+            raise _corrupt(
+                f"bad envelope at position {row.position}: {exc}",
+                line,
+                position=row.position,
+                reason="envelope",
+            ) from None
+        if recorded.tzinfo is None:
+            raise _corrupt(
+                f"recorded_at of position {row.position} has no time zone", line, position=row.position
+            )
+        if self.last_time is not None and recorded < self.last_time:
+            raise _corrupt(
+                f"recorded_at goes backwards at position {row.position}",
+                line,
+                position=row.position,
+                reason="time_order",
+            )
+        self.event_ids.add(row.event_id)
+        self.last_time = recorded
+        self.prev_hash = row.hash
+        self.expected = row.position + 1
+
+
+def read_export(lines: Iterable[str]) -> Iterator[ExportRow]:
+    """Parse and validate an export, yielding rows; raises :class:`CorruptEvent` at the first problem.
+
+    The header's counts and final hash are checked after the last row, so a truncated file is
+    refused too (consume the whole iterator before trusting any row).
+    """
+    header: ExportHeader | None = None
+    check = ChainCheck()
+    count = 0
+    line_no = 0
+    for line_no, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        if header is None:
+            header = parse_header(text)
+            continue
+        row = parse_row(text, line_no)
+        check.check(row, line_no)
+        count += 1
+        yield row
+    if header is None:
+        raise InvalidInput("the export file is empty")
+    if count != header.events or check.expected - 1 != header.head or check.prev_hash != header.head_hash:
+        raise _corrupt(
+            f"the file ends after {count} events at position {check.expected - 1}, but its header promises "
+            f"{header.events} events up to position {header.head}: it is truncated or was altered",
+            line_no,
+            reason="truncated",
+        )

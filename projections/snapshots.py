@@ -1,0 +1,165 @@
+"""Snapshots of the folded state, so that time travel folds only the events since the last one.
+
+A snapshot is the whole :class:`State` at a position, encoded as JSON, stored with the hash of
+the event at that position: if the log is ever altered there, the snapshot no longer matches and
+is ignored. Snapshots are a cache, never truth - they are re-made on demand by the same fold
+(:func:`evolve`) - but they are complete: every consumer is kept, tombstones included, so a
+snapshot can never make a deleted consumer come back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from evstore.errors import InvalidInput
+from evstore.events import decode_event
+from evstore.schema import Inventory
+from projections.persisted import INVENTORY_FIELDS
+from projections.state import ConsumerState, ProviderState, State, evolve
+
+#: bump when the encoding changes; snapshots of another format are ignored (and re-made).
+SNAPSHOT_FORMAT = 1
+DEFAULT_SNAPSHOT_EVERY = 10_000
+
+
+class SnapshotStore(Protocol):
+    """What a backend offers to keep snapshots (the SQLite backend implements it)."""
+
+    async def read_raw(self, after: int, limit: int) -> list[Any]: ...
+    async def save_snapshot(self, position: int, event_hash: str, fmt: int, state: str) -> None: ...
+    async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None: ...
+    async def snapshot_positions(self) -> list[int]: ...
+    async def drop_snapshots(self) -> None: ...
+
+
+def supports_snapshots(backend: object) -> bool:
+    return all(
+        callable(getattr(backend, name, None))
+        for name in ("save_snapshot", "load_snapshot", "snapshot_positions", "drop_snapshots")
+    )
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def encode_state(state: State) -> str:
+    """The whole state as compact, deterministic JSON (sorted keys, every consumer kept)."""
+    providers = [
+        [
+            p.uuid,
+            p.name,
+            p.parent,
+            p.root,
+            p.generation,
+            {rc: [getattr(inv, f) for f in INVENTORY_FIELDS] for rc, inv in sorted(p.inventories.items())},
+            dict(sorted(p.usages.items())),
+        ]
+        for p in sorted(state.providers.values(), key=lambda p: p.uuid)
+    ]
+    consumers = [
+        [
+            c.uuid,
+            c.project_id,
+            c.user_id,
+            c.consumer_type,
+            c.generation,
+            c.allocations,
+            c.deleted,
+            c.deleted_at,
+            c.on_behalf_of,
+            c.allocated_at,
+        ]
+        for c in sorted(state.consumers.values(), key=lambda c: c.uuid)
+    ]
+    document = {
+        "format": SNAPSHOT_FORMAT,
+        "position": state.position,
+        "providers": providers,
+        "consumers": consumers,
+        "custom_classes": sorted(state.custom_classes),
+    }
+    return json.dumps(document, separators=(",", ":"), sort_keys=True)
+
+
+def decode_state(text: str) -> State:
+    """The inverse of :func:`encode_state`."""
+    raw = json.loads(text)
+    if raw.get("format") != SNAPSHOT_FORMAT:
+        raise InvalidInput(f"Unsupported snapshot format {raw.get('format')!r}")
+    state = State(position=int(raw["position"]), custom_classes=set(raw["custom_classes"]))
+    for uuid, name, parent, root, generation, inventories, usages in raw["providers"]:
+        state.providers[uuid] = ProviderState(
+            uuid,
+            name,
+            parent,
+            root,
+            generation,
+            {
+                rc: Inventory.model_validate(dict(zip(INVENTORY_FIELDS, values, strict=True)))
+                for rc, values in inventories.items()
+            },
+            dict(usages),
+        )
+    for row in raw["consumers"]:
+        uuid, project, user, ctype, generation, allocations, deleted, deleted_at, behalf, allocated_at = row
+        state.consumers[uuid] = ConsumerState(
+            uuid,
+            project,
+            user,
+            ctype,
+            generation,
+            {p: dict(r) for p, r in allocations.items()},
+            bool(deleted),
+            deleted_at,
+            behalf,
+            allocated_at,
+        )
+    return state
+
+
+# --- folding with snapshots ---------------------------------------------------------------------
+
+
+async def fold_to(
+    backend: SnapshotStore,
+    position: int,
+    every: int = DEFAULT_SNAPSHOT_EVERY,
+    batch_size: int = 5000,
+    save: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> State:
+    """The state at ``position``: the nearest snapshot at or before it, plus the events since.
+
+    On the way, a snapshot is saved at every multiple of ``every`` that has none yet (when
+    ``save``), so the next question about this part of the log is answered faster.
+    """
+    if every < 1:
+        raise InvalidInput("snapshot interval must be a positive number of events")
+    found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
+    state = decode_state(found[1]) if found is not None else State()
+    after = state.position
+    while after < position:
+        batch = await backend.read_raw(after, min(batch_size, position - after))
+        if not batch:
+            break
+        for raw in batch:
+            evolve(state, decode_event(raw.type, raw.schema_version, raw.data, raw.position), raw.position)
+            after = raw.position
+            if save and raw.position % every == 0:
+                await backend.save_snapshot(raw.position, raw.hash, SNAPSHOT_FORMAT, encode_state(state))
+        if progress is not None:
+            progress(after)
+    return state
+
+
+async def take_snapshots(
+    backend: SnapshotStore,
+    head: Callable[[], Awaitable[int]],
+    every: int = DEFAULT_SNAPSHOT_EVERY,
+    progress: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Fold the log to its head, saving a snapshot at each multiple of ``every``; returns all positions."""
+    await fold_to(backend, await head(), every, progress=progress)
+    return await backend.snapshot_positions()

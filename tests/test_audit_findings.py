@@ -1,0 +1,138 @@
+"""The audit catches each kind of finding for real, and names the positions that produced it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from evstore import AllocationStore, Inventory, open_store
+from evstore.events import event_hash
+from evstore.log import RawEvent
+from evstore.log.sqlite import SqliteBackend, now_iso
+from projections.exchange import ExportHeader, parse_header, row_line
+from tests.conftest import allocate, make_provider, new_uuid
+
+
+def chained(prev: Any, etype: str, data: dict[str, Any] | str, version: int = 1) -> RawEvent:
+    """A row that continues the hash chain after ``prev`` (what a buggy or older writer could append)."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    position, event_id, meta, at = prev.position + 1, new_uuid(), '{"actor":"old-writer"}', now_iso()
+    digest = event_hash(prev.hash, position, event_id, etype, version, text, meta, at)
+    return RawEvent(position, event_id, etype, version, text, meta, at, digest)
+
+
+async def _tail(store: AllocationStore) -> RawEvent:
+    head = await store.head()
+    [row] = await store.backend.read_raw(head - 1, 1)
+    return row  # type: ignore[no-any-return]
+
+
+async def _sqlite(store: AllocationStore) -> SqliteBackend:
+    backend = store.backend
+    assert isinstance(backend, SqliteBackend)
+    return backend
+
+
+async def test_tampered_projection_row_is_drift(sqlite_url: str) -> None:
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        allocated_at = await store.head()
+        assert (await store.audit()).clean
+        backend = await _sqlite(store)
+        await backend.tamper("UPDATE p_allocations SET used = 5 WHERE consumer = ?", (c,))
+        report = await store.audit()
+        [finding] = report.drift
+        assert finding.details["consumer"] == c and finding.details["field"] == "allocations"
+        assert finding.positions == (allocated_at,)
+
+
+async def test_corrupt_event_rows_are_integrity_findings_with_positions(sqlite_url: str) -> None:
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        backend = await _sqlite(store)
+        bad_json = chained(await _tail(store), "AllocationsReleased", "{not json")
+        unknown = chained(bad_json, "InstanceTeleported", {"consumer": rp})
+        future = chained(unknown, "ProviderUpdated", {"provider": rp, "name": "x"}, version=99)
+        for row in (bad_json, unknown, future):
+            await backend.tamper(
+                "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
+                (row.position, row.event_id, row.type, row.schema_version, row.data, row.metadata,
+                 row.recorded_at, row.hash),
+            )  # fmt: skip
+        report = await store.audit()
+        reasons = {f.positions: f.details.get("reason") for f in report.integrity}
+        assert reasons == {
+            (bad_json.position,): "undecodable",
+            (unknown.position,): "unknown_type",
+            (future.position,): "unknown_schema_version",
+        }
+        assert not report.drift  # the bad rows are skipped by the replay, the rest agrees
+
+
+async def test_the_first_broken_position_of_the_hash_chain_is_reported(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    for _ in range(5):
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    backend = await _sqlite(store)
+    # a metadata edit keeps every row decodable: only the chain can tell
+    await backend.tamper('UPDATE events SET metadata = \'{"actor":"mallory"}\' WHERE position = 4')
+    await backend.tamper('UPDATE events SET metadata = \'{"actor":"mallory"}\' WHERE position = 6')
+    report = await store.audit()
+    [chain] = report.integrity
+    assert chain.details["reason"] == "hash_chain" and chain.positions == (4,)
+    assert "position 4" in chain.message
+    assert not report.drift and not report.leaks
+
+
+async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_leak(tmp_path: Path) -> None:
+    """An older writer (Placement-style revert) gave allocations back to a deleted instance."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8)
+        dst = await make_provider(source, "dst", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        await source.start_migration(instance, migration)
+        await allocate(source, instance, {dst: {"VCPU": 2}})
+        tombstone = (await source.delete_consumer(instance)).position
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    revert = chained(
+        last,
+        "MigrationReverted",
+        {"migration": migration, "instance": instance, "allocations": {src: {"VCPU": 2}}, "replaced": {},
+         "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
+         "instance_generation": 2, "provider_generations": {}},
+    )  # fmt: skip
+    header = parse_header(lines[0])
+    lines[0] = ExportHeader(header.events + 1, header.head + 1, revert.hash).to_line()
+    lines.append(row_line(revert))
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        report = await store.audit()
+        [leak] = report.leaks
+        assert leak.details["consumer"] == instance
+        assert leak.positions == (tombstone, revert.position)
+        assert (await store.usage(src))["VCPU"] == 2  # the leaked allocation, as the old writer left it
+        assert not report.integrity and not report.drift
+
+
+async def test_inventory_shrunk_below_usage_is_over_capacity_since_the_shrink(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    await allocate(store, new_uuid(), {rp: {"VCPU": 6}})
+    gen = (await store.usage(rp)).generation
+    await store.set_inventories(rp, {"VCPU": Inventory(total=4)}, gen)
+    shrink = await store.head()
+    report = await store.audit()
+    [over] = report.over_capacity
+    assert over.positions == (shrink,)
+    assert over.details == {
+        "provider": rp,
+        "resource_class": "VCPU",
+        "used": 6,
+        "capacity": 4.0,
+        "since": shrink,
+    }
+    assert "since position" in over.message

@@ -1,0 +1,90 @@
+"""diff(a, b): usage deltas, consumers created/changed/released/deleted, and the events responsible."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from evstore import AllocationStore, InvalidInput
+from tests.conftest import allocate, make_provider, new_uuid
+
+
+async def test_diff_names_each_change_and_its_events(store: AllocationStore) -> None:
+    a = await make_provider(store, "a", VCPU=8)
+    b = await make_provider(store, "b", VCPU=8)
+    start = await store.head()
+    c1, c2, c3, mig = new_uuid(), new_uuid(), new_uuid(), new_uuid()
+    p1 = (await store.set_allocations(c1, {a: {"VCPU": 2}}, project_id="p", user_id="u",
+                                      consumer_type="INSTANCE", generation=None)).position  # fmt: skip
+    await allocate(store, c2, {a: {"VCPU": 1}})
+    p2 = await store.head()
+    p3 = (await store.start_migration(c1, mig)).position
+    await allocate(store, c1, {b: {"VCPU": 2}})
+    p4 = await store.head()
+    p5 = (await store.delete_consumer(c1)).position
+    p6 = (await store.release(c2)).position
+    await allocate(store, c3, {b: {"VCPU": 4}})
+    p7 = await store.head()
+    await allocate(store, c3, {b: {"VCPU": 3}}, generation=1)
+    p8 = await store.head()
+
+    whole = await store.diff(start, p8)
+    assert (whole.from_position, whole.to_position) == (start, p8)
+    changes = {c.consumer: (c.change, c.positions) for c in whole.consumers}
+    assert changes == {
+        c1: ("deleted", (p1, p3, p4, p5)),
+        mig: ("transient", (p3, p5)),
+        c2: ("transient", (p2, p6)),
+        c3: ("created", (p7, p8)),
+    }
+    assert whole.consumer(c3) is not None and whole.consumer(c3).after == {b: {"VCPU": 3}}  # type: ignore[union-attr]
+    [usage] = whole.usage  # a is back to zero: only b moved
+    assert (usage.provider, usage.resource_class, usage.before, usage.after, usage.delta) == (
+        b,
+        "VCPU",
+        0,
+        3,
+        3,
+    )
+    assert set(usage.positions) >= {p4, p5, p7, p8}
+    assert whole.events_by_type == {
+        "AllocationsReplaced": 5,
+        "MigrationStarted": 1,
+        "ConsumerDeleted": 1,
+        "AllocationsReleased": 1,
+    }
+
+    middle = await store.diff(p2, p5)
+    assert middle.consumer(c1) is not None
+    assert middle.consumer(c1).change == "deleted"  # type: ignore[union-attr]
+    assert middle.consumer(c1).before == {a: {"VCPU": 2}}  # type: ignore[union-attr]
+    assert middle.consumer(c2) is None  # untouched in (p2, p5]
+    [a_usage] = middle.usage
+    assert (a_usage.provider, a_usage.before, a_usage.after) == (a, 3, 1)
+    assert a_usage.positions == (p3, p5)
+
+    released = await store.diff(p5, p6)
+    assert [(c.consumer, c.change, c.before, c.after) for c in released.consumers] == [
+        (c2, "released", {a: {"VCPU": 1}}, {})
+    ]
+
+    changed = await store.diff(p7, p8)
+    assert [(c.consumer, c.change) for c in changed.consumers] == [(c3, "changed")]
+    assert changed.to_dict()["usage"][0]["delta"] == -1
+
+
+async def test_diff_by_time_and_bad_bounds(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    before = datetime.now(UTC)
+    c = new_uuid()
+    await allocate(store, c, {rp: {"VCPU": 1}})
+    by_time = await store.diff(before, datetime.now(UTC))
+    assert [x.consumer for x in by_time.of_change("created")] == [c]
+    head = await store.head()
+    with pytest.raises(InvalidInput):
+        await store.diff(head, 1)
+    with pytest.raises(InvalidInput):
+        await store.diff(0, head + 1)
+    with pytest.raises(InvalidInput):
+        await store.diff(datetime.now(), head)  # naive time: ambiguous
