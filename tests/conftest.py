@@ -88,3 +88,12 @@ def pg_url() -> str:
     from tests.pg import fresh_database_url
 
     return fresh_database_url()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The library logs every command at info; keep failing tests' output readable.
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
