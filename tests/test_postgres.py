@@ -1,0 +1,368 @@
+"""PostgreSQL-only behaviour: schema migration on open, parallel and serialised writers, retries,
+readers that never skip or repeat under concurrent commits, many processes, and faults.
+
+Everything that is not about PostgreSQL runs on it through the ``store`` fixture (see conftest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from evstore import AllocationStore, EvstoreError, Inventory, StorageError, open_store
+from evstore.errors import SchemaVersionError
+from evstore.log.postgres import PostgresBackend, redact
+from tests.conftest import allocate, make_provider, new_uuid
+from tests.pg import with_search_path
+
+
+def pg(store: AllocationStore) -> PostgresBackend:
+    backend = store.backend
+    assert isinstance(backend, PostgresBackend)
+    return backend
+
+
+async def admin_fetch(url: str, sql: str, *args: Any) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(url)
+    try:
+        return list(await conn.fetch(sql, *args))
+    finally:
+        await conn.close()
+
+
+async def database(url: str) -> str:
+    rows = await admin_fetch(url, "SELECT current_database() AS name")
+    return str(rows[0]["name"])
+
+
+# --- opening ----------------------------------------------------------------------------------
+
+
+async def test_concurrent_opens_migrate_once_and_reopen_is_idempotent(pg_url: str) -> None:
+    async def open_and_write(i: int) -> None:
+        async with open_store(pg_url, pool_size=2) as store:
+            await store.create_provider(new_uuid(), f"node-{i}")
+
+    await asyncio.gather(*(open_and_write(i) for i in range(6)))
+    async with open_store(pg_url) as store:
+        assert await store.head() == 6
+        assert len(await store.providers()) == 6
+    rows = await admin_fetch(pg_url, "SELECT key, value FROM evstore_meta")
+    assert [tuple(r) for r in rows] == [("schema_version", "1")]
+
+
+async def test_a_newer_schema_is_refused(pg_url: str) -> None:
+    async with open_store(pg_url) as store:
+        await pg(store).tamper("UPDATE evstore_meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(SchemaVersionError, match="schema version 99"):
+        async with open_store(pg_url):
+            pass
+
+
+async def test_a_server_that_is_down_is_named_without_its_password() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"postgresql://evstore:s3cret@127.0.0.1:{port}/evstore"
+    with pytest.raises(StorageError) as info:
+        async with open_store(url, connect_timeout=5):
+            pass
+    assert f"postgresql://evstore:***@127.0.0.1:{port}/evstore" in info.value.message
+    assert "s3cret" not in str(info.value) and "s3cret" not in json.dumps(info.value.to_dict())
+    assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+async def test_a_missing_schema_is_a_clear_error(pg_url: str) -> None:
+    with pytest.raises(StorageError, match="no schema"):
+        async with open_store(with_search_path(pg_url, "evstore_no_such_schema")):
+            pass
+
+
+async def test_unknown_options_are_refused(pg_url: str) -> None:
+    with pytest.raises(EvstoreError, match="Unknown PostgreSQL store option"):
+        async with open_store(pg_url, synchronous="FULL"):
+            pass
+
+
+# --- parallel writers -------------------------------------------------------------------------
+
+
+async def test_commands_on_disjoint_entities_are_in_flight_together(pg_url: str) -> None:
+    async with open_store(pg_url) as store:
+        a, b = await make_provider(store, VCPU=4), await make_provider(store, VCPU=4)
+        both_inside = asyncio.Barrier(2)
+
+        async def hook(conn: Any) -> None:
+            # Both transactions hold their locks and wait here: they cannot be serialised.
+            await both_inside.wait()
+
+        pg(store)._before_commit = hook
+        async with asyncio.timeout(30):
+            await asyncio.gather(
+                allocate(store, new_uuid(), {a: {"VCPU": 1}}), allocate(store, new_uuid(), {b: {"VCPU": 1}})
+            )
+        assert (await store.usage(a)).usages["VCPU"] == 1 == (await store.usage(b)).usages["VCPU"]
+
+
+async def test_commands_sharing_a_provider_are_serialised(pg_url: str) -> None:
+    async with open_store(pg_url) as first, open_store(pg_url) as second:
+        rp = await make_provider(first, VCPU=1)
+        inside, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(conn: Any) -> None:
+            inside.set()
+            await release.wait()
+
+        pg(first)._before_commit = hold
+        c1, c2 = new_uuid(), new_uuid()
+        async with asyncio.timeout(30):
+            t1 = asyncio.create_task(allocate(first, c1, {rp: {"VCPU": 1}}))
+            await inside.wait()
+            t2 = asyncio.create_task(allocate(second, c2, {rp: {"VCPU": 1}}))
+            # the second command waits for the first one's advisory lock on the provider
+            waiting = "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory' AND datname = $1"
+            while not await admin_fetch(pg_url, waiting, await database(pg_url)):
+                await asyncio.sleep(0.01)
+            assert not t2.done()
+            release.set()
+            await t1
+            with pytest.raises(EvstoreError) as info:
+                await t2
+        # it decided on the first command's result: the provider was full
+        assert info.value.code == "evstore.allocation.capacity_exceeded"
+        assert (await second.allocations(c1)).allocations == {rp: {"VCPU": 1}}
+        assert (await second.audit()).clean
+
+
+@pytest.mark.parametrize(
+    "error", [asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError]
+)
+async def test_deadlock_and_serialization_failures_are_retried(pg_url: str, error: type[Exception]) -> None:
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=4)
+        calls = 0
+
+        async def fail_once(conn: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise error("simulated by the test")
+
+        pg(store)._before_commit = fail_once
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        assert calls == 2
+        assert await store.head() == 3
+        assert (await store.usage(rp)).usages["VCPU"] == 2
+        assert (await store.audit()).clean
+
+
+async def test_one_idempotency_key_from_two_processes_appends_once(pg_url: str) -> None:
+    async with open_store(pg_url) as first, open_store(pg_url) as second:
+        rp = await make_provider(first, VCPU=4)
+        c = new_uuid()
+        kwargs: dict[str, Any] = dict(
+            project_id="p", user_id="u", consumer_type="INSTANCE", generation=None, idempotency_key="req-1"
+        )
+        r1, r2 = await asyncio.gather(
+            first.set_allocations(c, {rp: {"VCPU": 1}}, **kwargs),
+            second.set_allocations(c, {rp: {"VCPU": 1}}, **kwargs),
+        )
+        assert r1.positions == r2.positions == (3,)
+        assert {r1.replayed, r2.replayed} == {False, True}
+        assert await first.head() == 3
+
+
+# --- readers never skip, never repeat ---------------------------------------------------------
+
+
+async def test_readers_see_exactly_the_committed_events_under_concurrent_writers(pg_url: str) -> None:
+    """8 writer connections commit with random delays (so positions would become visible out of
+    order if they were assigned at insert time) while a subscriber and a paging reader follow."""
+    rng = random.Random(4)
+    async with contextlib.AsyncExitStack() as stack:
+        reader = await stack.enter_async_context(open_store(pg_url, poll_interval=0.01))
+        providers = [await make_provider(reader, f"node-{i}", VCPU=Inventory(total=10_000)) for i in range(6)]
+        writers = [await stack.enter_async_context(open_store(pg_url, pool_size=1)) for _ in range(8)]
+
+        async def delay(conn: Any) -> None:
+            await asyncio.sleep(rng.random() * 0.01)
+
+        for w in writers:
+            pg(w)._before_commit = delay
+        acknowledged: list[int] = []
+        done = asyncio.Event()
+
+        async def write(w: AllocationStore, n: int) -> None:
+            for _ in range(n):
+                # a few shared providers: some commands serialise, most run in parallel
+                receipt = await w.set_allocations(
+                    new_uuid(),
+                    {rng.choice(providers): {"VCPU": 1}},
+                    project_id="p",
+                    user_id="u",
+                    consumer_type="INSTANCE",
+                    generation=None,
+                )
+                acknowledged.extend(receipt.positions)
+
+        subscribed: list[tuple[int, str]] = []
+        paged: list[tuple[int, str]] = []
+
+        async def subscribe() -> None:
+            async for e in reader.subscribe(after=0, batch_size=5):
+                subscribed.append((e.position, e.event_id))
+                if done.is_set() and e.position == await reader.head():
+                    return
+
+        async def page() -> None:
+            after = 0
+            while True:
+                batch = await reader.read(after, 7)
+                paged.extend((e.position, e.event_id) for e in batch)
+                if batch:
+                    after = batch[-1].position
+                elif done.is_set() and after == await reader.head():
+                    return
+                else:
+                    await asyncio.sleep(0)
+
+        async with asyncio.timeout(120):
+            followers = [asyncio.create_task(subscribe()), asyncio.create_task(page())]
+            await asyncio.gather(*(write(w, 25) for w in writers))
+            done.set()
+            await asyncio.gather(*followers)
+
+        head = await reader.head()
+        log = [(e.position, e.event_id) for e in await reader.read(0, head + 1)]
+        assert [p for p, _ in log] == list(range(1, head + 1)), "gap-free, in order"
+        assert head == len(providers) * 2 + 8 * 25
+        assert paged == log, "the paging reader saw every event once, in order"
+        assert subscribed == log, "the subscriber saw every event once, in order"
+        assert sorted(acknowledged) == list(range(len(providers) * 2 + 1, head + 1))
+        assert (await reader.audit()).clean
+        # the scenario did happen: events inserted earlier were committed later (a reader paging
+        # by insertion order would have skipped them)
+        rows = await admin_fetch(pg_url, "SELECT seq FROM events ORDER BY position")
+        seqs = [r["seq"] for r in rows]
+        assert seqs != sorted(seqs)
+
+
+async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_url: str) -> None:
+    async with open_store(pg_url) as writer, open_store(pg_url) as reader:
+        rp = await make_provider(writer, VCPU=4)
+
+        async def die(conn: Any) -> None:
+            raise RuntimeError("the process died between its commit and the sequencing")
+
+        pg(writer)._after_commit = die
+        c = new_uuid()
+        with pytest.raises(StorageError):
+            await allocate(writer, c, {rp: {"VCPU": 3}})
+        # committed, not yet positioned: the reader positions it rather than waiting forever
+        assert (await reader.stats())["unpositioned"] == 1
+        events = await reader.read(0, 10)
+        assert [e.type for e in events][-1] == "AllocationsReplaced"
+        assert await reader.head() == 3
+        assert (await reader.allocations(c)).allocations == {rp: {"VCPU": 3}}
+        assert (await reader.audit()).clean
+
+
+async def test_the_audit_sees_a_consistent_projection_while_writers_run(pg_url: str) -> None:
+    async with open_store(pg_url) as auditor, open_store(pg_url) as writer:
+        rp = await make_provider(writer, VCPU=Inventory(total=100_000))
+        stop = asyncio.Event()
+
+        async def keep_writing() -> int:
+            n = 0
+            while not stop.is_set():
+                await allocate(writer, new_uuid(), {rp: {"VCPU": 1}})
+                n += 1
+            return n
+
+        tasks = [asyncio.create_task(keep_writing()) for _ in range(4)]
+        reports = [await auditor.audit() for _ in range(5)]
+        stop.set()
+        written = sum(await asyncio.gather(*tasks))
+        assert written > 0
+        assert all(r.clean for r in reports), [r.findings for r in reports]
+        assert await auditor.rebuild() == await auditor.head()
+        assert (await auditor.audit()).clean
+
+
+async def test_a_tombstone_reports_its_position(pg_url: str) -> None:
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=4)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        receipt = await store.delete_consumer(c)
+        view = await store.allocations(c)
+        assert view.deleted and view.deleted_at == receipt.position
+        with pytest.raises(EvstoreError, match=f"deleted at position {receipt.position}"):
+            await allocate(store, c, {rp: {"VCPU": 1}})
+
+
+# --- many processes, faults -------------------------------------------------------------------
+
+
+async def test_four_processes_with_their_own_pools_share_providers(pg_url: str, tmp_path: Path) -> None:
+    async with open_store(pg_url) as store:
+        providers = [await make_provider(store, f"node-{i}", VCPU=Inventory(total=12)) for i in range(3)]
+    n = 60
+    outs = [tmp_path / f"out-{i}.jsonl" for i in range(4)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.mp_worker", pg_url, str(seed), str(n), str(out), env=env
+        )
+        for seed, out in enumerate(outs)
+    ]
+    assert await asyncio.gather(*(p.wait() for p in procs)) == [0, 0, 0, 0]
+    acknowledged: list[int] = []
+    for out in outs:
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(lines) == n
+        for line in lines:
+            acknowledged.extend(line.get("positions", []))
+    async with open_store(pg_url) as store:
+        head = await store.head()
+        events = await store.read(0, head + 10)
+        assert [e.position for e in events] == list(range(1, head + 1))
+        assert len(acknowledged) == len(set(acknowledged)), "no position acknowledged twice"
+        assert set(range(1, head + 1)) - set(acknowledged) == set(range(1, 2 * len(providers) + 1))
+        report = await store.audit()
+        assert report.clean, report.findings  # never over capacity at any position, no drift
+        for p in providers:
+            assert (await store.usage(p)).usages.get("VCPU", 0) <= 12
+
+
+async def test_a_connection_killed_mid_command_fails_it_cleanly(pg_url: str) -> None:
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=4)
+
+        async def kill(conn: Any) -> None:
+            await admin_fetch(pg_url, "SELECT pg_terminate_backend($1)", conn.get_server_pid())
+
+        pg(store)._before_commit = kill
+        c = new_uuid()
+        with pytest.raises(StorageError) as info:
+            await allocate(store, c, {rp: {"VCPU": 2}})
+        assert info.value.code == "evstore.storage"
+        pg(store)._before_commit = None
+        assert await store.head() == 2, "nothing of the command was written"
+        assert (await store.allocations(c)).allocations == {}
+        assert (await store.usage(rp)).usages["VCPU"] == 0
+        await allocate(store, c, {rp: {"VCPU": 2}})  # the pool recovered
+        assert (await store.usage(rp)).usages["VCPU"] == 2
+        assert (await store.audit()).clean
