@@ -8,6 +8,7 @@ the row encoding every backend stores.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,13 @@ def inventories_json(inventories: dict[str, Inventory]) -> str:
 
 
 def inventories_from_json(text: str) -> dict[str, Inventory]:
+    # Every command re-reads the inventories of the providers it touches and they rarely
+    # change: validate each distinct encoding once. Inventory is frozen; the dict is copied.
+    return dict(_parse_inventories(text))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_inventories(text: str) -> dict[str, Inventory]:
     raw: dict[str, list[Any]] = json.loads(text)
     return {
         rc: Inventory.model_validate(dict(zip(INVENTORY_FIELDS, vals, strict=True)))
