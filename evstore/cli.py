@@ -712,6 +712,7 @@ def progress_bar() -> Progress:
         TimeElapsedColumn(),
         console=Console(stderr=True),
         transient=False,
+        disable=not sys.stderr.isatty(),  # piped: no bar (and no stray newline before an error line)
     )
 
 

@@ -1,0 +1,114 @@
+"""A replay-debugging session, as a person would run it: which event released this allocation?"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from tests.test_cli_support import evstore
+
+
+def _json(*args: str) -> Any:
+    done = evstore(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_find_the_event_that_released_a_migrations_allocation(tmp_path: Path) -> None:
+    db = str(tmp_path / "cloud.db")
+    demo = _json("demo", "--db", db, "--seed", "21", "--instances", "60", "--nodes", "4")
+    assert demo["rejected_reverts"], "the seed must produce a revert that lost its race"
+    instance, migration = demo["rejected_reverts"][0]
+
+    # 1. the migration's story: started, then something released it
+    story = _json("history", migration, "--db", db)["events"]
+    assert next(e["type"] for e in story) == "MigrationStarted"
+    released_by = story[-1]
+    assert released_by["type"] == "ConsumerDeleted"
+    assert released_by["data"]["consumer"] == instance
+    p = released_by["position"]
+    assert migration in released_by["data"]["migrations_released"]
+    assert "its migration" in released_by["summary"]
+
+    # 2. just before that event the migration held resources on the instance's behalf; at it, nothing
+    before = _json("state", "--at", str(p - 1), "--consumer", migration, "--db", db)
+    assert before["allocations"] and before["on_behalf_of"] == instance
+    after = _json("state", "--at", str(p), "--consumer", migration, "--db", db)
+    assert after["allocations"] == {} and after["position"] == p
+    inst_after = _json("state", "--at", str(p), "--consumer", instance, "--db", db)
+    assert inst_after["deleted"] is True and inst_after["deleted_at"] == p
+
+    # 3. the diff over that one event says the same, and names the event
+    change = _json("diff", str(p - 1), str(p), "--db", db)
+    by_consumer = {c["consumer"]: c for c in change["consumers"]}
+    assert by_consumer[migration]["change"] == "released"
+    assert by_consumer[migration]["positions"] == [p]
+    assert by_consumer[instance]["change"] == "deleted"
+    assert change["usage"] and all(u["delta"] < 0 and u["positions"] == [p] for u in change["usage"])
+
+    # 4. time travel by the event's recorded time lands on (at least) that event
+    at_time = _json("state", "--at", released_by["recorded_at"], "--consumer", instance, "--db", db)
+    assert at_time["deleted"] is True and at_time["position"] >= p
+
+    # 5. the human forms of the same commands
+    human = evstore("history", instance, "--db", db)
+    assert human.returncode == 0 and "ConsumerDeleted" in human.stdout and "tombstone" in human.stdout
+    human_diff = evstore("diff", str(p - 1), str(p), "--db", db)
+    assert human_diff.returncode == 0 and "released" in human_diff.stdout and migration in human_diff.stdout
+    human_state = evstore("state", "--at", str(p - 1), "--consumer", migration, "--db", db)
+    assert human_state.returncode == 0 and "holds allocations" in human_state.stdout
+
+
+def test_state_views_and_bad_points(tmp_path: Path) -> None:
+    db = str(tmp_path / "c.db")
+    demo = _json("demo", "--db", db, "--instances", "20", "--nodes", "3")
+    head = demo["head"]
+    now = _json("state", "--db", db)
+    assert now["position"] == head and len(now["providers"]) == 3
+    assert now["providers"] == demo["usage"]
+    assert _json("state", "--at", str(head), "--db", db)["providers"] == demo["usage"]
+    early = _json("state", "--at", "4", "--db", db)
+    assert early["position"] == 4 and early["consumers_holding_allocations"] == 0
+    rp = demo["usage"][0]["provider"]
+    one = _json("state", "--provider", rp, "--db", db)
+    assert one["provider"]["provider"] == rp and isinstance(one["allocations"], dict)
+
+    beyond = evstore("state", "--at", str(head + 1), "--db", db)
+    assert beyond.returncode == 1 and beyond.stderr.startswith("error: evstore.invalid_input: ")
+    naive = evstore("state", "--at", "2026-01-01T00:00:00", "--db", db)
+    assert naive.returncode == 1 and "no time zone" in naive.stderr
+    garbage = evstore("diff", "yesterday", "5", "--db", db)
+    assert garbage.returncode == 1 and garbage.stderr.startswith("error: evstore.invalid_input: A must be")
+    backwards = evstore("diff", "9", "5", "--db", db)
+    assert backwards.returncode == 1 and "a <= b" in backwards.stderr
+    unknown = evstore("history", "not-a-uuid", "--db", db)
+    assert unknown.returncode == 1 and unknown.stderr.startswith("error: evstore.invalid_input: ")
+
+
+def test_rebuild_snapshot_and_stats(tmp_path: Path) -> None:
+    db = tmp_path / "c.db"
+    demo = _json("demo", "--db", str(db), "--instances", "30", "--nodes", "3")
+    with sqlite3.connect(db) as conn:
+        conn.execute("DELETE FROM p_allocations")
+    assert evstore("audit", "--db", str(db)).returncode == 3
+    rebuilt = evstore("rebuild", "--db", str(db), "--batch-size", "17")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert f"from {demo['head']} events" in rebuilt.stdout
+    assert evstore("audit", "--db", str(db)).returncode == 0
+    assert _json("state", "--db", str(db))["providers"] == demo["usage"]
+
+    snap = _json("snapshot", "--every", "25", "--db", str(db))
+    assert snap["snapshot_positions"] == list(range(25, demo["head"] + 1, 25))
+    stats = _json("stats", "--db", str(db))
+    assert stats["head"] == demo["head"]
+    assert sum(stats["events_by_type"].values()) == demo["head"]
+    assert stats["snapshot_positions"] == snap["snapshot_positions"]
+    assert stats["db_bytes"] > 0
+    human = evstore("stats", "--db", str(db))
+    assert (
+        human.returncode == 0
+        and "MigrationStarted" in human.stdout
+        and "snapshots at positions: 25" in human.stdout
+    )

@@ -1,0 +1,70 @@
+"""export / import through the CLI: a faithful copy, and refusal of anything broken."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.test_cli_support import demo_db, evstore
+
+
+def test_export_import_reproduces_the_log_exactly(tmp_path: Path) -> None:
+    source = demo_db(tmp_path / "source.db", instances=40)
+    dump = tmp_path / "log.jsonl"
+    exported = evstore("export", "--db", str(source), "-o", str(dump))
+    assert exported.returncode == 0, exported.stderr
+    lines = dump.read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["format"] == "evstore-export" and header["events"] == len(lines) - 1
+
+    target = tmp_path / "copy.db"
+    imported = evstore("import", str(dump), "--db", str(target), "--json")
+    assert imported.returncode == 0, imported.stderr
+    result = json.loads(imported.stdout)
+    assert result["imported"] == header["events"] and result["audit"]["clean"] is True
+    again = evstore("export", "--db", str(target))
+    assert again.returncode == 0
+    assert again.stdout == dump.read_text()  # same positions, event ids, payload bytes, times and hashes
+    same = [
+        json.loads(evstore("state", "--db", str(db), "--json").stdout)["providers"] for db in (source, target)
+    ]
+    assert same[0] == same[1]
+
+    refused = evstore("import", str(dump), "--db", str(target))
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error: evstore.invalid_input: import needs an empty store")
+
+
+def _import_fails(tmp_path: Path, lines: list[str], name: str) -> str:
+    broken = tmp_path / f"{name}.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    target = tmp_path / f"{name}.db"
+    done = evstore("import", str(broken), "--db", str(target))
+    assert done.returncode == 1, done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not target.exists()  # a refused import leaves no database behind
+    return done.stderr
+
+
+def test_import_refuses_broken_files(tmp_path: Path) -> None:
+    source = demo_db(tmp_path / "source.db", instances=20)
+    lines = evstore("export", "--db", str(source)).stdout.splitlines()
+
+    altered = list(lines)
+    row = json.loads(altered[10])
+    row["metadata"] = json.dumps({"actor": "mallory"})
+    altered[10] = json.dumps(row)
+    err = _import_fails(tmp_path, altered, "altered")
+    assert err.startswith("error: evstore.log.corrupt: line 11: hash chain broken at position 10")
+
+    err = _import_fails(tmp_path, lines[:5] + lines[6:], "gap")
+    assert "position 6 where 5 was expected" in err
+
+    err = _import_fails(tmp_path, lines[:-1], "truncated")
+    assert "truncated" in err
+
+    err = _import_fails(tmp_path, [*lines[:3], "{not json", *lines[4:]], "garbage")
+    assert err.startswith("error: evstore.log.corrupt: line 4: not an event row")
+
+    err = _import_fails(tmp_path, lines[1:], "headless")
+    assert "not an evstore export" in err

@@ -1,0 +1,73 @@
+"""`evstore tail` follows appends made by another process, live, until interrupted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from evstore import open_store
+from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_cli_support import REPO, demo_db, evstore
+
+
+def _start_tail(*args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evstore.cli", "tail", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    assert proc.stderr is not None
+    ready = proc.stderr.readline()  # the tail says when it is following: no sleeping
+    assert ready.startswith("following "), ready
+    return proc
+
+
+async def _write_three_events(url: str) -> int:
+    async with open_store(url) as store:
+        rp = await make_provider(store, "late-node", VCPU=4)  # 2 events
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # 1 event
+        return await store.head()
+
+
+def test_tail_follows_another_process_appends(tmp_path: Path) -> None:
+    db = demo_db(tmp_path / "c.db", instances=10, nodes=2)
+    head = json.loads(evstore("stats", "--db", str(db), "--json").stdout)["head"]
+    proc = _start_tail("--db", str(db), "--json", "--limit", "3")
+    try:
+        new_head = asyncio.run(_write_three_events(f"sqlite:///{db}"))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["position"] for e in events] == list(range(head + 1, new_head + 1))
+    assert [e["type"] for e in events] == ["ProviderCreated", "InventoriesReplaced", "AllocationsReplaced"]
+    assert "late-node" in events[2]["summary"]
+
+
+def test_tail_stops_cleanly_on_interrupt(tmp_path: Path) -> None:
+    db = demo_db(tmp_path / "c.db", instances=5, nodes=2)
+    proc = _start_tail("--db", str(db))
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_tail_from_the_start_without_following(tmp_path: Path) -> None:
+    db = demo_db(tmp_path / "c.db", instances=5, nodes=2)
+    head = json.loads(evstore("stats", "--db", str(db), "--json").stdout)["head"]
+    done = evstore("tail", "--db", str(db), "--after", "0", "--no-follow", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["position"] for line in done.stdout.splitlines()] == list(range(1, head + 1))
+    human = evstore("tail", "--db", str(db), "--after", str(head - 1), "--no-follow")
+    assert human.returncode == 0 and str(head) in human.stdout
