@@ -202,12 +202,15 @@ SETUP: tuple[Step, ...] = (
 def inv_specs(draw: st.DrawFn) -> InvSpec:
     total = draw(st.integers(1, 24))
     reserved = min(draw(st.sampled_from([0, 0, 1, 2])), total)
-    if draw(st.integers(0, 11)) == 0:
-        reserved = total + 1  # refused by both (400 / InvalidInventoryValue)
     min_unit = draw(st.sampled_from([1, 1, 1, 2]))
     max_unit = draw(st.sampled_from([MAX_INT, MAX_INT, 4, 8]))
     step_size = draw(st.sampled_from([1, 1, 1, 2]))
     ratio = draw(st.sampled_from([1.0, 1.0, 1.5, 2.0, 0.5]))
+    if ratio >= 1.0 and draw(st.integers(0, 11)) == 0:
+        # Refused by both (400 / InvalidInventoryValue). Not with a ratio < 1: Placement truncates
+        # int((total - reserved) * ratio), so it accepts reserved = total + 1 when the ratio is
+        # below 1 (capacity int(-0.5) = 0), where SPEC.md section 1 rejects reserved > total.
+        reserved = total + 1
     return InvSpec(total, reserved, min_unit, max(min_unit, max_unit), step_size, ratio)
 
 
@@ -382,10 +385,10 @@ def evstore_kind(exc: EvstoreError | None) -> str:
 
 
 def known_evstore_bug(step: Step, placement: str, evstore: str) -> str | None:
-    if isinstance(step, SetInventories) and placement == "concurrent_update":
-        # test_regression_set_inventories_checks_generation_first_*: Placement compares the
-        # provider generation before anything else in the request; evstore reports a class in use,
-        # an unknown class or reserved > total first.
+    if isinstance(step, SetInventories) and placement in ("concurrent_update", "not_found"):
+        # test_regression_set_inventories_checks_*_first*: Placement looks the provider up, then
+        # compares its generation, before looking at the inventories; evstore reports a class in
+        # use, an unknown class or reserved > total (checked in the facade) first.
         if evstore in ("inventory_in_use", "bad_request"):
             return "test_regression_set_inventories_checks_generation_first"
     return None
@@ -796,7 +799,7 @@ def _slow_enabled(config: pytest.Config) -> bool:
 
 @pytest.mark.slow
 @settings(max_examples=int(os.environ.get("EVSTORE_DIFF_EXAMPLES", "400")), **COMMON)  # type: ignore[arg-type]
-@given(program=st.lists(steps, min_size=5, max_size=60))
+@given(program=st.lists(steps, min_size=5, max_size=40))
 def test_evstore_matches_placement_campaign(
     pytestconfig: pytest.Config, placement_peer: PlacementPeer, program: list[Step]
 ) -> None:
@@ -867,3 +870,15 @@ async def test_regression_set_inventories_checks_generation_first_reserved_over_
     rp = await make_provider(store, VCPU=8)
     with pytest.raises(ConcurrentUpdate):
         await store.set_inventories(rp, {"VCPU": {"total": 4, "reserved": 5}}, generation=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="evstore bug: reserved > total is checked in the facade, before the provider lookup "
+    "(Placement: 404 for an unknown provider whatever the body)",
+)
+async def test_regression_set_inventories_checks_provider_first_reserved_over_total(
+    store: AllocationStore,
+) -> None:
+    with pytest.raises(ProviderNotFound):
+        await store.set_inventories(new_uuid(), {"VCPU": {"total": 1, "reserved": 2}}, generation=0)
