@@ -72,19 +72,20 @@ async def test_corrupt_event_rows_are_integrity_findings_with_positions(sqlite_u
         assert not report.drift  # the bad rows are skipped by the replay, the rest agrees
 
 
-async def test_the_first_broken_position_of_the_hash_chain_is_reported(store: AllocationStore) -> None:
-    rp = await make_provider(store, VCPU=8)
-    for _ in range(5):
-        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
-    backend = await _sqlite(store)
-    # a metadata edit keeps every row decodable: only the chain can tell
-    await backend.tamper('UPDATE events SET metadata = \'{"actor":"mallory"}\' WHERE position = 4')
-    await backend.tamper('UPDATE events SET metadata = \'{"actor":"mallory"}\' WHERE position = 6')
-    report = await store.audit()
-    [chain] = report.integrity
-    assert chain.details["reason"] == "hash_chain" and chain.positions == (4,)
-    assert "position 4" in chain.message
-    assert not report.drift and not report.leaks
+async def test_the_first_broken_position_of_the_hash_chain_is_reported(sqlite_url: str) -> None:
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        for _ in range(5):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        backend = await _sqlite(store)
+        # a metadata edit keeps every row decodable: only the chain can tell
+        await backend.tamper('UPDATE events SET metadata = \'{"actor":"mallory"}\' WHERE position = 4')
+        await backend.tamper('UPDATE events SET metadata = \'{"actor":"mallory"}\' WHERE position = 6')
+        report = await store.audit()
+        [chain] = report.integrity
+        assert chain.details["reason"] == "hash_chain" and chain.positions == (4,)
+        assert "position 4" in chain.message
+        assert not report.drift and not report.leaks
 
 
 async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_leak(tmp_path: Path) -> None:

@@ -80,3 +80,25 @@ def test_errors_are_one_line_with_a_code(tmp_path: Path) -> None:
     assert "Traceback" not in broken.stderr
     usage = evstore("audit", "--bogus")
     assert usage.returncode == 2 and usage.stderr.startswith("error: evstore.usage: ")
+
+
+def test_demo_audit_and_debugging_commands_on_postgres(tmp_path: Path) -> None:
+    from tests.pg import fresh_database_url  # skips without a configured server
+
+    url = fresh_database_url()
+    done = evstore("demo", "--url", url, "--instances", "30", "--nodes", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    demo = json.loads(done.stdout)
+    assert demo["audit"]["clean"] is True
+    env = {"EVSTORE_URL": url}
+    assert evstore("audit", env=env).returncode == 0
+    stats = json.loads(evstore("stats", "--json", env=env).stdout)
+    assert stats["head"] == demo["head"]
+    again = evstore("demo", "--url", url)  # never wipes a server store: it must be empty
+    assert again.returncode == 1 and "needs an empty store" in again.stderr
+    # a PostgreSQL log exported and imported into SQLite keeps its hashes: the audit is clean
+    dump = tmp_path / "pg.jsonl"
+    assert evstore("export", "-o", str(dump), env=env).returncode == 0
+    imported = evstore("import", str(dump), "--db", str(tmp_path / "copy.db"))
+    assert imported.returncode == 0, imported.stderr
+    assert evstore("export", "--db", str(tmp_path / "copy.db")).stdout == dump.read_text()
