@@ -386,11 +386,11 @@ def evstore_kind(exc: EvstoreError | None) -> str:
 
 def known_evstore_bug(step: Step, placement: str, evstore: str) -> str | None:
     if isinstance(step, SetInventories) and placement in ("concurrent_update", "not_found"):
-        # test_regression_set_inventories_checks_*_first*: Placement looks the provider up, then
-        # compares its generation, before looking at the inventories; evstore reports a class in
-        # use, an unknown class or reserved > total (checked in the facade) first.
-        if evstore in ("inventory_in_use", "bad_request"):
-            return "test_regression_set_inventories_checks_generation_first"
+        # test_regression_set_inventories_checks_*_first_reserved_over_total: Placement looks the
+        # provider up, then compares its generation, before it checks reserved <= total; evstore
+        # checks reserved > total in the facade, before anything else.
+        if evstore == "bad_request":
+            return "test_regression_set_inventories_checks_generation_first_reserved_over_total"
     return None
 
 
@@ -833,16 +833,17 @@ def test_nova_swap_scenario(placement_peer: PlacementPeer) -> None:
 # --- regression tests for evstore bugs found by the differential test --------------------------------
 # Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app);
 # they need no Placement peer. xfail(strict=True): remove the marker (and the matching entry in
-# known_evstore_bug) when the bug is fixed.
+# known_evstore_bug) when the bug is fixed. Placement's order for PUT .../inventories is: provider
+# lookup (404), generation (409 concurrent_update), unknown class (400), reserved > total (400),
+# class in use (409 inventory.inuse).
 
 GENERATION_FIRST = pytest.mark.xfail(
     strict=True,
-    reason="evstore bug: set_inventories must compare the provider generation first, as Placement's "
-    "PUT /resource_providers/{u}/inventories does (handlers/inventory.py set_inventories)",
+    reason="evstore bug: reserved > total is checked in the facade, before the provider generation "
+    "(Placement's PUT /resource_providers/{u}/inventories compares the generation first)",
 )
 
 
-@GENERATION_FIRST
 async def test_regression_set_inventories_checks_generation_first_in_use(store: AllocationStore) -> None:
     """Stale generation AND removing a class in use: Placement answers 409 concurrent_update."""
     rp = await make_provider(store, VCPU=8, MEMORY_MB=16)
@@ -851,7 +852,6 @@ async def test_regression_set_inventories_checks_generation_first_in_use(store: 
         await store.set_inventories(rp, {"MEMORY_MB": {"total": 16}}, generation=2)  # current is 1
 
 
-@GENERATION_FIRST
 async def test_regression_set_inventories_checks_generation_first_unknown_class(
     store: AllocationStore,
 ) -> None:
