@@ -849,7 +849,7 @@ async def test_regression_set_inventories_checks_generation_first_in_use(store: 
     rp = await make_provider(store, VCPU=8, MEMORY_MB=16)
     await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
     with pytest.raises(ConcurrentUpdate):
-        await store.set_inventories(rp, {"MEMORY_MB": {"total": 16}}, generation=2)  # current is 1
+        await store.set_inventories(rp, {"MEMORY_MB": {"total": 16}}, generation=9)  # current is 2
 
 
 async def test_regression_set_inventories_checks_generation_first_unknown_class(
