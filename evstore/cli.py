@@ -229,10 +229,13 @@ def demo(
 
         if db is None and url is None and not os.environ.get("EVSTORE_URL"):
             target = sqlite_url(_fresh_file(DEFAULT_DEMO_DB))
+            where = f"--db {DEFAULT_DEMO_DB}"
         elif db is not None and url is None:
             target = sqlite_url(_fresh_file(db))
+            where = f"--db {db}"
         else:
             target = resolve_url(db, url, must_exist=False)
+            where = f"--url '{target}'"
         async with open_store(target) as store:
             if await store.head() != 0:
                 raise err.InvalidInput(f"the demo needs an empty store and {target} already has events")
@@ -280,7 +283,7 @@ def demo(
             print_audit(out, audit, target)
             if report.rejected_reverts:
                 inst, _ = report.rejected_reverts[0]
-                out.print(f"Try: evstore history {inst} --url {target}")
+                out.print(f"Try: evstore history {inst} {escape(where)}")
         return EXIT_OK if audit.clean else EXIT_FINDINGS
 
     run(work)
@@ -334,40 +337,42 @@ def fmt_allocs(allocs: dict[str, dict[str, int]], names: Names) -> str:
     return "; ".join(parts)
 
 
-def describe(event: Any, names: Names) -> str:
-    """One line saying what an event did, for people."""
+def describe(event: Any, names: Names, short: bool = False) -> str:
+    """One line saying what an event did, for people (``short``: consumer uuids cut to 8 characters)."""
     from evstore import events as ev
+
+    def u(uuid: str) -> str:
+        return uuid[:8] if short else uuid
 
     match event:
         case ev.AllocationsReplaced():
             return (
-                f"consumer {event.consumer} ({event.consumer_type}) now holds "
+                f"consumer {u(event.consumer)} ({event.consumer_type}) now holds "
                 f"{fmt_allocs(event.allocations, names)} (was {fmt_allocs(event.previous, names)}), "
                 f"generation {event.generation}"
             )
         case ev.AllocationsReleased():
-            return f"consumer {event.consumer} released {fmt_allocs(event.released, names)}"
+            return f"consumer {u(event.consumer)} released {fmt_allocs(event.released, names)}"
         case ev.MigrationStarted():
             return (
-                f"instance {event.instance} moved {fmt_allocs(event.allocations, names)} "
-                f"to migration {event.migration}"
+                f"instance {u(event.instance)} moved {fmt_allocs(event.allocations, names)} "
+                f"to migration {u(event.migration)}"
             )
         case ev.MigrationReverted():
             return (
-                f"migration {event.migration} gave {fmt_allocs(event.allocations, names)} back to "
-                f"instance {event.instance} (replacing {fmt_allocs(event.replaced, names)})"
+                f"migration {u(event.migration)} gave {fmt_allocs(event.allocations, names)} back to "
+                f"instance {u(event.instance)} (replacing {fmt_allocs(event.replaced, names)})"
             )
         case ev.MigrationConfirmed():
             return (
-                f"migration {event.migration} released {fmt_allocs(event.released, names)}; "
-                f"instance {event.instance} keeps its allocations"
+                f"migration {u(event.migration)} released {fmt_allocs(event.released, names)}; "
+                f"instance {u(event.instance)} keeps its allocations"
             )
         case ev.ConsumerDeleted():
-            text = (
-                f"consumer {event.consumer} deleted (tombstone), released {fmt_allocs(event.released, names)}"
-            )
+            released = fmt_allocs(event.released, names)
+            text = f"consumer {u(event.consumer)} deleted (tombstone), released {released}"
             for migration, allocs in event.migrations_released.items():
-                text += f"; its migration {migration} released {fmt_allocs(allocs, names)}"
+                text += f"; its migration {u(migration)} released {fmt_allocs(allocs, names)}"
             return text
         case ev.InventoriesReplaced():
             invs = ", ".join(
@@ -395,11 +400,11 @@ def event_json(recorded: Any, names: Names) -> dict[str, Any]:
 
 def events_table(title: str) -> Table:
     table = Table(title=title)
-    table.add_column("position", justify="right")
+    table.add_column("position", justify="right", no_wrap=True)
     table.add_column("recorded_at", no_wrap=True)
-    table.add_column("type")
-    table.add_column("request / actor")
-    table.add_column("what happened")
+    table.add_column("type", no_wrap=True)
+    table.add_column("request / actor", max_width=22)
+    table.add_column("what happened", ratio=1)
     return table
 
 
@@ -411,7 +416,7 @@ def add_event_row(table: Table, recorded: Any, names: Names) -> None:
         recorded.recorded_at.isoformat(timespec="seconds"),
         recorded.type,
         escape(who),
-        escape(describe(recorded.event, names)),
+        escape(describe(recorded.event, names, short=True)),
     )
 
 
@@ -567,7 +572,7 @@ def state(
             for label, value in (
                 ("allocations", fmt_allocs(cview.allocations, names)),
                 ("generation", cview.generation),
-                ("project / user", f"{cview.project_id} / {cview.user_id}"),
+                ("project / user", f"{cview.project_id or '-'} / {cview.user_id or '-'}"),
                 ("type", cview.consumer_type),
                 ("deleted at position", cview.deleted_at),
                 ("on behalf of (migration of)", cview.on_behalf_of),
@@ -688,9 +693,10 @@ def tail(
                     print(json.dumps(event_json(recorded, names), default=str), flush=True)
                 else:
                     who = recorded.metadata.request_id or recorded.metadata.actor or "-"
+                    what = describe(recorded.event, names, short=True)
                     out.print(
                         f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='milliseconds')} "
-                        f"{recorded.type:<20} {escape(who)}  {escape(describe(recorded.event, names))}"
+                        f"{recorded.type:<20} {escape(who)}  {escape(what)}"
                     )
                     sys.stdout.flush()
                 seen += 1
@@ -851,7 +857,11 @@ def import_(
     url: UrlOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Load an export into an empty store: validated first, positions, ids, hashes and times kept."""
+    """Load an export into an empty store: validated first, positions, ids, hashes and times kept.
+
+    The imported log is then audited: exit 0 when clean, 3 when the log itself holds findings
+    (e.g. leaks written by an older writer), 1 when the file was refused (nothing is imported).
+    """
     created = db is not None and not db.exists()
 
     async def work() -> int:
