@@ -20,7 +20,7 @@ import pytest
 
 from evstore import AllocationStore, EvstoreError, Inventory, StorageError, open_store
 from evstore.errors import SchemaVersionError
-from evstore.log.postgres import PostgresBackend, redact
+from evstore.log.postgres import SCHEMA_VERSION, PostgresBackend, redact
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.pg import with_search_path
 
@@ -57,7 +57,20 @@ async def test_concurrent_opens_migrate_once_and_reopen_is_idempotent(pg_url: st
         assert await store.head() == 6
         assert len(await store.providers()) == 6
     rows = await admin_fetch(pg_url, "SELECT key, value FROM evstore_meta")
-    assert [tuple(r) for r in rows] == [("schema_version", "1")]
+    assert [tuple(r) for r in rows] == [("schema_version", str(SCHEMA_VERSION))]
+
+
+async def test_an_older_schema_is_migrated_on_open(pg_url: str) -> None:
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=4)
+        # what a version-1 store looked like: no snapshots table
+        await pg(store).tamper("DROP TABLE snapshots")
+        await pg(store).tamper("UPDATE evstore_meta SET value = '1' WHERE key = 'schema_version'")
+    async with open_store(pg_url) as store:
+        assert (await store.usage(rp)).usages == {"VCPU": 0}
+        assert await pg(store).snapshot_positions() == []
+    rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
+    assert rows[0]["value"] == str(SCHEMA_VERSION)
 
 
 async def test_a_newer_schema_is_refused(pg_url: str) -> None:
@@ -220,11 +233,14 @@ async def test_readers_see_exactly_the_committed_events_under_concurrent_writers
         subscribed: list[tuple[int, str]] = []
         paged: list[tuple[int, str]] = []
 
+        final_head: list[int] = []
+        caught_up = asyncio.Event()
+
         async def subscribe() -> None:
             async for e in reader.subscribe(after=0, batch_size=5):
                 subscribed.append((e.position, e.event_id))
-                if done.is_set() and e.position == await reader.head():
-                    return
+                if final_head and e.position >= final_head[0]:
+                    caught_up.set()
 
         async def page() -> None:
             after = 0
@@ -239,10 +255,15 @@ async def test_readers_see_exactly_the_committed_events_under_concurrent_writers
                     await asyncio.sleep(0)
 
         async with asyncio.timeout(120):
-            followers = [asyncio.create_task(subscribe()), asyncio.create_task(page())]
+            follower = asyncio.create_task(subscribe())
+            pager = asyncio.create_task(page())
             await asyncio.gather(*(write(w, 25) for w in writers))
             done.set()
-            await asyncio.gather(*followers)
+            await pager
+            final_head.append(await reader.head())
+            if not (subscribed and subscribed[-1][0] >= final_head[0]):
+                await caught_up.wait()
+            follower.cancel()
 
         head = await reader.head()
         log = [(e.position, e.event_id) for e in await reader.read(0, head + 1)]

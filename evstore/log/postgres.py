@@ -73,7 +73,7 @@ from evstore.log.sqlite import decode_raw, now_iso
 from projections import persisted
 from projections.state import ConsumerState, State, evolve
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -129,6 +129,12 @@ MIGRATIONS: tuple[str, ...] = (
         IF fence IS NOT NULL THEN PERFORM pg_advisory_xact_lock_shared(fence); END IF;
         FOREACH k IN ARRAY keys LOOP PERFORM pg_advisory_xact_lock(k); END LOOP;
     END $$;
+    """,
+    # 2: snapshots of the folded state, a cache for time travel (see projections/snapshots.py)
+    """
+    CREATE TABLE snapshots (
+        position bigint PRIMARY KEY, event_hash text NOT NULL, format integer NOT NULL, state text NOT NULL
+    );
     """,
 )
 
@@ -622,6 +628,87 @@ class PostgresBackend:
         async with self._connection() as conn:
             await self._guard(conn.execute(sql, *params), "tampering")
 
+    # --- snapshots (a cache of folded states; see projections/snapshots.py) -------------------
+
+    async def save_snapshot(self, position: int, event_hash: str, fmt: int, state: str) -> None:
+        async with self._connection() as conn:
+            await self._guard(
+                conn.execute(
+                    "INSERT INTO snapshots VALUES ($1, $2, $3, $4) ON CONFLICT (position) DO UPDATE SET "
+                    "event_hash = EXCLUDED.event_hash, format = EXCLUDED.format, state = EXCLUDED.state",
+                    position,
+                    event_hash,
+                    fmt,
+                    state,
+                ),
+                "saving a snapshot",
+            )
+
+    async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
+        """The latest snapshot at or before ``at_most`` whose event is still the one it was taken at."""
+        async with self._connection() as conn:
+            row = await self._guard(
+                conn.fetchrow(
+                    "SELECT s.position, s.state FROM snapshots s JOIN events e "
+                    "ON e.position = s.position AND e.hash = s.event_hash "
+                    "WHERE s.position <= $1 AND s.format = $2 ORDER BY s.position DESC LIMIT 1",
+                    at_most,
+                    fmt,
+                ),
+                "loading a snapshot",
+            )
+        return None if row is None else (int(row[0]), str(row[1]))
+
+    async def snapshot_positions(self) -> list[int]:
+        async with self._connection() as conn:
+            rows = await self._guard(
+                conn.fetch("SELECT position FROM snapshots ORDER BY position"), "listing snapshots"
+            )
+        return [int(r[0]) for r in rows]
+
+    async def drop_snapshots(self) -> None:
+        async with self._connection() as conn:
+            await self._guard(conn.execute("DELETE FROM snapshots"), "dropping snapshots")
+
+    async def import_raw(self, rows: Sequence[RawEvent]) -> int:
+        """Append already-recorded rows verbatim (positions, ids, hashes, times), in one transaction.
+
+        The rows must continue the log exactly (first position = head + 1, no gaps); the caller
+        validates hashes and payloads first and rebuilds the projection afterwards.
+        """
+        batch = list(rows)
+        async with self._connection() as conn:
+            try:
+                async with conn.transaction():
+                    await self._fenced(conn)  # no writer, no sequencer meanwhile
+                    head = int(await conn.fetchval("SELECT coalesce(max(position), 0) FROM events"))
+                    for expected, raw in enumerate(batch, start=head + 1):
+                        if raw.position != expected:
+                            raise err.CorruptEvent(
+                                f"Imported rows must continue the log at position {expected}, "
+                                f"got {raw.position}",
+                                position=raw.position,
+                                reason="position_gap",
+                            )
+                    entities = [
+                        decode_event(r.type, r.schema_version, r.data, r.position).entities() for r in batch
+                    ]
+                    columns = [list(c) for c in zip(*(_raw_fields(r) for r in batch), strict=True)]
+                    inserted = await conn.fetch(IMPORT_SQL, *columns) if batch else []
+                    seq_of = {r["event_id"]: r["seq"] for r in inserted}
+                    entity_rows = [
+                        (entity, seq_of[raw.event_id])
+                        for raw, names in zip(batch, entities, strict=True)
+                        for entity in names
+                    ]
+                    if entity_rows:
+                        await conn.executemany(
+                            "INSERT INTO event_entities VALUES ($1, $2) ON CONFLICT DO NOTHING", entity_rows
+                        )
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                raise _storage_error(exc, "importing events") from None
+        return len(batch)
+
     async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
         async with self._connection() as conn:
             try:
@@ -658,6 +745,16 @@ class PostgresBackend:
         }
 
 
+IMPORT_SQL = (
+    f"INSERT INTO events ({EVENT_COLUMNS}) SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], "
+    "$4::int[], $5::text[], $6::text[], $7::text[], $8::text[]) RETURNING event_id, seq"
+)
+
+
+def _raw_fields(r: RawEvent) -> tuple[Any, ...]:
+    return (r.position, r.event_id, r.type, r.schema_version, r.data, r.metadata, r.recorded_at, r.hash)
+
+
 # --- lock keys ----------------------------------------------------------------------------------
 
 
@@ -674,10 +771,12 @@ def _lock_names(job: Job) -> set[str]:
 
 
 def _slice_names(state: State) -> Iterable[str]:
-    """Every entity in a loaded slice: all of them are read and may be written."""
+    """Every entity in a loaded slice: all of them are read and may be written.
+
+    Names need no lock here: a decision about a name (create, rename) locks that name first.
+    """
     yield from (f"consumer:{c}" for c in state.consumers)
     yield from (f"provider:{p}" for p in state.providers)
-    yield from (f"provider_name:{p.name}" for p in state.providers.values())
 
 
 # --- the write path -----------------------------------------------------------------------------
