@@ -541,10 +541,16 @@ class PostgresBackend:
         assert last is not None
         raise _storage_error(last, "assigning positions")
 
-    async def _catch_up(self, conn: Any) -> None:
-        """Position events left by a writer that died between its commit and the sequencing."""
-        if await conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"):
-            await self._sequence_with_retry(wait=False)
+    async def _catch_up(self, conn: Any) -> int:
+        """Position events left by a writer that died between its commit and the sequencing.
+
+        Runs on the reader's own connection (a pool of one must not wait for a second one);
+        returns how many events it positioned.
+        """
+        if not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"):
+            return 0
+        async with conn.transaction():
+            return await _sequence(conn, self._key("!sequencer"), wait=False)
 
     async def _guard(self, awaitable: Awaitable[Any], doing: str) -> Any:
         try:
@@ -564,11 +570,7 @@ class PostgresBackend:
         sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
         async with self._connection() as conn:
             rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
-            if len(rows) < limit and await self._guard(
-                conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"),
-                "reading the log",
-            ):
-                await self._sequence_with_retry(wait=False)
+            if len(rows) < limit and await self._guard(self._catch_up(conn), "reading the log"):
                 rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
         return [RawEvent(*r) for r in rows]
 
