@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sqlite3
 import uuid
@@ -200,24 +201,33 @@ def test_older_event_versions_are_upcast() -> None:
 
 async def test_each_outcome_is_logged_with_context(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=1)
-    with structlog.testing.capture_logs() as logs:
-        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
-        with pytest.raises(evstore.CapacityExceeded):
-            await store.set_allocations(
-                new_uuid(),
-                {rp: {"VCPU": 1}},
-                project_id="p",
-                user_id="u",
-                consumer_type="INSTANCE",
-                generation=None,
-                metadata={"request_id": "req-9"},
-            )
+    # the test session filters info logs out (conftest); let them through here
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await _log_two_outcomes(store, rp)
+    finally:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     accepted, rejected = logs
     assert accepted["event"] == "command.accepted" and accepted["position"] == 3
     assert accepted["provider"] == [rp]
     assert rejected["event"] == "command.rejected"
     assert rejected["code"] == "evstore.allocation.capacity_exceeded"
     assert rejected["request_id"] == "req-9"
+
+
+async def _log_two_outcomes(store: AllocationStore, rp: str) -> None:
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    with pytest.raises(evstore.CapacityExceeded):
+        await store.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            metadata={"request_id": "req-9"},
+        )
 
 
 async def test_subscribe_catches_up_then_follows(store: AllocationStore) -> None:
