@@ -506,10 +506,17 @@ def _delete_consumer(state: State, command: DeleteConsumer) -> list[ev.EventBase
     ]
 
 
-def _check_classes(state: State, classes: list[str]) -> None:
-    for rc in classes:
+def _check_inventories(state: State, inventories: dict[str, Inventory]) -> None:
+    """Placement's order after the generation: unknown classes, then impossible values."""
+    for rc in inventories:
         if not is_known_class(rc, state.custom_classes):
             raise err.UnknownResourceClass(f"Unknown resource class in inventory: {rc}", resource_class=rc)
+    for rc, inv in inventories.items():
+        problems = inv.problems()
+        if problems:
+            raise err.InvalidInventoryValue(
+                f"Invalid inventory for {rc}: {'; '.join(problems)}", resource_class=rc, problems=problems
+            )
 
 
 def _set_inventories(
@@ -524,7 +531,7 @@ def _set_inventories(
             expected=prov.generation,
             got=generation,
         )
-    _check_classes(state, list(inventories))
+    _check_inventories(state, inventories)
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
         raise err.InventoryInUse(

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import os_resource_classes
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from evstore.errors import InvalidInput, InvalidInventoryValue
 
@@ -132,13 +132,15 @@ class Inventory(BaseModel):
             raise ValueError("allocation_ratio must be finite")
         return v
 
-    @model_validator(mode="after")
-    def _cross_field(self) -> Inventory:
+    def problems(self) -> list[str]:
+        """Cross-field contradictions (checked when the inventory is set, after the provider's
+        generation, as Placement orders its checks)."""
+        found = []
         if self.reserved > self.total:
-            raise ValueError(f"reserved ({self.reserved}) is greater than total ({self.total})")
+            found.append(f"reserved ({self.reserved}) is greater than total ({self.total})")
         if self.min_unit > self.max_unit:
-            raise ValueError(f"min_unit ({self.min_unit}) is greater than max_unit ({self.max_unit})")
-        return self
+            found.append(f"min_unit ({self.min_unit}) is greater than max_unit ({self.max_unit})")
+        return found
 
     @property
     def capacity(self) -> float:
@@ -163,11 +165,14 @@ def coerce_inventory(value: object, resource_class: str) -> Inventory:
 
 
 def make_inventory(**fields: Any) -> Inventory:
-    """Build an Inventory, raising InvalidInventoryValue (an InvalidInput) instead of pydantic's error."""
+    """Build a sane Inventory, raising InvalidInventoryValue (an InvalidInput) on any problem."""
     try:
-        return Inventory(**fields)
+        inventory = Inventory(**fields)
     except ValidationError as exc:
         raise InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}") from None
+    if inventory.problems():
+        raise InvalidInventoryValue(f"Invalid inventory: {'; '.join(inventory.problems())}")
+    return inventory
 
 
 class ConsumerAllocations(BaseModel):

@@ -15,7 +15,7 @@ import contextvars
 import hashlib
 import json
 import uuid as _uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import datetime
 from typing import Any
@@ -25,8 +25,8 @@ from pydantic import BaseModel
 
 from evstore import commands as cmd
 from evstore import errors as err
-from evstore.events import Metadata, RecordedEvent
-from evstore.log import Backend, Job, Outcome, Receipt
+from evstore.events import GENESIS_HASH, Metadata, RecordedEvent
+from evstore.log import Backend, Job, Outcome, RawEvent, Receipt
 from evstore.schema import (
     ConsumerAllocations,
     Inventory,
@@ -41,6 +41,7 @@ from evstore.schema import (
 )
 from projections import audit as _audit
 from projections.audit import AuditReport
+from projections.diff import Diff
 from projections.replay import StateView, replay
 from projections.state import State
 from projections.views import ConsumerView, ProjectUsages, ProviderUsage
@@ -108,6 +109,9 @@ class AllocationStore:
             await store.set_allocations(server, {node: {"VCPU": 2}}, project_id="p", user_id="u",
                                         consumer_type="INSTANCE", generation=None)
     """
+
+    #: time travel snapshots the folded state every this many events (``open_store(snapshot_every=)``)
+    snapshot_every: int = 10_000
 
     def __init__(self, backend: Backend, *, max_batch: int = 256, poll_interval: float = 0.2) -> None:
         self._backend = backend
@@ -526,9 +530,18 @@ class AllocationStore:
         """Replay the log, check its integrity and compare with the persisted projection."""
         return await _audit.audit(self._backend.read_raw, self._backend.load_state)
 
-    async def rebuild(self, batch_size: int = 5000) -> int:
-        """Drop and refold the persisted projection from the log; returns the events folded."""
-        return await self._backend.rebuild(batch_size)
+    async def rebuild(
+        self, batch_size: int = 5000, progress: Callable[[int, int], None] | None = None
+    ) -> int:
+        """Drop and refold the persisted projection from the log; returns the events folded.
+
+        Snapshots are dropped too (they are re-made on demand by the current fold)."""
+        folded = await self._backend.rebuild(batch_size, progress)
+        from projections import snapshots
+
+        if snapshots.supports_snapshots(self._backend):
+            await self._backend.drop_snapshots()  # type: ignore[attr-defined]
+        return folded
 
     async def replay(self, to_position: int | None = None) -> State:
         """The state folded from the log up to ``to_position`` (all of it by default)."""
@@ -544,10 +557,117 @@ class AllocationStore:
             position = await self._backend.position_at(at)
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise err.InvalidInput("position must be a non-negative integer")
-        return StateView(await replay(self._backend.read, position))
+        return StateView(await self._fold_to(position))
 
     async def stats(self) -> dict[str, Any]:
         return await self._backend.stats()
+
+    # --- snapshots, diff, export and import (time travel and debugging) ---------------------
+
+    async def _fold_to(self, position: int) -> State:
+        """The state at ``position``, from the nearest snapshot when the backend keeps them."""
+        from projections import snapshots
+
+        if snapshots.supports_snapshots(self._backend):
+            backend: Any = self._backend
+            return await snapshots.fold_to(backend, position, self.snapshot_every)
+        return await replay(self._backend.read, position)
+
+    async def take_snapshots(self, progress: Callable[[int], None] | None = None) -> list[int]:
+        """Fold the log to its head, saving a snapshot every ``snapshot_every`` events; their positions."""
+        from projections import snapshots
+
+        if not snapshots.supports_snapshots(self._backend):
+            raise err.InvalidInput("this backend does not keep snapshots")
+        backend: Any = self._backend
+        return await snapshots.take_snapshots(backend, self.head, self.snapshot_every, progress)
+
+    async def snapshot_positions(self) -> list[int]:
+        from projections import snapshots
+
+        if not snapshots.supports_snapshots(self._backend):
+            return []
+        positions: list[int] = await self._backend.snapshot_positions()  # type: ignore[attr-defined]
+        return positions
+
+    async def position_of(self, point: int | datetime) -> int:
+        """A position given as itself or as a timezone-aware time (the last event at or before it)."""
+        if isinstance(point, datetime):
+            if point.tzinfo is None:
+                raise err.InvalidInput("a time must be timezone-aware (e.g. 2026-01-02T03:04:05+00:00)")
+            return await self._backend.position_at(point)
+        if isinstance(point, bool) or not isinstance(point, int) or point < 0:
+            raise err.InvalidInput(f"a position must be a non-negative integer, got {point!r}")
+        return point
+
+    async def diff(self, a: int | datetime, b: int | datetime) -> Diff:
+        """What changed between ``a`` and ``b`` (positions or times): usage deltas per provider and
+        class, consumers created, changed, released and deleted, and the events responsible."""
+        from projections.diff import diff_states
+
+        start, end = await self.position_of(a), await self.position_of(b)
+        if start > end:
+            raise err.InvalidInput(f"diff needs a <= b, got positions {start} and {end}")
+        head = await self.head()
+        if end > head:
+            raise err.InvalidInput(f"position {end} is beyond the head of the log ({head})")
+        return await diff_states(await self._fold_to(start), self._backend.read_raw, end)
+
+    async def export(self, batch_size: int = 1000) -> AsyncIterator[str]:
+        """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py)."""
+        from projections.exchange import ExportHeader, row_line
+
+        head = await self.head()
+        last = await self._backend.read_raw(head - 1, 1) if head else []
+        yield ExportHeader(head, head, last[0].hash if last else GENESIS_HASH).to_line()
+        after = 0
+        while after < head:
+            batch = await self._backend.read_raw(after, min(batch_size, head - after))
+            if not batch:
+                break
+            for raw in batch:
+                yield row_line(raw)
+            after = batch[-1].position
+
+    async def import_events(
+        self,
+        open_lines: Callable[[], Iterable[str]],
+        batch_size: int = 1000,
+        progress: Callable[[str, int], None] | None = None,
+    ) -> int:
+        """Load an export into this (empty) store, reproducing positions, ids, hashes and times.
+
+        ``open_lines`` is called twice: the whole file is validated first (chain, positions,
+        payloads, header counts) and nothing is written unless all of it is sound; then the rows are
+        appended verbatim and the projection is rebuilt. ``progress(phase, events)`` reports both passes.
+        """
+        from projections.exchange import read_export
+
+        importer: Any = self._backend
+        if not callable(getattr(importer, "import_raw", None)):
+            raise err.InvalidInput("this backend cannot import a log")
+        if await self.head() != 0:
+            raise err.InvalidInput("import needs an empty store: this one already has events")
+
+        def drain(rows: Iterator[Any]) -> list[Any]:
+            return [row for _, row in zip(range(batch_size), rows, strict=False)]
+
+        for phase in ("validate", "import"):
+            rows = read_export(open_lines())
+            done = 0
+            while batch := await asyncio.to_thread(drain, rows):
+                if phase == "import":
+                    await importer.import_raw([_raw_row(r) for r in batch])
+                done += len(batch)
+                if progress is not None:
+                    progress(phase, done)
+        await self.rebuild()
+        return done
+
+
+def _raw_row(r: Any) -> RawEvent:
+    fields = (r.position, r.event_id, r.type, r.schema_version, r.data, r.metadata, r.recorded_at, r.hash)
+    return RawEvent(*fields)
 
 
 def make_backend(url: str, **options: Any) -> Backend:
@@ -573,8 +693,13 @@ async def open_store(url: str, **options: Any) -> AsyncIterator[AllocationStore]
     Options: ``synchronous`` (SQLite: FULL by default, NORMAL trades the last commits on power
     loss for speed), ``busy_timeout`` (seconds), ``max_batch`` (commands per group commit).
     """
+    snapshot_every = options.pop("snapshot_every", None)
     store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}
     store = AllocationStore(make_backend(url, **options), **store_options)
+    if snapshot_every is not None:
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise err.InvalidInput("snapshot_every must be a positive number of events")
+        store.snapshot_every = snapshot_every
     await store.open()
     try:
         yield store

@@ -451,3 +451,20 @@ def test_inventory_generation_is_checked_before_classes_in_use() -> None:
         when(state, SetInventories(RP1, {}, 1))
     with pytest.raises(err.InventoryInUse):
         when(state, SetInventories(RP1, {}, 2))
+
+
+def test_inventory_values_are_checked_after_provider_generation_and_classes() -> None:
+    # Found by the differential test: Placement looks the provider up, compares the generation,
+    # checks the classes, and only then refuses reserved > total.
+    state = cloud(VCPU=Inventory(total=8))
+    bad = Inventory(total=4, reserved=5)
+    with pytest.raises(err.ProviderNotFound):
+        when(state, SetInventories(RP2, {"VCPU": bad}, 0))
+    with pytest.raises(err.ConcurrentUpdate):
+        when(state, SetInventories(RP1, {"VCPU": bad}, 0))
+    with pytest.raises(err.UnknownResourceClass):
+        when(state, SetInventories(RP1, {"VCPU": bad, "CUSTOM_NOPE": Inventory(total=1)}, 1))
+    with pytest.raises(err.InvalidInventory, match="reserved \\(5\\) is greater than total \\(4\\)"):
+        when(state, SetInventories(RP1, {"VCPU": bad}, 1))
+    with pytest.raises(err.InvalidInput, match="min_unit"):
+        when(state, SetInventory(RP1, "VCPU", Inventory(total=4, min_unit=3, max_unit=2), 1))

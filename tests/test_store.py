@@ -364,3 +364,10 @@ async def test_closed_store_refuses_commands(tmp_path: Path) -> None:
     with pytest.raises(evstore.StoreClosed):
         await store.create_provider(new_uuid(), "late")
     assert os.path.exists(tmp_path / "c.db")
+
+
+async def test_a_file_that_is_not_a_database_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "junk.db").write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(evstore.StorageError, match="Cannot open"):
+        async with open_store(f"sqlite:///{tmp_path}/junk.db"):
+            pass

@@ -71,6 +71,9 @@ CREATE TABLE IF NOT EXISTS p_allocations (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS p_allocations_provider ON p_allocations (provider);
 CREATE TABLE IF NOT EXISTS p_classes (name TEXT PRIMARY KEY) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS snapshots (
+    position INTEGER PRIMARY KEY, event_hash TEXT NOT NULL, format INTEGER NOT NULL, state TEXT NOT NULL
+);
 """
 
 PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes")
@@ -338,10 +341,16 @@ class SqliteBackend:
 
     async def _connect(self) -> aiosqlite.Connection:
         conn = await aiosqlite.connect(self.path, isolation_level=None)
-        await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
-        if not self.memory:
-            await conn.execute("PRAGMA journal_mode = WAL")
-        await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        try:
+            await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+            if not self.memory:
+                await conn.execute("PRAGMA journal_mode = WAL")
+            await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        except BaseException:
+            # aiosqlite's worker thread is not a daemon: an unclosed connection keeps the
+            # process alive after the error.
+            await conn.close()
+            raise
         return conn
 
     async def open(self) -> None:
@@ -356,6 +365,9 @@ class SqliteBackend:
         except sqlite3.Error as exc:
             await self.close()
             raise err.StorageError(f"Cannot open {self.url}: {exc}") from None
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
@@ -424,6 +436,49 @@ class SqliteBackend:
     async def tamper(self, sql: str, params: Sequence[Any] = ()) -> None:
         """Run raw SQL on the writer (tests and repair tools only)."""
         await self._on_writer(lambda conn: conn.execute(sql, params))
+
+    # --- snapshots (a cache of folded states; see projections/snapshots.py) -------------------
+
+    async def save_snapshot(self, position: int, event_hash: str, fmt: int, state: str) -> None:
+        def w(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT OR REPLACE INTO snapshots (position, event_hash, format, state) VALUES (?,?,?,?)",
+                (position, event_hash, fmt, state),
+            )
+
+        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn)))
+
+    async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
+        """The latest snapshot at or before ``at_most`` whose event is still the one it was taken at."""
+
+        def q(conn: sqlite3.Connection) -> tuple[int, str] | None:
+            row = conn.execute(
+                "SELECT s.position, s.state FROM snapshots s JOIN events e "
+                "ON e.position = s.position AND e.hash = s.event_hash "
+                "WHERE s.position <= ? AND s.format = ? ORDER BY s.position DESC LIMIT 1",
+                (at_most, fmt),
+            ).fetchone()
+            return None if row is None else (int(row[0]), str(row[1]))
+
+        return await self._on_reader(q)
+
+    async def snapshot_positions(self) -> list[int]:
+        def q(conn: sqlite3.Connection) -> list[int]:
+            return [int(r[0]) for r in conn.execute("SELECT position FROM snapshots ORDER BY position")]
+
+        return await self._on_reader(q)
+
+    async def drop_snapshots(self) -> None:
+        await self._on_writer(lambda conn: _retry_busy(lambda: conn.execute("DELETE FROM snapshots")))
+
+    async def import_raw(self, rows: Sequence[RawEvent]) -> int:
+        """Append already-recorded rows verbatim (positions, ids, hashes, times), in one transaction.
+
+        The rows must continue the log exactly (first position = head + 1, no gaps); the caller
+        validates hashes and payloads first and rebuilds the projection afterwards.
+        """
+        batch = list(rows)
+        return await self._on_writer(lambda conn: _retry_busy(lambda: _import_raw(conn, batch)))
 
     async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
         return await self._on_writer(lambda conn: _retry_busy(lambda: _rebuild(conn, batch_size, progress)))
@@ -543,6 +598,35 @@ def _load_all(conn: sqlite3.Connection) -> State:
         holder.allocations.setdefault(provider, {})[rc] = used
     state.custom_classes = {r[0] for r in conn.execute("SELECT name FROM p_classes")}
     return state
+
+
+def _import_raw(conn: sqlite3.Connection, rows: list[RawEvent]) -> int:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
+        entity_rows: list[tuple[str, int]] = []
+        for expected, raw in enumerate(rows, start=head + 1):
+            if raw.position != expected:
+                raise err.CorruptEvent(
+                    f"Imported rows must continue the log at position {expected}, got {raw.position}",
+                    position=raw.position,
+                    reason="position_gap",
+                )
+            event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
+            entity_rows.extend((entity, raw.position) for entity in event.entities())
+        conn.executemany(
+            f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
+            [
+                (r.position, r.event_id, r.type, r.schema_version, r.data, r.metadata, r.recorded_at, r.hash)
+                for r in rows
+            ],
+        )
+        conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", entity_rows)
+        conn.execute("COMMIT")
+        return len(rows)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def _rebuild(conn: sqlite3.Connection, batch_size: int, progress: Callable[[int, int], None] | None) -> int:
