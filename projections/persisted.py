@@ -55,19 +55,29 @@ class ChangeSet:
     #: consumers whose allocation rows are rewritten (delete all, insert current)
     replace_allocations: list[ConsumerState] = field(default_factory=list)
     add_classes: list[str] = field(default_factory=list)
+    #: a hint: providers in ``upsert_providers`` of which only generation and usages changed
+    #: (the common case of an allocation write); a backend may update just those columns.
+    counters_only: set[str] = field(default_factory=set)
 
 
 def changes(before: State, after: State) -> ChangeSet:
     cs = ChangeSet()
     for uuid, prov in after.providers.items():
-        if before.providers.get(uuid) != prov:
+        old = before.providers.get(uuid)
+        if old != prov:
             cs.upsert_providers.append(prov)
+            if (
+                old is not None
+                and (old.name, old.parent, old.root) == (prov.name, prov.parent, prov.root)
+                and old.inventories == prov.inventories
+            ):
+                cs.counters_only.add(uuid)
     cs.delete_providers = [u for u in before.providers if u not in after.providers]
     for uuid, cons in after.consumers.items():
-        old = before.consumers.get(uuid)
-        if old != cons:
+        was = before.consumers.get(uuid)
+        if was != cons:
             cs.upsert_consumers.append(cons)
-            if old is None or old.allocations != cons.allocations:
+            if was is None or was.allocations != cons.allocations:
                 cs.replace_allocations.append(cons)
     cs.delete_consumers = [u for u in before.consumers if u not in after.consumers]
     cs.add_classes = sorted(after.custom_classes - before.custom_classes)

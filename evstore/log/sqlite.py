@@ -185,10 +185,19 @@ def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
     if cs.delete_providers:
         conn.executemany("DELETE FROM p_providers WHERE uuid = ?", [(u,) for u in cs.delete_providers])
     if cs.upsert_providers:
-        conn.executemany(
-            "INSERT OR REPLACE INTO p_providers VALUES (?,?,?,?,?,?,?)",
-            [persisted.provider_row(p) for p in cs.upsert_providers],
-        )
+        counters = [p for p in cs.upsert_providers if p.uuid in cs.counters_only]
+        whole = [p for p in cs.upsert_providers if p.uuid not in cs.counters_only]
+        if counters:
+            # cheaper than a REPLACE: no secondary index (name, parent) is touched
+            conn.executemany(
+                "UPDATE p_providers SET generation = ?, usages = ? WHERE uuid = ?",
+                [(p.generation, persisted.usages_json(p.usages), p.uuid) for p in counters],
+            )
+        if whole:
+            conn.executemany(
+                "INSERT OR REPLACE INTO p_providers VALUES (?,?,?,?,?,?,?)",
+                [persisted.provider_row(p) for p in whole],
+            )
     gone = cs.delete_consumers + [c.uuid for c in cs.replace_allocations]
     if gone:
         conn.executemany("DELETE FROM p_allocations WHERE consumer = ?", [(u,) for u in gone])
@@ -255,37 +264,46 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job) -> Receipt:
     state = load_slice(conn, job.command)
     before = persisted.clone(state)
     events = decide(job.command, state)
-    appended = append_events(conn, tail, events, job.metadata) if events else []
-    for position, event in appended:
-        evolve(state, event, position)
-    apply_changes(conn, persisted.changes(before, state))
-    n = needs(job.command)
-    receipt = Receipt(
-        tuple(p for p, _ in appended),
-        {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
-        {p.uuid: p.generation for p in state.providers.values()},
-    )
-    if key is not None:
-        conn.execute("INSERT INTO idempotency VALUES (?,?,?)", (key, job.fingerprint, receipt.to_json()))
+    # From here on the job writes: nothing may reject it any more (see run_batch).
+    try:
+        appended = append_events(conn, tail, events, job.metadata) if events else []
+        for position, event in appended:
+            evolve(state, event, position)
+        apply_changes(conn, persisted.changes(before, state))
+        n = needs(job.command)
+        receipt = Receipt(
+            tuple(p for p, _ in appended),
+            {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
+            {p.uuid: p.generation for p in state.providers.values()},
+        )
+        if key is not None:
+            conn.execute("INSERT INTO idempotency VALUES (?,?,?)", (key, job.fingerprint, receipt.to_json()))
+    except err.EvstoreError as exc:
+        raise BatchAborted(f"job failed after it started writing: {exc}") from exc
     return receipt
 
 
+class BatchAborted(RuntimeError):
+    """A job failed after writing; the whole batch is rolled back (a bug or a storage fault)."""
+
+
 def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job]) -> list[Outcome]:
-    """One write transaction for a batch of jobs; each job in its own savepoint."""
+    """One write transaction for a batch of jobs (group commit), each job all-or-nothing.
+
+    A job is rejected (EvstoreError) only before it writes anything: the idempotency check,
+    loading and ``decide`` all come first. So a rejected job needs no savepoint to leave no
+    trace; an unexpected failure after a job started writing rolls the whole batch back and
+    every job in it fails (none was acknowledged).
+    """
     outcomes: list[Outcome] = []
     conn.execute("BEGIN IMMEDIATE")
     try:
         tail = _read_tail(conn)
         for job in jobs:
-            saved = _Tail(tail.position, tail.hash, tail.recorded_at)
-            conn.execute("SAVEPOINT job")
             try:
                 outcomes.append(_process(conn, tail, job))
             except err.EvstoreError as exc:
-                conn.execute("ROLLBACK TO job")
-                tail = saved
                 outcomes.append(exc)
-            conn.execute("RELEASE job")
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
