@@ -34,7 +34,7 @@ import asyncio
 import os
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from evstore import (
     open_store,
 )
 from evstore.errors import InvalidInventoryValue
+from projections.views import ConsumerView
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.peers.placement_client import PlacementPeer
 from tests.peers.venv import PeerUnavailable, placement_python
@@ -192,6 +193,11 @@ SETUP: tuple[Step, ...] = (
     CreateProvider(1),
     SetInventories(0, (("VCPU", InvSpec(8)), ("MEMORY_MB", InvSpec(16, 2, step_size=2))), 0),
     SetInventories(1, (("VCPU", InvSpec(4, allocation_ratio=1.5)), ("DISK_GB", InvSpec(20, max_unit=10))), 0),
+    # Two instances already running, so that moves and migrations have something to move.
+    Write(
+        (ConsumerSpec(0, ((0, (("VCPU", 2), ("MEMORY_MB", 4))),), "null", "project-a", "INSTANCE"),), False
+    ),
+    Write((ConsumerSpec(1, ((1, (("VCPU", 1), ("DISK_GB", 4))),), "null", "project-b", "INSTANCE"),), True),
 )
 
 
@@ -306,8 +312,8 @@ WEIGHTED_STEPS: list[st.SearchStrategy[Step]] = [
     *[set_inventories] * 2,
     st.builds(ShrinkInventory, providers, classes),
     st.builds(DeleteInventory, providers, classes),
-    start_migrations,
-    st.builds(RevertMigration, consumers),
+    *[start_migrations] * 2,
+    *[st.builds(RevertMigration, consumers)] * 2,
     st.builds(ConfirmMigration, consumers),
     st.builds(CreateProvider, providers),
     st.builds(DeleteProvider, providers),
@@ -421,6 +427,14 @@ class Sequence:
         except ProviderNotFound:
             return None
 
+    async def find(self, start: int, wanted: Callable[[ConsumerView], bool]) -> ConsumerView:
+        """The first consumer from index ``start`` on (cyclically) that is ``wanted``, else ``start``."""
+        for k in range(N_CONSUMERS):
+            view = await self.store.allocations(self.consumers[(start + k) % N_CONSUMERS])
+            if wanted(view):
+                return view
+        return await self.store.allocations(self.consumers[start])
+
     def consumer_generation(self, choice: str, current: int | None) -> int | None:
         if choice == "null":
             return None
@@ -441,6 +455,8 @@ class Sequence:
         plan = await self.translate(step)
         if plan is None:
             self.trace.append(f"{step}  -> skipped (precondition)")
+            if hypothesis.currently_in_test_context():
+                hypothesis.event(f"{type(step).__name__}: skipped")
             return
         method, path, body, run_evstore, new_null = plan
         status, answer = await self.peer.acall(method, path, body)
@@ -552,8 +568,10 @@ class Sequence:
                 u = self.consumers[c]
                 return ("DELETE", f"/allocations/{u}", None, lambda: store.release(u), [])
             case StartMigration(i, m):
-                inst = await store.allocations(self.consumers[i])
-                mig = await store.allocations(self.consumers[m])
+                # The indices are hints: the first instance holding something from i on, the first
+                # absent consumer from m on (so that migrations happen often enough to matter).
+                inst = await self.find(i, lambda v: bool(v.allocations) and v.on_behalf_of is None)
+                mig = await self.find(m, lambda v: not v.allocations and v.consumer != inst.consumer)
                 if not inst.allocations or inst.on_behalf_of is not None or mig.allocations:
                     return None
                 body = {
@@ -580,7 +598,7 @@ class Sequence:
                     [],
                 )
             case RevertMigration(m):
-                mig = await store.allocations(self.consumers[m])
+                mig = await self.find(m, lambda v: v.on_behalf_of is not None and bool(v.allocations))
                 if mig.on_behalf_of is None or not mig.allocations:
                     return None
                 inst = await store.allocations(mig.on_behalf_of)
@@ -602,7 +620,7 @@ class Sequence:
                 }
                 return ("POST", "/allocations", body, lambda: store.revert_migration(mig.consumer), [])
             case ConfirmMigration(m):
-                mig = await store.allocations(self.consumers[m])
+                mig = await self.find(m, lambda v: v.on_behalf_of is not None and bool(v.allocations))
                 if mig.on_behalf_of is None or not mig.allocations:
                     return None
                 return (
