@@ -391,3 +391,17 @@ def event_hash(
         ).encode()
     )
     return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class RawEvent:
+    """A stored row before decoding (what export, import and the integrity audit see)."""
+
+    position: int
+    event_id: str
+    type: str
+    schema_version: int
+    data: str
+    metadata: str
+    recorded_at: str
+    hash: str

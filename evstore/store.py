@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from evstore import commands as cmd
 from evstore import errors as err
 from evstore.events import GENESIS_HASH, Metadata, RecordedEvent
-from evstore.log import Backend, Job, Outcome, RawEvent, Receipt
+from evstore.log import Backend, Job, Outcome, Receipt
 from evstore.schema import (
     ConsumerAllocations,
     Inventory,
@@ -657,17 +657,12 @@ class AllocationStore:
             done = 0
             while batch := await asyncio.to_thread(drain, rows):
                 if phase == "import":
-                    await importer.import_raw([_raw_row(r) for r in batch])
+                    await importer.import_raw(batch)
                 done += len(batch)
                 if progress is not None:
                     progress(phase, done)
         await self.rebuild()
         return done
-
-
-def _raw_row(r: Any) -> RawEvent:
-    fields = (r.position, r.event_id, r.type, r.schema_version, r.data, r.metadata, r.recorded_at, r.hash)
-    return RawEvent(*fields)
 
 
 def make_backend(url: str, **options: Any) -> Backend:

@@ -12,23 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from evstore.errors import CorruptEvent
 from evstore.events import GENESIS_HASH, decode_event, event_hash
 from projections.invariants import find_leaks
 from projections.state import State, evolve
-
-
-class StoredRow(Protocol):
-    position: int
-    event_id: str
-    type: str
-    schema_version: int
-    data: str
-    metadata: str
-    recorded_at: str
-    hash: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,25 +16,15 @@ from datetime import datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
-from evstore.events import GENESIS_HASH, decode_event, event_hash
+from evstore.events import GENESIS_HASH, RawEvent, decode_event, event_hash
 
 EXPORT_FORMAT = "evstore-export"
 EXPORT_VERSION = 1
 ROW_FIELDS = ("position", "event_id", "type", "schema_version", "data", "metadata", "recorded_at", "hash")
 
 
-@dataclass(frozen=True, slots=True)
-class ExportRow:
-    """One stored event row, exactly as exported (the same fields as the backend's raw rows)."""
-
-    position: int
-    event_id: str
-    type: str
-    schema_version: int
-    data: str
-    metadata: str
-    recorded_at: str
-    hash: str
+#: one stored event row, exactly as exported (the backend's raw row)
+ExportRow = RawEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from evstore.commands import Command
 from evstore.errors import EvstoreError
-from evstore.events import GENESIS_HASH, RecordedEvent, event_hash
+from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
 from projections.state import State
 
 
@@ -68,20 +68,6 @@ class Receipt:
 Outcome = Receipt | EvstoreError
 
 __all__ = ["GENESIS_HASH", "Backend", "Job", "Outcome", "RawEvent", "Receipt", "event_hash"]
-
-
-@dataclass(frozen=True, slots=True)
-class RawEvent:
-    """A stored row before decoding (what export, import and the integrity audit see)."""
-
-    position: int
-    event_id: str
-    type: str
-    schema_version: int
-    data: str
-    metadata: str
-    recorded_at: str
-    hash: str
 
 
 class Backend(Protocol):
