@@ -384,22 +384,6 @@ def evstore_kind(exc: EvstoreError | None) -> str:
     return f"evstore {exc.code}: {exc.message[:160]}"
 
 
-# --- known evstore bugs ----------------------------------------------------------------------------
-# Differences found by this test that are evstore bugs (not departures), each pinned by an xfail
-# regression test below. Tolerated here only so that the random campaign keeps looking for others;
-# delete the entry together with the xfail marker when the bug is fixed.
-
-
-def known_evstore_bug(step: Step, placement: str, evstore: str) -> str | None:
-    if isinstance(step, SetInventories) and placement in ("concurrent_update", "not_found"):
-        # test_regression_set_inventories_checks_*_first_reserved_over_total: Placement looks the
-        # provider up, then compares its generation, before it checks reserved <= total; evstore
-        # checks reserved > total in the facade, before anything else.
-        if evstore == "bad_request":
-            return "test_regression_set_inventories_checks_generation_first_reserved_over_total"
-    return None
-
-
 # --- running a sequence on both ------------------------------------------------------------------
 
 
@@ -469,7 +453,7 @@ class Sequence:
         self.trace.append(f"{self.show(step)}  -> placement {p_kind} / evstore {e_kind}")
         if hypothesis.currently_in_test_context():
             hypothesis.event(f"{type(step).__name__}: {p_kind}")  # --hypothesis-show-statistics
-        if p_kind != e_kind and not known_evstore_bug(step, p_kind, e_kind):
+        if p_kind != e_kind:
             self.fail(f"outcome differs: Placement {p_kind!r} ({status} {answer}), evstore {e_kind!r}")
         # Orphans: Placement keeps a null-generation new consumer at generation 0 after an empty
         # write or a 400 for an unknown provider (SPEC.md, deliberate departures).
@@ -849,17 +833,11 @@ def test_nova_swap_scenario(placement_peer: PlacementPeer) -> None:
 
 
 # --- regression tests for evstore bugs found by the differential test --------------------------------
-# Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app);
-# they need no Placement peer. xfail(strict=True): remove the marker (and the matching entry in
-# known_evstore_bug) when the bug is fixed. Placement's order for PUT .../inventories is: provider
-# lookup (404), generation (409 concurrent_update), unknown class (400), reserved > total (400),
-# class in use (409 inventory.inuse).
-
-GENERATION_FIRST = pytest.mark.xfail(
-    strict=True,
-    reason="evstore bug: reserved > total is checked in the facade, before the provider generation "
-    "(Placement's PUT /resource_providers/{u}/inventories compares the generation first)",
-)
+# Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app) and
+# needs no Placement peer. Found by the first campaigns; fixed in evstore (inventory checks now run
+# after the provider lookup and the generation). Placement's order for PUT .../inventories is:
+# provider lookup (404), generation (409 concurrent_update), unknown class (400), reserved > total
+# (400), class in use (409 placement.inventory.inuse).
 
 
 async def test_regression_set_inventories_checks_generation_first_in_use(store: AllocationStore) -> None:
@@ -879,7 +857,6 @@ async def test_regression_set_inventories_checks_generation_first_unknown_class(
         await store.set_inventories(rp, {"CUSTOM_NEVER_CREATED": {"total": 1}}, generation=0)
 
 
-@GENERATION_FIRST
 async def test_regression_set_inventories_checks_generation_first_reserved_over_total(
     store: AllocationStore,
 ) -> None:
@@ -890,11 +867,6 @@ async def test_regression_set_inventories_checks_generation_first_reserved_over_
         await store.set_inventories(rp, {"VCPU": {"total": 4, "reserved": 5}}, generation=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="evstore bug: reserved > total is checked in the facade, before the provider lookup "
-    "(Placement: 404 for an unknown provider whatever the body)",
-)
 async def test_regression_set_inventories_checks_provider_first_reserved_over_total(
     store: AllocationStore,
 ) -> None:
