@@ -297,15 +297,26 @@ async def phase_timetravel(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             await consumer_at(store, consumer, pos)
             samples["consumer_at"].append(time.perf_counter() - t0)
+        extra: dict[str, Any] = {}
+        # cold: no snapshot yet (a store that keeps snapshots saves them on the way)
+        pos = rng.randint(head // 2, head)
+        t0 = time.perf_counter()
+        await store.state_at(position=pos)
+        samples["state_at_cold"] = [time.perf_counter() - t0]
+        if hasattr(store, "take_snapshots"):
+            t0 = time.perf_counter()
+            taken = await store.take_snapshots()
+            extra["take_snapshots_s"] = time.perf_counter() - t0
+            extra["snapshots"] = len(taken)
         for _ in range(args.state_samples):
-            pos = rng.randint(head // 2, head)  # the expensive half: no snapshots yet
+            pos = rng.randint(1, head)
             t0 = time.perf_counter()
             view = await store.state_at(position=pos)
             samples["state_at"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             await view.usage(rng.choice(providers))
             samples["provider_at"].append(samples["state_at"][-1] + time.perf_counter() - t0)
-    out: dict[str, Any] = {"head": head, "peak_rss_mb": peak_rss_mb()}
+    out: dict[str, Any] = {"head": head, "peak_rss_mb": peak_rss_mb(), **extra}
     for name, values in samples.items():
         values.sort()
         out[name] = {

@@ -494,11 +494,15 @@ def table(out: dict[str, Any]) -> str:
         )
     tt = out.get("time_travel")
     if tt:
+        warm = "snapshots taken" if "snapshots" in tt else "no snapshots"
         for key, what in (
-            ("consumer_at", "one consumer at a random position"),
-            ("provider_at", "one provider at a random position"),
-            ("state_at", "whole store at a random position"),
+            ("consumer_at", "one consumer at a random position (its history)"),
+            ("state_at_cold", "whole store, first question (no snapshot yet)"),
+            ("provider_at", f"one provider at a random position ({warm})"),
+            ("state_at", f"whole store at a random position ({warm})"),
         ):
+            if key not in tt:
+                continue
             rows.append(
                 (
                     "time travel",
@@ -511,6 +515,19 @@ def table(out: dict[str, Any]) -> str:
                     "",
                 )
             )
+    if tt and "take_snapshots_s" in tt:
+        rows.append(
+            (
+                "time travel",
+                f"store.take_snapshots() ({tt['snapshots']} snapshots)",
+                "",
+                f"{tt['take_snapshots_s']:.2f} s",
+                "",
+                "",
+                "",
+                "",
+            )
+        )
     au = out.get("audit")
     if au:
         rows.append(
