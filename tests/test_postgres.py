@@ -282,7 +282,10 @@ async def test_readers_see_exactly_the_committed_events_under_concurrent_writers
 
 async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_url: str) -> None:
     # a reader with a pool of one connection positions them on that connection
-    async with open_store(pg_url) as writer, open_store(pg_url, pool_size=1) as reader:
+    async with (
+        open_store(pg_url) as writer,
+        open_store(pg_url, pool_size=1, statement_cache_size=0) as reader,
+    ):
         rp = await make_provider(writer, VCPU=4)
 
         async def die(conn: Any) -> None:

@@ -146,7 +146,14 @@ CONSUMER_COLUMNS = (
 )
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
 SEQUENCE_BATCH = 5000
-OPTIONS = ("pool_size", "min_pool_size", "connect_timeout", "command_timeout", "max_retries")
+OPTIONS = (
+    "pool_size",
+    "min_pool_size",
+    "connect_timeout",
+    "command_timeout",
+    "max_retries",
+    "statement_cache_size",
+)
 
 TestHook = Callable[[Any], Awaitable[None]]
 
@@ -216,8 +223,9 @@ class PostgresBackend:
 
     Options: ``pool_size`` (connections, default 10), ``min_pool_size`` (1), ``connect_timeout``
     (seconds, 10), ``command_timeout`` (seconds per statement, none), ``max_retries`` (attempts
-    on deadlock/serialization failure, 10). URL query parameters other than libpq's are passed
-    to the server as settings, e.g. ``?search_path=tenant_a``.
+    on deadlock/serialization failure, 10), ``statement_cache_size`` (asyncpg's, 100; 0 behind a
+    pgbouncer in transaction mode). URL query parameters other than libpq's are passed to the
+    server as settings, e.g. ``?search_path=tenant_a`` (the schema must exist).
     """
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -235,6 +243,7 @@ class PostgresBackend:
             timeout = options.get("command_timeout")
             self.command_timeout = None if timeout is None else float(timeout)
             self.max_retries = int(options.get("max_retries", 10))
+            self.statement_cache_size = int(options.get("statement_cache_size", 100))
         except (TypeError, ValueError):
             raise err.InvalidInput("pool sizes and retries must be integers, timeouts numbers") from None
         if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
@@ -260,6 +269,7 @@ class PostgresBackend:
                 max_size=self.pool_size,
                 timeout=self.connect_timeout,
                 command_timeout=self.command_timeout,
+                statement_cache_size=self.statement_cache_size,
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
