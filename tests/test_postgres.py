@@ -158,6 +158,77 @@ async def test_commands_sharing_a_provider_are_serialised(pg_url: str) -> None:
         assert (await second.audit()).clean
 
 
+async def test_racing_deletes_and_reverts_from_two_processes_leak_nothing(pg_url: str) -> None:
+    """The delete discovers the migration, the revert the instance: both lock both, in order."""
+    async with open_store(pg_url) as first, open_store(pg_url) as second:
+        src = await make_provider(first, "src", VCPU=Inventory(total=1000))
+        dst = await make_provider(first, "dst", VCPU=Inventory(total=1000))
+        pairs = []
+        for _ in range(20):
+            instance, migration = new_uuid(), new_uuid()
+            await allocate(first, instance, {src: {"VCPU": 2}})
+            await first.start_migration(instance, migration)
+            await allocate(first, instance, {dst: {"VCPU": 2}})
+            pairs.append((instance, migration))
+
+        async def race(instance: str, migration: str, delete_first: bool) -> None:
+            delete = first.delete_consumer(instance)
+            revert = second.revert_migration(migration)
+            calls = (delete, revert) if delete_first else (revert, delete)
+            await asyncio.gather(*calls, return_exceptions=True)
+
+        await asyncio.gather(*(race(i, m, n % 2 == 0) for n, (i, m) in enumerate(pairs)))
+        for instance, migration in pairs:
+            assert (await first.allocations(instance)).deleted
+            assert (await first.allocations(migration)).allocations == {}
+        assert (await first.usage(src)).usages["VCPU"] == 0 == (await first.usage(dst)).usages["VCPU"]
+        report = await second.audit()
+        assert report.clean, report.findings
+
+
+async def test_an_entity_found_while_loading_that_sorts_first_restarts_with_all_locks(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import evstore.log.postgres as pgmod
+
+    restarts: list[set[int]] = []
+
+    class Spy(pgmod._Relock):
+        def __init__(self, keys: set[int]) -> None:
+            restarts.append(keys)
+            super().__init__(keys)
+
+    monkeypatch.setattr(pgmod, "_Relock", Spy)
+    async with open_store(pg_url) as store:
+        backend = pg(store)
+        consumer = new_uuid()
+        # a provider whose lock sorts before the consumer's: releasing the consumer discovers it
+        while True:
+            rp = new_uuid()
+            if backend._key(f"provider:{rp}") < backend._key(f"consumer:{consumer}"):
+                break
+        await store.create_provider(rp, "node")
+        await store.set_inventories(rp, {"VCPU": Inventory(total=4)}, generation=0)
+        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        restarts.clear()
+        await store.release(consumer)
+        assert len(restarts) == 1 and backend._key(f"provider:{rp}") in restarts[0]
+        assert (await store.usage(rp)).usages["VCPU"] == 0
+        assert (await store.audit()).clean
+
+
+async def test_one_name_created_from_two_processes_is_taken_once(pg_url: str) -> None:
+    async with open_store(pg_url) as first, open_store(pg_url) as second:
+        outcomes = await asyncio.gather(
+            *(s.create_provider(new_uuid(), f"node-{i // 2}") for i, s in enumerate([first, second] * 10)),
+            return_exceptions=True,
+        )
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        assert len(failures) == 10
+        assert all(getattr(f, "code", None) == "placement.duplicate_name" for f in failures)
+        assert len(await first.providers()) == 10
+
+
 @pytest.mark.parametrize(
     "error", [asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError]
 )
