@@ -872,3 +872,27 @@ async def test_regression_set_inventories_checks_provider_first_reserved_over_to
 ) -> None:
     with pytest.raises(ProviderNotFound):
         await store.set_inventories(new_uuid(), {"VCPU": {"total": 1, "reserved": 2}}, generation=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="evstore bug: revert_migration labels the restored instance with the type/project/user "
+    "left in the retained state of an absent consumer (found by the differential campaign)",
+)
+async def test_regression_revert_ignores_stale_attributes_of_absent_instance(store: AllocationStore) -> None:
+    """Consumer ``a`` migrates away (absent), is then reused as another instance's migration
+    consumer and emptied by a plain write (its state is kept for the migration link). Reverting
+    ``a``'s own migration must not restore ``a`` as a MIGRATION of project ``pb``: ConsumerView
+    shows nothing for an absent consumer, and Placement gets what the caller sends."""
+    rp = await make_provider(store, VCPU=8)
+    a, b, mig = new_uuid(), new_uuid(), new_uuid()
+    await allocate(store, a, {rp: {"VCPU": 2}}, project_id="pa")
+    await allocate(store, b, {rp: {"VCPU": 1}}, project_id="pb")
+    await store.start_migration(a, mig)  # a is absent, mig holds VCPU 2 on behalf of a
+    await store.start_migration(b, a)  # a reused as b's migration consumer
+    await allocate(store, a, {}, generation=1, project_id="pb", consumer_type="MIGRATION")
+    assert (await store.allocations(a)).consumer_type is None  # absent: nothing shown
+    await store.revert_migration(mig)
+    restored = await store.allocations(a)
+    assert restored.allocations == {rp: {"VCPU": 2}}
+    assert (restored.consumer_type, restored.project_id) == ("INSTANCE", "pa")
