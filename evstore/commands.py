@@ -473,15 +473,18 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
     changes = [_Change(mig.uuid, {}, False), _Change(inst.uuid, mig.allocations, False)]
     named = _check_and_plan(state, changes)
     assert mig.project_id and mig.user_id
+    # An absent instance's remembered attributes are leftovers, not facts: the migration
+    # carries the owner it took over from the instance.
+    holding = bool(inst.allocations)
     return [
         ev.MigrationReverted(
             migration=mig.uuid,
             instance=inst.uuid,
             allocations=mig.allocations,
             replaced=inst.allocations,
-            project_id=inst.project_id or mig.project_id,
-            user_id=inst.user_id or mig.user_id,
-            instance_consumer_type=inst.consumer_type or "INSTANCE",
+            project_id=(inst.project_id if holding else None) or mig.project_id,
+            user_id=(inst.user_id if holding else None) or mig.user_id,
+            instance_consumer_type=(inst.consumer_type if holding else None) or "INSTANCE",
             instance_generation=(inst.generation or 0) + 1,
             provider_generations=_bumps(state, named, set()),
         )

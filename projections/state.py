@@ -126,6 +126,10 @@ def evolve(state: State, event: ev.EventBase, position: int) -> State:
             c = _set_allocations(state, event.consumer, event.allocations, position)
             c.project_id, c.user_id, c.consumer_type = event.project_id, event.user_id, event.consumer_type
             c.generation = event.generation if event.allocations else None
+            if not event.allocations:
+                # emptied by a plain write (e.g. Nova's move_allocations): no longer holding
+                # anything for anyone
+                c.on_behalf_of = None
             _bump(state, event.provider_generations)
             _forget_if_empty(state, c)
         case ev.AllocationsReleased():

@@ -874,11 +874,6 @@ async def test_regression_set_inventories_checks_provider_first_reserved_over_to
         await store.set_inventories(new_uuid(), {"VCPU": {"total": 1, "reserved": 2}}, generation=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="evstore bug: revert_migration labels the restored instance with the type/project/user "
-    "left in the retained state of an absent consumer (found by the differential campaign)",
-)
 async def test_regression_revert_ignores_stale_attributes_of_absent_instance(store: AllocationStore) -> None:
     """Consumer ``a`` migrates away (absent), is then reused as another instance's migration
     consumer and emptied by a plain write (its state is kept for the migration link). Reverting
