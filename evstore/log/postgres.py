@@ -171,6 +171,17 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
 
 
+async def _reset_connection(conn: Any) -> None:
+    """What a connection needs before it goes back to the pool: no open transaction.
+
+    asyncpg's default reset (unlock all advisory locks, close cursors, unlisten, ``RESET ALL``)
+    costs a round trip per release; this backend keeps no session state (locks are per
+    transaction; ``search_path`` and other URL settings are session defaults that stay).
+    """
+    if conn.is_in_transaction():
+        await conn.execute("ROLLBACK")
+
+
 class _Relock(Exception):
     """Restart the transaction holding this larger set of locks, taken in order."""
 
@@ -270,6 +281,7 @@ class PostgresBackend:
                 timeout=self.connect_timeout,
                 command_timeout=self.command_timeout,
                 statement_cache_size=self.statement_cache_size,
+                reset=_reset_connection,
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
