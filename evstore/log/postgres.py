@@ -9,7 +9,7 @@ transaction restarts with the whole set locked in order, so lock waits never for
 Commands on disjoint entities therefore commit in parallel; commands sharing one are serialised.
 A deadlock (40P01) or serialization failure (40001) reported by the server is retried.
 
-**Positions: gap-free, in commit order, assigned after commit.** A writer inserts its events with
+**Positions: gap-free, assigned after commit.** A writer inserts its events with
 ``position`` NULL, an internal ``seq`` (bigserial, may have gaps) and
 ``transaction_id xid8 DEFAULT pg_current_xact_id()``, and commits. A *sequencer* then - in a short
 transaction of its own, under one advisory lock - gives every committed, not yet positioned event
@@ -28,12 +28,15 @@ particular process. Why this is safe for a position cursor (``read(after)``, ``s
 - a position is final once visible, and the hash chain is computed in position order by the
   single sequencer, so the chain is the same as SQLite's (``events.event_hash``).
 
-This is the transaction-id technique applied once, by the sequencer, instead of by every reader:
-readers keep an ``int`` cursor. The sequencer needs no ``pg_snapshot_xmin`` horizon because it
-orders by *when it sees* commits rather than by ids fixed before commit; the horizon would only
-make every receipt wait for the oldest write transaction in the whole cluster. The price is a
-second short transaction per commit (shared by all commits that finish meanwhile) and one
-serialised step in the write path: contention is on a few row updates, never on a command.
+Positions follow the order in which the sequencer sees commits: an event committed before a run
+starts is positioned before every event committed after that run; within one run the order is
+``(transaction_id, seq)``. This is the transaction-id technique applied once, by the sequencer,
+instead of by every reader: readers keep an ``int`` cursor. The sequencer needs no
+``pg_snapshot_xmin`` horizon because it orders by *when it sees* commits rather than by ids
+fixed before commit; the horizon would only make every receipt wait for the oldest write
+transaction in the whole cluster. The price is a second short transaction per commit (shared by
+all commits that finish meanwhile) and one serialised step in the write path: contention is on
+a few row updates, never on a command.
 
 **Position-valued projection fields** (a consumer's ``allocated_at`` and ``deleted_at``) are
 written before positions exist: the write path folds with ``-seq`` as the position, and the
@@ -47,7 +50,10 @@ writers in flight, holding new ones back), run the sequencer, then read. Plain q
 
 Schema changes are versioned migrations run on open under an advisory lock (safe when several
 processes open at once). Faults (a connection killed mid-command) fail that command with
-:class:`StorageError`, its transaction rolled back; the pool replaces the connection.
+:class:`StorageError` - rolled back, or, if the connection died during COMMIT, with
+``details["outcome_unknown"]`` set (retry with the same idempotency key) - and the pool replaces
+the connection. The ``xid8`` column only orders events within one sequencer run, so a logical
+dump and restore (which does not keep transaction ids) loses nothing.
 """
 
 from __future__ import annotations
