@@ -99,7 +99,8 @@ def _set_allocations(state: State, consumer: str, allocs: Allocs, position: int)
         c = state.consumers[consumer] = ConsumerState(consumer)
     if c.allocations:
         _add_usage(state, c.allocations, -1)
-    c.allocations = {p: dict(r) for p, r in allocs.items()}
+    # Shared with the (frozen) event, never mutated in place: state changes replace the dict.
+    c.allocations = allocs
     if c.allocations:
         _add_usage(state, c.allocations, +1)
     c.allocated_at = position

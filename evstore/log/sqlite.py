@@ -203,12 +203,14 @@ def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
         conn.executemany("DELETE FROM p_allocations WHERE consumer = ?", [(u,) for u in gone])
     if cs.delete_consumers:
         conn.executemany("DELETE FROM p_consumers WHERE uuid = ?", [(u,) for u in cs.delete_consumers])
+    # Rows go in primary-key order: B-tree appends instead of random inserts (rebuild writes
+    # every row at once).
     if cs.upsert_consumers:
         conn.executemany(
             "INSERT OR REPLACE INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?)",
-            [persisted.consumer_row(c) for c in cs.upsert_consumers],
+            sorted(persisted.consumer_row(c) for c in cs.upsert_consumers),
         )
-    rows = [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
+    rows = sorted(r for c in cs.replace_allocations for r in persisted.allocation_rows(c))
     if rows:
         conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", rows)
     if cs.add_classes:
