@@ -55,6 +55,10 @@ class EventBase(BaseModel):
         """``consumer:<uuid>`` / ``provider:<uuid>`` keys this event touches (the history index)."""
         raise NotImplementedError
 
+    def capacity_pressure(self) -> set[str]:
+        """Providers where this event may raise usage or lower capacity (what the audit watches)."""
+        return set()
+
 
 def _providers_of(allocs: Allocs) -> set[str]:
     return {f"provider:{p}" for p in allocs}
@@ -107,6 +111,9 @@ class InventoriesReplaced(EventBase):
     inventories: dict[str, Inventory]
     generation: int
 
+    def capacity_pressure(self) -> set[str]:
+        return {self.provider}
+
     def entities(self) -> set[str]:
         return {f"provider:{self.provider}"}
 
@@ -130,6 +137,9 @@ class AllocationsReplaced(EventBase):
     consumer_type: str
     generation: int | None
     provider_generations: dict[str, int] = Field(default_factory=dict)
+
+    def capacity_pressure(self) -> set[str]:
+        return set(self.allocations)
 
     def entities(self) -> set[str]:
         return {f"consumer:{self.consumer}"} | _providers_of(self.allocations) | _providers_of(self.previous)
@@ -161,6 +171,9 @@ class MigrationStarted(EventBase):
     migration_generation: int = 1
     provider_generations: dict[str, int] = Field(default_factory=dict)
 
+    def capacity_pressure(self) -> set[str]:
+        return set(self.allocations)
+
     def entities(self) -> set[str]:
         return {f"consumer:{self.instance}", f"consumer:{self.migration}"} | _providers_of(self.allocations)
 
@@ -178,6 +191,9 @@ class MigrationReverted(EventBase):
     instance_consumer_type: str
     instance_generation: int
     provider_generations: dict[str, int] = Field(default_factory=dict)
+
+    def capacity_pressure(self) -> set[str]:
+        return set(self.allocations)
 
     def entities(self) -> set[str]:
         return (

@@ -10,12 +10,14 @@ Findings, each naming the positions of the events that produced it:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from evstore.errors import CorruptEvent
-from evstore.events import GENESIS_HASH, decode_event, event_hash
+from evstore.events import GENESIS_HASH, EventBase, decode_event, event_hash
 from projections.invariants import find_leaks
 from projections.state import State, evolve
 
@@ -84,7 +86,12 @@ class _OverTracker:
 
     since: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def update(self, state: State, providers: set[str], position: int) -> None:
+    def update(self, state: State, event: EventBase, position: int) -> None:
+        # Over capacity can only begin where usage rises or capacity falls (the event names those
+        # providers), and only end for providers already over: nothing else needs a look.
+        providers = event.capacity_pressure()
+        if self.since:
+            providers = providers | {uuid for uuid, _ in self.since}
         for uuid in providers:
             prov = state.providers.get(uuid)
             keys = {k for k in self.since if k[0] == uuid}
@@ -121,16 +128,28 @@ class _Replay:
         until: int | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        while until is None or self.last_seen < until:
-            batch = await read(self.last_seen, batch_size)
-            if not batch:
-                return
-            for row in batch:
-                if until is not None and row.position > until:
+        # Read the next batch while this one is checked: the database thread and the fold overlap.
+        pending = asyncio.ensure_future(read(self.last_seen, batch_size))
+        try:
+            while True:
+                batch = await pending
+                if not batch:
                     return
-                self.check(row)
-            if progress is not None:
-                progress(self.report.events_checked)
+                if until is None or batch[-1].position < until:
+                    pending = asyncio.ensure_future(read(batch[-1].position, batch_size))
+                for row in batch:
+                    if until is not None and row.position > until:
+                        return
+                    self.check(row)
+                if progress is not None:
+                    progress(self.report.events_checked)
+                if until is not None and self.last_seen >= until:
+                    return
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
 
     def check(self, row: Any) -> None:
         report = self.report
@@ -174,8 +193,7 @@ class _Replay:
             report.findings.append(Finding("integrity", exc.message, (row.position,), dict(exc.details)))
             return
         evolve(self.state, event, row.position)
-        touched = {e.split(":", 1)[1] for e in event.entities() if e.startswith("provider:")}
-        self.over.update(self.state, touched, row.position)
+        self.over.update(self.state, event, row.position)
 
 
 def compare_states(replayed: State, persisted: State) -> list[Finding]:
