@@ -38,8 +38,16 @@ async def replay(
 class StateView:
     """A folded state with the store's query methods (what ``state_at`` returns)."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, scope: str | None = None) -> None:
         self.state = state
+        #: ``provider:<u>`` / ``consumer:<u>`` when only that entity's slice was folded
+        self.scope = scope
+
+    def _in_scope(self, kind: str, uuid: str) -> None:
+        if self.scope is not None and self.scope != f"{kind}:{uuid}":
+            raise InvalidInput(
+                f"This view was folded for {self.scope} only; ask state_at() about {kind} {uuid}"
+            )
 
     @property
     def position(self) -> int:
@@ -49,6 +57,7 @@ class StateView:
         from evstore.schema import normalize_uuid
 
         uuid = normalize_uuid(provider, "provider uuid")
+        self._in_scope("provider", uuid)
         prov = self.state.providers.get(uuid)
         if prov is None:
             raise ProviderNotFound(f"No resource provider with uuid {uuid} found at position {self.position}")
@@ -58,12 +67,14 @@ class StateView:
         from evstore.schema import normalize_uuid
 
         uuid = normalize_uuid(consumer, "consumer uuid")
+        self._in_scope("consumer", uuid)
         return ConsumerView.of(uuid, self.state.consumers.get(uuid))
 
     async def provider_allocations(self, provider: str) -> dict[str, dict[str, int]]:
         from evstore.schema import normalize_uuid
 
         uuid = normalize_uuid(provider, "provider uuid")
+        self._in_scope("provider", uuid)
         if uuid not in self.state.providers:
             raise ProviderNotFound(f"No resource provider with uuid {uuid} found at position {self.position}")
         return provider_allocations(self.state, uuid)
@@ -73,6 +84,8 @@ class StateView:
     ) -> ProjectUsages:
         if not isinstance(project_id, str) or not project_id:
             raise InvalidInput("project_id must be a non-empty string")
+        if self.scope is not None:
+            raise InvalidInput(f"This view was folded for {self.scope} only; usages() needs the whole state")
         return ProjectUsages.from_rows(project_usage_rows(self.state, project_id, user_id, consumer_type))
 
     def providers(self) -> list[str]:

@@ -119,6 +119,102 @@ def decode_state(text: str) -> State:
     return state
 
 
+# --- one provider's slice -------------------------------------------------------------------------
+# Time travel for one provider must not parse the whole state: a provider's slice is its row and,
+# for every consumer holding something on it, that part of its allocations. Folding the events
+# that touch the provider (the entity index) onto a slice is exact for that provider: every event
+# that changes a consumer's allocations on it names it, and evolve ignores providers not loaded.
+
+
+def provider_slices(state: State) -> dict[str, str]:
+    """Every provider's slice of ``state``, encoded (one pass over the consumers)."""
+    holders: dict[str, dict[str, dict[str, int]]] = {uuid: {} for uuid in state.providers}
+    for c in state.consumers.values():
+        for provider, resources in c.allocations.items():
+            if provider in holders:
+                holders[provider][c.uuid] = resources
+    out = {}
+    for uuid, p in state.providers.items():
+        row = [
+            p.uuid,
+            p.name,
+            p.parent,
+            p.root,
+            p.generation,
+            {rc: [getattr(inv, f) for f in INVENTORY_FIELDS] for rc, inv in sorted(p.inventories.items())},
+            dict(sorted(p.usages.items())),
+        ]
+        doc = {
+            "format": SNAPSHOT_FORMAT,
+            "position": state.position,
+            "provider": row,
+            "holders": holders[uuid],
+        }
+        out[uuid] = json.dumps(doc, separators=(",", ":"), sort_keys=True)
+    return out
+
+
+def decode_provider_slice(text: str) -> State:
+    raw = json.loads(text)
+    if raw.get("format") != SNAPSHOT_FORMAT:
+        raise InvalidInput(f"Unsupported snapshot format {raw.get('format')!r}")
+    uuid, name, parent, root, generation, inventories, usages = raw["provider"]
+    state = State(position=int(raw["position"]))
+    state.providers[uuid] = ProviderState(
+        uuid,
+        name,
+        parent,
+        root,
+        generation,
+        {
+            rc: Inventory.model_validate(dict(zip(INVENTORY_FIELDS, values, strict=True)))
+            for rc, values in inventories.items()
+        },
+        dict(usages),
+    )
+    for consumer, resources in raw["holders"].items():
+        state.consumers[consumer] = ConsumerState(consumer, allocations={uuid: dict(resources)}, generation=0)
+    return state
+
+
+def supports_provider_snapshots(backend: object) -> bool:
+    return all(
+        callable(getattr(backend, name, None))
+        for name in ("save_provider_snapshots", "load_provider_snapshot")
+    )
+
+
+ReadEntities = Callable[[list[str], int, int], Awaitable[list[Any]]]
+
+
+async def fold_entity_to(
+    backend: object, read_entities: ReadEntities, entity: str, position: int, batch_size: int = 2000
+) -> State:
+    """The slice of the state at ``position`` that answers for one ``provider:<u>`` or ``consumer:<u>``.
+
+    A provider starts from its latest slice snapshot at or before ``position`` (when the backend
+    keeps them); a consumer's own history is short, so it is folded from the start.
+    """
+    state = State()
+    kind, _, uuid = entity.partition(":")
+    if kind == "provider" and supports_provider_snapshots(backend):
+        found = await backend.load_provider_snapshot(uuid, position, SNAPSHOT_FORMAT)  # type: ignore[attr-defined]
+        if found is not None:
+            state = decode_provider_slice(found[1])
+    after = state.position
+    while after < position:
+        batch = await read_entities([entity], after, batch_size)
+        for recorded in batch:
+            if recorded.position > position:
+                break
+            evolve(state, recorded.event, recorded.position)
+        if not batch or batch[-1].position >= position or len(batch) < batch_size:
+            break
+        after = batch[-1].position
+    state.position = position
+    return state
+
+
 # --- folding with snapshots ---------------------------------------------------------------------
 
 
@@ -149,6 +245,11 @@ async def fold_to(
             after = raw.position
             if save and raw.position % every == 0:
                 await backend.save_snapshot(raw.position, raw.hash, SNAPSHOT_FORMAT, encode_state(state))
+                if supports_provider_snapshots(backend):
+                    slices = sorted(provider_slices(state).items())
+                    await backend.save_provider_snapshots(  # type: ignore[attr-defined]
+                        raw.position, raw.hash, SNAPSHOT_FORMAT, slices
+                    )
         if progress is not None:
             progress(after)
     return state

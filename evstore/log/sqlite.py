@@ -74,6 +74,10 @@ CREATE TABLE IF NOT EXISTS p_classes (name TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS snapshots (
     position INTEGER PRIMARY KEY, event_hash TEXT NOT NULL, format INTEGER NOT NULL, state TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS provider_snapshots (
+    provider TEXT NOT NULL, position INTEGER NOT NULL, event_hash TEXT NOT NULL, format INTEGER NOT NULL,
+    state TEXT NOT NULL, PRIMARY KEY (provider, position)
+) WITHOUT ROWID;
 """
 
 PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes")
@@ -489,7 +493,36 @@ class SqliteBackend:
         return await self._on_reader(q)
 
     async def drop_snapshots(self) -> None:
-        await self._on_writer(lambda conn: _retry_busy(lambda: conn.execute("DELETE FROM snapshots")))
+        def w(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM snapshots")
+            conn.execute("DELETE FROM provider_snapshots")
+
+        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn)))
+
+    async def save_provider_snapshots(
+        self, position: int, event_hash: str, fmt: int, states: Sequence[tuple[str, str]]
+    ) -> None:
+        """One provider's slice of the state (see projections/snapshots.py) per provider, at a position."""
+
+        def w(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT OR REPLACE INTO provider_snapshots VALUES (?,?,?,?,?)",
+                [(provider, position, event_hash, fmt, state) for provider, state in states],
+            )
+
+        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn)))
+
+    async def load_provider_snapshot(self, provider: str, at_most: int, fmt: int) -> tuple[int, str] | None:
+        def q(conn: sqlite3.Connection) -> tuple[int, str] | None:
+            row = conn.execute(
+                "SELECT s.position, s.state FROM provider_snapshots s JOIN events e "
+                "ON e.position = s.position AND e.hash = s.event_hash "
+                "WHERE s.provider = ? AND s.position <= ? AND s.format = ? ORDER BY s.position DESC LIMIT 1",
+                (provider, at_most, fmt),
+            ).fetchone()
+            return None if row is None else (int(row[0]), str(row[1]))
+
+        return await self._on_reader(q)
 
     async def import_raw(self, rows: Sequence[RawEvent]) -> int:
         """Append already-recorded rows verbatim (positions, ids, hashes, times), in one transaction.
