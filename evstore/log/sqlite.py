@@ -46,7 +46,7 @@ CREATE TABLE IF NOT EXISTS events (
     recorded_at TEXT NOT NULL,
     hash TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS events_recorded_at ON events (recorded_at);
+DROP INDEX IF EXISTS events_recorded_at;
 CREATE TABLE IF NOT EXISTS event_entities (
     entity TEXT NOT NULL, position INTEGER NOT NULL, PRIMARY KEY (entity, position)
 ) WITHOUT ROWID;
@@ -63,7 +63,9 @@ CREATE TABLE IF NOT EXISTS p_consumers (
     uuid TEXT PRIMARY KEY, project_id TEXT, user_id TEXT, consumer_type TEXT, generation INTEGER,
     deleted INTEGER NOT NULL, deleted_at INTEGER, on_behalf_of TEXT, allocated_at INTEGER
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS p_consumers_behalf ON p_consumers (on_behalf_of);
+DROP INDEX IF EXISTS p_consumers_behalf;
+CREATE INDEX IF NOT EXISTS p_consumers_migrations ON p_consumers (on_behalf_of)
+    WHERE on_behalf_of IS NOT NULL;
 CREATE INDEX IF NOT EXISTS p_consumers_project ON p_consumers (project_id, user_id);
 CREATE TABLE IF NOT EXISTS p_allocations (
     consumer TEXT NOT NULL, provider TEXT NOT NULL, rc TEXT NOT NULL, used INTEGER NOT NULL,
@@ -230,6 +232,16 @@ def _read_tail(conn: sqlite3.Connection) -> _Tail:
     return _Tail(row[0], row[1], row[2])
 
 
+def _time_ordered_uuid() -> str:
+    """A version-7-style uuid (48-bit millisecond time, then random bits): ids of successive
+    events sort together, so the unique index on event_id appends instead of touching a random
+    page per event."""
+    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant
+    return str(_uuid.UUID(int=value))
+
+
 def append_events(
     conn: sqlite3.Connection, tail: _Tail, events: list[EventBase], metadata: dict[str, Any]
 ) -> list[tuple[int, EventBase]]:
@@ -242,7 +254,7 @@ def append_events(
     out = []
     for event in events:
         position = tail.position + 1
-        event_id = str(_uuid.uuid4())
+        event_id = _time_ordered_uuid()
         etype = event.event_type
         data = json.dumps(event.payload(), separators=(",", ":"))
         digest = event_hash(
@@ -445,10 +457,24 @@ class SqliteBackend:
         stamp = at.astimezone(UTC).isoformat(timespec="microseconds")
 
         def q(conn: sqlite3.Connection) -> int:
-            row = conn.execute("SELECT max(position) FROM events WHERE recorded_at <= ?", (stamp,)).fetchone()
-            return int(row[0] or 0)
+            # recorded_at never goes backwards along positions (the writer and import enforce it),
+            # so a binary search over the primary key replaces an index every append would pay for.
+            def time_of(position: int) -> str:
+                sql = "SELECT recorded_at FROM events WHERE position = ?"
+                row = conn.execute(sql, (position,)).fetchone()
+                return str(row[0]) if row else ""
 
-        return await self._on_reader(q)
+            head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
+            low, high = 0, head  # invariant: time_of(low) <= stamp (0 stands for "before the log")
+            while low < high:
+                mid = (low + high + 1) // 2
+                if time_of(mid) <= stamp:
+                    low = mid
+                else:
+                    high = mid - 1
+            return low
+
+        return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
 
     async def load_state(self) -> State:
         return await self._on_reader(load_all)
