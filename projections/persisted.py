@@ -58,6 +58,8 @@ class ChangeSet:
     #: a hint: providers in ``upsert_providers`` of which only generation and usages changed
     #: (the common case of an allocation write); a backend may update just those columns.
     counters_only: set[str] = field(default_factory=set)
+    #: a hint: consumers in ``replace_allocations`` that held no allocation rows before
+    held_nothing: set[str] = field(default_factory=set)
 
 
 def changes(before: State, after: State) -> ChangeSet:
@@ -79,6 +81,8 @@ def changes(before: State, after: State) -> ChangeSet:
             cs.upsert_consumers.append(cons)
             if was is None or was.allocations != cons.allocations:
                 cs.replace_allocations.append(cons)
+                if was is None or not was.allocations:
+                    cs.held_nothing.add(uuid)
     cs.delete_consumers = [u for u in before.consumers if u not in after.consumers]
     cs.add_classes = sorted(after.custom_classes - before.custom_classes)
     return cs

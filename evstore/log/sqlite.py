@@ -174,6 +174,7 @@ def load_slice(conn: sqlite3.Connection, command: Any) -> State:
 def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> None:
     for chunk in _chunks(sorted(uuids)):
         marks = _in_clause(len(chunk))
+        found = []
         for row in conn.execute(
             "SELECT uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, "
             f"allocated_at FROM p_consumers WHERE uuid IN ({marks})",
@@ -181,9 +182,12 @@ def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> 
         ):
             c = persisted.consumer_from_row(row)
             state.consumers[c.uuid] = c
-        for consumer, provider, rc, used in conn.execute(
-            f"SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer IN ({marks})", chunk
-        ):
+            found.append(c.uuid)
+        if not found:
+            continue  # a consumer with allocations always has a row: new consumers cost one query
+        marks = _in_clause(len(found))
+        held = f"SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer IN ({marks})"
+        for consumer, provider, rc, used in conn.execute(held, found):
             state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
 
 
@@ -204,7 +208,7 @@ def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
                 "INSERT OR REPLACE INTO p_providers VALUES (?,?,?,?,?,?,?)",
                 [persisted.provider_row(p) for p in whole],
             )
-    gone = cs.delete_consumers + [c.uuid for c in cs.replace_allocations]
+    gone = cs.delete_consumers + [c.uuid for c in cs.replace_allocations if c.uuid not in cs.held_nothing]
     if gone:
         conn.executemany("DELETE FROM p_allocations WHERE consumer = ?", [(u,) for u in gone])
     if cs.delete_consumers:
