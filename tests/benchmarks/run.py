@@ -273,6 +273,11 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     samples = ["--consumer-samples", str(sizes.consumer_samples), "--state-samples", str(sizes.state_samples)]
     out["time_travel"] = run_peer(peer("evstore_peer", "timetravel", "--db", big, *samples))
     out["audit"] = run_peer(peer("evstore_peer", "audit", "--db", big))
+    out["export"] = run_peer(peer("evstore_peer", "export", "--db", big))
+    log(
+        f"export of {out['export']['events']} events: {out['export']['seconds']:.1f} s, "
+        f"peak RSS {out['export']['peak_rss_mb']:.0f} MiB"
+    )
 
     for schema in schemas:
         run_peer(peer("evstore_peer", "pgdrop", "--url", str(pg_url), "--schema", schema))
