@@ -325,17 +325,22 @@ async def phase_timetravel(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.state_samples):
             pos = rng.randint(1, head)
             t0 = time.perf_counter()
-            view = await store.state_at(position=pos)
+            await store.state_at(position=pos)
             samples["state_at"].append(time.perf_counter() - t0)
+        for _ in range(max(args.state_samples, 30)):
+            # one provider: its slice snapshot plus the events that touch it (state_at(provider=))
+            pos, provider = rng.randint(1, head), rng.choice(providers)
             t0 = time.perf_counter()
-            await view.usage(rng.choice(providers))
-            samples["provider_at"].append(samples["state_at"][-1] + time.perf_counter() - t0)
+            view = await store.state_at(position=pos, provider=provider)
+            await view.usage(provider)
+            samples["provider_at"].append(time.perf_counter() - t0)
     out: dict[str, Any] = {"head": head, "peak_rss_mb": peak_rss_mb(), **extra}
     for name, values in samples.items():
         values.sort()
         out[name] = {
             "n": len(values),
             "mean_ms": 1000 * sum(values) / len(values) if values else 0.0,
+            "median_ms": 1000 * values[len(values) // 2] if values else 0.0,
             "max_ms": 1000 * values[-1] if values else 0.0,
         }
     return out
