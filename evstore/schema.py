@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import os_resource_classes
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from evstore.errors import InvalidInput, InvalidInventoryValue
 
@@ -187,7 +187,9 @@ class ConsumerAllocations(BaseModel):
     project_id: str = Field(min_length=1, max_length=255)
     user_id: str = Field(min_length=1, max_length=255)
     consumer_type: str = Field(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")
-    consumer_generation: int | None = Field(default=None, ge=0)
+    consumer_generation: int | None = Field(
+        default=None, ge=0, validation_alias=AliasChoices("consumer_generation", "generation")
+    )
 
     @field_validator("allocations", mode="before")
     @classmethod
