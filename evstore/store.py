@@ -523,8 +523,11 @@ class AllocationStore:
                 yield recorded
                 after = recorded.position
             if len(batch) < batch_size:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+                # that arrives as the wake-up fires, and the subscriber would follow forever.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(signal.wait(), self._poll_interval)
+                    async with asyncio.timeout(self._poll_interval):
+                        await signal.wait()
 
     async def audit(self) -> AuditReport:
         """Replay the log, check its integrity and compare with the persisted projection."""

@@ -168,3 +168,25 @@ async def test_subscriptions_cancelled_at_random_points_leave_the_store_usable(
     assert fresh == list(range(1, head + 1))
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
     assert (await store.audit()).clean
+
+
+async def test_a_subscriber_cancelled_just_as_an_append_wakes_it_stops(store: AllocationStore) -> None:
+    """Regression: asyncio.wait_for (Python 3.11) could swallow the cancellation when the awaited
+    wake-up fired in the same loop iteration, and the subscriber then followed forever."""
+    await make_provider(store, VCPU=1)
+    positions: list[int] = []
+
+    async def follow() -> None:
+        async for e in store.subscribe(after=0):
+            positions.append(e.position)
+
+    for _ in range(5):
+        task = asyncio.create_task(follow())
+        while len(positions) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)  # now waiting for the next append
+        store._appended.set()  # the wake-up of a commit...
+        task.cancel()  # ...and the cancellation, in the same iteration
+        done, _ = await asyncio.wait({task}, timeout=2)
+        assert task in done and task.cancelled(), "the subscriber went on after being cancelled"
+        positions.clear()
