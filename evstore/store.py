@@ -143,14 +143,10 @@ class AllocationStore:
             return
         self._closing = True
         if self._writer is not None:
+            # The writer finishes the batch in its transaction and everything queued, then stops:
+            # every caller gets its answer before the connections close.
             self._wake.set()
-            # Let queued commands finish; then stop the writer.
-            pending = [fut for _, fut in self._queue]
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+            await self._writer
         await self._backend.close()
 
     async def __aenter__(self) -> AllocationStore:
@@ -164,6 +160,8 @@ class AllocationStore:
     async def _write_loop(self) -> None:
         while True:
             if not self._queue:
+                if self._closing:
+                    return
                 self._wake.clear()
                 await self._wake.wait()
                 continue

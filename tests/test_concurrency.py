@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from evstore import AllocationStore, CapacityExceeded, ConsumerAllocations, Inventory, open_store
+from evstore import (
+    AllocationStore,
+    CapacityExceeded,
+    ConsumerAllocations,
+    EvstoreError,
+    Inventory,
+    open_store,
+)
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -190,3 +197,25 @@ async def test_a_subscriber_cancelled_just_as_an_append_wakes_it_stops(store: Al
         done, _ = await asyncio.wait({task}, timeout=2)
         assert task in done and task.cancelled(), "the subscriber went on after being cancelled"
         positions.clear()
+
+
+async def test_closing_the_store_finishes_every_command_in_flight(store_url: str) -> None:
+    """Regression: close() cancelled the writer while a batch was in its transaction, and the
+    callers of that batch waited forever."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=1000)
+        consumers = [new_uuid() for _ in range(40)]
+        tasks = [asyncio.create_task(allocate(store, c, {rp: {"VCPU": 1}})) for c in consumers]
+        for _ in range(3):
+            await asyncio.sleep(0)  # the batch is taken into a transaction...
+    # ...and the store closes under it: every caller gets an answer
+    _, pending = await asyncio.wait(tasks, timeout=10)
+    assert not pending, f"{len(pending)} commands never got an answer"
+    accepted = [c for c, t in zip(consumers, tasks, strict=True) if t.exception() is None]
+    for t in tasks:
+        assert t.exception() is None or isinstance(t.exception(), EvstoreError)
+    async with open_store(store_url) as store:
+        for c in accepted:
+            assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
+        assert (await store.usage(rp)).usages["VCPU"] == len(accepted)
+        assert (await store.audit()).clean
