@@ -44,20 +44,32 @@ def supports_snapshots(backend: object) -> bool:
 # --- encoding ---------------------------------------------------------------------------------
 
 
+def _provider_row(p: ProviderState) -> list[Any]:
+    inventories = {
+        rc: [getattr(inv, f) for f in INVENTORY_FIELDS] for rc, inv in sorted(p.inventories.items())
+    }
+    return [p.uuid, p.name, p.parent, p.root, p.generation, inventories, dict(sorted(p.usages.items()))]
+
+
+def _provider_from_row(row: list[Any]) -> ProviderState:
+    uuid, name, parent, root, generation, inventories, usages = row
+    return ProviderState(
+        uuid,
+        name,
+        parent,
+        root,
+        generation,
+        {
+            rc: Inventory.model_validate(dict(zip(INVENTORY_FIELDS, values, strict=True)))
+            for rc, values in inventories.items()
+        },
+        dict(usages),
+    )
+
+
 def encode_state(state: State) -> str:
     """The whole state as compact, deterministic JSON (sorted keys, every consumer kept)."""
-    providers = [
-        [
-            p.uuid,
-            p.name,
-            p.parent,
-            p.root,
-            p.generation,
-            {rc: [getattr(inv, f) for f in INVENTORY_FIELDS] for rc, inv in sorted(p.inventories.items())},
-            dict(sorted(p.usages.items())),
-        ]
-        for p in sorted(state.providers.values(), key=lambda p: p.uuid)
-    ]
+    providers = [_provider_row(p) for p in sorted(state.providers.values(), key=lambda p: p.uuid)]
     consumers = [
         [
             c.uuid,
@@ -89,19 +101,9 @@ def decode_state(text: str) -> State:
     if raw.get("format") != SNAPSHOT_FORMAT:
         raise InvalidInput(f"Unsupported snapshot format {raw.get('format')!r}")
     state = State(position=int(raw["position"]), custom_classes=set(raw["custom_classes"]))
-    for uuid, name, parent, root, generation, inventories, usages in raw["providers"]:
-        state.providers[uuid] = ProviderState(
-            uuid,
-            name,
-            parent,
-            root,
-            generation,
-            {
-                rc: Inventory.model_validate(dict(zip(INVENTORY_FIELDS, values, strict=True)))
-                for rc, values in inventories.items()
-            },
-            dict(usages),
-        )
+    for row in raw["providers"]:
+        provider = _provider_from_row(row)
+        state.providers[provider.uuid] = provider
     for row in raw["consumers"]:
         uuid, project, user, ctype, generation, allocations, deleted, deleted_at, behalf, allocated_at = row
         state.consumers[uuid] = ConsumerState(
@@ -135,15 +137,7 @@ def provider_slices(state: State) -> dict[str, str]:
                 holders[provider][c.uuid] = resources
     out = {}
     for uuid, p in state.providers.items():
-        row = [
-            p.uuid,
-            p.name,
-            p.parent,
-            p.root,
-            p.generation,
-            {rc: [getattr(inv, f) for f in INVENTORY_FIELDS] for rc, inv in sorted(p.inventories.items())},
-            dict(sorted(p.usages.items())),
-        ]
+        row = _provider_row(p)
         doc = {
             "format": SNAPSHOT_FORMAT,
             "position": state.position,
@@ -158,20 +152,10 @@ def decode_provider_slice(text: str) -> State:
     raw = json.loads(text)
     if raw.get("format") != SNAPSHOT_FORMAT:
         raise InvalidInput(f"Unsupported snapshot format {raw.get('format')!r}")
-    uuid, name, parent, root, generation, inventories, usages = raw["provider"]
+    provider = _provider_from_row(raw["provider"])
+    uuid = provider.uuid
     state = State(position=int(raw["position"]))
-    state.providers[uuid] = ProviderState(
-        uuid,
-        name,
-        parent,
-        root,
-        generation,
-        {
-            rc: Inventory.model_validate(dict(zip(INVENTORY_FIELDS, values, strict=True)))
-            for rc, values in inventories.items()
-        },
-        dict(usages),
-    )
+    state.providers[uuid] = provider
     for consumer, resources in raw["holders"].items():
         state.consumers[consumer] = ConsumerState(consumer, allocations={uuid: dict(resources)}, generation=0)
     return state
