@@ -219,3 +219,20 @@ async def test_closing_the_store_finishes_every_command_in_flight(store_url: str
             assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
         assert (await store.usage(rp)).usages["VCPU"] == len(accepted)
         assert (await store.audit()).clean
+
+
+async def test_mixed_commands_sharing_group_commits_keep_projection_equal_to_replay(
+    store: AllocationStore,
+) -> None:
+    """Several random workloads at once: their commands share transactions (and the writer's
+    per-batch cache of providers and consumers); the projection must still equal a replay."""
+    from tests.test_projections_support import random_workload
+
+    await asyncio.gather(*(random_workload(store, seed=seed, commands=80, providers=2) for seed in range(6)))
+    report = await store.audit()
+    assert report.clean, report.findings
+    replayed = await store.replay()
+    for uuid, _ in await store.providers():
+        usage = await store.usage(uuid)
+        assert usage.generation == replayed.providers[uuid].generation
+        assert {rc: n for rc, n in usage.usages.items() if n} == replayed.providers[uuid].usages

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from evstore import errors as err
-from evstore.commands import decide, needs
+from evstore.commands import CreateResourceClass, decide, needs
 from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
 from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
 from projections import persisted
@@ -156,14 +156,7 @@ def load_slice(conn: sqlite3.Connection, command: Any) -> State:
             f"SELECT uuid FROM p_providers WHERE parent IN ({_in_clause(len(parents))})", parents
         )
         providers.update(r[0] for r in rows)
-    for chunk in _chunks(sorted(providers)):
-        for row in conn.execute(
-            "SELECT uuid, name, parent, root, generation, inventories, usages FROM p_providers "
-            f"WHERE uuid IN ({_in_clause(len(chunk))})",
-            chunk,
-        ):
-            prov = persisted.provider_from_row(row)
-            state.providers[prov.uuid] = prov
+    _load_providers(conn, state, providers)
     custom = sorted(rc for rc in n.resource_classes if rc.startswith("CUSTOM_"))
     if custom:
         rows = conn.execute(f"SELECT name FROM p_classes WHERE name IN ({_in_clause(len(custom))})", custom)
@@ -273,7 +266,116 @@ def append_events(
     return out
 
 
-def _process(conn: sqlite3.Connection, tail: _Tail, job: Job) -> Receipt:
+class _BatchCache:
+    """The entities the jobs of one batch have loaded, as they stand after the jobs so far.
+
+    A hot provider is loaded once per batch instead of once per job, and the projection rows
+    are written once, at the end of the batch (or before a job that must query the projection
+    through a secondary index: provider names, children, migrations of an instance, classes).
+    ``before`` keeps what the projection held, so the write-back is exactly the difference.
+    """
+
+    def __init__(self) -> None:
+        self.before = State()
+        self.now = State()
+        self.known_consumers: set[str] = set()
+        self.known_providers: set[str] = set()
+
+    def flush(self, conn: sqlite3.Connection) -> None:
+        apply_changes(conn, persisted.changes(self.before, self.now))
+        self.before, self.now = State(), State()
+        self.known_consumers, self.known_providers = set(), set()
+
+    def _take(self, conn: sqlite3.Connection, kind: str, wanted: set[str], into: State) -> None:
+        known = self.known_consumers if kind == "consumers" else self.known_providers
+        missing = wanted - known
+        if missing:
+            loaded = State()
+            if kind == "consumers":
+                _load_consumers(conn, loaded, missing)
+            else:
+                _load_providers(conn, loaded, missing)
+            known |= missing
+            found = getattr(loaded, kind)
+            for uuid, entity in found.items():
+                clone = persisted.clone_consumer if kind == "consumers" else persisted.clone_provider
+                getattr(self.before, kind)[uuid] = clone(entity)
+                getattr(self.now, kind)[uuid] = entity
+        current = getattr(self.now, kind)
+        target = getattr(into, kind)
+        for uuid in wanted:
+            if uuid in current:
+                target[uuid] = current[uuid]
+
+    def load(self, conn: sqlite3.Connection, command: Any) -> State:
+        """The slice ``decide(command)`` reads, sharing this batch's objects."""
+        n = needs(command)
+        if n.provider_names or n.children_of or n.migrations_of or isinstance(command, CreateResourceClass):
+            self.flush(conn)
+            state = load_slice(conn, command)
+            self.adopt(state)
+            return state
+        state = State()
+        self._take(conn, "consumers", set(n.consumers), state)
+        linked = {c.on_behalf_of for c in state.consumers.values() if c.on_behalf_of} - state.consumers.keys()
+        if linked:
+            self._take(conn, "consumers", linked, state)
+        providers = set(n.providers)
+        for c in state.consumers.values():
+            providers.update(c.allocations)
+        self._take(conn, "providers", providers, state)
+        custom = {rc for rc in n.resource_classes if rc.startswith("CUSTOM_")}
+        unknown = sorted(custom - self.now.custom_classes)
+        if unknown:
+            sql = f"SELECT name FROM p_classes WHERE name IN ({_in_clause(len(unknown))})"
+            found = {r[0] for r in conn.execute(sql, unknown)}
+            self.before.custom_classes |= found
+            self.now.custom_classes |= found
+        state.custom_classes = custom & self.now.custom_classes
+        return state
+
+    def adopt(self, state: State) -> None:
+        """Take a slice loaded straight from the projection (the cache was just flushed)."""
+        for uuid, c in state.consumers.items():
+            self.before.consumers[uuid] = persisted.clone_consumer(c)
+            self.now.consumers[uuid] = c
+        for uuid, p in state.providers.items():
+            self.before.providers[uuid] = persisted.clone_provider(p)
+            self.now.providers[uuid] = p
+        self.before.custom_classes |= state.custom_classes
+        self.now.custom_classes |= state.custom_classes
+        self.known_consumers |= state.consumers.keys()
+        self.known_providers |= state.providers.keys()
+
+    def settle(self, wanted: State, after: State) -> None:
+        """Record what a job's fold did to its slice (entities created, changed or forgotten)."""
+        for uuid in wanted.consumers.keys() | after.consumers.keys():
+            self.known_consumers.add(uuid)
+            if uuid in after.consumers:
+                self.now.consumers[uuid] = after.consumers[uuid]
+            else:
+                self.now.consumers.pop(uuid, None)
+        for uuid in wanted.providers.keys() | after.providers.keys():
+            self.known_providers.add(uuid)
+            if uuid in after.providers:
+                self.now.providers[uuid] = after.providers[uuid]
+            else:
+                self.now.providers.pop(uuid, None)
+        self.now.custom_classes |= after.custom_classes
+
+
+def _load_providers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> None:
+    for chunk in _chunks(sorted(uuids)):
+        for row in conn.execute(
+            "SELECT uuid, name, parent, root, generation, inventories, usages FROM p_providers "
+            f"WHERE uuid IN ({_in_clause(len(chunk))})",
+            chunk,
+        ):
+            prov = persisted.provider_from_row(row)
+            state.providers[prov.uuid] = prov
+
+
+def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _BatchCache) -> Receipt:
     key = job.idempotency_key
     if key is not None:
         row = conn.execute("SELECT fingerprint, receipt FROM idempotency WHERE key = ?", (key,)).fetchone()
@@ -283,15 +385,15 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job) -> Receipt:
                     f"Idempotency key {key!r} was already used for a different command", idempotency_key=key
                 )
             return Receipt.from_json(row[1])
-    state = load_slice(conn, job.command)
-    before = persisted.clone(state)
+    state = cache.load(conn, job.command)
     events = decide(job.command, state)
     # From here on the job writes: nothing may reject it any more (see run_batch).
     try:
+        wanted = State(providers=dict(state.providers), consumers=dict(state.consumers))
         appended = append_events(conn, tail, events, job.metadata) if events else []
         for position, event in appended:
             evolve(state, event, position)
-        apply_changes(conn, persisted.changes(before, state))
+        cache.settle(wanted, state)
         n = needs(job.command)
         receipt = Receipt(
             tuple(p for p, _ in appended),
@@ -321,11 +423,13 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job]) -> list[Outcome]:
     conn.execute("BEGIN IMMEDIATE")
     try:
         tail = _read_tail(conn)
+        cache = _BatchCache()
         for job in jobs:
             try:
-                outcomes.append(_process(conn, tail, job))
+                outcomes.append(_process(conn, tail, job, cache))
             except err.EvstoreError as exc:
                 outcomes.append(exc)
+        cache.flush(conn)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
