@@ -30,9 +30,17 @@ async def replay(
         if not batch:
             break
         for recorded in batch:
-            evolve(state, recorded.event, recorded.position)
+            # a raw row (type, schema_version, data) skips the envelope: folding needs the payload only
+            event = recorded.event if hasattr(recorded, "event") else _decode(recorded)
+            evolve(state, event, recorded.position)
             after = recorded.position
     return state
+
+
+def _decode(row: Any) -> Any:
+    from evstore.events import decode_event
+
+    return decode_event(row.type, row.schema_version, row.data, row.position)
 
 
 class StateView:
