@@ -281,9 +281,6 @@ class AllocationStore:
             cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid")), idempotency_key, metadata
         )
 
-    async def create_resource_provider(self, uuid: str | _uuid.UUID, name: str, **kw: Any) -> Receipt:
-        return await self.create_provider(uuid, name, **kw)
-
     async def set_inventories(
         self,
         provider: str | _uuid.UUID,
