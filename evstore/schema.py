@@ -121,6 +121,13 @@ class Inventory(BaseModel):
     step_size: int = Field(default=1, ge=1, le=MAX_INT)
     allocation_ratio: float = Field(default=1.0, gt=0, le=3.40282e38)
 
+    def __init__(self, **data: Any) -> None:
+        # Bad values are bad input: a typed evstore error (also a ValueError), not pydantic's.
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}") from None
+
     @field_validator("allocation_ratio", mode="before")
     @classmethod
     def _finite_ratio(cls, v: Any) -> Any:
@@ -190,6 +197,12 @@ class ConsumerAllocations(BaseModel):
     consumer_generation: int | None = Field(
         default=None, ge=0, validation_alias=AliasChoices("consumer_generation", "generation")
     )
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidInput(f"Invalid consumer allocations: {pydantic_message(exc)}") from None
 
     @field_validator("allocations", mode="before")
     @classmethod

@@ -371,3 +371,19 @@ async def test_a_file_that_is_not_a_database_is_a_clear_error(tmp_path: Path) ->
     with pytest.raises(evstore.StorageError, match="Cannot open"):
         async with open_store(f"sqlite:///{tmp_path}/junk.db"):
             pass
+
+
+def test_the_value_models_refuse_bad_values_with_typed_errors() -> None:
+    with pytest.raises(InvalidInput) as info:
+        Inventory(total=0)
+    assert isinstance(info.value, evstore.InvalidInventory) and isinstance(info.value, ValueError)
+    with pytest.raises(InvalidInput, match="project_id"):
+        ConsumerAllocations(allocations={}, project_id="", user_id="u", consumer_type="INSTANCE")
+    with pytest.raises(InvalidInput, match="Malformed"):
+        ConsumerAllocations(
+            allocations={"nope": {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE"
+        )
+    ca = ConsumerAllocations(
+        allocations={}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=3
+    )
+    assert ca.consumer_generation == 3
