@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from evstore import errors as err
-from evstore.commands import CreateResourceClass, decide, needs
+from evstore.commands import CreateResourceClass, Needs, decide, needs
 from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
 from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
 from projections import persisted
@@ -125,43 +125,6 @@ def _chunks(items: list[str], size: int = 500) -> Iterable[list[str]]:
 
 
 # --- work done on the database thread ---------------------------------------------------------
-
-
-def load_slice(conn: sqlite3.Connection, command: Any) -> State:
-    """Load from the persisted projection exactly the entities ``decide(command)`` reads."""
-    n = needs(command)
-    state = State()
-    consumers = set(n.consumers)
-    if n.migrations_of:
-        for chunk in _chunks(sorted(n.migrations_of)):
-            rows = conn.execute(
-                f"SELECT uuid FROM p_consumers WHERE on_behalf_of IN ({_in_clause(len(chunk))})", chunk
-            )
-            consumers.update(r[0] for r in rows)
-    _load_consumers(conn, state, consumers)
-    # a migration's decision reads its instance too
-    linked = {c.on_behalf_of for c in state.consumers.values() if c.on_behalf_of} - state.consumers.keys()
-    if linked:
-        _load_consumers(conn, state, linked)
-    providers = set(n.providers)
-    for c in state.consumers.values():
-        providers.update(c.allocations)
-    if n.provider_names:
-        names = sorted(n.provider_names)
-        rows = conn.execute(f"SELECT uuid FROM p_providers WHERE name IN ({_in_clause(len(names))})", names)
-        providers.update(r[0] for r in rows)
-    if n.children_of:
-        parents = sorted(n.children_of)
-        rows = conn.execute(
-            f"SELECT uuid FROM p_providers WHERE parent IN ({_in_clause(len(parents))})", parents
-        )
-        providers.update(r[0] for r in rows)
-    _load_providers(conn, state, providers)
-    custom = sorted(rc for rc in n.resource_classes if rc.startswith("CUSTOM_"))
-    if custom:
-        rows = conn.execute(f"SELECT name FROM p_classes WHERE name IN ({_in_clause(len(custom))})", custom)
-        state.custom_classes.update(r[0] for r in rows)
-    return state
 
 
 def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> None:
@@ -307,20 +270,32 @@ class _BatchCache:
             if uuid in current:
                 target[uuid] = current[uuid]
 
-    def load(self, conn: sqlite3.Connection, command: Any) -> State:
-        """The slice ``decide(command)`` reads, sharing this batch's objects."""
-        n = needs(command)
+    def load(self, conn: sqlite3.Connection, command: Any, n: Needs) -> State:
+        """The slice ``decide(command)`` reads (``n = needs(command)``), sharing this batch's objects.
+
+        Entities are found by uuid in this cache or the projection. A command that finds them
+        through a secondary index (provider names, children, an instance's migrations) or creates
+        a class first flushes the cache, so that the index reflects the jobs before it.
+        """
+        consumers = set(n.consumers)
+        providers = set(n.providers)
         if n.provider_names or n.children_of or n.migrations_of or isinstance(command, CreateResourceClass):
             self.flush(conn)
-            state = load_slice(conn, command)
-            self.adopt(state)
-            return state
+            for column, values, into in (
+                ("on_behalf_of", n.migrations_of, consumers),
+                ("name", n.provider_names, providers),
+                ("parent", n.children_of, providers),
+            ):
+                table = "p_consumers" if column == "on_behalf_of" else "p_providers"
+                for chunk in _chunks(sorted(values)):
+                    sql = f"SELECT uuid FROM {table} WHERE {column} IN ({_in_clause(len(chunk))})"
+                    into.update(r[0] for r in conn.execute(sql, chunk))
         state = State()
-        self._take(conn, "consumers", set(n.consumers), state)
+        self._take(conn, "consumers", consumers, state)
+        # a migration's decision reads its instance too
         linked = {c.on_behalf_of for c in state.consumers.values() if c.on_behalf_of} - state.consumers.keys()
         if linked:
             self._take(conn, "consumers", linked, state)
-        providers = set(n.providers)
         for c in state.consumers.values():
             providers.update(c.allocations)
         self._take(conn, "providers", providers, state)
@@ -333,19 +308,6 @@ class _BatchCache:
             self.now.custom_classes |= found
         state.custom_classes = custom & self.now.custom_classes
         return state
-
-    def adopt(self, state: State) -> None:
-        """Take a slice loaded straight from the projection (the cache was just flushed)."""
-        for uuid, c in state.consumers.items():
-            self.before.consumers[uuid] = persisted.clone_consumer(c)
-            self.now.consumers[uuid] = c
-        for uuid, p in state.providers.items():
-            self.before.providers[uuid] = persisted.clone_provider(p)
-            self.now.providers[uuid] = p
-        self.before.custom_classes |= state.custom_classes
-        self.now.custom_classes |= state.custom_classes
-        self.known_consumers |= state.consumers.keys()
-        self.known_providers |= state.providers.keys()
 
     def settle(self, wanted: State, after: State) -> None:
         """Record what a job's fold did to its slice (entities created, changed or forgotten)."""
@@ -385,7 +347,8 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _BatchCache
                     f"Idempotency key {key!r} was already used for a different command", idempotency_key=key
                 )
             return Receipt.from_json(row[1])
-    state = cache.load(conn, job.command)
+    n = needs(job.command)
+    state = cache.load(conn, job.command, n)
     events = decide(job.command, state)
     # From here on the job writes: nothing may reject it any more (see run_batch).
     try:
@@ -394,7 +357,6 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _BatchCache
         for position, event in appended:
             evolve(state, event, position)
         cache.settle(wanted, state)
-        n = needs(job.command)
         receipt = Receipt(
             tuple(p for p, _ in appended),
             {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
