@@ -404,10 +404,12 @@ def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.Eve
 
 def _release(state: State, command: Release) -> list[ev.EventBase]:
     c = state.consumer(command.consumer)
-    if c.deleted:
-        _check_consumer_generation(c, c.generation)
     if not c.allocations:
-        raise err.NotFound(f"No allocations for consumer '{c.uuid}'", consumer=c.uuid)
+        # SPEC: NotFound when it holds nothing, a tombstoned consumer included (it never can).
+        gone = f" (deleted at position {c.deleted_at})" if c.deleted else ""
+        raise err.NotFound(
+            f"No allocations for consumer '{c.uuid}'{gone}", consumer=c.uuid, deleted=c.deleted
+        )
     return [ev.AllocationsReleased(consumer=c.uuid, released=c.allocations)]
 
 

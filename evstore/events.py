@@ -428,3 +428,16 @@ class RawEvent:
     metadata: str
     recorded_at: str
     hash: str
+
+    def chained_hash(self, prev_hash: str) -> str:
+        """What this row's hash must be after ``prev_hash`` (audit and import check it)."""
+        return event_hash(
+            prev_hash,
+            self.position,
+            self.event_id,
+            self.type,
+            self.schema_version,
+            self.data,
+            self.metadata,
+            self.recorded_at,
+        )

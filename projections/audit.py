@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evstore.errors import CorruptEvent
-from evstore.events import GENESIS_HASH, EventBase, decode_event, event_hash
+from evstore.events import GENESIS_HASH, EventBase, decode_event
 from projections.invariants import find_leaks
 from projections.state import State, evolve
 
@@ -166,16 +166,7 @@ class _Replay:
                 )
             )
         self.expected = row.position + 1
-        digest = event_hash(
-            self.prev_hash,
-            row.position,
-            row.event_id,
-            row.type,
-            row.schema_version,
-            row.data,
-            row.metadata,
-            row.recorded_at,
-        )
+        digest = row.chained_hash(self.prev_hash)
         if not self.chain_broken and digest != row.hash:
             self.chain_broken = True
             report.findings.append(

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
-from evstore.events import GENESIS_HASH, RawEvent, decode_event, event_hash
+from evstore.events import GENESIS_HASH, RawEvent, decode_event
 
 EXPORT_FORMAT = "evstore-export"
 EXPORT_VERSION = 1
@@ -109,16 +109,7 @@ class ChainCheck:
                 position=row.position,
                 reason="position_gap",
             )
-        digest = event_hash(
-            self.prev_hash,
-            row.position,
-            row.event_id,
-            row.type,
-            row.schema_version,
-            row.data,
-            row.metadata,
-            row.recorded_at,
-        )
+        digest = row.chained_hash(self.prev_hash)
         if digest != row.hash:
             raise _corrupt(
                 f"hash chain broken at position {row.position}: the row was altered, or one before it",

@@ -468,3 +468,11 @@ def test_inventory_values_are_checked_after_provider_generation_and_classes() ->
         when(state, SetInventories(RP1, {"VCPU": bad}, 1))
     with pytest.raises(err.InvalidInput, match="min_unit"):
         when(state, SetInventory(RP1, "VCPU", Inventory(total=4, min_unit=3, max_unit=2), 1))
+
+
+def test_releasing_a_tombstoned_consumer_is_not_found() -> None:
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}})))
+    when(state, DeleteConsumer(C1))
+    with pytest.raises(err.NotFound, match="deleted at position"):
+        when(state, Release(C1))
