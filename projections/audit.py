@@ -18,6 +18,7 @@ from typing import Any
 
 from evstore.errors import CorruptEvent
 from evstore.events import GENESIS_HASH, EventBase, decode_event
+from projections.gcpause import gc_paused
 from projections.invariants import find_leaks
 from projections.state import State, evolve
 
@@ -318,14 +319,15 @@ async def audit(
     """
     report = AuditReport()
     replay = _Replay(report)
-    await replay.run(read, batch_size, progress=progress)
-    persisted_state = await load_persisted()
-    for _ in range(10):
-        if persisted_state.position <= replay.last_seen:
-            break
-        await replay.run(read, batch_size, until=persisted_state.position, progress=progress)
-        if replay.last_seen < persisted_state.position:
-            persisted_state = await load_persisted()
+    with gc_paused():
+        await replay.run(read, batch_size, progress=progress)
+        persisted_state = await load_persisted()
+        for _ in range(10):
+            if persisted_state.position <= replay.last_seen:
+                break
+            await replay.run(read, batch_size, until=persisted_state.position, progress=progress)
+            if replay.last_seen < persisted_state.position:
+                persisted_state = await load_persisted()
     replayed = replay.state
     report.head = replay.last_seen
     report.findings.extend(compare_states(replayed, persisted_state))

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from evstore.errors import InvalidInput, ProviderNotFound
+from evstore.events import RecordedEvent, decode_event
+from projections.gcpause import gc_paused
 from projections.state import State, evolve
 from projections.views import (
     ConsumerView,
@@ -21,26 +25,42 @@ ReadEvents = Callable[[int, int], Awaitable[list[Any]]]
 async def replay(
     read: ReadEvents, to_position: int | None = None, batch_size: int = 5000, state: State | None = None
 ) -> State:
-    """Fold recorded events after ``state.position`` up to ``to_position`` (inclusive; ``None``: all)."""
+    """Fold recorded events after ``state.position`` up to ``to_position`` (inclusive; ``None``: all).
+
+    The next batch is read while this one is folded (the database thread and the fold overlap).
+    """
     state = state if state is not None else State()
-    after = state.position
-    while to_position is None or after < to_position:
+
+    def fetch(after: int) -> asyncio.Future[list[Any]] | None:
+        if to_position is not None and after >= to_position:
+            return None
         limit = batch_size if to_position is None else min(batch_size, to_position - after)
-        batch = await read(after, limit)
-        if not batch:
-            break
-        for recorded in batch:
-            # a raw row (type, schema_version, data) skips the envelope: folding needs the payload only
-            event = recorded.event if hasattr(recorded, "event") else _decode(recorded)
-            evolve(state, event, recorded.position)
-            after = recorded.position
+        return asyncio.ensure_future(read(after, limit))
+
+    pending = fetch(state.position)
+    try:
+        with gc_paused():
+            while pending is not None:
+                batch = await pending
+                if not batch:
+                    break
+                pending = fetch(batch[-1].position)
+                for recorded in batch:
+                    # a raw row (type, schema_version, data) skips the envelope: folding needs
+                    # the payload only
+                    if isinstance(recorded, RecordedEvent):
+                        event = recorded.event
+                    else:
+                        event = decode_event(
+                            recorded.type, recorded.schema_version, recorded.data, recorded.position
+                        )
+                    evolve(state, event, recorded.position)
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
     return state
-
-
-def _decode(row: Any) -> Any:
-    from evstore.events import decode_event
-
-    return decode_event(row.type, row.schema_version, row.data, row.position)
 
 
 class StateView:

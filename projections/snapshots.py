@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from evstore.errors import InvalidInput
 from evstore.events import decode_event
 from evstore.schema import Inventory
+from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
 from projections.state import ConsumerState, ProviderState, State, evolve
 
@@ -217,25 +218,28 @@ async def fold_to(
     """
     if every < 1:
         raise InvalidInput("snapshot interval must be a positive number of events")
-    found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
-    state = decode_state(found[1]) if found is not None else State()
-    after = state.position
-    while after < position:
-        batch = await backend.read_raw(after, min(batch_size, position - after))
-        if not batch:
-            break
-        for raw in batch:
-            evolve(state, decode_event(raw.type, raw.schema_version, raw.data, raw.position), raw.position)
-            after = raw.position
-            if save and raw.position % every == 0:
-                await backend.save_snapshot(raw.position, raw.hash, SNAPSHOT_FORMAT, encode_state(state))
-                if supports_provider_snapshots(backend):
-                    slices = sorted(provider_slices(state).items())
-                    await backend.save_provider_snapshots(  # type: ignore[attr-defined]
-                        raw.position, raw.hash, SNAPSHOT_FORMAT, slices
-                    )
-        if progress is not None:
-            progress(after)
+    with gc_paused():
+        found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
+        state = decode_state(found[1]) if found is not None else State()
+        after = state.position
+        while after < position:
+            batch = await backend.read_raw(after, min(batch_size, position - after))
+            if not batch:
+                break
+            for raw in batch:
+                event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
+                evolve(state, event, raw.position)
+                after = raw.position
+                if save and raw.position % every == 0:
+                    encoded = encode_state(state)
+                    await backend.save_snapshot(raw.position, raw.hash, SNAPSHOT_FORMAT, encoded)
+                    if supports_provider_snapshots(backend):
+                        slices = sorted(provider_slices(state).items())
+                        await backend.save_provider_snapshots(  # type: ignore[attr-defined]
+                            raw.position, raw.hash, SNAPSHOT_FORMAT, slices
+                        )
+            if progress is not None:
+                progress(after)
     return state
 
 

@@ -77,6 +77,7 @@ from evstore.events import EventBase, RecordedEvent, decode_event
 from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
 from evstore.log.sqlite import decode_raw, now_iso
 from projections import persisted
+from projections.gcpause import gc_paused
 from projections.state import ConsumerState, State, evolve
 
 SCHEMA_VERSION = 2
@@ -1001,15 +1002,16 @@ async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], No
     cursor = await conn.cursor(
         "SELECT position, type, schema_version, data FROM events WHERE position IS NOT NULL ORDER BY position"
     )
-    while True:
-        rows = await cursor.fetch(batch_size)
-        if not rows:
-            break
-        for position, etype, version, data in rows:
-            evolve(state, decode_event(etype, version, data, position), position)
-        count += len(rows)
-        if progress is not None:
-            progress(count, head)
+    with gc_paused():
+        while True:
+            rows = await cursor.fetch(batch_size)
+            if not rows:
+                break
+            for position, etype, version, data in rows:
+                evolve(state, decode_event(etype, version, data, position), position)
+            count += len(rows)
+            if progress is not None:
+                progress(count, head)
     for table in PROJECTION_TABLES:
         await conn.execute(f"DELETE FROM {table}")
     cs = persisted.changes(State(), state)

@@ -29,6 +29,7 @@ from evstore.commands import CreateResourceClass, Needs, decide, needs
 from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
 from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
 from projections import persisted
+from projections.gcpause import gc_paused
 from projections.state import ConsumerState, State, evolve
 
 SCHEMA_VERSION = 1
@@ -783,20 +784,18 @@ def _rebuild(conn: sqlite3.Connection, batch_size: int, progress: Callable[[int,
     try:
         head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
         state = State()
-        cursor = conn.execute(f"SELECT {EVENT_COLUMNS} FROM events ORDER BY position")
+        cursor = conn.execute("SELECT position, type, schema_version, data FROM events ORDER BY position")
         count = 0
-        while True:
-            rows = cursor.fetchmany(batch_size)
-            if not rows:
-                break
-            for r in rows:
-                raw = RawEvent(*r)
-                evolve(
-                    state, decode_event(raw.type, raw.schema_version, raw.data, raw.position), raw.position
-                )
-            count += len(rows)
-            if progress is not None:
-                progress(count, head)
+        with gc_paused():
+            while True:
+                rows = cursor.fetchmany(batch_size)
+                if not rows:
+                    break
+                for position, etype, version, data in rows:
+                    evolve(state, decode_event(etype, version, data, position), position)
+                count += len(rows)
+                if progress is not None:
+                    progress(count, head)
         for table in PROJECTION_TABLES:
             conn.execute(f"DELETE FROM {table}")
         apply_changes(conn, persisted.changes(State(), state))

@@ -1,0 +1,74 @@
+"""Bulk folds pause the cyclic collector and always give it back as they found it."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from projections.gcpause import gc_paused
+from projections.replay import replay
+
+
+@pytest.fixture(autouse=True)
+def collector_on() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if was:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+def test_paused_inside_restored_after_even_on_error() -> None:
+    with pytest.raises(RuntimeError), gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "the inner pause must not resume the collector"
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_a_collector_the_host_turned_off_stays_off() -> None:
+    gc.disable()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()
+
+
+def test_overlapping_pauses_from_two_threads() -> None:
+    inside = threading.Barrier(2)
+    leave = threading.Event()
+
+    def worker() -> None:
+        with gc_paused():
+            inside.wait()
+            leave.wait()
+
+    t = threading.Thread(target=worker)
+    with gc_paused():
+        t.start()
+        inside.wait()
+    assert not gc.isenabled(), "the other thread's fold is still running"
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+
+
+async def test_replay_gives_the_collector_back_when_reading_fails() -> None:
+    calls = 0
+
+    async def read(after: int, limit: int) -> list[Any]:
+        nonlocal calls
+        calls += 1
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError):
+        await replay(read)
+    assert calls == 1
+    assert gc.isenabled()
