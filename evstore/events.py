@@ -51,6 +51,10 @@ class EventBase(BaseModel):
         """The stored JSON payload (without ``type``)."""
         return self.model_dump(mode="json", exclude={"type"})
 
+    def payload_json(self) -> str:
+        """:meth:`payload` as stored: compact JSON, encoded by pydantic-core (4x json.dumps)."""
+        return self.model_dump_json(exclude={"type"})
+
     def entities(self) -> set[str]:
         """``consumer:<uuid>`` / ``provider:<uuid>`` keys this event touches (the history index)."""
         raise NotImplementedError

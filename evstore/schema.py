@@ -82,6 +82,12 @@ def normalize_allocations(value: object, what: str = "allocations") -> dict[str,
 def validate_name(value: object, what: str, max_len: int = 255) -> str:
     if not isinstance(value, str) or not (1 <= len(value) <= max_len):
         raise InvalidInput(f"{what} must be a string of 1..{max_len} characters, got {value!r:.80}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(
+            f"{what} must be valid Unicode text (no lone surrogates), got {value!r:.80}"
+        ) from None
     return value
 
 

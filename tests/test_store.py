@@ -253,6 +253,15 @@ async def test_subscribe_catches_up_then_follows(store: AllocationStore) -> None
         lambda s, rp: s.create_provider("not-a-uuid", "x"),
         lambda s, rp: s.create_provider(new_uuid(), ""),
         lambda s, rp: s.create_provider(new_uuid(), "x" * 201),
+        lambda s, rp: s.create_provider(new_uuid(), "caf\u00e9 \ud800"),  # a lone surrogate
+        lambda s, rp: s.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 1}},
+            project_id="p\udfff",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        ),
         lambda s, rp: s.set_inventories(rp, {"vcpu": Inventory(total=1)}, 1),
         lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 0}}, 1),
         lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "reserved": 5}}, 1),

@@ -879,7 +879,7 @@ async def append_events(conn: Any, events: list[EventBase], metadata: dict[str, 
         ids,
         [e.event_type for e in events],
         [e.SCHEMA_VERSION for e in events],
-        [json.dumps(e.payload(), separators=(",", ":")) for e in events],
+        [e.payload_json() for e in events],
         meta_json,
     )
     by_id = {r["event_id"]: r["seq"] for r in rows}

@@ -217,7 +217,7 @@ def append_events(
         position = tail.position + 1
         event_id = _time_ordered_uuid()
         etype = event.event_type
-        data = json.dumps(event.payload(), separators=(",", ":"))
+        data = event.payload_json()
         digest = event_hash(
             tail.hash, position, event_id, etype, event.SCHEMA_VERSION, data, meta_json, recorded_at
         )
