@@ -516,7 +516,13 @@ def state(
                 position = await store.position_of(point)
                 if position > head:
                     raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})")
-                view = await store.state_at(position=position)
+                if provider is not None:
+                    # only the provider's slice (its snapshots and history): milliseconds on a
+                    # long log, where the whole state is a fold from the nearest snapshot
+                    puuid = normalize_uuid(provider, "provider uuid")
+                    view = await store.state_at(position=position, provider=puuid)
+                else:
+                    view = await store.state_at(position=position)
             position = view.position
             when = None
             if position:

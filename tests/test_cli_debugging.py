@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from pathlib import Path
 from typing import Any
 
+from evstore import open_store
 from tests.test_cli_support import evstore
 
 
@@ -61,6 +63,17 @@ def test_find_the_event_that_released_a_migrations_allocation(tmp_path: Path) ->
     assert human_state.returncode == 0 and "holds allocations" in human_state.stdout
 
 
+async def _whole_state_of(db: str, position: int, provider: str) -> dict[str, Any]:
+    async with open_store(f"sqlite:///{db}") as store:
+        view = await store.state_at(position=position)
+        usage = await view.usage(provider)
+        return {
+            "usages": dict(usage.usages),
+            "generation": usage.generation,
+            "allocations": await view.provider_allocations(provider),
+        }
+
+
 def test_state_views_and_bad_points(tmp_path: Path) -> None:
     db = str(tmp_path / "c.db")
     demo = _json("demo", "--db", db, "--instances", "20", "--nodes", "3")
@@ -74,6 +87,15 @@ def test_state_views_and_bad_points(tmp_path: Path) -> None:
     rp = demo["usage"][0]["provider"]
     one = _json("state", "--provider", rp, "--db", db)
     assert one["provider"]["provider"] == rp and isinstance(one["allocations"], dict)
+    # --at folds only the provider's slice: the same answer as the live projection and the whole fold
+    at_head = _json("state", "--at", str(head), "--provider", rp, "--db", db)
+    assert (at_head["provider"], at_head["allocations"]) == (one["provider"], one["allocations"])
+    for position in (head // 3, head // 2, head - 1):
+        sliced = _json("state", "--at", str(position), "--provider", rp, "--db", db)
+        whole = asyncio.run(_whole_state_of(db, position, rp))
+        assert {rc: u["used"] for rc, u in sliced["provider"]["usages"].items()} == whole["usages"], position
+        assert sliced["provider"]["generation"] == whole["generation"], position
+        assert sliced["allocations"] == whole["allocations"], position
 
     beyond = evstore("state", "--at", str(head + 1), "--db", db)
     assert beyond.returncode == 1 and beyond.stderr.startswith("error: evstore.invalid_input: ")
