@@ -543,7 +543,7 @@ class AllocationStore:
 
     async def replay(self, to_position: int | None = None) -> State:
         """The state folded from the log up to ``to_position`` (all of it by default)."""
-        return await replay(self._backend.read_raw, to_position)
+        return await replay(self._backend.read_payloads, to_position)
 
     async def state_at(
         self,
@@ -592,7 +592,7 @@ class AllocationStore:
         if snapshots.supports_snapshots(self._backend):
             backend: Any = self._backend
             return await snapshots.fold_to(backend, position, self.snapshot_every)
-        return await replay(self._backend.read_raw, position)
+        return await replay(self._backend.read_payloads, position)
 
     async def take_snapshots(self, progress: Callable[[int], None] | None = None) -> list[int]:
         """Fold the log to its head, saving a snapshot every ``snapshot_every`` events; their positions."""

@@ -8,7 +8,9 @@ audit all fold events with this same function, so they cannot disagree.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from evstore import events as ev
 from evstore.schema import Inventory
@@ -77,9 +79,9 @@ class State:
         return [c for c in self.consumers.values() if c.on_behalf_of == instance and c.allocations]
 
 
-def _add_usage(state: State, allocs: Allocs, sign: int) -> None:
+def _add_usage(providers: dict[str, ProviderState], allocs: Allocs, sign: int) -> None:
     for provider, resources in allocs.items():
-        prov = state.providers.get(provider)
+        prov = providers.get(provider)
         if prov is None:
             # Replay of a log written by a buggy writer may reference a deleted provider: keep
             # folding (the audit reports it) rather than crash.
@@ -98,11 +100,11 @@ def _set_allocations(state: State, consumer: str, allocs: Allocs, position: int)
     if c is None:
         c = state.consumers[consumer] = ConsumerState(consumer)
     if c.allocations:
-        _add_usage(state, c.allocations, -1)
+        _add_usage(state.providers, c.allocations, -1)
     # Shared with the (frozen) event, never mutated in place: state changes replace the dict.
     c.allocations = allocs
-    if c.allocations:
-        _add_usage(state, c.allocations, +1)
+    if allocs:
+        _add_usage(state.providers, allocs, +1)
     c.allocated_at = position
     return c
 
@@ -115,83 +117,126 @@ def _bump(state: State, generations: dict[str, int]) -> None:
 
 
 def _forget_if_empty(state: State, c: ConsumerState) -> None:
-    if not c.worth_keeping():
+    # ConsumerState.worth_keeping, inlined: this runs for most events of a replay
+    if not (c.allocations or c.deleted or c.on_behalf_of is not None):
         state.consumers.pop(c.uuid, None)
+
+
+# One small fold per event type, found by the event's class (a dict lookup instead of walking a
+# chain of isinstance checks: replay, rebuild and the audit run this for every event).
+
+
+def _allocations_replaced(state: State, event: ev.AllocationsReplaced, position: int) -> None:
+    c = _set_allocations(state, event.consumer, event.allocations, position)
+    c.project_id, c.user_id, c.consumer_type = event.project_id, event.user_id, event.consumer_type
+    c.generation = event.generation if event.allocations else None
+    if not event.allocations:
+        # emptied by a plain write (e.g. Nova's move_allocations): no longer holding
+        # anything for anyone
+        c.on_behalf_of = None
+    _bump(state, event.provider_generations)
+    _forget_if_empty(state, c)
+
+
+def _allocations_released(state: State, event: ev.AllocationsReleased, position: int) -> None:
+    c = _set_allocations(state, event.consumer, {}, position)
+    c.generation = None
+    c.on_behalf_of = None
+    _forget_if_empty(state, c)
+
+
+def _migration_started(state: State, event: ev.MigrationStarted, position: int) -> None:
+    inst = _set_allocations(state, event.instance, {}, position)
+    inst.generation = None
+    inst.project_id, inst.user_id = event.project_id, event.user_id
+    inst.consumer_type = event.instance_consumer_type
+    mig = _set_allocations(state, event.migration, event.allocations, position)
+    mig.project_id, mig.user_id = event.project_id, event.user_id
+    mig.consumer_type = event.migration_consumer_type
+    mig.generation = event.migration_generation
+    mig.on_behalf_of = event.instance
+    _bump(state, event.provider_generations)
+    _forget_if_empty(state, inst)
+
+
+def _migration_reverted(state: State, event: ev.MigrationReverted, position: int) -> None:
+    mig = _set_allocations(state, event.migration, {}, position)
+    mig.generation = None
+    mig.on_behalf_of = None
+    inst = _set_allocations(state, event.instance, event.allocations, position)
+    inst.project_id, inst.user_id = event.project_id, event.user_id
+    inst.consumer_type = event.instance_consumer_type
+    inst.generation = event.instance_generation
+    _bump(state, event.provider_generations)
+    _forget_if_empty(state, mig)
+    _forget_if_empty(state, inst)
+
+
+def _migration_confirmed(state: State, event: ev.MigrationConfirmed, position: int) -> None:
+    mig = _set_allocations(state, event.migration, {}, position)
+    mig.generation = None
+    mig.on_behalf_of = None
+    _forget_if_empty(state, mig)
+
+
+def _consumer_deleted(state: State, event: ev.ConsumerDeleted, position: int) -> None:
+    c = _set_allocations(state, event.consumer, {}, position)
+    c.generation = None
+    c.deleted = True
+    c.deleted_at = position
+    for migration in event.migrations_released:
+        # The link is kept: a later revert of this migration must learn that its
+        # instance is gone (ConsumerDeleted), not that the migration is unknown.
+        m = _set_allocations(state, migration, {}, position)
+        m.generation = None
+
+
+def _inventories_replaced(state: State, event: ev.InventoriesReplaced, position: int) -> None:
+    prov = state.providers[event.provider]
+    prov.inventories = dict(event.inventories)
+    prov.generation = event.generation
+
+
+def _provider_created(state: State, event: ev.ProviderCreated, position: int) -> None:
+    state.providers[event.provider] = ProviderState(
+        uuid=event.provider, name=event.name, parent=event.parent, root=event.root
+    )
+
+
+def _provider_updated(state: State, event: ev.ProviderUpdated, position: int) -> None:
+    state.providers[event.provider].name = event.name
+
+
+def _provider_deleted(state: State, event: ev.ProviderDeleted, position: int) -> None:
+    state.providers.pop(event.provider, None)
+
+
+def _resource_class_created(state: State, event: ev.ResourceClassCreated, position: int) -> None:
+    state.custom_classes.add(event.name)
+
+
+_FOLDS: dict[type[ev.EventBase], Callable[[State, Any, int], None]] = {
+    ev.AllocationsReplaced: _allocations_replaced,
+    ev.AllocationsReleased: _allocations_released,
+    ev.MigrationStarted: _migration_started,
+    ev.MigrationReverted: _migration_reverted,
+    ev.MigrationConfirmed: _migration_confirmed,
+    ev.ConsumerDeleted: _consumer_deleted,
+    ev.InventoriesReplaced: _inventories_replaced,
+    ev.ProviderCreated: _provider_created,
+    ev.ProviderUpdated: _provider_updated,
+    ev.ProviderDeleted: _provider_deleted,
+    ev.ResourceClassCreated: _resource_class_created,
+}
 
 
 def evolve(state: State, event: ev.EventBase, position: int) -> State:
     """Fold one event into ``state`` (in place, for speed) and return it."""
     state.position = position
-    match event:
-        case ev.AllocationsReplaced():
-            c = _set_allocations(state, event.consumer, event.allocations, position)
-            c.project_id, c.user_id, c.consumer_type = event.project_id, event.user_id, event.consumer_type
-            c.generation = event.generation if event.allocations else None
-            if not event.allocations:
-                # emptied by a plain write (e.g. Nova's move_allocations): no longer holding
-                # anything for anyone
-                c.on_behalf_of = None
-            _bump(state, event.provider_generations)
-            _forget_if_empty(state, c)
-        case ev.AllocationsReleased():
-            c = _set_allocations(state, event.consumer, {}, position)
-            c.generation = None
-            c.on_behalf_of = None
-            _forget_if_empty(state, c)
-        case ev.MigrationStarted():
-            inst = _set_allocations(state, event.instance, {}, position)
-            inst.generation = None
-            inst.project_id, inst.user_id = event.project_id, event.user_id
-            inst.consumer_type = event.instance_consumer_type
-            mig = _set_allocations(state, event.migration, event.allocations, position)
-            mig.project_id, mig.user_id = event.project_id, event.user_id
-            mig.consumer_type = event.migration_consumer_type
-            mig.generation = event.migration_generation
-            mig.on_behalf_of = event.instance
-            _bump(state, event.provider_generations)
-            _forget_if_empty(state, inst)
-        case ev.MigrationReverted():
-            mig = _set_allocations(state, event.migration, {}, position)
-            mig.generation = None
-            mig.on_behalf_of = None
-            inst = _set_allocations(state, event.instance, event.allocations, position)
-            inst.project_id, inst.user_id = event.project_id, event.user_id
-            inst.consumer_type = event.instance_consumer_type
-            inst.generation = event.instance_generation
-            _bump(state, event.provider_generations)
-            _forget_if_empty(state, mig)
-            _forget_if_empty(state, inst)
-        case ev.MigrationConfirmed():
-            mig = _set_allocations(state, event.migration, {}, position)
-            mig.generation = None
-            mig.on_behalf_of = None
-            _forget_if_empty(state, mig)
-        case ev.ConsumerDeleted():
-            c = _set_allocations(state, event.consumer, {}, position)
-            c.generation = None
-            c.deleted = True
-            c.deleted_at = position
-            for migration in event.migrations_released:
-                # The link is kept: a later revert of this migration must learn that its
-                # instance is gone (ConsumerDeleted), not that the migration is unknown.
-                m = _set_allocations(state, migration, {}, position)
-                m.generation = None
-        case ev.InventoriesReplaced():
-            prov = state.providers[event.provider]
-            prov.inventories = dict(event.inventories)
-            prov.generation = event.generation
-        case ev.ProviderCreated():
-            state.providers[event.provider] = ProviderState(
-                uuid=event.provider, name=event.name, parent=event.parent, root=event.root
-            )
-        case ev.ProviderUpdated():
-            state.providers[event.provider].name = event.name
-        case ev.ProviderDeleted():
-            state.providers.pop(event.provider, None)
-        case ev.ResourceClassCreated():
-            state.custom_classes.add(event.name)
-        case _:  # pragma: no cover - the union is closed
-            raise TypeError(f"evolve does not know {type(event).__name__}")
+    fold_one = _FOLDS.get(type(event))
+    if fold_one is None:
+        raise TypeError(f"evolve does not know {type(event).__name__}")
+    fold_one(state, event, position)
     return state
 
 

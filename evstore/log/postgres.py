@@ -74,10 +74,11 @@ import asyncpg  # type: ignore[import-untyped,unused-ignore]
 from evstore import errors as err
 from evstore.commands import Command, decide, needs
 from evstore.events import EventBase, RecordedEvent, decode_event
-from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
+from evstore.log import GENESIS_HASH, Job, Outcome, PayloadRow, RawEvent, Receipt, event_hash
 from evstore.log.sqlite import decode_raw, now_iso
 from projections import persisted
 from projections.gcpause import gc_paused
+from projections.replay import fold_payloads
 from projections.state import ConsumerState, State, evolve
 
 SCHEMA_VERSION = 2
@@ -596,12 +597,19 @@ class PostgresBackend:
             return int(value or 0)
 
     async def read_raw(self, after: int, limit: int) -> list[RawEvent]:
-        sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
+        return [RawEvent(*r) for r in await self._read_rows(EVENT_COLUMNS, after, limit)]
+
+    async def read_payloads(self, after: int, limit: int) -> list[PayloadRow]:
+        rows = await self._read_rows("position, type, schema_version, data", after, limit)
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+    async def _read_rows(self, columns: str, after: int, limit: int) -> list[Any]:
+        sql = f"SELECT {columns} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
         async with self._connection() as conn:
             rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
             if len(rows) < limit and await self._guard(self._catch_up(conn), "reading the log"):
                 rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
-        return [RawEvent(*r) for r in rows]
+        return list(rows)
 
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
         return [decode_raw(r) for r in await self.read_raw(after, limit)]
@@ -1007,8 +1015,7 @@ async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], No
             rows = await cursor.fetch(batch_size)
             if not rows:
                 break
-            for position, etype, version, data in rows:
-                evolve(state, decode_event(etype, version, data, position), position)
+            fold_payloads(state, rows)
             count += len(rows)
             if progress is not None:
                 progress(count, head)

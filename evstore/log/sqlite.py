@@ -27,9 +27,10 @@ import aiosqlite
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide, needs
 from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
-from evstore.log import GENESIS_HASH, Job, Outcome, RawEvent, Receipt, event_hash
+from evstore.log import GENESIS_HASH, Job, Outcome, PayloadRow, RawEvent, Receipt, event_hash
 from projections import persisted
 from projections.gcpause import gc_paused
+from projections.replay import fold_payloads
 from projections.state import ConsumerState, State, evolve
 
 SCHEMA_VERSION = 1
@@ -512,6 +513,16 @@ class SqliteBackend:
 
         return await self._on_reader(q)
 
+    async def read_payloads(self, after: int, limit: int) -> list[PayloadRow]:
+        def q(conn: sqlite3.Connection) -> list[PayloadRow]:
+            sql = (
+                "SELECT position, type, schema_version, data FROM events "
+                "WHERE position > ? ORDER BY position LIMIT ?"
+            )
+            return conn.execute(sql, (after, limit)).fetchall()
+
+        return await self._on_reader(q)
+
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
         return [decode_raw(r) for r in await self.read_raw(after, limit)]
 
@@ -796,8 +807,7 @@ def _rebuild(conn: sqlite3.Connection, batch_size: int, progress: Callable[[int,
                 rows = cursor.fetchmany(batch_size)
                 if not rows:
                     break
-                for position, etype, version, data in rows:
-                    evolve(state, decode_event(etype, version, data, position), position)
+                fold_payloads(state, rows)
                 count += len(rows)
                 if progress is not None:
                     progress(count, head)
