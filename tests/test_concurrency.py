@@ -15,6 +15,7 @@ from evstore import (
     AllocationStore,
     CapacityExceeded,
     ConsumerAllocations,
+    DuplicateName,
     EvstoreError,
     Inventory,
     open_store,
@@ -236,3 +237,32 @@ async def test_mixed_commands_sharing_group_commits_keep_projection_equal_to_rep
         usage = await store.usage(uuid)
         assert usage.generation == replayed.providers[uuid].generation
         assert {rc: n for rc, n in usage.usages.items() if n} == replayed.providers[uuid].usages
+
+
+async def test_one_batch_sees_names_and_children_its_earlier_jobs_wrote(sqlite_url: str) -> None:
+    """SQLite runs a batch's jobs in queue order in one transaction: lookups by name and parent
+    see the batch's own earlier jobs (created, renamed), not only what the projection held
+    before it. (PostgreSQL runs jobs on disjoint entities in parallel: no order among them.)"""
+    async with open_store(sqlite_url) as store:
+        await _names_and_children_in_one_batch(store)
+
+
+async def _names_and_children_in_one_batch(store: AllocationStore) -> None:
+    a, b, c, root = new_uuid(), new_uuid(), new_uuid(), new_uuid()
+    await store.create_provider(root, "root")
+    outcomes = await asyncio.gather(
+        store.create_provider(a, "twin"),
+        store.create_provider(b, "twin"),  # same name as a job before it in the batch
+        store.rename_provider(a, "renamed"),
+        store.create_provider(c, "twin", parent=root),  # the name is free again
+        store.delete_provider(root),  # has a child created in this batch
+        return_exceptions=True,
+    )
+    assert not isinstance(outcomes[0], BaseException)
+    assert isinstance(outcomes[1], DuplicateName)
+    assert not isinstance(outcomes[2], BaseException) and not isinstance(outcomes[3], BaseException)
+    assert isinstance(outcomes[4], EvstoreError)
+    assert outcomes[4].code == "placement.resource_provider.cannot_delete_parent"
+    names = {p.uuid: p.name for p in (await store.replay()).providers.values()}
+    assert names == {a: "renamed", c: "twin", root: "root"}
+    assert (await store.audit()).clean

@@ -280,23 +280,32 @@ class _BatchCache:
     def load(self, conn: sqlite3.Connection, command: Any, n: Needs) -> State:
         """The slice ``decide(command)`` reads (``n = needs(command)``), sharing this batch's objects.
 
-        Entities are found by uuid in this cache or the projection. A command that finds them
-        through a secondary index (provider names, children, an instance's migrations) or creates
-        a class first flushes the cache, so that the index reflects the jobs before it.
+        Entities are found by uuid in this cache or the projection. Those found through a
+        secondary index (provider names, children, an instance's migrations) are looked up in the
+        projection's index and in this cache: an entity the batch already holds is judged by its
+        current value, not by its persisted row (which the batch may have changed). A command
+        that creates a class first flushes the cache.
         """
         consumers = set(n.consumers)
         providers = set(n.providers)
-        if n.provider_names or n.children_of or n.migrations_of or isinstance(command, CreateResourceClass):
+        if isinstance(command, CreateResourceClass):
             self.flush(conn)
-            for column, values, into in (
-                ("on_behalf_of", n.migrations_of, consumers),
-                ("name", n.provider_names, providers),
-                ("parent", n.children_of, providers),
-            ):
-                table = "p_consumers" if column == "on_behalf_of" else "p_providers"
-                for chunk in _chunks(sorted(values)):
-                    sql = f"SELECT uuid FROM {table} WHERE {column} IN ({_in_clause(len(chunk))})"
-                    into.update(r[0] for r in conn.execute(sql, chunk))
+        for column, values, into in (
+            ("on_behalf_of", n.migrations_of, consumers),
+            ("name", n.provider_names, providers),
+            ("parent", n.children_of, providers),
+        ):
+            if not values:
+                continue
+            current: dict[str, Any]
+            if column == "on_behalf_of":
+                table, known, current = "p_consumers", self.known_consumers, self.now.consumers
+            else:
+                table, known, current = "p_providers", self.known_providers, self.now.providers
+            for chunk in _chunks(sorted(values)):
+                sql = f"SELECT uuid FROM {table} WHERE {column} IN ({_in_clause(len(chunk))})"
+                into.update(r[0] for r in conn.execute(sql, chunk) if r[0] not in known)
+            into.update(uuid for uuid, entity in current.items() if getattr(entity, column) in values)
         state = State()
         self._take(conn, "consumers", consumers, state)
         # a migration's decision reads its instance too
