@@ -7,7 +7,9 @@ whole, growing state: a third of a 577k-event replay went there (measured with g
 
 Bulk folds (replay, rebuild, audit, time travel) pause it from start to end. Pausing per batch
 is not enough: the full collections then fire between batches. While one runs, cyclic garbage
-made by other tasks waits for the collector, which resumes (and catches up) when the fold ends.
+made by other tasks waits for the collector, which resumes when the fold ends - after everything
+tracked has been moved to the oldest generation, so that the first collection does not rescan the
+whole new state (4% of a 577k-event replay).
 Nesting and several threads (rebuild folds on the database thread) are handled with a count.
 """
 
@@ -36,5 +38,13 @@ def gc_paused() -> Iterator[None]:
     finally:
         with _lock:
             _pausers -= 1
-            if _pausers == 0 and _was_enabled:
-                gc.enable()
+            if _pausers == 0:
+                if gc.get_freeze_count() == 0:
+                    # What the fold allocated sits in the youngest generation; the first
+                    # collection after resuming would scan all of it. freeze + unfreeze moves every
+                    # tracked object to the oldest generation without scanning (skipped when the
+                    # host keeps frozen objects of its own).
+                    gc.freeze()
+                    gc.unfreeze()
+                if _was_enabled:
+                    gc.enable()

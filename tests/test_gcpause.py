@@ -72,3 +72,25 @@ async def test_replay_gives_the_collector_back_when_reading_fails() -> None:
         await replay(read)
     assert calls == 1
     assert gc.isenabled()
+
+
+def test_what_a_fold_made_moves_to_the_oldest_generation_unscanned() -> None:
+    class Node:
+        pass
+
+    with gc_paused():
+        made = Node()
+    assert any(o is made for o in gc.get_objects(generation=2))
+    assert gc.isenabled()
+
+
+def test_a_host_that_froze_objects_keeps_them_frozen() -> None:
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with gc_paused():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
