@@ -18,12 +18,17 @@ from tests.test_cli_support import REPO, demo_db, evstore
 def _start_tail(*args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "evstore.cli", "tail", *args],
+        # -X faulthandler: a SIGABRT makes a hung tail print every thread's stack (see below)
+        [sys.executable, "-X", "faulthandler", "-m", "evstore.cli", "tail", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
         env=env,
+        # A shell starts background jobs with SIGINT ignored, and an ignored SIGINT is inherited:
+        # the tail would (rightly) not react to it. Give it the default disposition, as a
+        # terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stderr is not None
     ready = proc.stderr.readline()  # the tail says when it is following: no sleeping
@@ -58,7 +63,12 @@ def test_tail_stops_cleanly_on_interrupt(tmp_path: Path) -> None:
     db = demo_db(tmp_path / "c.db", instances=5, nodes=2)
     proc = _start_tail("--db", str(db))
     proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=60)
+    try:
+        _out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # keep the evidence: every thread's stack
+        proc.send_signal(signal.SIGABRT)
+        _out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"tail did not stop on SIGINT; its threads:\n{err}") from None
     assert proc.returncode == 0, err
     assert "Traceback" not in err
 
