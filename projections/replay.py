@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from evstore.errors import InvalidInput, ProviderNotFound
-from evstore.events import EVENT_TYPES, RecordedEvent, decode_event
+from evstore.events import PAYLOAD_VALIDATORS, RecordedEvent, decode_event
 from evstore.log import PayloadRow
 from projections.gcpause import gc_paused
-from projections.state import State, evolve
+from projections.state import FOLDS, State, evolve
 from projections.views import (
     ConsumerView,
     ProjectUsages,
@@ -29,6 +28,9 @@ async def replay(
 ) -> State:
     """Fold recorded events after ``state.position`` up to ``to_position`` (inclusive; ``None``: all).
 
+    ``state`` (empty by default) must hold the whole store, not a slice: providers' usages are
+    recounted from every consumer's allocations at the end.
+
     ``read(after, limit)`` returns :class:`RecordedEvent`, raw rows (``RawEvent``) or, fastest,
     ``(position, type, schema_version, data)`` tuples (a backend's ``read_payloads``). The next
     batch is read while this one is folded (the database thread and the fold overlap).
@@ -42,6 +44,8 @@ async def replay(
         return asyncio.ensure_future(read(after, limit))
 
     pending = fetch(state.position)
+    # ``state`` is the whole store: its usage is recounted once at the end (State.recount_usages)
+    state.usages_deferred = True
     try:
         with gc_paused():
             while pending is not None:
@@ -62,6 +66,7 @@ async def replay(
                         )
                     evolve(state, event, recorded.position)
     finally:
+        state.recount_usages()
         if pending is not None and not pending.done():
             pending.cancel()
             with contextlib.suppress(BaseException):
@@ -70,30 +75,24 @@ async def replay(
 
 
 def fold_payloads(state: State, rows: list[PayloadRow]) -> None:
-    """Fold ``(position, type, schema_version, data)`` rows: the replay loop, with the common case
-    (an event of the current schema version) decoded by its validator without a function call
-    in between; anything else goes through ``decode_event`` (upcasting, or a CorruptEvent that
-    names the position)."""
-    validators = _current_validators()
+    """Fold ``(position, type, schema_version, data)`` rows: the replay loop.
+
+    The common case, an event of the current schema version, is validated straight into a dict
+    of its fields (no model built) and handed to its fold; anything else goes through
+    ``decode_event`` (upcasting, or a CorruptEvent that names the position).
+    """
     for position, etype, version, data in rows:
-        found = validators.get(etype)
-        event = None
+        found = PAYLOAD_VALIDATORS.get(etype)
+        fields = None
         if found is not None and found[0] == version:
             try:
-                event = found[1](data)
+                fields = found[1](data)
             except ValueError:
                 pass
-        if event is None:
-            event = decode_event(etype, version, data, position)
-        evolve(state, event, position)
-
-
-@functools.cache
-def _current_validators() -> dict[str, tuple[int, Callable[[str], Any]]]:
-    return {
-        name: (cls.SCHEMA_VERSION, cls.__pydantic_validator__.validate_json)
-        for name, cls in EVENT_TYPES.items()
-    }
+        if fields is None:
+            fields = decode_event(etype, version, data, position).__dict__
+        state.position = position
+        FOLDS[etype](state, fields, position)
 
 
 class StateView:

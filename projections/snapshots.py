@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from evstore.errors import InvalidInput
-from evstore.events import decode_event
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
+from projections.replay import fold_payloads
 from projections.state import ConsumerState, ProviderState, State, evolve
 
 #: bump when the encoding changes; snapshots of another format are ignored (and re-made).
@@ -226,11 +226,12 @@ async def fold_to(
             batch = await backend.read_raw(after, min(batch_size, position - after))
             if not batch:
                 break
-            for raw in batch:
-                event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
-                evolve(state, event, raw.position)
-                after = raw.position
+            rows = [(raw.position, raw.type, raw.schema_version, raw.data) for raw in batch]
+            folded = 0
+            for i, raw in enumerate(batch):
                 if save and raw.position % every == 0:
+                    fold_payloads(state, rows[folded : i + 1])
+                    folded = i + 1
                     encoded = encode_state(state)
                     await backend.save_snapshot(raw.position, raw.hash, SNAPSHOT_FORMAT, encoded)
                     if supports_provider_snapshots(backend):
@@ -238,6 +239,8 @@ async def fold_to(
                         await backend.save_provider_snapshots(  # type: ignore[attr-defined]
                             raw.position, raw.hash, SNAPSHOT_FORMAT, slices
                         )
+            fold_payloads(state, rows[folded:])
+            after = batch[-1].position
             if progress is not None:
                 progress(after)
     return state

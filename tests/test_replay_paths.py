@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from evstore import AllocationStore, CorruptEvent, Inventory
+from evstore.events import PAYLOAD_VALIDATORS, decode_event
 from projections.replay import replay
+from projections.state import fold
 from tests.conftest import make_provider, new_uuid
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -49,6 +51,62 @@ async def test_every_read_path_folds_the_same_state(store: AllocationStore) -> N
     assert await store.replay() == await replay(backend.read_raw)
     rows = await backend.read_payloads(0, 2)
     assert [r[0] for r in rows] == [1, 2] and all(len(r) == 4 for r in rows)
+
+
+async def test_replay_recounts_the_usage_that_folding_event_by_event_keeps(store: AllocationStore) -> None:
+    # replay defers providers' usages and recounts them from the allocations at the end;
+    # ``fold`` (evolve, what the write path and the audit use) keeps them event by event.
+    await _workload(store)
+    head = await store.head()
+    recorded = [(r.position, r.event) for r in await store.backend.read(0, head)]
+    for position in range(1, head + 1):
+        replayed = await replay(store.backend.read_payloads, position)
+        assert not replayed.usages_deferred
+        assert replayed == fold(recorded[:position]), position
+    live = {p: (await store.usage(p)).usages for p in (await store.replay()).providers}
+    assert live == {p: prov.usage_view() for p, prov in fold(recorded).providers.items()}
+    assert any(any(u.values()) for u in live.values()), "the workload leaves something allocated"
+
+
+async def test_payload_validators_give_a_models_fields_and_its_errors(store: AllocationStore) -> None:
+    await _workload(store)
+    rows = await store.backend.read_payloads(0, 1000)
+    assert {r[1] for r in rows} >= {"AllocationsReplaced", "MigrationStarted", "ConsumerDeleted"}
+    for position, etype, version, data in rows:
+        assert PAYLOAD_VALIDATORS[etype][0] == version
+        assert PAYLOAD_VALIDATORS[etype][1](data) == decode_event(etype, version, data, position).__dict__
+    validate = PAYLOAD_VALIDATORS["AllocationsReleased"][1]
+    good = {"consumer": new_uuid(), "released": {new_uuid(): {"VCPU": 1}}}
+    assert validate(json.dumps(good)) == {"type": "AllocationsReleased", **good}
+    # a defaulted field may be missing, as for the model
+    assert validate(json.dumps({"consumer": good["consumer"], "released": {}}))["released"] == {}
+    for bad in ({**good, "extra": 1}, {"released": {}}, {**good, "released": {"p": {"VCPU": "many"}}}):
+        with pytest.raises(ValueError):
+            validate(json.dumps(bad))
+        with pytest.raises(CorruptEvent):
+            decode_event("AllocationsReleased", 1, json.dumps(bad))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "json_set(data, '$.surprise', 1)",  # a field no version of the event has
+        "json_remove(data, '$.consumer')",
+        "json_set(data, '$.allocations', 'all of it')",
+    ],
+)
+async def test_replay_rejects_an_edited_payload_by_position(sqlite_url: str, edit: str) -> None:
+    from evstore import open_store
+
+    async with open_store(sqlite_url) as store:
+        await _workload(store)
+        rows = await store.backend.read_payloads(0, 100)
+        target = next(r[0] for r in rows if r[1] == "AllocationsReplaced")
+        await store.backend.tamper(f"UPDATE events SET data = {edit} WHERE position = ?", (target,))
+        with pytest.raises(CorruptEvent) as caught:
+            await store.replay()
+        assert caught.value.details["position"] == target
+        assert caught.value.details["reason"] == "undecodable"
 
 
 async def test_replay_names_the_position_of_a_corrupt_row(store: AllocationStore) -> None:

@@ -1005,7 +1005,7 @@ async def _load_all(conn: Any) -> State:
 
 async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], None] | None) -> int:
     head = int(await conn.fetchval("SELECT coalesce(max(position), 0) FROM events"))
-    state = State()
+    state = State(usages_deferred=True)  # recounted once, after the fold
     count = 0
     cursor = await conn.cursor(
         "SELECT position, type, schema_version, data FROM events WHERE position IS NOT NULL ORDER BY position"
@@ -1019,6 +1019,7 @@ async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], No
             count += len(rows)
             if progress is not None:
                 progress(count, head)
+    state.recount_usages()
     for table in PROJECTION_TABLES:
         await conn.execute(f"DELETE FROM {table}")
     cs = persisted.changes(State(), state)

@@ -804,11 +804,41 @@ def _import_raw(conn: sqlite3.Connection, rows: list[RawEvent]) -> int:
         raise
 
 
+def _write_projection(conn: sqlite3.Connection, state: State) -> None:
+    """A whole folded state into the emptied projection tables.
+
+    Rows go in primary-key order (B-tree appends, not random inserts) and are streamed to
+    ``executemany``; sorting the keys alone is cheaper than sorting rows.
+    """
+    providers = state.providers
+    conn.executemany(
+        "INSERT INTO p_providers VALUES (?,?,?,?,?,?,?)",
+        (persisted.provider_row(providers[u]) for u in sorted(providers)),
+    )
+    consumers = state.consumers
+    uuids = sorted(consumers)
+    conn.executemany(
+        "INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?)",
+        (persisted.consumer_row(consumers[u]) for u in uuids),
+    )
+    conn.executemany(
+        "INSERT INTO p_allocations VALUES (?,?,?,?)",
+        (
+            (u, provider, rc, used)
+            for u in uuids
+            if consumers[u].allocations
+            for provider, resources in sorted(consumers[u].allocations.items())
+            for rc, used in sorted(resources.items())
+        ),
+    )
+    conn.executemany("INSERT INTO p_classes VALUES (?)", ((n,) for n in sorted(state.custom_classes)))
+
+
 def _rebuild(conn: sqlite3.Connection, batch_size: int, progress: Callable[[int, int], None] | None) -> int:
     conn.execute("BEGIN IMMEDIATE")
     try:
         head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
-        state = State()
+        state = State(usages_deferred=True)  # recounted once, after the fold
         cursor = conn.execute("SELECT position, type, schema_version, data FROM events ORDER BY position")
         count = 0
         with gc_paused():
@@ -820,12 +850,13 @@ def _rebuild(conn: sqlite3.Connection, batch_size: int, progress: Callable[[int,
                 count += len(rows)
                 if progress is not None:
                     progress(count, head)
+        state.recount_usages()
         for table in PROJECTION_TABLES:
             conn.execute(f"DELETE FROM {table}")
         # Building the secondary indexes once, from sorted rows, beats updating them row by row.
         for name in PROJECTION_INDEXES:
             conn.execute(f"DROP INDEX IF EXISTS {name}")
-        apply_changes(conn, persisted.changes(State(), state))
+        _write_projection(conn, state)
         for sql in PROJECTION_INDEXES.values():
             conn.execute(sql)
         conn.execute("COMMIT")
