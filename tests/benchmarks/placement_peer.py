@@ -1,8 +1,8 @@
 """OpenStack Placement 16.0.0 running the workload the way Nova drives it.
 
-Executed by the Python of a separate venv (``run.py`` creates it under
-``~/.cache/evstore-bench/placement-venv`` and pip-installs ``openstack-placement==16.0.0``):
-``placement-venv/bin/python tests/benchmarks/placement_peer.py seq --workload W --db D``.
+Executed by the Python of a separate venv, the one the differential tests use (``tests.peers.venv``
+builds it once under ``~/.cache/evstore-peers/placement-16`` with ``openstack-placement==16.0.0``):
+``placement-16/bin/python tests/benchmarks/placement_peer.py seq --workload W --db D``.
 Placement's own WSGI app is built with ``deploy.loadapp`` (as its functional-test fixture does:
 ``auth_strategy=noauth2``, a SQLite database, default policy) and called in-process through
 WebOb - no network, no code copied. Requests carry ``x-auth-token: admin`` and the microversion

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.benchmarks.workload import generate
+from tests.peers.venv import PLACEMENT_REQUIREMENTS, PeerUnavailable, ensure_venv, placement_python
 
 REPO = Path(__file__).resolve().parents[2]
-PLACEMENT_VERSION = "16.0.0"
+PLACEMENT_VERSION = PLACEMENT_REQUIREMENTS[0].partition("==")[2]  # what tests.peers.venv installs
 
 
 @dataclass(frozen=True)
@@ -63,32 +64,14 @@ def log(msg: str) -> None:
 # --- environments -----------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("EVSTORE_BENCH_CACHE") or os.path.join(Path.home(), ".cache", "evstore-bench")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def ensure_venv(name: str, requirement: str, probe: str) -> Path | None:
-    """A venv under the cache dir with ``requirement`` installed; its python, or None."""
-    venv = cache_dir() / name
-    python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
-        return python
-    log(f"installing {requirement} into {venv} (first run only)...")
+def placement_venv_python() -> Path | None:
+    """Placement's venv: the one the differential tests use (``tests.peers.venv``, built once)."""
+    log(f"Placement {PLACEMENT_VERSION}: using (or first building) its cached venv...")
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", requirement],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    except subprocess.CalledProcessError as exc:
-        log(f"could not install {requirement}: {(exc.stderr or '')[-500:]}")
+        return placement_python()
+    except PeerUnavailable as exc:
+        log(f"Placement is not installable: {exc}")
         return None
-    return python
 
 
 def eventsourcing_python() -> tuple[str, str]:
@@ -96,8 +79,11 @@ def eventsourcing_python() -> tuple[str, str]:
     probe = "import eventsourcing"
     if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
         return sys.executable, "this interpreter"
-    python = ensure_venv("eventsourcing-venv", "eventsourcing", probe)
-    if python is None:
+    log("eventsourcing is not in this interpreter: using (or first building) a cached venv with it...")
+    try:
+        python = ensure_venv("eventsourcing", ("eventsourcing",))
+    except PeerUnavailable as exc:
+        log(f"eventsourcing is not installable: {exc}")
         return "", "not installable"
     return str(python), f"installed by the benchmark into {python.parent.parent}"
 
@@ -164,13 +150,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
 
     es_python, es_how = eventsourcing_python()
     out["eventsourcing_env"] = es_how
-    placement_python = (
-        None
-        if args.skip_placement
-        else ensure_venv(
-            "placement-venv", f"openstack-placement=={PLACEMENT_VERSION}", "import placement.deploy"
-        )
-    )
+    placement_python = None if args.skip_placement else placement_venv_python()
 
     pg_url = args.postgres or os.environ.get("EVSTORE_TEST_POSTGRES_URL")
     pg_ok = bool(pg_url) and postgres_backend_present()
