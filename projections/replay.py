@@ -24,12 +24,17 @@ ReadEvents = Callable[[int, int], Awaitable[list[Any]]]
 
 
 async def replay(
-    read: ReadEvents, to_position: int | None = None, batch_size: int = 5000, state: State | None = None
+    read: ReadEvents,
+    to_position: int | None = None,
+    batch_size: int = 5000,
+    state: State | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> State:
     """Fold recorded events after ``state.position`` up to ``to_position`` (inclusive; ``None``: all).
 
     ``state`` (empty by default) must hold the whole store, not a slice: providers' usages are
-    recounted from every consumer's allocations at the end.
+    recounted from every consumer's allocations at the end. ``progress`` gets the position
+    folded so far after each batch.
 
     ``read(after, limit)`` returns :class:`RecordedEvent`, raw rows (``RawEvent``) or, fastest,
     ``(position, type, schema_version, data)`` tuples (a backend's ``read_payloads``). The next
@@ -55,6 +60,8 @@ async def replay(
                 if isinstance(batch[0], tuple):
                     pending = fetch(batch[-1][0])
                     fold_payloads(state, batch)
+                    if progress is not None:
+                        progress(state.position)
                     continue
                 pending = fetch(batch[-1].position)
                 for recorded in batch:
@@ -65,6 +72,8 @@ async def replay(
                             recorded.type, recorded.schema_version, recorded.data, recorded.position
                         )
                     evolve(state, event, recorded.position)
+                if progress is not None:
+                    progress(state.position)
     finally:
         state.recount_usages()
         if pending is not None and not pending.done():

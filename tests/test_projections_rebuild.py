@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from evstore import AllocationStore
 from projections.replay import replay
 from tests.test_projections_support import random_workload
@@ -31,3 +33,39 @@ async def test_rebuild_repairs_a_tampered_projection(store: AllocationStore) -> 
     await store.rebuild()
     assert await store.backend.load_state() == live
     assert (await store.audit()).clean
+
+
+async def test_sqlite_rebuild_folds_what_was_appended_while_it_folded_outside_the_lock(
+    sqlite_url: str,
+) -> None:
+    # SQLite folds the log before taking the write lock; events appended in between (here by
+    # another store on the same file, the moment the fold has found the end of the log) are folded
+    # under the lock before the projection is rewritten.
+    from evstore import open_store
+    from tests.conftest import allocate, make_provider, new_uuid
+
+    async with open_store(sqlite_url) as store:
+        await random_workload(store, seed=3, commands=120)
+        backend = store.backend
+        read = backend.read_payloads
+        late: list[str] = []
+
+        async def read_then_append(after: int, limit: int) -> list[Any]:
+            rows = await read(after, limit)
+            if not rows and not late:  # the fold has seen the end of the log
+                async with open_store(sqlite_url) as other:
+                    rp = await make_provider(other, "late-node", VCPU=8)
+                    late.append(new_uuid())
+                    await allocate(other, late[0], {rp: {"VCPU": 3}})
+            return rows
+
+        backend.read_payloads = read_then_append  # type: ignore[method-assign]
+        try:
+            folded = await store.rebuild(batch_size=50)
+        finally:
+            del backend.read_payloads
+        assert late, "the append happened during the rebuild's fold"
+        assert folded == await store.head()
+        assert await store.backend.load_state() == await replay(store.backend.read)
+        assert (await store.allocations(late[0])).allocations  # the late consumer is in the projection
+        assert (await store.audit()).clean
