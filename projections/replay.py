@@ -32,9 +32,8 @@ async def replay(
 ) -> State:
     """Fold recorded events after ``state.position`` up to ``to_position`` (inclusive; ``None``: all).
 
-    ``state`` (empty by default) must hold the whole store, not a slice: providers' usages are
-    recounted from every consumer's allocations at the end. ``progress`` gets the position
-    folded so far after each batch.
+    ``state`` (empty by default) must hold the whole store, not a slice. ``progress`` gets the
+    position folded so far after each batch.
 
     ``read(after, limit)`` returns :class:`RecordedEvent`, raw rows (``RawEvent``) or, fastest,
     ``(position, type, schema_version, data)`` tuples (a backend's ``read_payloads``). The next
@@ -49,8 +48,10 @@ async def replay(
         return asyncio.ensure_future(read(after, limit))
 
     pending = fetch(state.position)
-    # ``state`` is the whole store: its usage is recounted once at the end (State.recount_usages)
-    state.usages_deferred = True
+    # From an empty state, usage is recounted once at the end (State.recount_usages) instead of
+    # kept event by event; a given state keeps its own usage (it may carry a buggy log's history).
+    if state.position == 0 and not state.providers and not state.consumers:
+        state.usages_deferred = True
     try:
         with gc_paused():
             while pending is not None:
@@ -75,7 +76,8 @@ async def replay(
                 if progress is not None:
                     progress(state.position)
     finally:
-        state.recount_usages()
+        if state.usages_deferred:
+            state.recount_usages()
         if pending is not None and not pending.done():
             pending.cancel()
             with contextlib.suppress(BaseException):

@@ -71,6 +71,8 @@ class State:
     #: set by a bulk fold of the whole store (replay, rebuild): providers' ``usages`` are not kept
     #: up to date event by event but recounted once at the end (:meth:`recount_usages`).
     usages_deferred: bool = False
+    #: while usages are deferred: providers deleted so far (see :meth:`recount_usages`)
+    deferred_gone: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def copy(self) -> State:
         return copy.deepcopy(self)
@@ -89,9 +91,12 @@ class State:
 
         A bulk fold of the whole store defers the usage (``usages_deferred``): adding and
         subtracting every allocation as events go by is ~40% of a replay's fold, summing what is
-        held at the end is one pass over the consumers. Both give the same numbers for any log
-        ``decide`` wrote (allocations only ever name existing providers); like the event-by-event
-        fold, allocations naming a provider the state does not have are left out.
+        held at the end is one pass over the consumers. The two agree as long as every allocation
+        names a provider that exists, and stays, while it is held - always so in a log ``decide``
+        wrote. A log that breaks this (an import of a buggy writer's log: an allocation naming a
+        provider not created yet or deleted, a provider created twice or created again after
+        its deletion) makes the deferred fold recount at that event, before folding it, and
+        continue event by event, so every fold gives the same numbers as :func:`evolve`.
         """
         for prov in self.providers.values():
             prov.usages = {}
@@ -100,6 +105,7 @@ class State:
             if c.allocations:
                 _add_usage(providers, c.allocations, +1)
         self.usages_deferred = False
+        self.deferred_gone = set()
 
 
 def _add_usage(providers: dict[str, ProviderState], allocs: Allocs, sign: int) -> None:
@@ -122,6 +128,8 @@ def _set_allocations(state: State, consumer: str, allocs: Allocs, position: int)
     c = state.consumers.get(consumer)
     if c is None:
         c = state.consumers[consumer] = ConsumerState(consumer)
+    if state.usages_deferred and allocs and not allocs.keys() <= state.providers.keys():
+        state.recount_usages()  # an allocation on a provider the state does not have: see there
     if not state.usages_deferred:
         if c.allocations:
             _add_usage(state.providers, c.allocations, -1)
@@ -226,6 +234,8 @@ def _inventories_replaced(state: State, e: Payload, position: int) -> None:
 
 
 def _provider_created(state: State, e: Payload, position: int) -> None:
+    if state.usages_deferred and (e["provider"] in state.providers or e["provider"] in state.deferred_gone):
+        state.recount_usages()  # created twice, or again after its deletion: see there
     state.providers[e["provider"]] = ProviderState(
         uuid=e["provider"], name=e["name"], parent=e["parent"], root=e["root"]
     )
@@ -237,6 +247,8 @@ def _provider_updated(state: State, e: Payload, position: int) -> None:
 
 def _provider_deleted(state: State, e: Payload, position: int) -> None:
     state.providers.pop(e["provider"], None)
+    if state.usages_deferred:
+        state.deferred_gone.add(e["provider"])
 
 
 def _resource_class_created(state: State, e: Payload, position: int) -> None:

@@ -6,11 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from evstore import AllocationStore, Inventory, open_store
-from evstore.events import event_hash
+from evstore.events import decode_event, event_hash
 from evstore.log import RawEvent
 from evstore.log.sqlite import SqliteBackend, now_iso
 from projections.exchange import ExportHeader, parse_header, row_line
+from projections.state import fold
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -137,3 +140,67 @@ async def test_inventory_shrunk_below_usage_is_over_capacity_since_the_shrink(st
         "since": shrink,
     }
     assert "since position" in over.message
+
+
+def _held(consumer: str, allocations: dict[str, dict[str, int]]) -> dict[str, Any]:
+    common = {"previous": {}, "project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "generation": 1}
+    return {"consumer": consumer, "allocations": allocations, "provider_generations": {}, **common}
+
+
+def _created(provider: str) -> dict[str, Any]:
+    return {"provider": provider, "name": f"n-{provider[:8]}", "parent": None, "root": provider}
+
+
+BUGGY_TAILS = {
+    "deleted while allocated, then created again": lambda rp, c, ghost: [
+        ("AllocationsReplaced", _held(c, {rp: {"VCPU": 2}})),
+        ("ProviderDeleted", {"provider": rp}),
+        ("ProviderCreated", _created(rp)),
+    ],
+    "allocated before it was created": lambda rp, c, ghost: [
+        ("AllocationsReplaced", _held(c, {ghost: {"VCPU": 3}})),
+        ("ProviderCreated", _created(ghost)),
+    ],
+    "allocated before it was created, then released": lambda rp, c, ghost: [
+        ("AllocationsReplaced", _held(c, {ghost: {"VCPU": 3}})),
+        ("ProviderCreated", _created(ghost)),
+        ("AllocationsReleased", {"consumer": c, "released": {ghost: {"VCPU": 3}}}),
+    ],
+    "created twice while allocated": lambda rp, c, ghost: [
+        ("AllocationsReplaced", _held(c, {rp: {"VCPU": 2}})),
+        ("ProviderCreated", _created(rp)),
+    ],
+}
+
+
+@pytest.mark.parametrize("tail", sorted(BUGGY_TAILS))
+async def test_a_buggy_writers_provider_lifecycle_folds_the_same_everywhere(
+    tmp_path: Path, tail: str
+) -> None:
+    """Regression: replay and rebuild recount usage at the end of a bulk fold; on these imported
+    logs that differed from the event-by-event fold (audit, time travel), and the audit reported
+    drift that was not there."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, "rp", VCPU=8)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    rows = []
+    for etype, data in BUGGY_TAILS[tail](rp, new_uuid(), new_uuid()):
+        last = chained(last, etype, data)
+        rows.append(last)
+    header = parse_header(lines[0])
+    lines[0] = ExportHeader(header.events + len(rows), header.head + len(rows), last.hash).to_line()
+    lines += [row_line(r) for r in rows]
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))  # which rebuilds the projection
+        report = await store.audit()
+        assert not report.drift, [f.message for f in report.drift]
+        head = await store.head()
+        raws = await store.backend.read_raw(0, head)
+        by_event = fold([(r.position, decode_event(r.type, r.schema_version, r.data)) for r in raws])
+        replayed = await store.replay()
+        assert replayed == by_event
+        at_head = await store.state_at(position=head)
+        for provider, prov in by_event.providers.items():
+            assert (await store.usage(provider)).usages == prov.usage_view()
+            assert (await at_head.usage(provider)).usages == prov.usage_view()

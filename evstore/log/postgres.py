@@ -1019,7 +1019,8 @@ async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], No
             count += len(rows)
             if progress is not None:
                 progress(count, head)
-    state.recount_usages()
+    if state.usages_deferred:
+        state.recount_usages()
     for table in PROJECTION_TABLES:
         await conn.execute(f"DELETE FROM {table}")
     cs = persisted.changes(State(), state)

@@ -663,7 +663,7 @@ class SqliteBackend:
         state = await replay(
             self.read_payloads,
             batch_size=batch_size,
-            progress=None if progress is None else (lambda done: progress(done, head)),
+            progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
         return await self._on_writer(
             lambda conn: _retry_busy(lambda: _rebuild(conn, state, batch_size, progress))
@@ -871,8 +871,9 @@ def _rebuild(
         _write_projection(conn, state)
         for sql in PROJECTION_INDEXES.values():
             conn.execute(sql)
+        count = int(conn.execute("SELECT count(*) FROM events").fetchone()[0])  # == head unless tampered
         conn.execute("COMMIT")
-        return head
+        return count
     except BaseException:
         conn.execute("ROLLBACK")
         raise
