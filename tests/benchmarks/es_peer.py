@@ -226,12 +226,24 @@ def phase_seq(args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     app.setup(w)
     owners: dict[str, tuple[str, str]] = {}
     rec = Recorder()
-    rec.start()
-    for op in w.streams[0]:
-        t0 = time.perf_counter()
-        outcome = run_op(app, op, owners)
-        rec.add(time.perf_counter() - t0, outcome, COMMANDS_PER_OP[op[0]])
-    rec.stop()
+    if args.to_thread:
+        # as an asyncio service must call a blocking library: each command on the default pool
+        async def stream() -> None:
+            rec.start()
+            for op in w.streams[0]:
+                t0 = time.perf_counter()
+                outcome = await asyncio.to_thread(run_op, app, op, owners)
+                rec.add(time.perf_counter() - t0, outcome, COMMANDS_PER_OP[op[0]])
+            rec.stop()
+
+        asyncio.run(stream())
+    else:
+        rec.start()
+        for op in w.streams[0]:
+            t0 = time.perf_counter()
+            outcome = run_op(app, op, owners)
+            rec.add(time.perf_counter() - t0, outcome, COMMANDS_PER_OP[op[0]])
+        rec.stop()
     qrec = Recorder()
     qrec.start()
     for q in w.queries:
@@ -270,6 +282,7 @@ def main() -> None:
     p.add_argument("phase", choices=["seq", "conc"])
     p.add_argument("--workload", required=True)
     p.add_argument("--db", required=True)
+    p.add_argument("--to-thread", action="store_true", help="seq: each command via asyncio.to_thread")
     args = p.parse_args()
     with open(args.workload) as f:
         w = Workload.from_json(json.load(f))

@@ -181,6 +181,12 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
                     es_python,
                 )
             )
+            # information, no target: the synchronous library called the way an asyncio service
+            # must call it (off the event loop), which is what evstore's commands always pay for
+            es_args = ["seq", "--to-thread", "--workload", str(seq_path), "--db", fresh(workdir, "es.db")]
+            seq.setdefault("eventsourcing via to_thread", []).append(
+                run_peer(peer("es_peer", *es_args), es_python)
+            )
         if pg_ok:
             seq.setdefault("evstore postgresql", []).append(
                 run_peer([*ev, "seq", "--workload", str(seq_path), "--url", pg_schema()])
