@@ -69,3 +69,14 @@ async def test_sqlite_rebuild_folds_what_was_appended_while_it_folded_outside_th
         assert await store.backend.load_state() == await replay(store.backend.read)
         assert (await store.allocations(late[0])).allocations  # the late consumer is in the projection
         assert (await store.audit()).clean
+
+
+async def test_rebuild_reports_progress_up_to_the_head(store: AllocationStore) -> None:
+    await random_workload(store, seed=8, commands=150)
+    head = await store.head()
+    seen: list[tuple[int, int]] = []
+    assert await store.rebuild(batch_size=40, progress=lambda done, total: seen.append((done, total))) == head
+    assert len(seen) >= head // 40  # at least once per batch
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen), "progress never goes back"
+    assert all(0 < done <= total for done, total in seen), "the total never falls behind"
+    assert seen[-1] == (head, head)
