@@ -35,16 +35,14 @@ async def test_rebuild_repairs_a_tampered_projection(store: AllocationStore) -> 
     assert (await store.audit()).clean
 
 
-async def test_sqlite_rebuild_folds_what_was_appended_while_it_folded_outside_the_lock(
-    sqlite_url: str,
-) -> None:
-    # SQLite folds the log before taking the write lock; events appended in between (here by
-    # another store on the same file, the moment the fold has found the end of the log) are folded
-    # under the lock before the projection is rewritten.
+async def test_rebuild_folds_what_was_appended_while_it_folded_outside_the_lock(store_url: str) -> None:
+    # Both backends fold the log before holding writers back (SQLite's write lock, PostgreSQL's
+    # fence); events appended in between (here by another store on the same database, the moment
+    # the fold has found the end of the log) are folded before the projection is rewritten.
     from evstore import open_store
     from tests.conftest import allocate, make_provider, new_uuid
 
-    async with open_store(sqlite_url) as store:
+    async with open_store(store_url) as store:
         await random_workload(store, seed=3, commands=120)
         backend = store.backend
         read = backend.read_payloads
@@ -53,7 +51,7 @@ async def test_sqlite_rebuild_folds_what_was_appended_while_it_folded_outside_th
         async def read_then_append(after: int, limit: int) -> list[Any]:
             rows = await read(after, limit)
             if not rows and not late:  # the fold has seen the end of the log
-                async with open_store(sqlite_url) as other:
+                async with open_store(store_url) as other:
                     rp = await make_provider(other, "late-node", VCPU=8)
                     late.append(new_uuid())
                     await allocate(other, late[0], {rp: {"VCPU": 3}})

@@ -78,7 +78,7 @@ from evstore.log import GENESIS_HASH, Job, Outcome, PayloadRow, RawEvent, Receip
 from evstore.log.sqlite import decode_raw, now_iso
 from projections import persisted
 from projections.gcpause import gc_paused
-from projections.replay import fold_payloads
+from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
 
 SCHEMA_VERSION = 2
@@ -749,11 +749,20 @@ class PostgresBackend:
         return len(batch)
 
     async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
+        # The long part, folding the whole log, runs before the fence (paged reads of positioned
+        # events): writers are held back only while the events positioned meanwhile are folded
+        # and the projection is rewritten.
+        head = await self.head()
+        state = await replay(
+            self.read_payloads,
+            batch_size=batch_size,
+            progress=None if progress is None else (lambda done: progress(done, max(done, head))),
+        )
         async with self._connection() as conn:
             try:
                 async with conn.transaction():
                     await self._fenced(conn)
-                    return await _rebuild(conn, batch_size, progress)
+                    return await _rebuild(conn, state, batch_size, progress)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 raise _storage_error(exc, "rebuilding the projection") from None
 
@@ -1003,24 +1012,24 @@ async def _load_all(conn: Any) -> State:
     return state
 
 
-async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], None] | None) -> int:
+async def _rebuild(
+    conn: Any, folded: State, batch_size: int, progress: Callable[[int, int], None] | None
+) -> int:
+    """Inside the fence: fold what was positioned after ``folded`` (the log folded up to its
+    position), then rewrite the projection from it."""
+    state = folded
     head = int(await conn.fetchval("SELECT coalesce(max(position), 0) FROM events"))
-    state = State(usages_deferred=True)  # recounted once, after the fold
-    count = 0
     cursor = await conn.cursor(
-        "SELECT position, type, schema_version, data FROM events WHERE position IS NOT NULL ORDER BY position"
+        "SELECT position, type, schema_version, data FROM events WHERE position > $1 ORDER BY position",
+        state.position,
     )
     with gc_paused():
-        while True:
-            rows = await cursor.fetch(batch_size)
-            if not rows:
-                break
+        while rows := await cursor.fetch(batch_size):
             fold_payloads(state, rows)
-            count += len(rows)
-            if progress is not None:
-                progress(count, head)
     if state.usages_deferred:
         state.recount_usages()
+    if progress is not None:
+        progress(head, head)
     for table in PROJECTION_TABLES:
         await conn.execute(f"DELETE FROM {table}")
     cs = persisted.changes(State(), state)
@@ -1030,7 +1039,7 @@ async def _rebuild(conn: Any, batch_size: int, progress: Callable[[int, int], No
         conn, "p_allocations", [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
     )
     await _copy(conn, "p_classes", [(n,) for n in cs.add_classes])
-    return count
+    return int(await conn.fetchval("SELECT count(*) FROM events WHERE position IS NOT NULL"))
 
 
 async def _copy(conn: Any, table: str, rows: list[tuple[Any, ...]]) -> None:
