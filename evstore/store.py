@@ -90,6 +90,24 @@ def _fingerprint(command: cmd.Command) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+#: the largest position (and count) a backend can store: SQLite INTEGER and PostgreSQL bigint
+MAX_POSITION = 2**63 - 1
+
+
+def _position(value: object, what: str = "position") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POSITION:
+        raise err.InvalidInput(
+            f"{what} must be an integer position from 0 to 2**63-1, got {value!r:.60}", field=what
+        )
+    return value
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_POSITION:
+        raise err.InvalidInput(f"{what} must be an integer from 1 to 2**63-1, got {value!r:.60}", field=what)
+    return value
+
+
 def _validate_key(key: object) -> str | None:
     if key is None:
         return None
@@ -483,17 +501,14 @@ class AllocationStore:
 
     async def read(self, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
         """Recorded events after ``after``, in order (at most ``limit``)."""
-        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-            raise err.InvalidInput("after must be a non-negative integer position")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise err.InvalidInput("limit must be a positive integer")
-        return await self._backend.read(after, limit)
+        return await self._backend.read(_position(after, "after"), _count(limit, "limit"))
 
     async def history(
         self, uuid: str | _uuid.UUID, *, batch_size: int = 1000
     ) -> AsyncIterator[RecordedEvent]:
         """Every recorded event touching the consumer or provider ``uuid``, oldest first."""
         key = normalize_uuid(uuid)
+        _count(batch_size, "batch_size")
         entities = [f"consumer:{key}", f"provider:{key}"]
         after = 0
         while True:
@@ -509,8 +524,8 @@ class AllocationStore:
 
         Wakes on this process's commits at once and polls for other processes' commits.
         """
-        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-            raise err.InvalidInput("after must be a non-negative integer position")
+        _position(after, "after")
+        _count(batch_size, "batch_size")
         while True:
             signal = self._appended
             batch = await self._backend.read(after, batch_size)
@@ -534,7 +549,7 @@ class AllocationStore:
         """Drop and refold the persisted projection from the log; returns the events folded.
 
         Snapshots are dropped too (they are re-made on demand by the current fold)."""
-        folded = await self._backend.rebuild(batch_size, progress)
+        folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress)
         from projections import snapshots
 
         if snapshots.supports_snapshots(self._backend):
@@ -543,6 +558,8 @@ class AllocationStore:
 
     async def replay(self, to_position: int | None = None) -> State:
         """The state folded from the log up to ``to_position`` (all of it by default)."""
+        if to_position is not None:
+            _position(to_position, "to_position")
         return await replay(self._backend.read_payloads, to_position)
 
     async def state_at(
@@ -567,8 +584,7 @@ class AllocationStore:
             if not isinstance(at, datetime) or at.tzinfo is None:
                 raise err.InvalidInput("at must be a timezone-aware datetime")
             position = await self._backend.position_at(at)
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-            raise err.InvalidInput("position must be a non-negative integer")
+        position = _position(position)
         if provider is not None or consumer is not None:
             from projections import snapshots
 
@@ -617,9 +633,7 @@ class AllocationStore:
             if point.tzinfo is None:
                 raise err.InvalidInput("a time must be timezone-aware (e.g. 2026-01-02T03:04:05+00:00)")
             return await self._backend.position_at(point)
-        if isinstance(point, bool) or not isinstance(point, int) or point < 0:
-            raise err.InvalidInput(f"a position must be a non-negative integer, got {point!r}")
-        return point
+        return _position(point)
 
     async def diff(self, a: int | datetime, b: int | datetime) -> Diff:
         """What changed between ``a`` and ``b`` (positions or times): usage deltas per provider and
@@ -638,6 +652,7 @@ class AllocationStore:
         """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py)."""
         from projections.exchange import ExportHeader, row_line
 
+        _count(batch_size, "batch_size")
         head = await self.head()
         last = await self._backend.read_raw(head - 1, 1) if head else []
         yield ExportHeader(head, head, last[0].hash if last else GENESIS_HASH).to_line()
@@ -664,6 +679,7 @@ class AllocationStore:
         """
         from projections.exchange import read_export
 
+        _count(batch_size, "batch_size")
         importer: Any = self._backend
         if not callable(getattr(importer, "import_raw", None)):
             raise err.InvalidInput("this backend cannot import a log")

@@ -102,6 +102,9 @@ METHODS = [
     "create_resource_class",
     "rename_provider",
     "read",
+    "replay",
+    "position_of",
+    "diff",
     "state_at",
     "set_inventory",
     "delete_inventory",
@@ -247,3 +250,26 @@ async def test_corrupt_rows_fail_reads_by_position_and_are_audited(
         integrity = [f for f in report.findings if f.kind == "integrity"]
         assert any(3 in f.positions and f.details.get("reason") == reason for f in integrity)
         assert any(f.details.get("reason") == "hash_chain" and f.positions == (3,) for f in integrity)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: s.read(2**63),  # found by the fuzzer: OverflowError from deep inside sqlite3
+        lambda s: s.read(0, 2**64),
+        lambda s: s.replay(2**63),
+        lambda s: s.replay(-1),
+        lambda s: s.state_at(2**70),
+        lambda s: s.position_of(2**63),
+        lambda s: s.diff(0, 2**63),
+        lambda s: s.rebuild(batch_size=0),
+        lambda s: s.read(after="3"),
+    ],
+)
+async def test_positions_beyond_what_a_backend_stores_are_bad_input(
+    store: AllocationStore, make: Any
+) -> None:
+    with pytest.raises(EvstoreError) as caught:
+        await make(store)
+    assert caught.value.code == "evstore.invalid_input"
+    assert "2**63-1" in caught.value.message
