@@ -195,8 +195,10 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
     def add(message: str, positions: tuple[int, ...], **details: Any) -> None:
         findings.append(Finding("drift", message, positions, details))
 
-    for uuid in sorted(replayed.providers.keys() | persisted.providers.keys()):
-        want, have = replayed.providers.get(uuid), persisted.providers.get(uuid)
+    # (a tampered row may have a key of another type: sorted and reported by its repr)
+    for key in sorted(replayed.providers.keys() | persisted.providers.keys(), key=_label):
+        uuid = _label(key)
+        want, have = replayed.providers.get(key), persisted.providers.get(key)
         if want == have:
             continue
         if want is None or have is None:
@@ -226,8 +228,9 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
                     projection=have.usages.get(rc, 0),
                     replay=want.usages.get(rc, 0),
                 )
-    for uuid in sorted(replayed.consumers.keys() | persisted.consumers.keys()):
-        cw, ch = replayed.consumers.get(uuid), persisted.consumers.get(uuid)
+    for key in sorted(replayed.consumers.keys() | persisted.consumers.keys(), key=_label):
+        uuid = _label(key)
+        cw, ch = replayed.consumers.get(key), persisted.consumers.get(key)
         if cw == ch:
             continue
         positions = tuple(p for p in ((cw.allocated_at if cw else None),) if p)
@@ -258,10 +261,14 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
     if replayed.custom_classes != persisted.custom_classes:
         add(
             "Custom resource classes differ: projection has "
-            f"{sorted(persisted.custom_classes)}, replay gives {sorted(replayed.custom_classes)}",
+            f"{sorted(persisted.custom_classes, key=_label)}, replay gives {sorted(replayed.custom_classes)}",
             (),
         )
     return findings
+
+
+def _label(key: object) -> str:
+    return key if isinstance(key, str) else repr(key)
 
 
 def _short(value: Any) -> str:

@@ -93,10 +93,12 @@ def changes(before: State, after: State) -> ChangeSet:
 INVENTORY_FIELDS = ("total", "reserved", "min_unit", "max_unit", "step_size", "allocation_ratio")
 
 
+# Both encodings sort their keys: one state, one row (a rebuild compares rows to find what changed).
 def inventories_json(inventories: dict[str, Inventory]) -> str:
     return json.dumps(
         {rc: [getattr(inv, f) for f in INVENTORY_FIELDS] for rc, inv in inventories.items()},
         separators=(",", ":"),
+        sort_keys=True,
     )
 
 
@@ -116,7 +118,7 @@ def _parse_inventories(text: str) -> dict[str, Inventory]:
 
 
 def usages_json(usages: dict[str, int]) -> str:
-    return json.dumps(usages, separators=(",", ":"))
+    return json.dumps(usages, separators=(",", ":"), sort_keys=True)
 
 
 def provider_row(p: ProviderState) -> tuple[Any, ...]:
