@@ -733,9 +733,15 @@ def rebuild(
     db: DbOption = None,
     url: UrlOption = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Events folded per batch.")] = 5000,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full", help="Rewrite every row and rebuild every index (default: only what differs)."
+        ),
+    ] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Drop the persisted projection and refold it from the log (snapshots are dropped too)."""
+    """Refold the persisted projection from the log and repair it (snapshots are dropped too)."""
 
     async def work() -> int:
         from evstore.store import open_store
@@ -744,7 +750,9 @@ def rebuild(
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("rebuilding", total=head or 1)
-                folded = await store.rebuild(batch_size, lambda done, total: bar.update(task, completed=done))
+                folded = await store.rebuild(
+                    batch_size, lambda done, total: bar.update(task, completed=done), full=full
+                )
                 bar.update(task, completed=head or 1)
         if json_out:
             emit_json({"events": folded, "head": head})

@@ -544,12 +544,22 @@ class AllocationStore:
         return await _audit.audit(self._backend.read_raw, self._backend.load_state)
 
     async def rebuild(
-        self, batch_size: int = 5000, progress: Callable[[int, int], None] | None = None
+        self,
+        batch_size: int = 5000,
+        progress: Callable[[int, int], None] | None = None,
+        *,
+        full: bool = False,
     ) -> int:
-        """Drop and refold the persisted projection from the log; returns the events folded.
+        """Refold the persisted projection from the log and make it equal the fold; returns the
+        events folded.
 
+        On SQLite only the rows that differ are written (a sound projection: none) and missing or
+        altered projection indexes are recreated; ``full=True`` rewrites every row and rebuilds
+        every index regardless (for storage-level damage, e.g. an index that lost entries).
         Snapshots are dropped too (they are re-made on demand by the current fold)."""
-        folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress)
+        if not isinstance(full, bool):
+            raise err.InvalidInput(f"full must be True or False, got {full!r:.40}", field="full")
+        folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)
         from projections import snapshots
 
         if snapshots.supports_snapshots(self._backend):

@@ -120,6 +120,18 @@ def test_rebuild_snapshot_and_stats(tmp_path: Path) -> None:
     assert f"from {demo['head']} events" in rebuilt.stdout
     assert evstore("audit", "--db", str(db)).returncode == 0
     assert _json("state", "--db", str(db))["providers"] == demo["usage"]
+    with sqlite3.connect(db) as conn:  # --full rewrites every row, even of a sound projection
+        conn.execute("CREATE TABLE t_writes (n INTEGER)")
+        conn.execute(
+            "CREATE TRIGGER t_w AFTER INSERT ON p_consumers BEGIN INSERT INTO t_writes VALUES (1); END"
+        )
+    assert evstore("rebuild", "--db", str(db), "--full").returncode == 0
+    with sqlite3.connect(db) as conn:
+        assert (
+            conn.execute("SELECT count(*) FROM t_writes").fetchone()[0]
+            == conn.execute("SELECT count(*) FROM p_consumers").fetchone()[0]
+            > 0
+        )
 
     snap = _json("snapshot", "--every", "25", "--db", str(db))
     assert snap["snapshot_positions"] == list(range(25, demo["head"] + 1, 25))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from evstore import AllocationStore
+import pytest
+
+from evstore import AllocationStore, InvalidInput
 from projections.replay import replay
 from tests.test_projections_support import random_workload
 
@@ -167,8 +169,8 @@ async def test_rebuild_rewrites_a_projection_far_from_the_log(sqlite_url: str) -
 
 
 async def test_rebuild_repairs_rows_whose_keys_are_not_text(sqlite_url: str) -> None:
-    # SQLite orders integers and blobs before text, Python cannot compare them with str: such a
-    # row must not derail the row-by-row comparison (the projection is rewritten whole instead).
+    # SQLite orders blobs after text and Python cannot compare them with str: such a row must not
+    # derail the row-by-row comparison (the projection is rewritten whole instead).
     from evstore import open_store
 
     async with open_store(sqlite_url) as store:
@@ -186,3 +188,58 @@ async def test_rebuild_repairs_rows_whose_keys_are_not_text(sqlite_url: str) -> 
         await store.rebuild()
         assert await store.backend.load_state() == live
         assert (await store.audit()).clean
+
+
+async def test_rebuild_repairs_a_row_that_cannot_be_read_back(sqlite_url: str) -> None:
+    from evstore import open_store
+
+    async with open_store(sqlite_url) as store:
+        await random_workload(store, seed=15, commands=100)
+        live = await store.backend.load_state()
+        await store.backend.tamper(  # type: ignore[attr-defined]
+            "UPDATE p_consumers SET project_id = CAST(X'ff' AS TEXT)"
+            " WHERE uuid = (SELECT min(uuid) FROM p_consumers)"
+        )
+        await store.rebuild()  # reading the row back fails: the projection is rewritten whole
+        assert await store.backend.load_state() == live
+
+
+async def test_rebuild_recreates_a_projection_index_defined_otherwise(sqlite_url: str) -> None:
+    from evstore import open_store
+
+    async with open_store(sqlite_url) as store:
+        await random_workload(store, seed=16, commands=100)
+        tamper = store.backend.tamper  # type: ignore[attr-defined]
+        await tamper("DROP INDEX p_allocations_provider")
+        await tamper("CREATE INDEX p_allocations_provider ON p_allocations (rc)")
+        await tamper("DROP INDEX p_consumers_project")
+
+        def indexes(conn: Any) -> dict[str, str]:
+            rows = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND name LIKE 'p%'")
+            return {name: " ".join(sql.split()) for name, sql in rows}
+
+        await store.rebuild()
+        found = await store.backend._on_writer(indexes)  # type: ignore[attr-defined]
+        assert (
+            found["p_allocations_provider"]
+            == "CREATE INDEX p_allocations_provider ON p_allocations (provider)"
+        )
+        assert (
+            found["p_consumers_project"]
+            == "CREATE INDEX p_consumers_project ON p_consumers (project_id, user_id)"
+        )
+
+
+async def test_full_rebuild_rewrites_every_row(sqlite_url: str) -> None:
+    from evstore import open_store
+
+    async with open_store(sqlite_url) as store:
+        await random_workload(store, seed=17, commands=100)
+        live = await store.backend.load_state()
+        await _count_writes(store)
+        await store.rebuild(full=True)
+        writes = await _writes(store)
+        assert writes.count(("p_consumers", "INSERT")) == len(live.consumers)
+        assert await store.backend.load_state() == live
+        with pytest.raises(InvalidInput):
+            await store.rebuild(full="yes")  # type: ignore[arg-type]

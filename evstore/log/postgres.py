@@ -748,7 +748,10 @@ class PostgresBackend:
                 raise _storage_error(exc, "importing events") from None
         return len(batch)
 
-    async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
+    async def rebuild(
+        self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
+    ) -> int:
+        # (``full`` changes nothing here: this backend always rewrites the whole projection, by COPY)
         # The long part, folding the whole log, runs before the fence (paged reads of positioned
         # events): writers are held back only while the events positioned meanwhile are folded
         # and the projection is rewritten.

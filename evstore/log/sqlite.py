@@ -657,7 +657,9 @@ class SqliteBackend:
         batch = list(rows)
         return await self._on_writer(lambda conn: _retry_busy(lambda: _import_raw(conn, batch)))
 
-    async def rebuild(self, batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
+    async def rebuild(
+        self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
+    ) -> int:
         # The long part, folding the whole log, runs outside the write lock (reader connection,
         # read-ahead): writers are held back only while the events appended meanwhile are
         # folded and the projection is rewritten (~30% of a rebuild instead of all of it).
@@ -668,7 +670,7 @@ class SqliteBackend:
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
         return await self._on_writer(
-            lambda conn: _retry_busy(lambda: _rebuild(conn, state, batch_size, progress))
+            lambda conn: _retry_busy(lambda: _rebuild(conn, state, batch_size, progress, full))
         )
 
     async def stats(self) -> dict[str, Any]:
@@ -950,10 +952,17 @@ def _sync_projection(conn: sqlite3.Connection, state: State) -> bool:
         ):
             key = ", ".join(columns.split(", ")[:nkey])
             current = conn.execute(f"SELECT {columns} FROM {table} ORDER BY {key}")
-            deletes, writes = _diff_sorted(current, rows, nkey, budget)
+            try:
+                deletes, writes = _diff_sorted(current, rows, nkey, budget)
+            finally:
+                current.close()  # (an unfinished read would lock the table against the rewrite)
             plan.append((table, columns, key, deletes, writes))
     except _TooDifferent:
         return False
+    except (sqlite3.OperationalError, sqlite3.DataError) as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise
+        return False  # a row that cannot be read back (e.g. text that is not UTF-8): rewrite all
     for table, columns, key, deletes, writes in plan:
         if deletes:
             where = " AND ".join(f"{k} = ?" for k in key.split(", "))
@@ -964,8 +973,25 @@ def _sync_projection(conn: sqlite3.Connection, state: State) -> bool:
     return True
 
 
+def _repair_index_definitions(conn: sqlite3.Connection) -> None:
+    """Recreate the projection's secondary indexes that are missing or not defined as this
+    version defines them (``CREATE INDEX IF NOT EXISTS`` keeps an index of the same name)."""
+    names = list(PROJECTION_INDEXES)
+    sql = f"SELECT name, sql FROM sqlite_master WHERE type = 'index' AND name IN ({_in_clause(len(names))})"
+    found = dict(conn.execute(sql, names))
+    for name, create in PROJECTION_INDEXES.items():
+        expected = create.replace("IF NOT EXISTS ", "")
+        if " ".join(str(found.get(name)).split()) != " ".join(expected.split()):
+            conn.execute(f"DROP INDEX IF EXISTS {name}")
+            conn.execute(create)
+
+
 def _rebuild(
-    conn: sqlite3.Connection, folded: State, batch_size: int, progress: Callable[[int, int], None] | None
+    conn: sqlite3.Connection,
+    folded: State,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None,
+    full: bool = False,
 ) -> int:
     """Rewrite the projection from ``folded`` (the whole log folded up to its position), after
     folding whatever was appended since, all in one write transaction."""
@@ -982,7 +1008,9 @@ def _rebuild(
                 fold_payloads(state, rows)
             if progress is not None:
                 progress(head, head)
-            if not _sync_projection(conn, state):
+            if not full and _sync_projection(conn, state):
+                _repair_index_definitions(conn)
+            else:
                 for table in PROJECTION_TABLES:
                     conn.execute(f"DELETE FROM {table}")
                 # Building the secondary indexes once, from sorted rows, beats updating them row by row.
