@@ -595,6 +595,9 @@ class AllocationStore:
                 raise err.InvalidInput("at must be a timezone-aware datetime")
             position = await self._backend.position_at(at)
         position = _position(position)
+        head = await self._backend.head()
+        if position > head:  # (as diff and the CLI: a position the log has not reached yet)
+            raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})")
         if provider is not None or consumer is not None:
             from projections import snapshots
 

@@ -73,3 +73,15 @@ async def test_a_slice_answers_only_for_its_entity(store: AllocationStore) -> No
         await view.usages("p1")
     with pytest.raises(InvalidInput):
         await store.state_at(position=1, provider=providers[0], consumer=providers[1])
+
+
+async def test_a_position_beyond_the_head_is_rejected_for_every_scope(store: AllocationStore) -> None:
+    # The whole-store fold used to answer with the head's state and an entity slice with a view
+    # claiming the unreached position; diff and the CLI already refused it.
+    await random_workload(store, seed=4, commands=10)
+    head = await store.head()
+    provider = (await store.providers())[0][0]
+    for scope in ({}, {"provider": provider}, {"consumer": provider}):
+        assert (await store.state_at(head, **scope)).position == head
+        with pytest.raises(InvalidInput, match=f"beyond the head of the log \\({head}\\)"):
+            await store.state_at(head + 1, **scope)
