@@ -131,6 +131,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "mode": "quick" if args.quick else "full",
         "machine": machine(),
+        "code": code_version(),
         "sizes": vars_of(sizes),
     }
     started = time.perf_counter()
@@ -274,6 +275,9 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     else:
         out["postgres"] = postgres_scaling(pg_url, workdir, sizes)
     out["duration_s"] = time.perf_counter() - started
+    if code_version() != out["code"]:
+        # every phase runs in a fresh process that imports the tree as it is at that moment
+        out["code"]["changed_during_run"] = True
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return out
@@ -372,6 +376,22 @@ def _pg_rounds(url: str, path: Path, sizes: Sizes) -> dict[str, Any]:
 
 def vars_of(sizes: Sizes) -> dict[str, int]:
     return dict(sizes.__dict__)
+
+
+def code_version() -> dict[str, Any]:
+    """The commit measured, and whether the code differs from it (peers import the working tree)."""
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    changes = git(
+        "status", "--porcelain", "--", "evstore", "projections", "tests/benchmarks", "pyproject.toml"
+    )
+    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown", "uncommitted": bool(changes)}
 
 
 def machine() -> dict[str, Any]:
@@ -570,6 +590,12 @@ def notes(out: dict[str, Any]) -> str:
         f"mode: {out['mode']}, duration {out['duration_s']:.0f} s; "
         f"eventsourcing from {out.get('eventsourcing_env')}",
     ]
+    code = out.get("code", {})
+    if code:
+        state = "with uncommitted changes" if code.get("uncommitted") else "clean"
+        if code.get("changed_during_run"):
+            state += "; THE CODE CHANGED DURING THE RUN (phases measured different code)"
+        lines.append(f"code: commit {code.get('commit')} ({state})")
     seq = out.get("sequential", {})
     if "evstore" in seq and "evstore+info-logging" in seq:
         a, b = seq["evstore"], seq["evstore+info-logging"]
