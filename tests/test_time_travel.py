@@ -75,6 +75,28 @@ async def test_a_snapshot_whose_event_was_altered_is_not_used(tmp_path: Path) ->
         assert (await store.state_at(position=target)).state == truth
 
 
+@pytest.mark.parametrize(
+    "damage", ["not json at all", '{"format":1}', '{"format":1,"position":10,"providers":7}']
+)
+async def test_an_unreadable_snapshot_is_skipped_not_fatal(tmp_path: Path, damage: str) -> None:
+    # snapshots are a cache: a damaged row (whole store or one provider's slice) makes time travel
+    # fold from the start instead of failing (it used to raise from deep inside json.loads)
+    async with open_store(f"sqlite:///{tmp_path}/s.db", snapshot_every=5) as store:
+        await random_workload(store, seed=9, commands=30)
+        await store.take_snapshots()
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        target = min(12, await store.head())
+        truth = await replay(store.backend.read, target)
+        provider = sorted(truth.providers)[0]
+        await backend.tamper("UPDATE snapshots SET state = ?", (damage,))
+        await backend.tamper("UPDATE provider_snapshots SET state = ?", (damage,))
+        whole = await store.state_at(position=target)
+        assert whole.state == truth
+        sliced = await store.state_at(position=target, provider=provider)
+        assert await sliced.usage(provider) == await whole.usage(provider)
+
+
 async def test_state_at_a_time_and_the_queries_on_it(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=8)
     c = new_uuid()
