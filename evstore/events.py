@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal
@@ -62,7 +62,8 @@ class EventBase(BaseModel):
 
     def capacity_pressure(self) -> set[str]:
         """Providers where this event may raise usage or lower capacity (what the audit watches)."""
-        return set()
+        found = CAPACITY_PRESSURE.get(self.event_type)
+        return set() if found is None else found(self.__dict__)
 
 
 def _providers_of(allocs: Allocs) -> set[str]:
@@ -116,9 +117,6 @@ class InventoriesReplaced(EventBase):
     inventories: dict[str, Inventory]
     generation: int
 
-    def capacity_pressure(self) -> set[str]:
-        return {self.provider}
-
     def entities(self) -> set[str]:
         return {f"provider:{self.provider}"}
 
@@ -142,9 +140,6 @@ class AllocationsReplaced(EventBase):
     consumer_type: str
     generation: int | None
     provider_generations: dict[str, int] = Field(default_factory=dict)
-
-    def capacity_pressure(self) -> set[str]:
-        return set(self.allocations)
 
     def entities(self) -> set[str]:
         return {f"consumer:{self.consumer}"} | _providers_of(self.allocations) | _providers_of(self.previous)
@@ -176,9 +171,6 @@ class MigrationStarted(EventBase):
     migration_generation: int = 1
     provider_generations: dict[str, int] = Field(default_factory=dict)
 
-    def capacity_pressure(self) -> set[str]:
-        return set(self.allocations)
-
     def entities(self) -> set[str]:
         return {f"consumer:{self.instance}", f"consumer:{self.migration}"} | _providers_of(self.allocations)
 
@@ -196,9 +188,6 @@ class MigrationReverted(EventBase):
     instance_consumer_type: str
     instance_generation: int
     provider_generations: dict[str, int] = Field(default_factory=dict)
-
-    def capacity_pressure(self) -> set[str]:
-        return set(self.allocations)
 
     def entities(self) -> set[str]:
         return (
@@ -234,6 +223,21 @@ class ConsumerDeleted(EventBase):
             keys.add(f"consumer:{migration}")
             keys |= _providers_of(allocs)
         return keys
+
+
+def _allocated(fields: Mapping[str, Any]) -> set[str]:
+    return set(fields["allocations"])
+
+
+#: Event type -> the providers where such an event may raise usage or lower capacity, read from its
+#: fields as a mapping (a model's ``__dict__`` or a validated payload dict): what the audit watches
+#: for over-capacity. Types that only release or rename are absent (they never add pressure).
+CAPACITY_PRESSURE: dict[str, Callable[[Mapping[str, Any]], set[str]]] = {
+    "InventoriesReplaced": lambda fields: {fields["provider"]},
+    "AllocationsReplaced": _allocated,
+    "MigrationStarted": _allocated,
+    "MigrationReverted": _allocated,
+}
 
 
 Event = Annotated[
