@@ -60,11 +60,6 @@ class EventBase(BaseModel):
         """``consumer:<uuid>`` / ``provider:<uuid>`` keys this event touches (the history index)."""
         raise NotImplementedError
 
-    def capacity_pressure(self) -> set[str]:
-        """Providers where this event may raise usage or lower capacity (what the audit watches)."""
-        found = CAPACITY_PRESSURE.get(self.event_type)
-        return set() if found is None else found(self.__dict__)
-
 
 def _providers_of(allocs: Allocs) -> set[str]:
     return {f"provider:{p}" for p in allocs}

@@ -209,7 +209,9 @@ async def fold_entity_to(
     if kind == "provider" and supports_provider_snapshots(backend):
         found = await backend.load_provider_snapshot(uuid, position, SNAPSHOT_FORMAT)  # type: ignore[attr-defined]
         if found is not None:
-            state = _decoded(decode_provider_slice, found, entity) or State()
+            sliced = _decoded(decode_provider_slice, found, entity)
+            if sliced is not None:
+                state = sliced
     after = state.position
     while after < position:
         batch = await read_entities([entity], after, batch_size)
@@ -244,7 +246,8 @@ async def fold_to(
         raise InvalidInput("snapshot interval must be a positive number of events")
     with gc_paused():
         found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
-        state = (_decoded(decode_state, found, "whole store") if found is not None else None) or State()
+        decoded = _decoded(decode_state, found, "whole store") if found is not None else None
+        state = decoded if decoded is not None else State()
         after = state.position
         while after < position:
             batch = await backend.read_raw(after, min(batch_size, position - after))

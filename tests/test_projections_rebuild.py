@@ -169,8 +169,10 @@ async def test_rebuild_rewrites_a_projection_far_from_the_log(sqlite_url: str) -
 
 
 async def test_rebuild_repairs_rows_whose_keys_are_not_text(sqlite_url: str) -> None:
-    # SQLite orders blobs after text and Python cannot compare them with str: such a row must not
-    # derail the row-by-row comparison (the projection is rewritten whole instead).
+    # A blob key (a TEXT column's affinity turns 42 or 7 into text, not a blob): SQLite orders
+    # blobs after text and Python cannot compare bytes with str, so such a row must not derail
+    # the row-by-row comparison (the projection is rewritten whole instead). The extra text rows
+    # 42 and 7 ride along as ordinary strays.
     from evstore import open_store
 
     async with open_store(sqlite_url) as store:

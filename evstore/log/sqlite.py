@@ -826,7 +826,7 @@ def _provider_rows(state: State) -> Iterable[tuple[Any, ...]]:
 
 # ``persisted.consumer_row`` made in C (whole-projection writes and diffs go through every
 # consumer): ``deleted`` stays a bool, which SQLite stores as 1/0 and which equals 1/0 read back.
-_CONSUMER_ROW = operator.attrgetter(
+_CONSUMER_COLUMNS = (
     "uuid",
     "project_id",
     "user_id",
@@ -837,6 +837,7 @@ _CONSUMER_ROW = operator.attrgetter(
     "on_behalf_of",
     "allocated_at",
 )
+_CONSUMER_ROW = operator.attrgetter(*_CONSUMER_COLUMNS)
 
 
 def _consumer_rows(state: State, uuids: list[str]) -> Iterable[tuple[Any, ...]]:
@@ -942,8 +943,7 @@ def _sync_projection(conn: sqlite3.Connection, state: State) -> bool:
             ),
             (
                 "p_consumers",
-                "uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, "
-                "allocated_at",
+                ", ".join(_CONSUMER_COLUMNS),
                 1,
                 _consumer_rows(state, uuids),
             ),
