@@ -63,12 +63,24 @@ async def test_concurrent_opens_migrate_once_and_reopen_is_idempotent(pg_url: st
 async def test_an_older_schema_is_migrated_on_open(pg_url: str) -> None:
     async with open_store(pg_url) as store:
         rp = await make_provider(store, VCPU=4)
-        # what a version-1 store looked like: no snapshots table
+        # what a version-1 store looked like: no snapshots table, no write-path functions
         await pg(store).tamper("DROP TABLE snapshots")
+        for fn in ("evstore_lock_load", "evstore_write", "evstore_sequence"):
+            await pg(store).tamper(f"DROP FUNCTION {fn}")
         await pg(store).tamper("UPDATE evstore_meta SET value = '1' WHERE key = 'schema_version'")
     async with open_store(pg_url) as store:
         assert (await store.usage(rp)).usages == {"VCPU": 0}
         assert await pg(store).snapshot_positions() == []
+        receipt = await store.set_allocations(
+            "11111111-1111-4111-8111-111111111111",
+            {rp: {"VCPU": 2}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        )
+        assert receipt.positions == (await store.head(),)
+        assert (await store.usage(rp)).usages == {"VCPU": 2}
     rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
     assert rows[0]["value"] == str(SCHEMA_VERSION)
 
@@ -372,6 +384,40 @@ async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_
         assert [e.type for e in events][-1] == "AllocationsReplaced"
         assert await reader.head() == 3
         assert (await reader.allocations(c)).allocations == {rp: {"VCPU": 3}}
+        assert (await reader.audit()).clean
+
+
+async def test_a_writer_whose_events_another_process_positioned_does_not_wait_for_the_sequencer(
+    pg_url: str,
+) -> None:
+    # The sequencer returns positions assigned by another process's run without taking its lock:
+    # here the lock stays held by someone else, so waiting for it would hang the command.
+    async with open_store(pg_url) as writer, open_store(pg_url, pool_size=1) as reader:
+        rp = await make_provider(writer, VCPU=4)
+        holder = await asyncpg.connect(pg_url)
+        try:
+
+            async def positioned_elsewhere(conn: Any) -> None:
+                assert await reader.head() == 3  # the reader's catch-up positions the new event
+                await holder.execute("SELECT pg_advisory_lock($1)", pg(writer)._key("!sequencer"))
+
+            pg(writer)._after_commit = positioned_elsewhere
+            receipt = await asyncio.wait_for(
+                writer.set_allocations(
+                    new_uuid(),
+                    {rp: {"VCPU": 3}},
+                    project_id="p",
+                    user_id="u",
+                    consumer_type="INSTANCE",
+                    generation=None,
+                ),
+                10,
+            )
+            assert receipt.positions == (3,)
+        finally:
+            await holder.close()
+        events = await reader.read(0, 10)
+        assert [e.position for e in events] == [1, 2, 3]
         assert (await reader.audit()).clean
 
 

@@ -14,7 +14,8 @@ A deadlock (40P01) or serialization failure (40001) reported by the server is re
 ``transaction_id xid8 DEFAULT pg_current_xact_id()``, and commits. A *sequencer* then - in a short
 transaction of its own, under one advisory lock - gives every committed, not yet positioned event
 the next positions (``tail + 1 ...``, ordered by ``(transaction_id, seq)`` so a transaction's
-events stay contiguous and in order), the ``recorded_at`` time and the hash chain, and commits.
+events stay contiguous and in order), the ``recorded_at`` time (the server's clock: one clock for
+every client, never going backwards) and the hash chain, and commits.
 Whoever commits runs it (coalesced in-process), and so does a reader that finds positionless
 events (a writer may have died between its commit and the sequencing), so nothing waits for a
 particular process. Why this is safe for a position cursor (``read(after)``, ``subscribe``):
@@ -48,6 +49,16 @@ between a writer's commit and its sequencing: writers hold a shared advisory "fe
 length of their transaction; ``load_state`` and ``rebuild`` take it exclusively (waiting for the
 writers in flight, holding new ones back), run the sequencer, then read. Plain queries do not.
 
+**Round trips.** A command costs five: ``BEGIN``; ``evstore_lock_load`` (take the locks, then
+load the slice ``decide`` reads, each read with a snapshot taken after the locks); ``evstore_write``
+(insert the events in order, their entity index rows and every projection change); ``COMMIT``;
+and ``evstore_sequence`` in a transaction of its own, which returns the events' positions (or
+finds them already positioned by another process's run and returns at once). Python decides
+between the second and the third. The command's own events are folded before they have seqs, at
+``OWN_EVENT - index``; ``evstore_write`` turns those into ``-seq`` as above. The functions'
+statements use generic plans (``plan_cache_mode``): planning them on each call cost more than
+running them.
+
 Schema changes are versioned migrations run on open under an advisory lock (safe when several
 processes open at once). Faults (a connection killed mid-command) fail that command with
 :class:`StorageError` - rolled back, or, if the connection died during COMMIT, with
@@ -74,14 +85,14 @@ import asyncpg  # type: ignore[import-untyped,unused-ignore]
 from evstore import errors as err
 from evstore.commands import Command, decide, needs
 from evstore.events import EventBase, RecordedEvent, decode_event
-from evstore.log import GENESIS_HASH, Job, Outcome, PayloadRow, RawEvent, Receipt, event_hash
-from evstore.log.sqlite import decode_raw, now_iso
+from evstore.log import Job, Outcome, PayloadRow, RawEvent, Receipt
+from evstore.log.sqlite import decode_raw
 from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -143,6 +154,142 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE snapshots (
         position bigint PRIMARY KEY, event_hash text NOT NULL, format integer NOT NULL, state text NOT NULL
     );
+    """,
+    # 3: the write path in three statements (see "Round trips" in the module doc). Functions
+    # only: the tables are unchanged, so a store of version 2 is upgraded in place.
+    r"""
+    CREATE OR REPLACE FUNCTION evstore_lock_load(
+        fence bigint, keys bigint[], want_consumers text[], migrations_of text[], provider_names text[],
+        children_of text[], want_providers text[], custom_classes text[]
+    ) RETURNS TABLE (
+        kind smallint, t1 text, t2 text, t3 text, t4 text, t5 text, t6 text,
+        b1 bigint, b2 bigint, b3 bigint, b4 bigint
+    ) LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    DECLARE cs text[]; ps text[];
+    BEGIN
+        PERFORM evstore_lock(fence, keys);
+        cs := ARRAY(SELECT unnest(want_consumers)
+                    UNION SELECT c.uuid FROM p_consumers c WHERE c.on_behalf_of = ANY(migrations_of));
+        cs := cs || ARRAY(SELECT DISTINCT c.on_behalf_of FROM p_consumers c
+                          WHERE c.uuid = ANY(cs) AND c.on_behalf_of IS NOT NULL
+                            AND NOT c.on_behalf_of = ANY(cs));
+        ps := ARRAY(SELECT unnest(want_providers)
+                    UNION SELECT a.provider FROM p_allocations a WHERE a.consumer = ANY(cs)
+                    UNION SELECT p.uuid FROM p_providers p WHERE p.name = ANY(provider_names)
+                    UNION SELECT p.uuid FROM p_providers p WHERE p.parent = ANY(children_of));
+        RETURN QUERY
+            SELECT 1::smallint, c.uuid, c.project_id, c.user_id, c.consumer_type, c.on_behalf_of, NULL::text,
+                   c.generation, c.deleted::bigint, c.deleted_at, c.allocated_at
+            FROM p_consumers_resolved c WHERE c.uuid = ANY(cs)
+            UNION ALL
+            SELECT 2::smallint, a.consumer, a.provider, a.rc, NULL, NULL, NULL, a.used, NULL, NULL, NULL
+            FROM p_allocations a WHERE a.consumer = ANY(cs)
+            UNION ALL
+            SELECT 3::smallint, p.uuid, p.name, p.parent, p.root, p.inventories, p.usages,
+                   p.generation, NULL, NULL, NULL
+            FROM p_providers p WHERE p.uuid = ANY(ps)
+            UNION ALL
+            SELECT 4::smallint, n.name, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+            FROM p_classes n WHERE n.name = ANY(custom_classes)
+            ORDER BY 1, 2, 3, 4;
+    END $$;
+
+    CREATE OR REPLACE FUNCTION evstore_write(
+        e_ids text[], e_types text[], e_versions integer[], e_data text[], e_metadata text,
+        entity_names text[], entity_events integer[],
+        del_providers text[],
+        p_uuid text[], p_name text[], p_parent text[], p_root text[], p_generation bigint[],
+        p_inventories text[], p_usages text[],
+        del_consumers text[], del_allocations text[],
+        c_uuid text[], c_project text[], c_user text[], c_type text[], c_generation bigint[],
+        c_deleted integer[], c_deleted_at bigint[], c_behalf text[], c_allocated_at bigint[],
+        a_consumer text[], a_provider text[], a_rc text[], a_used bigint[],
+        new_classes text[]
+    ) RETURNS bigint[] LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    DECLARE seqs bigint[] := '{}'; s bigint; k integer;
+    BEGIN
+        -- one INSERT per event, in order: seqs follow the command's event order
+        FOR k IN 1 .. coalesce(array_length(e_ids, 1), 0) LOOP
+            INSERT INTO events (event_id, type, schema_version, data, metadata)
+            VALUES (e_ids[k], e_types[k], e_versions[k], e_data[k], e_metadata) RETURNING seq INTO s;
+            seqs := seqs || s;
+        END LOOP;
+        INSERT INTO event_entities SELECT u.n, seqs[u.e] FROM unnest(entity_names, entity_events) AS u(n, e)
+        ON CONFLICT DO NOTHING;
+        DELETE FROM p_providers WHERE uuid = ANY(del_providers);
+        INSERT INTO p_providers
+        SELECT * FROM unnest(p_uuid, p_name, p_parent, p_root, p_generation, p_inventories, p_usages)
+        ON CONFLICT (uuid) DO UPDATE SET
+            name = EXCLUDED.name, parent = EXCLUDED.parent, root = EXCLUDED.root,
+            generation = EXCLUDED.generation, inventories = EXCLUDED.inventories, usages = EXCLUDED.usages;
+        DELETE FROM p_allocations WHERE consumer = ANY(del_allocations);
+        DELETE FROM p_consumers WHERE uuid = ANY(del_consumers);
+        -- positions of this command's own events were folded as -(2^62 + index): the events'
+        -- -seq, like every position written before the sequencer runs (see p_consumers_resolved)
+        INSERT INTO p_consumers
+        SELECT u.uuid, u.project, u.usr, u.ctype, u.gen, u.deleted,
+               CASE WHEN u.deleted_at <= -4611686018427387904
+                    THEN -seqs[(-u.deleted_at - 4611686018427387904)::integer + 1] ELSE u.deleted_at END,
+               u.behalf,
+               CASE WHEN u.allocated_at <= -4611686018427387904
+                    THEN -seqs[(-u.allocated_at - 4611686018427387904)::integer + 1] ELSE u.allocated_at END
+        FROM unnest(c_uuid, c_project, c_user, c_type, c_generation, c_deleted, c_deleted_at, c_behalf,
+                    c_allocated_at)
+             AS u(uuid, project, usr, ctype, gen, deleted, deleted_at, behalf, allocated_at)
+        ON CONFLICT (uuid) DO UPDATE SET
+            project_id = EXCLUDED.project_id, user_id = EXCLUDED.user_id,
+            consumer_type = EXCLUDED.consumer_type, generation = EXCLUDED.generation,
+            deleted = EXCLUDED.deleted, deleted_at = EXCLUDED.deleted_at,
+            on_behalf_of = EXCLUDED.on_behalf_of, allocated_at = EXCLUDED.allocated_at;
+        INSERT INTO p_allocations SELECT * FROM unnest(a_consumer, a_provider, a_rc, a_used);
+        INSERT INTO p_classes SELECT * FROM unnest(new_classes) ON CONFLICT DO NOTHING;
+        RETURN seqs;
+    END $$;
+
+    CREATE OR REPLACE FUNCTION evstore_sequence(lock_key bigint, wait boolean, want bigint[],
+                                     OUT positioned bigint, OUT positions bigint[])
+    LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    DECLARE pos bigint; prev text; last_at text; stamp text; r record;
+    BEGIN
+        positioned := 0;
+        -- events in ``want`` already positioned (by another process's run): nothing to wait for
+        positions := ARRAY(SELECT e.position FROM unnest(want) WITH ORDINALITY AS w(s, o)
+                           LEFT JOIN events e ON e.seq = w.s ORDER BY w.o);
+        IF cardinality(want) > 0 AND array_position(positions, NULL) IS NULL THEN
+            RETURN;
+        END IF;
+        IF wait THEN
+            PERFORM pg_advisory_xact_lock(lock_key);
+        ELSIF NOT pg_try_advisory_xact_lock(lock_key) THEN
+            RETURN;  -- another run holds it: that run (or the writer's own next one) positions them
+        END IF;
+        IF cardinality(want) > 0 THEN  -- the run we waited for may have positioned them
+            positions := ARRAY(SELECT e.position FROM unnest(want) WITH ORDINALITY AS w(s, o)
+                               LEFT JOIN events e ON e.seq = w.s ORDER BY w.o);
+            IF array_position(positions, NULL) IS NULL THEN
+                RETURN;
+            END IF;
+        END IF;
+        SELECT e.position, e.hash, e.recorded_at INTO pos, prev, last_at
+        FROM events e WHERE e.position IS NOT NULL ORDER BY e.position DESC LIMIT 1;
+        IF NOT FOUND THEN
+            pos := 0; prev := repeat('0', 64); last_at := '';
+        END IF;
+        stamp := to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US') || '+00:00';
+        IF stamp < last_at THEN
+            stamp := last_at;  -- never goes backwards
+        END IF;
+        FOR r IN SELECT e.seq, e.event_id, e.type, e.schema_version, e.data, e.metadata FROM events e
+                 WHERE e.position IS NULL ORDER BY e.transaction_id, e.seq LOOP
+            pos := pos + 1;
+            prev := encode(sha256(convert_to(concat_ws(chr(31), prev, pos::text, r.event_id, r.type,
+                    r.schema_version::text, r.data, r.metadata, stamp), 'UTF8')), 'hex');
+            UPDATE events SET position = pos, hash = prev, recorded_at = stamp WHERE seq = r.seq;
+            positioned := positioned + 1;
+        END LOOP;
+        positions := ARRAY(SELECT e.position FROM unnest(want) WITH ORDINALITY AS w(s, o)
+                           LEFT JOIN events e ON e.seq = w.s ORDER BY w.o);
+    END $$;
     """,
 )
 
@@ -455,7 +602,6 @@ class PostgresBackend:
                     if _is_connection_error(exc):
                         raise _StaleConnection() from None  # nothing was sent: safe to retry
                     raise
-                await conn.execute("SELECT evstore_lock($1, $2)", self._key("!fence"), sorted(keys))
                 outcome = await self._decide_and_append(conn, job, keys)
                 if isinstance(outcome, err.EvstoreError):
                     await tx.rollback()
@@ -480,7 +626,12 @@ class PostgresBackend:
         self, conn: Any, job: Job, locked: set[int]
     ) -> tuple[Receipt, list[int]] | err.EvstoreError:
         key = job.idempotency_key
+        fence: int | None = self._key("!fence")
+        to_lock = sorted(locked)
         if key is not None:
+            # the key's lock first: the stored receipt is read under it
+            await conn.execute("SELECT evstore_lock($1, $2)", fence, to_lock)
+            fence, to_lock = None, []
             row = await conn.fetchrow("SELECT fingerprint, receipt FROM idempotency WHERE key = $1", key)
             if row is not None:
                 if row["fingerprint"] != job.fingerprint:
@@ -491,24 +642,24 @@ class PostgresBackend:
                 replayed = Receipt.from_json(row["receipt"])
                 return replayed, list(replayed.positions)  # stored as seqs
         while True:
-            state = await load_slice(conn, job.command)
+            state = await lock_load(conn, job.command, fence, to_lock)
             extra = {self._key(n) for n in _slice_names(state)} - locked
             if not extra:
                 break
             if min(extra) > max(locked):
-                await conn.execute("SELECT evstore_lock(NULL, $1)", sorted(extra))
+                # lock them and reload: what we read before holding these locks may be stale
+                fence, to_lock = None, sorted(extra)
                 locked |= extra
-                continue  # reload: what we read before holding these locks may be stale
+                continue
             raise _Relock(locked | extra)
         before = persisted.clone(state)
         try:
             events = decide(job.command, state)
         except err.EvstoreError as exc:
             return exc
-        seqs = await append_events(conn, events, job.metadata) if events else []
-        for seq, event in zip(seqs, events, strict=True):
-            evolve(state, event, -seq)  # resolved to the position once assigned (see module doc)
-        await apply_changes(conn, persisted.changes(before, state))
+        for index, event in enumerate(events):
+            evolve(state, event, OWN_EVENT - index)  # -seq once inserted (see evstore_write)
+        seqs = await write(conn, events, job.metadata, persisted.changes(before, state))
         n = needs(job.command)
         receipt = Receipt(
             tuple(seqs),
@@ -525,42 +676,52 @@ class PostgresBackend:
 
     async def _positions_of(self, seqs: Sequence[int]) -> tuple[int, ...]:
         """Positions of committed events, running the sequencer if they have none yet."""
+        want = list(seqs)
         for _ in range(3):
-            await self._sequenced()
-            async with self._connection() as conn:
-                rows = await self._guard(
-                    conn.fetch("SELECT seq, position FROM events WHERE seq = ANY($1::bigint[])", list(seqs)),
-                    "reading positions",
-                )
-            found = {r["seq"]: r["position"] for r in rows}
-            if len(found) == len(seqs) and all(found[s] is not None for s in seqs):
-                return tuple(found[s] for s in seqs)
-        raise err.StorageError(f"Committed events {list(seqs)} did not get positions", seqs=list(seqs))
+            found = await self._sequenced(want)
+            if found is None:  # positioned by a run this task shared: read them
+                async with self._connection() as conn:
+                    row = await self._guard(
+                        conn.fetchval(
+                            "SELECT ARRAY(SELECT e.position FROM unnest($1::bigint[]) "
+                            "WITH ORDINALITY AS w(s, o) LEFT JOIN events e ON e.seq = w.s ORDER BY w.o)",
+                            want,
+                        ),
+                        "reading positions",
+                    )
+                found = list(row)
+            positions = [p for p in found if p is not None]
+            if len(positions) == len(want):
+                return tuple(positions)
+        raise err.StorageError(f"Committed events {want} did not get positions", seqs=want)
 
-    async def _sequenced(self) -> None:
+    async def _sequenced(self, want: list[int]) -> list[int | None] | None:
         """Return once a sequencer run that started after this call has finished.
 
         Commits that finish while a run is in progress share the next run (in-process); other
-        processes' runs are serialised by the sequencer's advisory lock.
+        processes' runs are serialised by the sequencer's advisory lock. The task that runs it
+        gets the positions of ``want`` from it; a task that shared another's run gets ``None``.
         """
         target = self._seq_started + 1
         while self._seq_done < target:
             async with self._seq_lock:
                 if self._seq_done >= target:
-                    return
+                    return None
                 self._seq_started += 1
                 run = self._seq_started
                 try:
-                    await self._sequence_with_retry(wait=True)
+                    return (await self._sequence_with_retry(wait=True, want=want))[1]
                 finally:
                     self._seq_done = run
+        return None
 
-    async def _sequence_with_retry(self, wait: bool) -> int:
+    async def _sequence_with_retry(self, wait: bool, want: list[int]) -> tuple[int, list[int | None]]:
         last: BaseException | None = None
         for _ in range(3):
             try:
-                async with self._connection() as conn, conn.transaction():
-                    return await _sequence(conn, self._key("!sequencer"), wait)
+                async with self._connection() as conn:
+                    # one statement, its own transaction: the run commits before its lock is released
+                    return await _sequence(conn, self._key("!sequencer"), wait, want)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 if (
                     not _is_connection_error(exc)
@@ -579,8 +740,7 @@ class PostgresBackend:
         """
         if not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"):
             return 0
-        async with conn.transaction():
-            return await _sequence(conn, self._key("!sequencer"), wait=False)
+        return (await _sequence(conn, self._key("!sequencer"), False, []))[0]
 
     async def _guard(self, awaitable: Awaitable[Any], doing: str) -> Any:
         try:
@@ -648,7 +808,7 @@ class PostgresBackend:
     async def _fenced(self, conn: Any) -> None:
         """Inside a transaction: hold writers back, and position every committed event."""
         await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!fence"))
-        await _sequence(conn, self._key("!sequencer"), wait=True)
+        await _sequence(conn, self._key("!sequencer"), True, [])
 
     async def query(self, name: str, *args: Any) -> Any:
         fn = QUERIES[name]
@@ -833,44 +993,79 @@ def _slice_names(state: State) -> Iterable[str]:
 # --- the write path -----------------------------------------------------------------------------
 
 
-async def load_slice(conn: Any, command: Command) -> State:
-    """Load from the persisted projection exactly the entities ``decide(command)`` reads."""
+#: Positions of a command's own events, folded before their seqs exist: event ``i`` is folded at
+#: ``OWN_EVENT - i``, which ``evstore_write`` turns into that event's ``-seq`` (a position is
+#: never below ``-2**62``, a seq never above ``2**62``).
+OWN_EVENT = -(2**62)
+
+
+async def lock_load(conn: Any, command: Command, fence: int | None, keys: list[int]) -> State:
+    """Lock ``keys`` (and the fence, shared), then load exactly what ``decide(command)`` reads.
+
+    One round trip (``evstore_lock_load``): the consumers named, the migrations of the
+    instances named and the instances those act for, with their allocations; the providers
+    named, found by name or parent, or holding those allocations; the custom classes named.
+    """
     n = needs(command)
+    rows = await conn.fetch(
+        "SELECT * FROM evstore_lock_load($1, $2, $3, $4, $5, $6, $7, $8)",
+        fence,
+        keys,
+        sorted(n.consumers),
+        sorted(n.migrations_of),
+        sorted(n.provider_names),
+        sorted(n.children_of),
+        sorted(n.providers),
+        sorted(rc for rc in n.resource_classes if rc.startswith("CUSTOM_")),
+    )
     state = State()
-    consumers = set(n.consumers)
-    if n.migrations_of:
-        rows = await conn.fetch(
-            "SELECT uuid FROM p_consumers WHERE on_behalf_of = ANY($1::text[])", sorted(n.migrations_of)
-        )
-        consumers.update(r[0] for r in rows)
-    await _load_consumers(conn, state, consumers)
-    linked = {c.on_behalf_of for c in state.consumers.values() if c.on_behalf_of} - state.consumers.keys()
-    if linked:
-        await _load_consumers(conn, state, linked)
-    providers = set(n.providers)
-    for c in state.consumers.values():
-        providers.update(c.allocations)
-    if n.provider_names:
-        rows = await conn.fetch(
-            "SELECT uuid FROM p_providers WHERE name = ANY($1::text[])", sorted(n.provider_names)
-        )
-        providers.update(r[0] for r in rows)
-    if n.children_of:
-        rows = await conn.fetch(
-            "SELECT uuid FROM p_providers WHERE parent = ANY($1::text[])", sorted(n.children_of)
-        )
-        providers.update(r[0] for r in rows)
-    if providers:
-        for row in await conn.fetch(
-            f"SELECT {PROVIDER_COLUMNS} FROM p_providers WHERE uuid = ANY($1::text[])", sorted(providers)
-        ):
-            prov = persisted.provider_from_row(tuple(row))
-            state.providers[prov.uuid] = prov
-    custom = sorted(rc for rc in n.resource_classes if rc.startswith("CUSTOM_"))
-    if custom:
-        rows = await conn.fetch("SELECT name FROM p_classes WHERE name = ANY($1::text[])", custom)
-        state.custom_classes.update(r[0] for r in rows)
+    consumers = state.consumers
+    for kind, t1, t2, t3, t4, t5, t6, b1, b2, b3, b4 in rows:
+        if kind == 1:
+            consumers[t1] = ConsumerState(t1, t2, t3, t4, b1, {}, bool(b2), b3, t5, b4)
+        elif kind == 2:
+            consumers[t1].allocations.setdefault(t2, {})[t3] = b1
+        elif kind == 3:
+            state.providers[t1] = persisted.provider_from_row((t1, t2, t3, t4, b1, t5, t6))
+        else:
+            state.custom_classes.add(t1)
     return state
+
+
+async def write(
+    conn: Any, events: list[EventBase], metadata: dict[str, Any], cs: persisted.ChangeSet
+) -> list[int]:
+    """Insert the events (without positions: the sequencer assigns them after commit) and apply
+    the projection's changes, in one round trip (``evstore_write``); the events' seqs."""
+    ids = [str(_uuid.uuid4()) for _ in events]
+    entity_names: list[str] = []
+    entity_events: list[int] = []
+    for index, event in enumerate(events, start=1):
+        for entity in event.entities():
+            entity_names.append(entity)
+            entity_events.append(index)
+    providers = [persisted.provider_row(p) for p in cs.upsert_providers]
+    consumers = [persisted.consumer_row(c) for c in cs.upsert_consumers]
+    allocations = [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
+    seqs: list[int] = await conn.fetchval(
+        "SELECT evstore_write($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, "
+        "$18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31)",
+        ids,
+        [e.event_type for e in events],
+        [e.SCHEMA_VERSION for e in events],
+        [e.payload_json() for e in events],
+        json.dumps(metadata, separators=(",", ":"), sort_keys=True),
+        entity_names,
+        entity_events,
+        cs.delete_providers,
+        *_columns(providers, 7),
+        cs.delete_consumers,
+        cs.delete_consumers + [c.uuid for c in cs.replace_allocations],
+        *_columns(consumers, 9),
+        *_columns(allocations, 4),
+        cs.add_classes,
+    )
+    return list(seqs)
 
 
 async def _load_consumers(conn: Any, state: State, uuids: set[str]) -> None:
@@ -888,108 +1083,21 @@ async def _load_consumers(conn: Any, state: State, uuids: set[str]) -> None:
         state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
 
 
-async def append_events(conn: Any, events: list[EventBase], metadata: dict[str, Any]) -> list[int]:
-    """Insert events without positions (the sequencer assigns them after commit); their seqs."""
-    meta_json = json.dumps(metadata, separators=(",", ":"), sort_keys=True)
-    ids = [str(_uuid.uuid4()) for _ in events]
-    rows = await conn.fetch(
-        "INSERT INTO events (event_id, type, schema_version, data, metadata) "
-        "SELECT i, t, v, d, $5 FROM unnest($1::text[], $2::text[], $3::int[], $4::text[]) AS u(i, t, v, d) "
-        "RETURNING event_id, seq",
-        ids,
-        [e.event_type for e in events],
-        [e.SCHEMA_VERSION for e in events],
-        [e.payload_json() for e in events],
-        meta_json,
-    )
-    by_id = {r["event_id"]: r["seq"] for r in rows}
-    seqs = [by_id[i] for i in ids]
-    entity_rows = [(entity, seq) for seq, e in zip(seqs, events, strict=True) for entity in e.entities()]
-    if entity_rows:
-        await conn.executemany(
-            "INSERT INTO event_entities VALUES ($1, $2) ON CONFLICT DO NOTHING", entity_rows
-        )
-    return seqs
+def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
+    """Rows as ``width`` column arrays (for ``unnest``)."""
+    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
-async def apply_changes(conn: Any, cs: persisted.ChangeSet) -> None:
-    if cs.delete_providers:
-        await conn.execute("DELETE FROM p_providers WHERE uuid = ANY($1::text[])", cs.delete_providers)
-    if cs.upsert_providers:
-        await conn.executemany(
-            "INSERT INTO p_providers VALUES ($1,$2,$3,$4,$5,$6,$7) ON CONFLICT (uuid) DO UPDATE SET "
-            "name = EXCLUDED.name, parent = EXCLUDED.parent, root = EXCLUDED.root, "
-            "generation = EXCLUDED.generation, inventories = EXCLUDED.inventories, usages = EXCLUDED.usages",
-            [persisted.provider_row(p) for p in cs.upsert_providers],
-        )
-    gone = cs.delete_consumers + [c.uuid for c in cs.replace_allocations]
-    if gone:
-        await conn.execute("DELETE FROM p_allocations WHERE consumer = ANY($1::text[])", gone)
-    if cs.delete_consumers:
-        await conn.execute("DELETE FROM p_consumers WHERE uuid = ANY($1::text[])", cs.delete_consumers)
-    if cs.upsert_consumers:
-        await conn.executemany(
-            "INSERT INTO p_consumers VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9) ON CONFLICT (uuid) DO UPDATE SET "
-            "project_id = EXCLUDED.project_id, user_id = EXCLUDED.user_id, "
-            "consumer_type = EXCLUDED.consumer_type, generation = EXCLUDED.generation, "
-            "deleted = EXCLUDED.deleted, deleted_at = EXCLUDED.deleted_at, "
-            "on_behalf_of = EXCLUDED.on_behalf_of, allocated_at = EXCLUDED.allocated_at",
-            [persisted.consumer_row(c) for c in cs.upsert_consumers],
-        )
-    rows = [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
-    if rows:
-        await conn.executemany("INSERT INTO p_allocations VALUES ($1, $2, $3, $4)", rows)
-    if cs.add_classes:
-        await conn.executemany(
-            "INSERT INTO p_classes VALUES ($1) ON CONFLICT DO NOTHING", [(n,) for n in cs.add_classes]
-        )
+async def _sequence(conn: Any, lock_key: int, wait: bool, want: list[int]) -> tuple[int, list[int | None]]:
+    """Give every committed, unpositioned event its position, time and hash (``evstore_sequence``).
 
-
-async def _sequence(conn: Any, lock_key: int, wait: bool) -> int:
-    """Inside a transaction: give every committed, unpositioned event its position and hash.
-
+    Returns how many it positioned and the positions of the seqs in ``want``. Outside a
+    transaction it is one of its own; inside one, the lock is held to that transaction's end.
     With ``wait=False`` it returns at once (``0``) if another sequencer holds the lock: that one
     will position what is there (its run or the writer's own next run will).
     """
-    if wait:
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key)
-    elif not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", lock_key):
-        return 0
-    tail = await conn.fetchrow(
-        "SELECT position, hash, recorded_at FROM events WHERE position IS NOT NULL "
-        "ORDER BY position DESC LIMIT 1"
-    )
-    position, prev_hash, last_at = (0, GENESIS_HASH, "") if tail is None else tuple(tail)
-    total = 0
-    while True:
-        rows = await conn.fetch(
-            "SELECT seq, event_id, type, schema_version, data, metadata FROM events "
-            "WHERE position IS NULL ORDER BY transaction_id, seq LIMIT $1",
-            SEQUENCE_BATCH,
-        )
-        if not rows:
-            return total
-        now = now_iso()
-        recorded_at = now if now > last_at else last_at  # never goes backwards
-        seqs, positions, hashes = [], [], []
-        for seq, event_id, etype, version, data, metadata in rows:
-            position += 1
-            prev_hash = event_hash(prev_hash, position, event_id, etype, version, data, metadata, recorded_at)
-            seqs.append(seq)
-            positions.append(position)
-            hashes.append(prev_hash)
-        await conn.execute(
-            "UPDATE events e SET position = u.p, hash = u.h, recorded_at = $4 "
-            "FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS u(s, p, h) WHERE e.seq = u.s",
-            seqs,
-            positions,
-            hashes,
-            recorded_at,
-        )
-        last_at = recorded_at
-        total += len(rows)
-        if len(rows) < SEQUENCE_BATCH:
-            return total
+    row = await conn.fetchrow("SELECT * FROM evstore_sequence($1, $2, $3)", lock_key, wait, want)
+    return int(row[0]), list(row[1] or [])
 
 
 # --- whole-store reads --------------------------------------------------------------------------
