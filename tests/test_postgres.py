@@ -421,6 +421,35 @@ async def test_a_writer_whose_events_another_process_positioned_does_not_wait_fo
         assert (await reader.audit()).clean
 
 
+async def test_a_shared_sequencer_run_positions_the_events_of_every_task_sharing_it(pg_url: str) -> None:
+    # Tasks of one process that wait together share the next sequencer run. Its caller's own
+    # events may already be positioned (e.g. an idempotent replay's): the run must still
+    # position what the other tasks wait for, or they are told their events have no position.
+    async with open_store(pg_url) as store:
+        backend = pg(store)
+        rp = await make_provider(store, VCPU=4)
+
+        async def die(conn: Any) -> None:
+            raise RuntimeError("the process died between its commit and the sequencing")
+
+        backend._after_commit = die
+        with pytest.raises(StorageError):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        backend._after_commit = None
+        rows = await admin_fetch(pg_url, "SELECT seq FROM events WHERE position IS NULL")
+        pending = rows[0]["seq"]
+
+        await backend._seq_lock.acquire()  # a run in progress: both tasks wait for the next one
+        replay = asyncio.ensure_future(backend._sequenced([1]))  # seq 1 is positioned already
+        waiter = asyncio.ensure_future(backend._sequenced([pending]))
+        await asyncio.sleep(0)
+        backend._seq_lock.release()
+        assert await replay == [1]
+        assert await waiter is None  # shared the replay's run
+        assert (await store.stats())["unpositioned"] == 0
+        assert await backend._positions_of([pending]) == (3,)
+
+
 async def test_the_audit_sees_a_consistent_projection_while_writers_run(pg_url: str) -> None:
     async with open_store(pg_url) as auditor, open_store(pg_url) as writer:
         rp = await make_provider(writer, VCPU=Inventory(total=100_000))

@@ -164,7 +164,8 @@ MIGRATIONS: tuple[str, ...] = (
     ) RETURNS TABLE (
         kind smallint, t1 text, t2 text, t3 text, t4 text, t5 text, t6 text,
         b1 bigint, b2 bigint, b3 bigint, b4 bigint
-    ) LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    ) LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
     DECLARE cs text[]; ps text[];
     BEGIN
         PERFORM evstore_lock(fence, keys);
@@ -205,7 +206,8 @@ MIGRATIONS: tuple[str, ...] = (
         c_deleted integer[], c_deleted_at bigint[], c_behalf text[], c_allocated_at bigint[],
         a_consumer text[], a_provider text[], a_rc text[], a_used bigint[],
         new_classes text[]
-    ) RETURNS bigint[] LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    ) RETURNS bigint[] LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
     DECLARE seqs bigint[] := '{}'; s bigint; k integer;
     BEGIN
         -- one INSERT per event, in order: seqs follow the command's event order
@@ -248,13 +250,14 @@ MIGRATIONS: tuple[str, ...] = (
 
     CREATE OR REPLACE FUNCTION evstore_sequence(lock_key bigint, wait boolean, want bigint[],
                                      OUT positioned bigint, OUT positions bigint[])
-    LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
     DECLARE pos bigint; prev text; last_at text; stamp text; r record;
     BEGIN
         positioned := 0;
         -- events in ``want`` already positioned (by another process's run): nothing to wait for
-        positions := ARRAY(SELECT e.position FROM unnest(want) WITH ORDINALITY AS w(s, o)
-                           LEFT JOIN events e ON e.seq = w.s ORDER BY w.o);
+        positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
+                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
         IF cardinality(want) > 0 AND array_position(positions, NULL) IS NULL THEN
             RETURN;
         END IF;
@@ -264,8 +267,8 @@ MIGRATIONS: tuple[str, ...] = (
             RETURN;  -- another run holds it: that run (or the writer's own next one) positions them
         END IF;
         IF cardinality(want) > 0 THEN  -- the run we waited for may have positioned them
-            positions := ARRAY(SELECT e.position FROM unnest(want) WITH ORDINALITY AS w(s, o)
-                               LEFT JOIN events e ON e.seq = w.s ORDER BY w.o);
+            positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
+                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
             IF array_position(positions, NULL) IS NULL THEN
                 RETURN;
             END IF;
@@ -274,6 +277,8 @@ MIGRATIONS: tuple[str, ...] = (
         FROM events e WHERE e.position IS NOT NULL ORDER BY e.position DESC LIMIT 1;
         IF NOT FOUND THEN
             pos := 0; prev := repeat('0', 64); last_at := '';
+        ELSIF prev IS NULL OR last_at IS NULL THEN
+            RAISE EXCEPTION 'the event at position % has no hash or time: the log is damaged', pos;
         END IF;
         stamp := to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US') || '+00:00';
         IF stamp < last_at THEN
@@ -287,8 +292,8 @@ MIGRATIONS: tuple[str, ...] = (
             UPDATE events SET position = pos, hash = prev, recorded_at = stamp WHERE seq = r.seq;
             positioned := positioned + 1;
         END LOOP;
-        positions := ARRAY(SELECT e.position FROM unnest(want) WITH ORDINALITY AS w(s, o)
-                           LEFT JOIN events e ON e.seq = w.s ORDER BY w.o);
+        positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
+                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
     END $$;
     """,
 )
@@ -300,7 +305,6 @@ CONSUMER_COLUMNS = (
     "uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, allocated_at"
 )
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
-SEQUENCE_BATCH = 5000
 OPTIONS = (
     "pool_size",
     "min_pool_size",
@@ -421,6 +425,8 @@ class PostgresBackend:
         self._seq_lock = asyncio.Lock()
         self._seq_started = 0
         self._seq_done = 0
+        #: seqs awaited by the tasks that will share the next run (see _sequenced)
+        self._seq_wanted: list[int] = []
         #: test hooks: awaited with the connection just before COMMIT / after it, before sequencing
         self._before_commit: TestHook | None = None
         self._after_commit: TestHook | None = None
@@ -659,7 +665,7 @@ class PostgresBackend:
             return exc
         for index, event in enumerate(events):
             evolve(state, event, OWN_EVENT - index)  # -seq once inserted (see evstore_write)
-        seqs = await write(conn, events, job.metadata, persisted.changes(before, state))
+        seqs = await write(conn, events, job.metadata, persisted.changes(before, state)) if events else []
         n = needs(job.command)
         receipt = Receipt(
             tuple(seqs),
@@ -683,8 +689,8 @@ class PostgresBackend:
                 async with self._connection() as conn:
                     row = await self._guard(
                         conn.fetchval(
-                            "SELECT ARRAY(SELECT e.position FROM unnest($1::bigint[]) "
-                            "WITH ORDINALITY AS w(s, o) LEFT JOIN events e ON e.seq = w.s ORDER BY w.o)",
+                            "SELECT ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s) "
+                            "FROM unnest($1::bigint[]) WITH ORDINALITY AS w(s, o) ORDER BY w.o)",
                             want,
                         ),
                         "reading positions",
@@ -699,20 +705,26 @@ class PostgresBackend:
         """Return once a sequencer run that started after this call has finished.
 
         Commits that finish while a run is in progress share the next run (in-process); other
-        processes' runs are serialised by the sequencer's advisory lock. The task that runs it
-        gets the positions of ``want`` from it; a task that shared another's run gets ``None``.
+        processes' runs are serialised by the sequencer's advisory lock. A run is asked for the
+        seqs of every task sharing it (it may skip its work only when all of those are
+        positioned already); the task that runs it gets the positions of ``want`` from it, a
+        task that shared another's run gets ``None``.
         """
         target = self._seq_started + 1
+        self._seq_wanted.extend(want)  # before any await: the run this task waits for sees it
         while self._seq_done < target:
             async with self._seq_lock:
                 if self._seq_done >= target:
                     return None
                 self._seq_started += 1
                 run = self._seq_started
+                wanted, self._seq_wanted = self._seq_wanted, []
                 try:
-                    return (await self._sequence_with_retry(wait=True, want=want))[1]
+                    _, positions = await self._sequence_with_retry(wait=True, want=wanted)
                 finally:
                     self._seq_done = run
+                found = dict(zip(wanted, positions, strict=True))
+                return [found.get(s) for s in want]
         return None
 
     async def _sequence_with_retry(self, wait: bool, want: list[int]) -> tuple[int, list[int | None]]:
