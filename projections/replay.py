@@ -92,8 +92,9 @@ def fold_payloads(state: State, rows: list[PayloadRow]) -> None:
     of its fields (no model built) and handed to its fold; anything else goes through
     ``decode_event`` (upcasting, or a CorruptEvent that names the position).
     """
+    validators, folds = PAYLOAD_VALIDATORS.get, FOLDS  # (locals: this loop runs per event)
     for position, etype, version, data in rows:
-        found = PAYLOAD_VALIDATORS.get(etype)
+        found = validators(etype)
         fields = None
         if found is not None and found[0] == version:
             try:
@@ -103,7 +104,7 @@ def fold_payloads(state: State, rows: list[PayloadRow]) -> None:
         if fields is None:
             fields = decode_event(etype, version, data, position).__dict__
         state.position = position
-        FOLDS[etype](state, fields, position)
+        folds[etype](state, fields, position)
 
 
 class StateView:
