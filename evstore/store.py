@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any
 
 import structlog
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from evstore import commands as cmd
 from evstore import errors as err
@@ -77,6 +77,13 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
         json.dumps(merged)
     except (TypeError, ValueError):
         raise err.InvalidInput("metadata values must be JSON-serialisable") from None
+    try:
+        Metadata.model_validate(merged)  # what every reader of the log decodes it with
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}" for e in exc.errors()
+        )
+        raise err.InvalidInput(f"metadata is not valid: {problems}") from None
     return merged
 
 

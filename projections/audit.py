@@ -14,10 +14,17 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent
-from evstore.events import CAPACITY_PRESSURE, GENESIS_HASH, PAYLOAD_VALIDATORS, decode_event
+from evstore.events import (
+    CAPACITY_PRESSURE,
+    GENESIS_HASH,
+    METADATA_VALIDATOR,
+    PAYLOAD_VALIDATORS,
+    decode_event,
+)
 from projections.gcpause import gc_paused
 from projections.invariants import find_leaks
 from projections.state import FOLDS, State
@@ -156,7 +163,8 @@ class _Replay:
     def check(self, row: Any) -> None:
         report = self.report
         report.events_checked += 1
-        self.last_seen = max(self.last_seen, row.position)
+        if row.position > self.last_seen:
+            self.last_seen = row.position
         if row.position != self.expected:
             kind = "gap" if row.position > self.expected else "disorder"
             report.findings.append(
@@ -180,6 +188,30 @@ class _Replay:
                 )
             )
         self.prev_hash = row.hash
+        # The envelope, as every reader decodes it (evstore.log.sqlite.decode_raw): a row whose
+        # metadata or time cannot be read would make read(), history and tail fail there.
+        try:
+            METADATA_VALIDATOR(row.metadata)
+            aware = datetime.fromisoformat(row.recorded_at).tzinfo is not None
+        except (ValueError, TypeError) as exc:
+            report.findings.append(
+                Finding(
+                    "integrity",
+                    f"Cannot decode the envelope at position {row.position}: {_why(exc)}",
+                    (row.position,),
+                    {"reason": "undecodable"},
+                )
+            )
+        else:
+            if not aware:
+                report.findings.append(
+                    Finding(
+                        "integrity",
+                        f"recorded_at of position {row.position} has no time zone",
+                        (row.position,),
+                        {"reason": "undecodable"},
+                    )
+                )
         # As a replay folds (projections.replay.fold_payloads): the current schema version is
         # validated straight into a dict of its fields; anything else goes through decode_event,
         # which upcasts or names what is wrong.
@@ -199,6 +231,14 @@ class _Replay:
         self.state.position = row.position
         FOLDS[row.type](self.state, fields, row.position)
         self.over.update(self.state, row.type, fields, row.position)
+
+
+def _why(exc: Exception) -> str:
+    """One line saying what is wrong (a validation error lists its fields)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'metadata'}: {e['msg']}" for e in errors())
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def compare_states(replayed: State, persisted: State) -> list[Finding]:

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
-from evstore.events import GENESIS_HASH, RawEvent, decode_event
+from evstore.events import GENESIS_HASH, Metadata, RawEvent, decode_event
 
 EXPORT_FORMAT = "evstore-export"
 EXPORT_VERSION = 1
@@ -123,7 +123,7 @@ class ChainCheck:
             )
         try:
             decode_event(row.type, row.schema_version, row.data, row.position)
-            json.loads(row.metadata)
+            Metadata.model_validate_json(row.metadata)  # as readers decode it
             recorded = datetime.fromisoformat(row.recorded_at)
         except CorruptEvent as exc:
             raise _corrupt(exc.message, line, **exc.details) from None

@@ -58,7 +58,7 @@ async def replay(
                 batch = await pending
                 if not batch:
                     break
-                if isinstance(batch[0], tuple):
+                if type(batch[0]) is tuple:  # (a RawEvent is a named tuple: not this case)
                     pending = fetch(batch[-1][0])
                     fold_payloads(state, batch)
                     if progress is not None:

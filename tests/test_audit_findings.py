@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from evstore import AllocationStore, Inventory, open_store
+from evstore.errors import CorruptEvent
 from evstore.events import decode_event, event_hash
 from evstore.log import RawEvent
 from evstore.log.sqlite import SqliteBackend, now_iso
@@ -17,10 +18,17 @@ from projections.state import fold
 from tests.conftest import allocate, make_provider, new_uuid
 
 
-def chained(prev: Any, etype: str, data: dict[str, Any] | str, version: int = 1) -> RawEvent:
+def chained(
+    prev: Any,
+    etype: str,
+    data: dict[str, Any] | str,
+    version: int = 1,
+    meta: str = '{"actor":"old-writer"}',
+    at: str | None = None,
+) -> RawEvent:
     """A row that continues the hash chain after ``prev`` (what a buggy or older writer could append)."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    position, event_id, meta, at = prev.position + 1, new_uuid(), '{"actor":"old-writer"}', now_iso()
+    position, event_id, at = prev.position + 1, new_uuid(), now_iso() if at is None else at
     digest = event_hash(prev.hash, position, event_id, etype, version, text, meta, at)
     return RawEvent(position, event_id, etype, version, text, meta, at, digest)
 
@@ -73,6 +81,46 @@ async def test_corrupt_event_rows_are_integrity_findings_with_positions(sqlite_u
             (future.position,): "unknown_schema_version",
         }
         assert not report.drift  # the bad rows are skipped by the replay, the rest agrees
+
+
+async def test_rows_whose_envelope_readers_cannot_decode_are_integrity_findings(sqlite_url: str) -> None:
+    # The chain is intact and the payloads decode, but read(), history and tail decode the
+    # envelope too: the audit must not call such a log clean.
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        backend = await _sqlite(store)
+        payload = {"provider": rp, "name": "renamed"}
+        bad_meta = chained(await _tail(store), "ProviderUpdated", payload, meta='{"request_id":5}')
+        naive_time = chained(bad_meta, "ProviderUpdated", payload, at="2026-01-01T00:00:00")
+        bad_time = chained(naive_time, "ProviderUpdated", payload, at="yesterday")
+        for row in (bad_meta, naive_time, bad_time):
+            await backend.tamper(
+                "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
+                (row.position, row.event_id, row.type, row.schema_version, row.data, row.metadata,
+                 row.recorded_at, row.hash),
+            )  # fmt: skip
+        report = await store.audit()
+        assert {f.positions: f.details.get("reason") for f in report.integrity} == {
+            (bad_meta.position,): "undecodable",
+            (naive_time.position,): "undecodable",
+            (bad_time.position,): "undecodable",
+        }
+        assert "request_id" in report.integrity[0].message
+
+
+async def test_an_export_whose_metadata_readers_cannot_decode_is_refused(tmp_path: Path) -> None:
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, VCPU=8)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    bad = chained(last, "ProviderUpdated", {"provider": rp, "name": "x"}, meta='{"actor":["not","text"]}')
+    header = parse_header(lines[0])
+    lines[0] = ExportHeader(header.events + 1, header.head + 1, bad.hash).to_line()
+    lines.append(row_line(bad))
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        with pytest.raises(CorruptEvent, match="actor"):
+            await store.import_events(lambda: iter(lines))
+        assert await store.head() == 0
 
 
 async def test_the_first_broken_position_of_the_hash_chain_is_reported(sqlite_url: str) -> None:

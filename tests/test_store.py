@@ -396,3 +396,19 @@ def test_the_value_models_refuse_bad_values_with_typed_errors() -> None:
         allocations={}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=3
     )
     assert ca.consumer_generation == 3
+
+
+async def test_metadata_readers_could_not_decode_is_refused_and_nothing_is_written(
+    store: AllocationStore,
+) -> None:
+    head = await store.head()
+    for bad in ({"request_id": 5}, {"actor": ["a"]}, {"correlation_id": {"x": 1}}):
+        with pytest.raises(InvalidInput, match="metadata is not valid") as info:
+            await store.create_provider(new_uuid(), "node", metadata=bad)
+        assert info.value.code == "evstore.invalid_input"
+        assert next(iter(bad)) in info.value.message
+    assert await store.head() == head
+    rp = new_uuid()
+    await store.create_provider(rp, "node", metadata={"request_id": "req-1", "extra": [1, 2]})
+    [event] = [e async for e in store.history(rp)]
+    assert event.metadata.request_id == "req-1"

@@ -520,7 +520,7 @@ class SqliteBackend:
                 f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?",
                 (after, limit),
             ).fetchall()
-            return [RawEvent(*r) for r in rows]
+            return list(map(RawEvent._make, rows))
 
         return await self._on_reader(q)
 
@@ -547,7 +547,7 @@ class SqliteBackend:
                 f"WHERE entity IN ({_in_clause(len(keys))}) AND position > ?) ORDER BY e.position LIMIT ?",
                 (*keys, after, limit),
             ).fetchall()
-            return [RawEvent(*r) for r in rows]
+            return list(map(RawEvent._make, rows))
 
         return [decode_raw(r) for r in await self._on_reader(q)]
 
