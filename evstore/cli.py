@@ -12,12 +12,14 @@ import asyncio
 import json
 import logging
 import os
+import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import structlog
 import typer
@@ -30,6 +32,9 @@ from typer._click.exceptions import ClickException
 from evstore import errors as err
 from projections.audit import AuditReport
 from projections.state import State
+
+if TYPE_CHECKING:
+    from evstore.store import AllocationStore
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -115,6 +120,15 @@ def resolve_url(db: Path | None, url: str | None, *, must_exist: bool = True) ->
         if path != ":memory:" and not Path(path).exists():
             raise err.NotFound(f"no database at {path}")
     return chosen
+
+
+def open_existing(target: str, **options: Any) -> AbstractAsyncContextManager[AllocationStore]:
+    """Open a store that must already exist (a PostgreSQL schema without one is not created)."""
+    from evstore.store import open_store
+
+    if target.startswith(("postgres://", "postgresql://")):
+        options["create"] = False
+    return open_store(target, **options)
 
 
 def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
@@ -219,8 +233,8 @@ def demo(
 ) -> None:
     """Simulate a small cloud (builds, resizes, migrations, deletes racing reverts), then audit it.
 
-    Uses ./evstore-demo.db unless told otherwise; an existing demo file is replaced. Exit 0 only
-    when the final audit is clean.
+    Uses ./evstore-demo.db unless told otherwise; a database a previous demo wrote is replaced,
+    any other existing file is refused. Exit 0 only when the final audit is clean.
     """
 
     async def work() -> int:
@@ -289,8 +303,35 @@ def demo(
     run(work)
 
 
+def _is_demo_database(path: Path) -> bool:
+    """Whether ``path`` is an evstore database every event of which the demo wrote."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False
+    try:
+        other = conn.execute(
+            "SELECT 1 FROM events WHERE coalesce(json_extract(metadata, '$.actor'), '') NOT LIKE 'demo-%' "
+            "LIMIT 1"
+        ).fetchone()
+        return other is None
+    except sqlite3.Error:  # not SQLite, or not an evstore store
+        return False
+    finally:
+        conn.close()
+
+
 def _fresh_file(path: Path) -> Path:
-    """Remove a previous demo database (and its WAL files) so the demo starts empty."""
+    """Remove a previous demo database (and its WAL files) so the demo starts empty.
+
+    Anything else at ``path`` (another store, any other file) is left alone: the demo refuses.
+    """
+    if path.exists() and not _is_demo_database(path):
+        fail(
+            "evstore.invalid_input",
+            f"{path} exists and is not a database the demo wrote: the demo replaces only its own "
+            "files. Give another --db, or remove it yourself.",
+        )
     removed = []
     for suffix in ("", "-wal", "-shm"):
         candidate = Path(str(path) + suffix)
@@ -307,10 +348,9 @@ def audit(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
     """Replay the log and check it: drift, leaks, over-capacity, integrity. Exit 3 on findings."""
 
     async def work() -> int:
-        from evstore.store import open_store
 
         target = resolve_url(db, url)
-        async with open_store(target) as store:
+        async with open_existing(target) as store:
             report = await store.audit()
         if json_out:
             emit_json(report.to_dict())
@@ -452,10 +492,9 @@ def history(
 
     async def work() -> int:
         from evstore.schema import normalize_uuid
-        from evstore.store import open_store
 
         key = normalize_uuid(uuid)
-        async with open_store(resolve_url(db, url)) as store:
+        async with open_existing(resolve_url(db, url)) as store:
             names = await provider_names(store)
             found = [r async for r in store.history(key)]
         if json_out:
@@ -502,12 +541,11 @@ def state(
 
     async def work() -> int:
         from evstore.schema import normalize_uuid
-        from evstore.store import open_store
         from projections.replay import StateView
 
         if provider is not None and consumer is not None:
             raise err.InvalidInput("give --provider or --consumer, not both")
-        async with open_store(resolve_url(db, url)) as store:
+        async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
             if at is None:
                 view = StateView(await store.backend.load_state())
@@ -628,9 +666,8 @@ def diff(
     """What changed between two points of the log, and which events (positions) did it."""
 
     async def work() -> int:
-        from evstore.store import open_store
 
-        async with open_store(resolve_url(db, url)) as store:
+        async with open_existing(resolve_url(db, url)) as store:
             result = await store.diff(parse_point(a, "A"), parse_point(b, "B"))
             names = await provider_names(store)
         if json_out:
@@ -679,14 +716,16 @@ def tail(
     """Print events as they are appended (by any process), until interrupted (Ctrl-C)."""
 
     async def work() -> int:
-        from evstore.store import open_store
 
-        async with open_store(resolve_url(db, url)) as store:
+        async with open_existing(resolve_url(db, url)) as store:
             start = await store.head() if after is None else after
             head = await store.head()
             names = await provider_names(store)
             out = console()
-            note(f"following {store.url} after position {start} (Ctrl-C to stop)")
+            if follow:
+                note(f"following {store.url} after position {start} (Ctrl-C to stop)")
+            else:
+                note(f"events of {store.url} after position {start} up to {head}")
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK
@@ -744,9 +783,8 @@ def rebuild(
     """Refold the persisted projection from the log and repair it (snapshots are dropped too)."""
 
     async def work() -> int:
-        from evstore.store import open_store
 
-        async with open_store(resolve_url(db, url)) as store:
+        async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("rebuilding", total=head or 1)
@@ -775,10 +813,9 @@ def snapshot(
     """Take the missing snapshots of the folded state (every N events) so time travel is fast."""
 
     async def work() -> int:
-        from evstore.store import open_store
 
         options: dict[str, Any] = {} if every is None else {"snapshot_every": every}
-        async with open_store(resolve_url(db, url), **options) as store:
+        async with open_existing(resolve_url(db, url), **options) as store:
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("folding", total=head or 1)
@@ -799,10 +836,9 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
     """Event counts by type, head position, database size and snapshot positions."""
 
     async def work() -> int:
-        from evstore.store import open_store
 
         target = resolve_url(db, url)
-        async with open_store(target) as store:
+        async with open_existing(target) as store:
             found = dict(await store.stats())
             found["snapshot_positions"] = await store.snapshot_positions()
         if json_out:
@@ -838,9 +874,8 @@ def export(
     """Write the whole log as JSON lines (a header, then every row verbatim, hashes included)."""
 
     async def work() -> int:
-        from evstore.store import open_store
 
-        async with open_store(resolve_url(db, url)) as store:
+        async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
             if output is None:
                 async for line in store.export():

@@ -11,7 +11,9 @@ from tests.test_cli_support import demo_db, evstore
 
 def test_demo_prints_usage_summary_and_a_clean_audit(tmp_path: Path) -> None:
     db = tmp_path / "demo.db"
-    db.write_text("not a database")  # a previous file is replaced, and the demo says so
+    first = evstore("demo", "--db", str(db), "--seed", "5", "--instances", "20", "--nodes", "4")
+    assert first.returncode == 0, first.stderr
+    # a previous demo's database is replaced, and the demo says so
     done = evstore("demo", "--db", str(db), "--seed", "5", "--instances", "50", "--nodes", "4")
     assert done.returncode == 0, done.stderr
     assert "removed existing demo.db" in done.stderr
@@ -21,6 +23,22 @@ def test_demo_prints_usage_summary_and_a_clean_audit(tmp_path: Path) -> None:
     assert "evstore.consumer.deleted" in done.stdout
     assert "clean" in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_demo_refuses_to_replace_a_file_it_did_not_write(tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a database")
+    store = demo_db(tmp_path / "cloud.db", instances=10)
+    with sqlite3.connect(store) as conn:  # one event the demo did not write: another store now
+        conn.execute('UPDATE events SET metadata = \'{"actor":"nova"}\' WHERE position = 1')
+    before = store.read_bytes()
+    for path in (text, store):
+        done = evstore("demo", "--db", str(path), "--instances", "10")
+        assert done.returncode == 1
+        assert "evstore.invalid_input" in done.stderr and "not a database the demo wrote" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert text.read_text() == "not a database"
+    assert store.read_bytes() == before
 
 
 def test_demo_json_is_deterministic_for_a_seed(tmp_path: Path) -> None:

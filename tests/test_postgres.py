@@ -85,6 +85,28 @@ async def test_an_older_schema_is_migrated_on_open(pg_url: str) -> None:
     assert rows[0]["value"] == str(SCHEMA_VERSION)
 
 
+async def test_a_schema_without_a_store_is_refused_when_it_must_exist(pg_url: str) -> None:
+    from evstore import NotFound
+    from tests.test_cli_support import evstore
+
+    with pytest.raises(NotFound, match="No evstore store in schema"):
+        async with open_store(pg_url, create=False):
+            pass
+    tables = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+    assert await admin_fetch(pg_url, tables) == []  # nothing was created
+    # the read-only CLI commands open with create=False: a typo in the URL is an error, not a new store
+    for command in ("audit", "stats", "tail"):
+        extra = ["--no-follow"] if command == "tail" else []
+        done = await asyncio.to_thread(evstore, command, "--url", pg_url, *extra)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert "evstore.not_found" in done.stderr and "Traceback" not in done.stderr
+    assert await admin_fetch(pg_url, tables) == []
+    async with open_store(pg_url) as store:  # the default creates it
+        await make_provider(store, VCPU=1)
+    async with open_store(pg_url, create=False) as store:
+        assert await store.head() == 2
+
+
 async def test_a_newer_schema_is_refused(pg_url: str) -> None:
     async with open_store(pg_url) as store:
         await pg(store).tamper("UPDATE evstore_meta SET value = '99' WHERE key = 'schema_version'")

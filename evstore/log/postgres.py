@@ -312,6 +312,7 @@ OPTIONS = (
     "command_timeout",
     "max_retries",
     "statement_cache_size",
+    "create",
 )
 
 TestHook = Callable[[Any], Awaitable[None]]
@@ -414,6 +415,8 @@ class PostgresBackend:
             self.command_timeout = None if timeout is None else float(timeout)
             self.max_retries = int(options.get("max_retries", 10))
             self.statement_cache_size = int(options.get("statement_cache_size", 100))
+            #: False: refuse to open a database (schema) that holds no store instead of creating one
+            self.create = bool(options.get("create", True))
         except (TypeError, ValueError):
             raise err.InvalidInput("pool sizes and retries must be integers, timeouts numbers") from None
         if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
@@ -498,7 +501,14 @@ class PostgresBackend:
                     # Serialise concurrent opens of the same store; the key is per database+schema.
                     await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!migrate"))
                     found = 0
-                    if await conn.fetchval("SELECT to_regclass('evstore_meta')") is not None:
+                    exists = await conn.fetchval("SELECT to_regclass('evstore_meta')") is not None
+                    if not exists and not self.create:
+                        raise err.NotFound(
+                            f"No evstore store in schema {schema!r} of {self.safe_url} (check the URL "
+                            "and its search_path, or create one, e.g. with `evstore demo --url ...`)",
+                            url=self.safe_url,
+                        )
+                    if exists:
                         value = await conn.fetchval(
                             "SELECT value FROM evstore_meta WHERE key = 'schema_version'"
                         )
@@ -769,7 +779,7 @@ class PostgresBackend:
             return int(value or 0)
 
     async def read_raw(self, after: int, limit: int) -> list[RawEvent]:
-        return [RawEvent(*r) for r in await self._read_rows(EVENT_COLUMNS, after, limit)]
+        return list(map(RawEvent._make, await self._read_rows(EVENT_COLUMNS, after, limit)))
 
     async def read_payloads(self, after: int, limit: int) -> list[PayloadRow]:
         rows = await self._read_rows("position, type, schema_version, data", after, limit)
