@@ -26,6 +26,8 @@ log = structlog.get_logger("evstore.snapshots")
 
 #: bump when the encoding changes; snapshots of another format are ignored (and re-made).
 SNAPSHOT_FORMAT = 1
+#: provider slices: 2 keeps each holder's project, user, type and generation with its resources
+PROVIDER_SLICE_FORMAT = 2
 DEFAULT_SNAPSHOT_EVERY = 10_000
 
 
@@ -145,16 +147,17 @@ def decode_state(text: str) -> State:
 
 def provider_slices(state: State) -> dict[str, str]:
     """Every provider's slice of ``state``, encoded (one pass over the consumers)."""
-    holders: dict[str, dict[str, dict[str, int]]] = {uuid: {} for uuid in state.providers}
+    holders: dict[str, dict[str, list[Any]]] = {uuid: {} for uuid in state.providers}
     for c in state.consumers.values():
         for provider, resources in c.allocations.items():
             if provider in holders:
-                holders[provider][c.uuid] = resources
+                holder = [resources, c.project_id, c.user_id, c.consumer_type, c.generation]
+                holders[provider][c.uuid] = holder
     out = {}
     for uuid, p in state.providers.items():
         row = _provider_row(p)
         doc = {
-            "format": SNAPSHOT_FORMAT,
+            "format": PROVIDER_SLICE_FORMAT,
             "position": state.position,
             "provider": row,
             "holders": holders[uuid],
@@ -165,14 +168,16 @@ def provider_slices(state: State) -> dict[str, str]:
 
 def decode_provider_slice(text: str) -> State:
     raw = _loads(text)
-    if raw.get("format") != SNAPSHOT_FORMAT:
-        raise InvalidInput(f"Unsupported snapshot format {raw.get('format')!r}")
+    if raw.get("format") != PROVIDER_SLICE_FORMAT:
+        raise InvalidInput(f"Unsupported provider slice format {raw.get('format')!r}")
     provider = _provider_from_row(raw["provider"])
     uuid = provider.uuid
     state = State(position=int(raw["position"]))
     state.providers[uuid] = provider
-    for consumer, resources in raw["holders"].items():
-        state.consumers[consumer] = ConsumerState(consumer, allocations={uuid: dict(resources)}, generation=0)
+    for consumer, (resources, project, user, ctype, generation) in raw["holders"].items():
+        state.consumers[consumer] = ConsumerState(
+            consumer, project, user, ctype, generation, allocations={uuid: dict(resources)}
+        )
     return state
 
 
@@ -207,7 +212,7 @@ async def fold_entity_to(
     state = State()
     kind, _, uuid = entity.partition(":")
     if kind == "provider" and supports_provider_snapshots(backend):
-        found = await backend.load_provider_snapshot(uuid, position, SNAPSHOT_FORMAT)  # type: ignore[attr-defined]
+        found = await backend.load_provider_snapshot(uuid, position, PROVIDER_SLICE_FORMAT)  # type: ignore[attr-defined]
         if found is not None:
             sliced = _decoded(decode_provider_slice, found, entity)
             if sliced is not None:
@@ -264,7 +269,7 @@ async def fold_to(
                     if supports_provider_snapshots(backend):
                         slices = sorted(provider_slices(state).items())
                         await backend.save_provider_snapshots(  # type: ignore[attr-defined]
-                            raw.position, raw.hash, SNAPSHOT_FORMAT, slices
+                            raw.position, raw.hash, PROVIDER_SLICE_FORMAT, slices
                         )
             fold_payloads(state, rows[folded:])
             after = batch[-1].position

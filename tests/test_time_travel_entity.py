@@ -39,6 +39,14 @@ async def _compare(url: str, seed: int, every: int, fractions: list[float]) -> N
                     continue
                 assert await sliced.usage(u) == want
                 assert await sliced.provider_allocations(u) == await naive.provider_allocations(u)
+                for holder in await naive.provider_allocations(u):  # what `evstore state` shows of them
+                    got, truth = sliced.state.consumers[holder], naive.state.consumers[holder]
+                    assert (got.project_id, got.user_id, got.consumer_type, got.generation) == (
+                        truth.project_id,
+                        truth.user_id,
+                        truth.consumer_type,
+                        truth.generation,
+                    )
             for c in consumers:
                 assert await (await store.state_at(position=p, consumer=c)).allocations(
                     c
