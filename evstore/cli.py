@@ -123,12 +123,11 @@ def resolve_url(db: Path | None, url: str | None, *, must_exist: bool = True) ->
 
 
 def open_existing(target: str, **options: Any) -> AbstractAsyncContextManager[AllocationStore]:
-    """Open a store that must already exist (a PostgreSQL schema without one is not created)."""
+    """Open a store that must already exist: a database (file or PostgreSQL schema) without one is
+    refused with NotFound, never turned into an empty store."""
     from evstore.store import open_store
 
-    if target.startswith(("postgres://", "postgresql://")):
-        options["create"] = False
-    return open_store(target, **options)
+    return open_store(target, create=False, **options)
 
 
 def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
@@ -310,11 +309,11 @@ def _is_demo_database(path: Path) -> bool:
     except sqlite3.Error:
         return False
     try:
-        other = conn.execute(
-            "SELECT 1 FROM events WHERE coalesce(json_extract(metadata, '$.actor'), '') NOT LIKE 'demo-%' "
-            "LIMIT 1"
+        events, others = conn.execute(
+            "SELECT count(*), total(coalesce(json_extract(metadata, '$.actor'), '') NOT LIKE 'demo-%') "
+            "FROM events"
         ).fetchone()
-        return other is None
+        return bool(events) and not others  # an empty store is not the demo's: it may be anyone's
     except sqlite3.Error:  # not SQLite, or not an evstore store
         return False
     finally:

@@ -78,10 +78,14 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
     except (TypeError, ValueError):
         raise err.InvalidInput("metadata values must be JSON-serialisable") from None
     try:
-        Metadata.model_validate(merged)  # what every reader of the log decodes it with
+        # as every reader of the log decodes it: from the JSON text that is stored
+        Metadata.model_validate_json(json.dumps(merged))
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}" for e in exc.errors()
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}"
+            if e["loc"]
+            else f"a value is not valid unicode text ({e['msg']})"  # e.g. a lone surrogate
+            for e in exc.errors()
         )
         raise err.InvalidInput(f"metadata is not valid: {problems}") from None
     return merged

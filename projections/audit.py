@@ -189,7 +189,8 @@ class _Replay:
             )
         self.prev_hash = row.hash
         # The envelope, as every reader decodes it (evstore.log.sqlite.decode_raw): a row whose
-        # metadata or time cannot be read would make read(), history and tail fail there.
+        # metadata or time cannot be read would make read(), history and tail fail there. (A time
+        # without a zone reads, but import refuses it: reported on its own.)
         try:
             METADATA_VALIDATOR(row.metadata)
             aware = datetime.fromisoformat(row.recorded_at).tzinfo is not None
@@ -209,7 +210,7 @@ class _Replay:
                         "integrity",
                         f"recorded_at of position {row.position} has no time zone",
                         (row.position,),
-                        {"reason": "undecodable"},
+                        {"reason": "naive_time"},
                     )
                 )
         # As a replay folds (projections.replay.fold_payloads): the current schema version is

@@ -24,10 +24,10 @@ from projections.state import ConsumerState, ProviderState, State, evolve
 
 log = structlog.get_logger("evstore.snapshots")
 
-#: bump when the encoding changes; snapshots of another format are ignored (and re-made).
-SNAPSHOT_FORMAT = 1
-#: provider slices: 2 keeps each holder's project, user, type and generation with its resources
-PROVIDER_SLICE_FORMAT = 2
+#: bump when the encoding changes; snapshots of another format are ignored (and re-made). Whole-store
+#: snapshots and provider slices share it: slices are re-made only where whole-store snapshots are.
+#: 2: provider slices keep each holder's project, user, type and generation with its resources.
+SNAPSHOT_FORMAT = 2
 DEFAULT_SNAPSHOT_EVERY = 10_000
 
 
@@ -157,7 +157,7 @@ def provider_slices(state: State) -> dict[str, str]:
     for uuid, p in state.providers.items():
         row = _provider_row(p)
         doc = {
-            "format": PROVIDER_SLICE_FORMAT,
+            "format": SNAPSHOT_FORMAT,
             "position": state.position,
             "provider": row,
             "holders": holders[uuid],
@@ -168,7 +168,7 @@ def provider_slices(state: State) -> dict[str, str]:
 
 def decode_provider_slice(text: str) -> State:
     raw = _loads(text)
-    if raw.get("format") != PROVIDER_SLICE_FORMAT:
+    if raw.get("format") != SNAPSHOT_FORMAT:
         raise InvalidInput(f"Unsupported provider slice format {raw.get('format')!r}")
     provider = _provider_from_row(raw["provider"])
     uuid = provider.uuid
@@ -212,7 +212,7 @@ async def fold_entity_to(
     state = State()
     kind, _, uuid = entity.partition(":")
     if kind == "provider" and supports_provider_snapshots(backend):
-        found = await backend.load_provider_snapshot(uuid, position, PROVIDER_SLICE_FORMAT)  # type: ignore[attr-defined]
+        found = await backend.load_provider_snapshot(uuid, position, SNAPSHOT_FORMAT)  # type: ignore[attr-defined]
         if found is not None:
             sliced = _decoded(decode_provider_slice, found, entity)
             if sliced is not None:
@@ -269,7 +269,7 @@ async def fold_to(
                     if supports_provider_snapshots(backend):
                         slices = sorted(provider_slices(state).items())
                         await backend.save_provider_snapshots(  # type: ignore[attr-defined]
-                            raw.position, raw.hash, PROVIDER_SLICE_FORMAT, slices
+                            raw.position, raw.hash, SNAPSHOT_FORMAT, slices
                         )
             fold_payloads(state, rows[folded:])
             after = batch[-1].position

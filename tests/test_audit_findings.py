@@ -102,7 +102,7 @@ async def test_rows_whose_envelope_readers_cannot_decode_are_integrity_findings(
         report = await store.audit()
         assert {f.positions: f.details.get("reason") for f in report.integrity} == {
             (bad_meta.position,): "undecodable",
-            (naive_time.position,): "undecodable",
+            (naive_time.position,): "naive_time",
             (bad_time.position,): "undecodable",
         }
         assert "request_id" in report.integrity[0].message

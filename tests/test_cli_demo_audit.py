@@ -32,13 +32,34 @@ def test_demo_refuses_to_replace_a_file_it_did_not_write(tmp_path: Path) -> None
     with sqlite3.connect(store) as conn:  # one event the demo did not write: another store now
         conn.execute('UPDATE events SET metadata = \'{"actor":"nova"}\' WHERE position = 1')
     before = store.read_bytes()
-    for path in (text, store):
+    empty = tmp_path / "empty.db"  # an evstore store without events: it may be anyone's
+    with sqlite3.connect(empty) as conn:
+        conn.execute("CREATE TABLE events (position INTEGER PRIMARY KEY, metadata TEXT)")
+        conn.execute("CREATE TABLE precious (x)")
+    for path in (text, store, empty):
         done = evstore("demo", "--db", str(path), "--instances", "10")
         assert done.returncode == 1
         assert "evstore.invalid_input" in done.stderr and "not a database the demo wrote" in done.stderr
         assert "Traceback" not in done.stderr
     assert text.read_text() == "not a database"
     assert store.read_bytes() == before
+    with sqlite3.connect(empty) as conn:
+        assert conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'precious'").fetchone() == (1,)
+
+
+def test_read_only_commands_never_turn_a_file_into_a_store(tmp_path: Path) -> None:
+    blank = tmp_path / "blank.db"
+    blank.write_bytes(b"")
+    foreign = tmp_path / "app.db"
+    with sqlite3.connect(foreign) as conn:
+        conn.execute("CREATE TABLE accounts (id INTEGER PRIMARY KEY)")
+    for path in (blank, foreign):
+        before = path.read_bytes()
+        for command in ("audit", "stats", "rebuild"):
+            done = evstore(command, "--db", str(path))
+            assert done.returncode == 1, (command, done.stdout, done.stderr)
+            assert "evstore.not_found" in done.stderr and "no evstore tables" in done.stderr
+        assert path.read_bytes() == before
 
 
 def test_demo_json_is_deterministic_for_a_seed(tmp_path: Path) -> None:

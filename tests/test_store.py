@@ -402,13 +402,30 @@ async def test_metadata_readers_could_not_decode_is_refused_and_nothing_is_writt
     store: AllocationStore,
 ) -> None:
     head = await store.head()
-    for bad in ({"request_id": 5}, {"actor": ["a"]}, {"correlation_id": {"x": 1}}):
+    for bad in ({"request_id": 5}, {"actor": ["a"]}, {"correlation_id": {"x": 1}}, {"request_id": "\ud800"}):
         with pytest.raises(InvalidInput, match="metadata is not valid") as info:
             await store.create_provider(new_uuid(), "node", metadata=bad)
         assert info.value.code == "evstore.invalid_input"
-        assert next(iter(bad)) in info.value.message
+        if bad != {"request_id": "\ud800"}:
+            assert next(iter(bad)) in info.value.message
     assert await store.head() == head
     rp = new_uuid()
     await store.create_provider(rp, "node", metadata={"request_id": "req-1", "extra": [1, 2]})
     [event] = [e async for e in store.history(rp)]
     assert event.metadata.request_id == "req-1"
+
+
+async def test_open_with_create_false_refuses_a_database_without_a_store(tmp_path: Path) -> None:
+    blank = tmp_path / "blank.db"
+    blank.write_bytes(b"")
+    with pytest.raises(NotFound, match="no evstore tables"):
+        async with open_store(f"sqlite:///{blank}", create=False):
+            pass
+    assert blank.read_bytes() == b""
+    with pytest.raises(InvalidInput, match="create must be"):
+        async with open_store(f"sqlite:///{blank}", create="maybe"):
+            pass
+    async with open_store(f"sqlite:///{blank}") as store:  # the default creates it
+        await store.create_provider(new_uuid(), "node")
+    async with open_store(f"sqlite:///{blank}", create=False) as store:
+        assert await store.head() == 1

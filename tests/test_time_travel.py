@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from evstore import AllocationStore, InvalidInput, open_store
 from evstore.log.sqlite import SqliteBackend
 from projections.replay import replay
-from projections.snapshots import decode_state, encode_state
+from projections.snapshots import SNAPSHOT_FORMAT, decode_state, encode_state
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_projections_support import random_workload
 
@@ -66,7 +68,8 @@ async def test_a_snapshot_whose_event_was_altered_is_not_used(tmp_path: Path) ->
         target = min(12, head)
         truth = await replay(store.backend.read, target)
         # poison the snapshot at 10: while its event is intact, time travel trusts it (proof it is used)
-        empty = '{"consumers":[],"custom_classes":[],"format":1,"position":10,"providers":[]}'
+        nothing: dict[str, object] = {"consumers": [], "custom_classes": [], "providers": []}
+        empty = json.dumps({**nothing, "format": SNAPSHOT_FORMAT, "position": 10})
         await backend.tamper("UPDATE snapshots SET state = ? WHERE position = 10", (empty,))
         await backend.tamper("DELETE FROM snapshots WHERE position <> 10")
         assert (await store.state_at(position=target)).state != truth
@@ -76,7 +79,12 @@ async def test_a_snapshot_whose_event_was_altered_is_not_used(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
-    "damage", ["not json at all", '{"format":1}', '{"format":1,"position":10,"providers":7}']
+    "damage",
+    [
+        "not json at all",
+        f'{{"format":{SNAPSHOT_FORMAT}}}',
+        f'{{"format":{SNAPSHOT_FORMAT},"position":10,"providers":7}}',
+    ],
 )
 async def test_an_unreadable_snapshot_is_skipped_not_fatal(tmp_path: Path, damage: str) -> None:
     # snapshots are a cache: a damaged row (whole store or one provider's slice) makes time travel
@@ -115,3 +123,37 @@ async def test_state_at_a_time_and_the_queries_on_it(store: AllocationStore) -> 
         await store.state_at(at=datetime.now())  # naive time
     with pytest.raises(InvalidInput):
         await store.state_at(position=1, at=before)
+
+
+async def test_snapshots_of_an_older_format_are_made_again(tmp_path: Path) -> None:
+    # Provider slices are re-made only where whole-store snapshots are: when the encoding of
+    # either changes, both must be taken again, or old slices would be ignored forever.
+    import sqlite3
+
+    path = tmp_path / "store.db"
+    async with open_store(f"sqlite:///{path}", snapshot_every=10) as store:
+        rp = await make_provider(store, VCPU=100)
+        holder = new_uuid()
+        for consumer in (holder, *(new_uuid() for _ in range(29))):
+            await allocate(store, consumer, {rp: {"VCPU": 1}})
+        await store.take_snapshots()
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        for table in ("snapshots", "provider_snapshots"):
+            await backend.tamper(f"UPDATE {table} SET format = 1")  # what an older evstore wrote
+        await store.take_snapshots()
+        answered_from: list[object] = []
+        load_slice = backend.load_provider_snapshot
+
+        async def spy(*args: Any) -> Any:
+            answered_from.append(await load_slice(*args))
+            return answered_from[-1]
+
+        backend.load_provider_snapshot = spy  # type: ignore[method-assign]
+        view = await store.state_at(position=25, provider=rp)
+        assert answered_from and answered_from[-1] is not None  # a slice, not a fold from the start
+        assert view.state.consumers[holder].consumer_type == "INSTANCE"
+    with sqlite3.connect(path) as conn:
+        for table in ("snapshots", "provider_snapshots"):
+            formats = {f for (f,) in conn.execute(f"SELECT DISTINCT format FROM {table}")}
+            assert formats == {SNAPSHOT_FORMAT}, table

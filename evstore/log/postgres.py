@@ -416,9 +416,11 @@ class PostgresBackend:
             self.max_retries = int(options.get("max_retries", 10))
             self.statement_cache_size = int(options.get("statement_cache_size", 100))
             #: False: refuse to open a database (schema) that holds no store instead of creating one
-            self.create = bool(options.get("create", True))
+            self.create = options.get("create", True)
         except (TypeError, ValueError):
             raise err.InvalidInput("pool sizes and retries must be integers, timeouts numbers") from None
+        if not isinstance(self.create, bool):
+            raise err.InvalidInput(f"create must be True or False, got {self.create!r}")
         if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None

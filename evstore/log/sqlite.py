@@ -22,6 +22,7 @@ import uuid as _uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
@@ -456,6 +457,11 @@ class SqliteBackend:
             self.busy_timeout_ms = int(float(merged.pop("busy_timeout", "30")) * 1000)
         except ValueError:
             raise err.InvalidInput("busy_timeout must be a number of seconds") from None
+        create = merged.pop("create", "true").lower()
+        if create not in ("true", "false", "1", "0"):
+            raise err.InvalidInput(f"create must be true or false, got {create!r}")
+        #: False: refuse a database that holds no store instead of creating the tables in it
+        self.create = create in ("true", "1")
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
 
@@ -482,9 +488,15 @@ class SqliteBackend:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
                 raise err.StorageError(f"Cannot open {self.url}: directory {parent} does not exist")
+        if not self.create and await asyncio.to_thread(_holds_no_store, self.path):
+            # checked read-only first: opening for writing would already turn the file into a database
+            raise err.NotFound(
+                f"No evstore store in {self.path}: the database holds no evstore tables (check the "
+                "path, or create a store, e.g. with `evstore demo --db ...`)"
+            )
         try:
             self._writer = await self._connect()
-            await self._on_writer(_ensure_schema)
+            await self._on_writer(lambda conn: _ensure_schema(conn, self.create, self.path))
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
@@ -724,10 +736,33 @@ def _retry_busy(fn: Callable[[], T], attempts: int = 5) -> T:
     raise AssertionError("unreachable")
 
 
-def _ensure_schema(conn: sqlite3.Connection) -> None:
+def _holds_no_store(path: str) -> bool:
+    """Whether ``path`` is missing, or a SQLite database without evstore's tables (read-only check;
+    a file that is not a database at all is left to the normal open, which reports it)."""
+    if path == ":memory:":
+        return True
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return True  # cannot be opened read-only: it does not exist
+    try:
+        meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'")
+        return meta.fetchone() is None
+    except sqlite3.DatabaseError:
+        return False  # not a database: the open fails with that message
+    finally:
+        conn.close()
+
+
+def _ensure_schema(conn: sqlite3.Connection, create: bool = True, path: str = "") -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         exists = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
+        if not exists and not create:
+            raise err.NotFound(
+                f"No evstore store in {path}: the database holds no evstore tables (check the path, "
+                "or create a store, e.g. with `evstore demo --db ...`)"
+            )
         if exists:
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             found = int(row[0]) if row else None
