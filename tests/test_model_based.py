@@ -117,9 +117,12 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.cm = open_store("sqlite://")
+        self.cm = open_store(self.store_url())
         self.store: AllocationStore = self.loop.run_until_complete(self.cm.__aenter__())
         self.model = Model()
+
+    def store_url(self) -> str:
+        return "sqlite://"
 
     def teardown(self) -> None:
         self.loop.run_until_complete(self.cm.__aexit__(None, None, None))
@@ -309,3 +312,22 @@ StoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestStoreMachine = StoreMachine.TestCase
+
+
+class PostgresStoreMachine(StoreMachine):
+    """The same rules against PostgreSQL's write path (server-side functions), a fresh schema each."""
+
+    def store_url(self) -> str:
+        from tests.pg import fresh_database_url
+
+        return fresh_database_url()
+
+
+if os.environ.get("EVSTORE_TEST_POSTGRES_URL"):
+    PostgresStoreMachine.TestCase.settings = settings(
+        max_examples=300 if SLOW else 15,
+        stateful_step_count=30 if SLOW else 20,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    TestPostgresStoreMachine = PostgresStoreMachine.TestCase
