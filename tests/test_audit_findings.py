@@ -33,6 +33,12 @@ def chained(
     return RawEvent(position, event_id, etype, version, text, meta, at, digest)
 
 
+async def _append(backend: SqliteBackend, *rows: RawEvent) -> None:
+    """Insert rows verbatim behind the store's back (a RawEvent is the row, in column order)."""
+    for row in rows:
+        await backend.tamper("INSERT INTO events VALUES (?,?,?,?,?,?,?,?)", tuple(row))
+
+
 async def _tail(store: AllocationStore) -> RawEvent:
     head = await store.head()
     [row] = await store.backend.read_raw(head - 1, 1)
@@ -67,12 +73,7 @@ async def test_corrupt_event_rows_are_integrity_findings_with_positions(sqlite_u
         bad_json = chained(await _tail(store), "AllocationsReleased", "{not json")
         unknown = chained(bad_json, "InstanceTeleported", {"consumer": rp})
         future = chained(unknown, "ProviderUpdated", {"provider": rp, "name": "x"}, version=99)
-        for row in (bad_json, unknown, future):
-            await backend.tamper(
-                "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
-                (row.position, row.event_id, row.type, row.schema_version, row.data, row.metadata,
-                 row.recorded_at, row.hash),
-            )  # fmt: skip
+        await _append(backend, bad_json, unknown, future)
         report = await store.audit()
         reasons = {f.positions: f.details.get("reason") for f in report.integrity}
         assert reasons == {
@@ -93,12 +94,7 @@ async def test_rows_whose_envelope_readers_cannot_decode_are_integrity_findings(
         bad_meta = chained(await _tail(store), "ProviderUpdated", payload, meta='{"request_id":5}')
         naive_time = chained(bad_meta, "ProviderUpdated", payload, at="2026-01-01T00:00:00")
         bad_time = chained(naive_time, "ProviderUpdated", payload, at="yesterday")
-        for row in (bad_meta, naive_time, bad_time):
-            await backend.tamper(
-                "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
-                (row.position, row.event_id, row.type, row.schema_version, row.data, row.metadata,
-                 row.recorded_at, row.hash),
-            )  # fmt: skip
+        await _append(backend, bad_meta, naive_time, bad_time)
         report = await store.audit()
         assert {f.positions: f.details.get("reason") for f in report.integrity} == {
             (bad_meta.position,): "undecodable",

@@ -305,12 +305,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.loop.run_until_complete(check())
 
 
-StoreMachine.TestCase.settings = settings(
-    max_examples=2000 if SLOW else 60,
-    stateful_step_count=40 if SLOW else 25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+def _settings(examples: int, steps: int, slow_examples: int, slow_steps: int) -> settings:
+    return settings(
+        max_examples=slow_examples if SLOW else examples,
+        stateful_step_count=slow_steps if SLOW else steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+StoreMachine.TestCase.settings = _settings(60, 25, 2000, 40)
 TestStoreMachine = StoreMachine.TestCase
 
 
@@ -324,10 +328,5 @@ class PostgresStoreMachine(StoreMachine):
 
 
 if os.environ.get("EVSTORE_TEST_POSTGRES_URL"):
-    PostgresStoreMachine.TestCase.settings = settings(
-        max_examples=300 if SLOW else 15,
-        stateful_step_count=30 if SLOW else 20,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
+    PostgresStoreMachine.TestCase.settings = _settings(15, 20, 300, 30)  # a schema per example
     TestPostgresStoreMachine = PostgresStoreMachine.TestCase

@@ -65,7 +65,7 @@ async def test_an_older_schema_is_migrated_on_open(pg_url: str) -> None:
         rp = await make_provider(store, VCPU=4)
         # what a version-1 store looked like: no snapshots table, no write-path functions
         await pg(store).tamper("DROP TABLE snapshots")
-        for fn in ("evstore_lock_load", "evstore_write", "evstore_sequence"):
+        for fn in ("evstore_lock_load", "evstore_write", "evstore_positions", "evstore_sequence"):
             await pg(store).tamper(f"DROP FUNCTION {fn}")
         await pg(store).tamper("UPDATE evstore_meta SET value = '1' WHERE key = 'schema_version'")
     async with open_store(pg_url) as store:

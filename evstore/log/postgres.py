@@ -248,6 +248,12 @@ MIGRATIONS: tuple[str, ...] = (
         RETURN seqs;
     END $$;
 
+    -- the positions of these seqs, in their order (NULL: not positioned, or no such event)
+    CREATE OR REPLACE FUNCTION evstore_positions(want bigint[]) RETURNS bigint[] LANGUAGE sql STABLE AS $$
+        SELECT ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
+                     FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o)
+    $$;
+
     CREATE OR REPLACE FUNCTION evstore_sequence(lock_key bigint, wait boolean, want bigint[],
                                      OUT positioned bigint, OUT positions bigint[])
     LANGUAGE plpgsql
@@ -256,8 +262,7 @@ MIGRATIONS: tuple[str, ...] = (
     BEGIN
         positioned := 0;
         -- events in ``want`` already positioned (by another process's run): nothing to wait for
-        positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
-                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
+        positions := evstore_positions(want);
         IF cardinality(want) > 0 AND array_position(positions, NULL) IS NULL THEN
             RETURN;
         END IF;
@@ -267,8 +272,7 @@ MIGRATIONS: tuple[str, ...] = (
             RETURN;  -- another run holds it: that run (or the writer's own next one) positions them
         END IF;
         IF cardinality(want) > 0 THEN  -- the run we waited for may have positioned them
-            positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
-                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
+            positions := evstore_positions(want);
             IF array_position(positions, NULL) IS NULL THEN
                 RETURN;
             END IF;
@@ -292,8 +296,7 @@ MIGRATIONS: tuple[str, ...] = (
             UPDATE events SET position = pos, hash = prev, recorded_at = stamp WHERE seq = r.seq;
             positioned := positioned + 1;
         END LOOP;
-        positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
-                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
+        positions := evstore_positions(want);
     END $$;
     """,
 )
@@ -700,11 +703,7 @@ class PostgresBackend:
             if found is None:  # positioned by a run this task shared: read them
                 async with self._connection() as conn:
                     row = await self._guard(
-                        conn.fetchval(
-                            "SELECT ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s) "
-                            "FROM unnest($1::bigint[]) WITH ORDINALITY AS w(s, o) ORDER BY w.o)",
-                            want,
-                        ),
+                        conn.fetchval("SELECT evstore_positions($1)", want),
                         "reading positions",
                     )
                 found = list(row)
@@ -1046,7 +1045,7 @@ async def lock_load(conn: Any, command: Command, fence: int | None, keys: list[i
     consumers = state.consumers
     for kind, t1, t2, t3, t4, t5, t6, b1, b2, b3, b4 in rows:
         if kind == 1:
-            consumers[t1] = ConsumerState(t1, t2, t3, t4, b1, {}, bool(b2), b3, t5, b4)
+            consumers[t1] = persisted.consumer_from_row((t1, t2, t3, t4, b1, b2, b3, t5, b4))
         elif kind == 2:
             consumers[t1].allocations.setdefault(t2, {})[t3] = b1
         elif kind == 3:

@@ -496,7 +496,7 @@ class SqliteBackend:
             )
         try:
             self._writer = await self._connect()
-            await self._on_writer(lambda conn: _ensure_schema(conn, self.create, self.path))
+            await self._on_writer(_ensure_schema)
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
@@ -754,15 +754,10 @@ def _holds_no_store(path: str) -> bool:
         conn.close()
 
 
-def _ensure_schema(conn: sqlite3.Connection, create: bool = True, path: str = "") -> None:
+def _ensure_schema(conn: sqlite3.Connection) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         exists = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
-        if not exists and not create:
-            raise err.NotFound(
-                f"No evstore store in {path}: the database holds no evstore tables (check the path, "
-                "or create a store, e.g. with `evstore demo --db ...`)"
-            )
         if exists:
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             found = int(row[0]) if row else None
