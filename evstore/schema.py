@@ -26,8 +26,14 @@ STANDARD_CLASSES: frozenset[str] = frozenset(os_resource_classes.STANDARDS)
 UuidLike = str | _uuid.UUID
 
 
+#: a uuid already in the form normalize_uuid returns (the common case: checked without parsing)
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+
+
 def normalize_uuid(value: object, what: str = "uuid") -> str:
     """Return the lowercase dashed form of a uuid given as ``str`` or ``UUID``."""
+    if type(value) is str and _CANONICAL_UUID.match(value):
+        return value
     if isinstance(value, _uuid.UUID):
         return str(value)
     if isinstance(value, str):

@@ -66,6 +66,7 @@ def command_metadata(**metadata: Any) -> Iterator[None]:
 
 
 def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, Any]:
+    """The caller's metadata (this context's, then the command's own), not yet checked."""
     merged = dict(_command_metadata.get() or {})
     if isinstance(metadata, Metadata):
         merged.update(metadata.model_dump(exclude_none=True))
@@ -73,22 +74,28 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
         if not isinstance(metadata, Mapping):
             raise err.InvalidInput("metadata must be a mapping or evstore.Metadata")
         merged.update({str(k): v for k, v in metadata.items() if v is not None})
+    return merged
+
+
+def _metadata_json(meta: dict[str, Any], check: bool) -> str:
+    """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
+    caller values) as every reader of the log decodes it: from that text."""
     try:
-        json.dumps(merged)
+        text = json.dumps(meta, separators=(",", ":"), sort_keys=True)
     except (TypeError, ValueError):
         raise err.InvalidInput("metadata values must be JSON-serialisable") from None
-    try:
-        # as every reader of the log decodes it: from the JSON text that is stored
-        Metadata.model_validate_json(json.dumps(merged))
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}"
-            if e["loc"]
-            else f"a value is not valid unicode text ({e['msg']})"  # e.g. a lone surrogate
-            for e in exc.errors()
-        )
-        raise err.InvalidInput(f"metadata is not valid: {problems}") from None
-    return merged
+    if check:
+        try:
+            Metadata.model_validate_json(text)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}"
+                if e["loc"]
+                else f"a value is not valid unicode text ({e['msg']})"  # e.g. a lone surrogate
+                for e in exc.errors()
+            )
+            raise err.InvalidInput(f"metadata is not valid: {problems}") from None
+    return text
 
 
 def _fingerprint(command: cmd.Command) -> str:
@@ -232,11 +239,18 @@ class AllocationStore:
             raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
         key = _validate_key(idempotency_key)
         meta = _metadata_dict(metadata)
+        from_caller = bool(meta)
         meta["command"] = type(command).__name__
         meta["command_id"] = _uuid.uuid4().hex
         if key is not None:
             meta["idempotency_key"] = key
-        job = Job(command, meta, key, _fingerprint(command) if key is not None else "")
+        job = Job(
+            command,
+            meta,
+            _metadata_json(meta, from_caller),
+            key,
+            _fingerprint(command) if key is not None else "",
+        )
         fut: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
         self._queue.append((job, fut))
         self._wake.set()

@@ -6,6 +6,8 @@ per-row min/max/step, generation arithmetic.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from evstore import errors as err
@@ -27,7 +29,7 @@ from evstore.commands import (
     WriteAllocations,
     decide,
 )
-from evstore.schema import Inventory
+from evstore.schema import Inventory, normalize_uuid
 from projections.state import State, evolve
 
 RP1 = "00000000-0000-0000-0000-0000000000a1"
@@ -476,3 +478,27 @@ def test_releasing_a_tombstoned_consumer_is_not_found() -> None:
     when(state, DeleteConsumer(C1))
     with pytest.raises(err.NotFound, match="deleted at position"):
         when(state, Release(C1))
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab", "6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab"),
+        ("6F1F4CF0-4A7E-4C5E-9F0E-0123456789AB", "6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab"),
+        ("{6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab}", "6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab"),
+        ("6f1f4cf04a7e4c5e9f0e0123456789ab", "6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab"),
+        (uuid.UUID("6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab"), "6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab"),
+    ],
+)
+def test_uuids_are_normalised_to_lowercase_dashed_text(given: object, expected: str) -> None:
+    got = normalize_uuid(given, "consumer uuid")
+    assert got == expected and type(got) is str
+
+
+@pytest.mark.parametrize(
+    "given",
+    ["6f1f4cf0-4a7e-4c5e-9f0e-0123456789ab\n", "6f1f4cf0-4a7e-4c5e-9f0e-0123456789a", "x" * 36, 12, None],
+)
+def test_malformed_uuids_are_refused_even_near_the_canonical_form(given: object) -> None:
+    with pytest.raises(err.InvalidInput, match="Malformed consumer uuid"):
+        normalize_uuid(given, "consumer uuid")

@@ -26,6 +26,8 @@ from projections.state import State
 class Job:
     command: Command
     metadata: dict[str, Any]
+    #: ``metadata`` as stored with each event: sorted keys, compact (made once, at submit)
+    metadata_json: str
     idempotency_key: str | None = None
     fingerprint: str = ""
 

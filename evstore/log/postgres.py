@@ -72,7 +72,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import random
 import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -680,7 +679,8 @@ class PostgresBackend:
             return exc
         for index, event in enumerate(events):
             evolve(state, event, OWN_EVENT - index)  # -seq once inserted (see evstore_write)
-        seqs = await write(conn, events, job.metadata, persisted.changes(before, state)) if events else []
+        changes = persisted.changes(before, state)
+        seqs = await write(conn, events, job.metadata_json, changes) if events else []
         n = needs(job.command)
         receipt = Receipt(
             tuple(seqs),
@@ -1055,9 +1055,7 @@ async def lock_load(conn: Any, command: Command, fence: int | None, keys: list[i
     return state
 
 
-async def write(
-    conn: Any, events: list[EventBase], metadata: dict[str, Any], cs: persisted.ChangeSet
-) -> list[int]:
+async def write(conn: Any, events: list[EventBase], metadata_json: str, cs: persisted.ChangeSet) -> list[int]:
     """Insert the events (without positions: the sequencer assigns them after commit) and apply
     the projection's changes, in one round trip (``evstore_write``); the events' seqs."""
     ids = [str(_uuid.uuid4()) for _ in events]
@@ -1077,7 +1075,7 @@ async def write(
         [e.event_type for e in events],
         [e.SCHEMA_VERSION for e in events],
         [e.payload_json() for e in events],
-        json.dumps(metadata, separators=(",", ":"), sort_keys=True),
+        metadata_json,
         entity_names,
         entity_events,
         cs.delete_providers,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
-import json
 import operator
 import os
 import sqlite3
@@ -123,15 +123,19 @@ class _Tail:
     position: int
     hash: str
     recorded_at: str
+    #: the write transaction's clock (read once per batch): every event it appends is recorded at it
+    now: str
 
 
+@functools.lru_cache(maxsize=1024)  # (most queries name 1-3 keys)
 def _in_clause(n: int) -> str:
     return ",".join("?" * n)
 
 
 def _chunks(items: list[str], size: int = 500) -> Iterable[list[str]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+    if len(items) <= size:
+        return (items,)
+    return (items[i : i + size] for i in range(0, len(items), size))
 
 
 # --- work done on the database thread ---------------------------------------------------------
@@ -198,8 +202,8 @@ def _read_tail(conn: sqlite3.Connection) -> _Tail:
         "SELECT position, hash, recorded_at FROM events ORDER BY position DESC LIMIT 1"
     ).fetchone()
     if row is None:
-        return _Tail(0, GENESIS_HASH, "")
-    return _Tail(row[0], row[1], row[2])
+        return _Tail(0, GENESIS_HASH, "", now_iso())
+    return _Tail(row[0], row[1], row[2], now_iso())
 
 
 def _time_ordered_uuid() -> str:
@@ -213,11 +217,11 @@ def _time_ordered_uuid() -> str:
 
 
 def append_events(
-    conn: sqlite3.Connection, tail: _Tail, events: list[EventBase], metadata: dict[str, Any]
+    conn: sqlite3.Connection, tail: _Tail, events: list[EventBase], meta_json: str
 ) -> list[tuple[int, EventBase]]:
-    """Insert events after ``tail`` (advancing it) with hash chain and entity index."""
-    meta_json = json.dumps(metadata, separators=(",", ":"), sort_keys=True)
-    now = now_iso()
+    """Insert events after ``tail`` (advancing it) with hash chain and entity index; ``meta_json``
+    is the command's metadata as stored (``Job.metadata_json``)."""
+    now = tail.now
     recorded_at = now if now > tail.recorded_at else tail.recorded_at  # never goes backwards
     rows = []
     entity_rows: list[tuple[str, int]] = []
@@ -372,7 +376,7 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _BatchCache
     # From here on the job writes: nothing may reject it any more (see run_batch).
     try:
         wanted = State(providers=dict(state.providers), consumers=dict(state.consumers))
-        appended = append_events(conn, tail, events, job.metadata) if events else []
+        appended = append_events(conn, tail, events, job.metadata_json) if events else []
         for position, event in appended:
             evolve(state, event, position)
         cache.settle(wanted, state)
