@@ -14,10 +14,12 @@ import pytest
 from evstore import (
     AllocationStore,
     CapacityExceeded,
+    ConcurrentUpdate,
     ConsumerAllocations,
     DuplicateName,
     EvstoreError,
     Inventory,
+    StorageError,
     open_store,
 )
 from tests.conftest import allocate, make_provider, new_uuid
@@ -266,3 +268,93 @@ async def _names_and_children_in_one_batch(store: AllocationStore) -> None:
     names = {p.uuid: p.name for p in (await store.replay()).providers.values()}
     assert names == {a: "renamed", c: "twin", root: "root"}
     assert (await store.audit()).clean
+
+
+# --- the SQLite writer remembers the entities it loaded from one group commit to the next -------
+
+
+async def test_a_writer_sees_what_another_connection_committed_since_its_last_group_commit(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path}/two.db"
+    async with open_store(url) as a, open_store(url) as b:
+        rp = await make_provider(a, VCPU=8)
+        c = new_uuid()
+        await allocate(a, c, {rp: {"VCPU": 1}})  # a now remembers c and rp
+        g1 = (await a.allocations(c)).generation
+        await allocate(b, c, {rp: {"VCPU": 3}}, generation=g1)  # b changes both behind a's back
+        g2 = (await b.allocations(c)).generation
+        assert g2 != g1
+        with pytest.raises(ConcurrentUpdate):
+            await allocate(a, c, {rp: {"VCPU": 2}}, generation=g1)
+        await allocate(a, c, {rp: {"VCPU": 2}}, generation=g2)
+        with pytest.raises(CapacityExceeded):  # a counts b's usage of rp too: 2 held, 7 more do not fit
+            await allocate(a, new_uuid(), {rp: {"VCPU": 7}})
+        assert (await a.usage(rp)).usages == {"VCPU": 2}
+        assert (await a.audit()).clean
+
+
+async def test_a_group_commit_that_rolls_back_is_forgotten(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from evstore.log import sqlite as sqlite_backend
+
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        g1 = (await store.allocations(c)).generation
+        real = sqlite_backend.apply_changes
+
+        def fail_once(conn: object, cs: object) -> None:
+            monkeypatch.setattr(sqlite_backend, "apply_changes", real)
+            raise OSError("disk gone")
+
+        monkeypatch.setattr(sqlite_backend, "apply_changes", fail_once)
+        with pytest.raises(StorageError):
+            await allocate(store, c, {rp: {"VCPU": 5}}, generation=g1)
+        # nothing of the failed write is left, in the database or in what the writer remembers
+        assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
+        await allocate(store, c, {rp: {"VCPU": 7}}, generation=g1)
+        assert (await store.usage(rp)).usages == {"VCPU": 7}
+        assert (await store.audit()).clean
+
+
+async def test_names_and_children_stay_right_from_one_group_commit_to_the_next(store_url: str) -> None:
+    async with open_store(store_url) as store:
+        a, b, root = new_uuid(), new_uuid(), new_uuid()
+        await store.create_provider(root, "root")
+        await store.create_provider(a, "twin", parent=root)
+        await store.rename_provider(a, "renamed")
+        await store.create_provider(b, "twin")  # the old name is free
+        with pytest.raises(DuplicateName):
+            await store.create_provider(new_uuid(), "renamed")
+        with pytest.raises(EvstoreError) as info:
+            await store.delete_provider(root)  # a is its child
+        assert info.value.code == "placement.resource_provider.cannot_delete_parent"
+        await store.delete_provider(a)
+        await store.delete_provider(root)
+        assert set((await store.replay()).providers) == {b}
+        assert (await store.audit()).clean
+
+
+async def test_commands_decide_on_the_rebuilt_projection_not_on_what_the_writer_loaded_before(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path}/damaged.db"
+    async with open_store(url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        g1 = (await store.allocations(c)).generation
+    with sqlite3.connect(tmp_path / "damaged.db") as db:  # the projection is damaged
+        db.execute("UPDATE p_consumers SET generation = 99 WHERE uuid = ?", (c,))
+    async with open_store(url) as store:
+        with pytest.raises(ConcurrentUpdate):  # decided on the damaged row (the writer loads it)
+            await allocate(store, c, {rp: {"VCPU": 2}}, generation=g1)
+        await store.rebuild()  # on the writer's own connection
+        await allocate(store, c, {rp: {"VCPU": 2}}, generation=g1)
+        assert (await store.usage(rp)).usages == {"VCPU": 2}
+        assert (await store.audit()).clean

@@ -243,55 +243,99 @@ def append_events(
     return out
 
 
-class _BatchCache:
-    """The entities the jobs of one batch have loaded, as they stand after the jobs so far.
+class _WriterCache:
+    """The projection's entities as this writer connection knows them, kept from one write
+    transaction (group commit) to the next, and what the current transaction's jobs did to them.
 
-    A hot provider is loaded once per batch instead of once per job, and the projection rows
-    are written once, at the end of the batch (or before a job that must query the projection
-    through a secondary index: provider names, children, migrations of an instance, classes).
-    ``before`` keeps what the projection held, so the write-back is exactly the difference.
+    A hot provider or consumer is loaded once, not once per job or per batch: between this
+    connection's transactions the cache equals the stored rows as long as no other connection
+    commits, which ``PRAGMA data_version`` tells at the start of each transaction (it changes
+    exactly when another connection committed). Anything else that could make the two differ
+    drops the cache: a transaction that rolls back, any other work on this connection
+    (:meth:`SqliteBackend._on_writer`), or growing past :attr:`LIMIT` entities.
+
+    The projection rows are written once per transaction (``flush``), or before a job that
+    creates a class. ``before`` holds a copy, taken when a job first touches it, of each entity
+    the transaction touched, as stored: the write-back is exactly the difference. Entities found
+    through a secondary index (provider names, children, an instance's migrations) are looked
+    up in the stored rows, which are current for every entity this transaction has not touched,
+    and among the touched ones by their current value.
     """
 
+    #: past this many remembered entities (present or known absent), start again: memory stays
+    #: bounded by the working set, not by the store
+    LIMIT = 20_000
+
     def __init__(self) -> None:
-        self.before = State()
+        self.data_version: int | None = None
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop everything remembered (the next transaction loads what it needs again)."""
         self.now = State()
+        #: uuids whose presence (in ``now``) or absence is known
         self.known_consumers: set[str] = set()
         self.known_providers: set[str] = set()
+        #: custom classes known to be stored
+        self.stored_classes: set[str] = set()
+        self.data_version = None
+        self._clean()
+
+    def _clean(self) -> None:
+        self.before = State()
+        self.touched_consumers: set[str] = set()
+        self.touched_providers: set[str] = set()
+
+    def begin(self, conn: sqlite3.Connection) -> None:
+        """First thing in each write transaction: keep what is remembered only if no other
+        connection has committed since this one's last transaction, and it is not too big."""
+        version = conn.execute("PRAGMA data_version").fetchone()[0]
+        if version != self.data_version or len(self.known_consumers) + len(self.known_providers) > self.LIMIT:
+            self.forget()
+        self.data_version = version
+        self._clean()
 
     def flush(self, conn: sqlite3.Connection) -> None:
-        apply_changes(conn, persisted.changes(self.before, self.now))
-        self.before, self.now = State(), State()
-        self.known_consumers, self.known_providers = set(), set()
+        now = self.now
+        after = State(
+            providers={u: now.providers[u] for u in self.touched_providers if u in now.providers},
+            consumers={u: now.consumers[u] for u in self.touched_consumers if u in now.consumers},
+            custom_classes=now.custom_classes,
+        )
+        self.before.custom_classes = self.stored_classes
+        apply_changes(conn, persisted.changes(self.before, after))
+        self.stored_classes = set(now.custom_classes)
+        self._clean()
 
     def _take(self, conn: sqlite3.Connection, kind: str, wanted: set[str], into: State) -> None:
-        known = self.known_consumers if kind == "consumers" else self.known_providers
+        consumers = kind == "consumers"
+        known = self.known_consumers if consumers else self.known_providers
+        touched = self.touched_consumers if consumers else self.touched_providers
+        current = getattr(self.now, kind)
+        stored = getattr(self.before, kind)
+        clone = persisted.clone_consumer if consumers else persisted.clone_provider
         missing = wanted - known
         if missing:
             loaded = State()
-            if kind == "consumers":
+            if consumers:
                 _load_consumers(conn, loaded, missing)
             else:
                 _load_providers(conn, loaded, missing)
             known |= missing
-            found = getattr(loaded, kind)
-            for uuid, entity in found.items():
-                clone = persisted.clone_consumer if kind == "consumers" else persisted.clone_provider
-                getattr(self.before, kind)[uuid] = clone(entity)
-                getattr(self.now, kind)[uuid] = entity
-        current = getattr(self.now, kind)
+            current.update(getattr(loaded, kind))
+        for uuid in wanted - touched:  # first touched by this transaction: keep it as stored
+            if uuid in current:
+                stored[uuid] = clone(current[uuid])
+        touched |= wanted
         target = getattr(into, kind)
         for uuid in wanted:
             if uuid in current:
                 target[uuid] = current[uuid]
 
     def load(self, conn: sqlite3.Connection, command: Any, n: Needs) -> State:
-        """The slice ``decide(command)`` reads (``n = needs(command)``), sharing this batch's objects.
+        """The slice ``decide(command)`` reads (``n = needs(command)``), sharing this cache's objects.
 
-        Entities are found by uuid in this cache or the projection. Those found through a
-        secondary index (provider names, children, an instance's migrations) are looked up in the
-        projection's index and in this cache: an entity the batch already holds is judged by its
-        current value, not by its persisted row (which the batch may have changed). A command
-        that creates a class first flushes the cache.
+        A command that creates a class first flushes the cache.
         """
         consumers = set(n.consumers)
         providers = set(n.providers)
@@ -306,13 +350,13 @@ class _BatchCache:
                 continue
             current: dict[str, Any]
             if column == "on_behalf_of":
-                table, known, current = "p_consumers", self.known_consumers, self.now.consumers
+                table, touched, current = "p_consumers", self.touched_consumers, self.now.consumers
             else:
-                table, known, current = "p_providers", self.known_providers, self.now.providers
+                table, touched, current = "p_providers", self.touched_providers, self.now.providers
             for chunk in _chunks(sorted(values)):
                 sql = f"SELECT uuid FROM {table} WHERE {column} IN ({_in_clause(len(chunk))})"
-                into.update(r[0] for r in conn.execute(sql, chunk) if r[0] not in known)
-            into.update(uuid for uuid, entity in current.items() if getattr(entity, column) in values)
+                into.update(r[0] for r in conn.execute(sql, chunk) if r[0] not in touched)
+            into.update(u for u in touched if u in current and getattr(current[u], column) in values)
         state = State()
         self._take(conn, "consumers", consumers, state)
         # a migration's decision reads its instance too
@@ -327,7 +371,7 @@ class _BatchCache:
         if unknown:
             sql = f"SELECT name FROM p_classes WHERE name IN ({_in_clause(len(unknown))})"
             found = {r[0] for r in conn.execute(sql, unknown)}
-            self.before.custom_classes |= found
+            self.stored_classes |= found
             self.now.custom_classes |= found
         state.custom_classes = custom & self.now.custom_classes
         return state
@@ -336,12 +380,14 @@ class _BatchCache:
         """Record what a job's fold did to its slice (entities created, changed or forgotten)."""
         for uuid in wanted.consumers.keys() | after.consumers.keys():
             self.known_consumers.add(uuid)
+            self.touched_consumers.add(uuid)
             if uuid in after.consumers:
                 self.now.consumers[uuid] = after.consumers[uuid]
             else:
                 self.now.consumers.pop(uuid, None)
         for uuid in wanted.providers.keys() | after.providers.keys():
             self.known_providers.add(uuid)
+            self.touched_providers.add(uuid)
             if uuid in after.providers:
                 self.now.providers[uuid] = after.providers[uuid]
             else:
@@ -360,7 +406,7 @@ def _load_providers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> 
             state.providers[prov.uuid] = prov
 
 
-def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _BatchCache) -> Receipt:
+def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCache) -> Receipt:
     key = job.idempotency_key
     if key is not None:
         row = conn.execute("SELECT fingerprint, receipt FROM idempotency WHERE key = ?", (key,)).fetchone()
@@ -396,7 +442,7 @@ class BatchAborted(RuntimeError):
     """A job failed after writing; the whole batch is rolled back (a bug or a storage fault)."""
 
 
-def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job]) -> list[Outcome]:
+def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache) -> list[Outcome]:
     """One write transaction for a batch of jobs (group commit), each job all-or-nothing.
 
     A job is rejected (EvstoreError) only before it writes anything: the idempotency check,
@@ -407,8 +453,8 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job]) -> list[Outcome]:
     outcomes: list[Outcome] = []
     conn.execute("BEGIN IMMEDIATE")
     try:
+        cache.begin(conn)
         tail = _read_tail(conn)
-        cache = _BatchCache()
         for job in jobs:
             try:
                 outcomes.append(_process(conn, tail, job, cache))
@@ -417,6 +463,7 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job]) -> list[Outcome]:
         cache.flush(conn)
         conn.execute("COMMIT")
     except BaseException:
+        cache.forget()  # (it holds what was rolled back)
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
@@ -468,6 +515,8 @@ class SqliteBackend:
         self.create = create in ("true", "1")
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
+        #: used on the writer's thread only
+        self._cache = _WriterCache()
 
     @property
     def memory(self) -> bool:
@@ -515,13 +564,20 @@ class SqliteBackend:
         self._reader = self._writer = None
 
     async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return await _on_thread(self._writer, fn)
+        cache = self._cache
+
+        def call(conn: sqlite3.Connection) -> T:
+            cache.forget()  # (``fn`` may write: what the command path remembers may go stale)
+            return fn(conn)
+
+        return await _on_thread(self._writer, call)
 
     async def _on_reader(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await _on_thread(self._reader, fn)
 
     async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
-        return await self._on_writer(lambda conn: _retry_busy(lambda: run_batch(conn, jobs)))
+        cache = self._cache
+        return await _on_thread(self._writer, lambda conn: _retry_busy(lambda: run_batch(conn, jobs, cache)))
 
     async def head(self) -> int:
         def q(conn: sqlite3.Connection) -> int:
