@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import os
 import uuid as _uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
@@ -77,11 +78,24 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
     return merged
 
 
+# (json.dumps makes a new encoder for every call with options; metadata is encoded per command)
+_METADATA_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+# a version-4 uuid's fixed bits: version (4) and RFC 4122 variant (0b10)
+_UUID4_CLEAR = ~((0xF << 76) | (0x3 << 62)) & (2**128 - 1)
+_UUID4_SET = (0x4 << 76) | (0x2 << 62)
+
+
+def _command_id() -> str:
+    """A random (version 4) uuid's 32 hex digits, without building a UUID object (2x faster)."""
+    return f"{int.from_bytes(os.urandom(16), 'big') & _UUID4_CLEAR | _UUID4_SET:032x}"
+
+
 def _metadata_json(meta: dict[str, Any], check: bool) -> str:
     """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
     caller values) as every reader of the log decodes it: from that text."""
     try:
-        text = json.dumps(meta, separators=(",", ":"), sort_keys=True)
+        text = _METADATA_ENCODER.encode(meta)
     except (TypeError, ValueError):
         raise err.InvalidInput("metadata values must be JSON-serialisable") from None
     if check:
@@ -241,20 +255,21 @@ class AllocationStore:
         meta = _metadata_dict(metadata)
         from_caller = bool(meta)
         meta["command"] = type(command).__name__
-        meta["command_id"] = _uuid.uuid4().hex
+        meta["command_id"] = _command_id()
         if key is not None:
             meta["idempotency_key"] = key
+        n = cmd.needs(command)
         job = Job(
             command,
             meta,
             _metadata_json(meta, from_caller),
+            n,
             key,
             _fingerprint(command) if key is not None else "",
         )
         fut: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
         self._queue.append((job, fut))
         self._wake.set()
-        n = cmd.needs(command)
         context = {
             "command": meta["command"],
             "request_id": meta.get("request_id"),

@@ -429,3 +429,20 @@ async def test_open_with_create_false_refuses_a_database_without_a_store(tmp_pat
         await store.create_provider(new_uuid(), "node")
     async with open_store(f"sqlite:///{blank}", create=False) as store:
         assert await store.head() == 1
+
+
+async def test_events_carry_well_formed_ids_and_the_command_that_wrote_them(store: AllocationStore) -> None:
+    rp = await make_provider(store, VCPU=8)
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    events = await store.read()
+    command_ids = [e.metadata.command_id for e in events]
+    for e in events:
+        assert str(uuid.UUID(e.event_id)) == e.event_id  # canonical text
+        assert e.metadata.command_id is not None
+        cid = uuid.UUID(hex=e.metadata.command_id)
+        assert cid.hex == e.metadata.command_id and cid.version == 4 and cid.variant == uuid.RFC_4122
+    assert len(set(command_ids)) == len(events)  # one event per command here, each its own id
+    if store.backend.url.startswith("sqlite"):  # SQLite's ids are time-ordered (version 7)
+        assert all(uuid.UUID(e.event_id).version == 7 for e in events)
+        assert [e.event_id[:13] for e in events] == sorted(e.event_id[:13] for e in events)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from evstore.commands import Command
+from evstore.commands import Command, Needs
 from evstore.errors import EvstoreError
 from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
 from projections.state import State
@@ -28,6 +28,8 @@ class Job:
     metadata: dict[str, Any]
     #: ``metadata`` as stored with each event: sorted keys, compact (made once, at submit)
     metadata_json: str
+    #: ``needs(command)``: what the command reads and locks (made once, at submit)
+    needs: Needs
     idempotency_key: str | None = None
     fingerprint: str = ""
 

@@ -681,7 +681,7 @@ class PostgresBackend:
             evolve(state, event, OWN_EVENT - index)  # -seq once inserted (see evstore_write)
         changes = persisted.changes(before, state)
         seqs = await write(conn, events, job.metadata_json, changes) if events else []
-        n = needs(job.command)
+        n = job.needs
         receipt = Receipt(
             tuple(seqs),
             {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
@@ -994,7 +994,7 @@ def _raw_fields(r: RawEvent) -> tuple[Any, ...]:
 
 def _lock_names(job: Job) -> set[str]:
     """The entities a command names before anything is loaded (its first set of locks)."""
-    n = needs(job.command)
+    n = job.needs
     names = {f"consumer:{c}" for c in n.consumers | n.migrations_of}
     names |= {f"provider:{p}" for p in n.providers | n.children_of}
     names |= {f"provider_name:{name}" for name in n.provider_names}
