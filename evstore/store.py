@@ -143,9 +143,7 @@ def _count(value: object, what: str) -> int:
 def _validate_key(key: object) -> str | None:
     if key is None:
         return None
-    if not isinstance(key, str) or not (1 <= len(key) <= 255):
-        raise err.InvalidInput("idempotency_key must be a string of 1..255 characters")
-    return key
+    return validate_name(key, "idempotency_key", 255)  # (text the database can store: no lone surrogate)
 
 
 class AllocationStore:

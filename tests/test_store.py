@@ -148,6 +148,35 @@ async def test_idempotent_commands_append_once(store: AllocationStore) -> None:
     assert await store.head() == h
 
 
+async def test_an_idempotency_key_that_is_not_text_is_refused_alone(store: AllocationStore) -> None:
+    """A key with a lone surrogate cannot be stored: it used to fail deep in the writer, taking
+    every command of its group commit down with it (StorageError)."""
+    rp = await make_provider(store, VCPU=8)
+    good, bad = new_uuid(), new_uuid()
+    outcomes = await asyncio.gather(
+        allocate(store, good, {rp: {"VCPU": 1}}),
+        store.set_allocations(
+            bad,
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            idempotency_key="req-\ud800",
+        ),
+        allocate(store, new_uuid(), {rp: {"VCPU": 1}}),
+        return_exceptions=True,
+    )
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], InvalidInput) and "idempotency_key" in str(outcomes[1])
+    assert "surrogate" in str(outcomes[1])
+    assert (await store.allocations(bad)).allocations == {}
+    assert (await store.usage(rp)).usages == {"VCPU": 2}
+    for key in ("", "k" * 256, 5):
+        with pytest.raises(InvalidInput, match=r"idempotency_key must be a string of 1\.\.255 characters"):
+            await store.release(good, idempotency_key=key)  # type: ignore[arg-type]
+
+
 async def test_metadata_per_command_and_from_context(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=8)
     c = new_uuid()

@@ -82,7 +82,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
 
 from evstore import errors as err
-from evstore.commands import Command, decide, needs
+from evstore.commands import Needs, decide
 from evstore.events import EventBase, RecordedEvent, decode_event
 from evstore.log import Job, Outcome, PayloadRow, RawEvent, Receipt
 from evstore.log.sqlite import decode_raw
@@ -662,7 +662,7 @@ class PostgresBackend:
                 replayed = Receipt.from_json(row["receipt"])
                 return replayed, list(replayed.positions)  # stored as seqs
         while True:
-            state = await lock_load(conn, job.command, fence, to_lock)
+            state = await lock_load(conn, job.needs, fence, to_lock)
             extra = {self._key(n) for n in _slice_names(state)} - locked
             if not extra:
                 break
@@ -679,8 +679,9 @@ class PostgresBackend:
             return exc
         for index, event in enumerate(events):
             evolve(state, event, OWN_EVENT - index)  # -seq once inserted (see evstore_write)
-        changes = persisted.changes(before, state)
-        seqs = await write(conn, events, job.metadata_json, changes) if events else []
+        seqs = []
+        if events:
+            seqs = await write(conn, events, job.metadata_json, persisted.changes(before, state))
         n = job.needs
         receipt = Receipt(
             tuple(seqs),
@@ -1022,14 +1023,14 @@ def _slice_names(state: State) -> Iterable[str]:
 OWN_EVENT = -(2**62)
 
 
-async def lock_load(conn: Any, command: Command, fence: int | None, keys: list[int]) -> State:
-    """Lock ``keys`` (and the fence, shared), then load exactly what ``decide(command)`` reads.
+async def lock_load(conn: Any, n: Needs, fence: int | None, keys: list[int]) -> State:
+    """Lock ``keys`` (and the fence, shared), then load exactly what ``decide(command)`` reads
+    (``n = needs(command)``).
 
     One round trip (``evstore_lock_load``): the consumers named, the migrations of the
     instances named and the instances those act for, with their allocations; the providers
     named, found by name or parent, or holding those allocations; the custom classes named.
     """
-    n = needs(command)
     rows = await conn.fetch(
         "SELECT * FROM evstore_lock_load($1, $2, $3, $4, $5, $6, $7, $8)",
         fence,

@@ -562,6 +562,7 @@ class SqliteBackend:
         for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
             await conn.close()
         self._reader = self._writer = None
+        self._cache = _WriterCache()  # (a reopened store must not trust what this one remembered)
 
     async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         cache = self._cache
