@@ -358,3 +358,30 @@ async def test_commands_decide_on_the_rebuilt_projection_not_on_what_the_writer_
         await allocate(store, c, {rp: {"VCPU": 2}}, generation=g1)
         assert (await store.usage(rp)).usages == {"VCPU": 2}
         assert (await store.audit()).clean
+
+
+async def test_one_group_commit_updates_consumers_left_in_every_state(store: AllocationStore) -> None:
+    """Existing consumers of one type and project, changed in one transaction: one tombstoned
+    (generation None), one rewritten (a new generation), one emptied, one migrated away."""
+    rp = await make_provider(store, VCPU=16)
+    a, b, c, d, mig = (new_uuid() for _ in range(5))
+    for consumer in (a, b, c, d):
+        await allocate(store, consumer, {rp: {"VCPU": 1}})
+    gb = (await store.allocations(b)).generation
+    outcomes = await asyncio.gather(
+        store.delete_consumer(a),
+        allocate(store, b, {rp: {"VCPU": 3}}, generation=gb),
+        store.release(c),
+        store.start_migration(d, mig),
+        return_exceptions=True,
+    )
+    assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
+    assert (await store.allocations(a)).allocations == {}
+    assert (await store.allocations(b)).allocations == {rp: {"VCPU": 3}}
+    assert (await store.allocations(b)).generation != gb
+    assert (await store.allocations(c)).allocations == {}
+    assert (await store.allocations(mig)).allocations == {rp: {"VCPU": 1}}
+    assert (await store.usage(rp)).usages == {"VCPU": 4}
+    with pytest.raises(EvstoreError):  # the tombstone holds
+        await allocate(store, a, {rp: {"VCPU": 1}})
+    assert (await store.audit()).clean
