@@ -19,7 +19,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -124,6 +124,10 @@ class _Tail:
     recorded_at: str
     #: the write transaction's clock (read once per batch): every event it appends is recorded at it
     now: str
+    #: event and history-index rows appended by this transaction, inserted together at its end
+    #: (``insert_appended``): one statement each per transaction instead of per command
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    entity_rows: list[tuple[str, int]] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=1024)  # (most queries name 1-3 keys)
@@ -216,15 +220,14 @@ def _time_ordered_uuid() -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def append_events(
-    conn: sqlite3.Connection, tail: _Tail, events: list[EventBase], meta_json: str
-) -> list[tuple[int, EventBase]]:
-    """Insert events after ``tail`` (advancing it) with hash chain and entity index; ``meta_json``
-    is the command's metadata as stored (``Job.metadata_json``)."""
+def append_events(tail: _Tail, events: list[EventBase], meta_json: str) -> list[tuple[int, EventBase]]:
+    """Append events after ``tail`` (advancing it) with hash chain and entity index, to be inserted
+    by :func:`insert_appended` before the transaction commits; ``meta_json`` is the command's
+    metadata as stored (``Job.metadata_json``)."""
     now = tail.now
     recorded_at = now if now > tail.recorded_at else tail.recorded_at  # never goes backwards
-    rows = []
-    entity_rows: list[tuple[str, int]] = []
+    rows = tail.rows
+    entity_rows = tail.entity_rows
     out = []
     for event in events:
         position = tail.position + 1
@@ -238,9 +241,15 @@ def append_events(
         entity_rows.extend((entity, position) for entity in event.entities())
         tail.position, tail.hash, tail.recorded_at = position, digest, recorded_at
         out.append((position, event))
-    conn.executemany(f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", rows)
-    conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", entity_rows)
     return out
+
+
+def insert_appended(conn: sqlite3.Connection, tail: _Tail) -> None:
+    """Insert the rows :func:`append_events` collected in this transaction."""
+    if tail.rows:
+        conn.executemany(f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", tail.rows)
+        conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", tail.entity_rows)
+        tail.rows, tail.entity_rows = [], []
 
 
 class _WriterCache:
@@ -422,7 +431,7 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
     # From here on the job writes: nothing may reject it any more (see run_batch).
     try:
         wanted = State(providers=dict(state.providers), consumers=dict(state.consumers))
-        appended = append_events(conn, tail, events, job.metadata_json) if events else []
+        appended = append_events(tail, events, job.metadata_json) if events else []
         for position, event in appended:
             evolve(state, event, position)
         cache.settle(wanted, state)
@@ -460,6 +469,7 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
                 outcomes.append(_process(conn, tail, job, cache))
             except err.EvstoreError as exc:
                 outcomes.append(exc)
+        insert_appended(conn, tail)
         cache.flush(conn)
         conn.execute("COMMIT")
     except BaseException:
