@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import SchemaValidator, core_schema
 
@@ -294,9 +297,63 @@ def _payload_validator(
     ).validate_json
 
 
+def _maps_one_to_one(annotation: Any) -> bool:
+    """Whether msgspec decodes JSON into this type exactly as pydantic does, or refuses it.
+
+    The vocabulary of event fields: ``str``, ``int``, literal strings, ``X | None`` and
+    ``dict[str, X]``. msgspec is stricter than pydantic's lax mode (``"3"`` or ``3.0`` for an
+    int), never laxer; what it refuses goes to pydantic. Anything else (a nested model, a float,
+    a constrained field) is left to pydantic alone.
+    """
+    if annotation is str or annotation is int or annotation is type(None):
+        return True
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return all(type(arg) is str for arg in args)
+    if origin is types.UnionType or origin is typing.Union:
+        return all(_maps_one_to_one(arg) for arg in args)
+    if origin is dict:
+        return args[0] is str and _maps_one_to_one(args[1])
+    return False
+
+
+def _fast_payload_validator(cls: type[BaseModel]) -> Callable[[str], dict[str, Any]] | None:
+    """:func:`_payload_validator` for ``extra="forbid"``, decoded by msgspec (~2x faster), or
+    ``None`` when a field of ``cls`` is outside :func:`_maps_one_to_one`.
+
+    A msgspec struct is derived from the model's fields (types, required or default, unknown
+    fields refused), so the schema is still written once. Its errors are ``ValueError``s, as
+    pydantic's; callers then fall back to ``decode_event``, which accepts what pydantic's lax
+    mode accepts, or names what is wrong.
+    """
+    fields: list[tuple[str, Any, Any]] = []
+    for name, info in cls.model_fields.items():
+        if info.metadata or not _maps_one_to_one(info.annotation):
+            return None
+        if info.is_required():
+            default: Any = msgspec.NODEFAULT
+        elif info.default_factory is dict:
+            default = msgspec.field(default_factory=dict)
+        elif info.default_factory is None and type(info.default) in (str, int, type(None)):
+            default = info.default
+        else:  # pragma: no cover - no event has one
+            return None
+        fields.append((name, info.annotation, default))
+    struct = msgspec.defstruct(
+        f"{cls.__name__}Payload", fields, kw_only=True, forbid_unknown_fields=True, gc=False
+    )
+    decode, as_dict = msgspec.json.Decoder(struct).decode, msgspec.structs.asdict
+
+    def validate(data: str) -> dict[str, Any]:
+        return as_dict(decode(data))
+
+    return validate
+
+
 #: event type -> (its current schema_version, a validator of such a payload into a dict of fields)
 PAYLOAD_VALIDATORS: dict[str, tuple[int, Callable[[str], dict[str, Any]]]] = {
-    name: (cls.SCHEMA_VERSION, _payload_validator(cls)) for name, cls in EVENT_TYPES.items()
+    name: (cls.SCHEMA_VERSION, _fast_payload_validator(cls) or _payload_validator(cls))
+    for name, cls in EVENT_TYPES.items()
 }
 
 # --- upcasters -------------------------------------------------------------------------------

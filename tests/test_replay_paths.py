@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from evstore import AllocationStore, CorruptEvent, Inventory
 from evstore import events as ev
@@ -197,3 +200,108 @@ async def test_replay_of_any_log_folds_like_evolve_even_with_provider_churn() ->
         assert await replay(read, batch_size=7) == fold(events), seed
         half = fold(events[:15])
         assert await replay(read, state=half) == fold(events), seed  # a given state: no recount
+
+
+# --- the msgspec payload validators against pydantic's -----------------------------------------
+
+_FAST = sorted(name for name, (_, validate) in PAYLOAD_VALIDATORS.items() if "_fast" in validate.__qualname__)
+_PLAIN_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8)
+_ANY_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _values_of(annotation: Any) -> st.SearchStrategy[Any]:
+    """Values a model field of this type holds (what a correct writer stores)."""
+    if annotation is str:
+        return _PLAIN_TEXT
+    if annotation is int:
+        return st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    if annotation is type(None):
+        return st.none()
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return st.sampled_from(args)
+    if origin is dict:
+        return st.dictionaries(_PLAIN_TEXT, _values_of(args[1]), max_size=3)
+    return st.one_of([_values_of(a) for a in args])  # X | None
+
+
+@st.composite
+def _stored_payloads(draw: st.DrawFn) -> tuple[str, str, bool]:
+    """(event type, payload text, whether it is one a correct writer stores)."""
+    etype = draw(st.sampled_from(_FAST))
+    cls = ev.EVENT_TYPES[etype]
+    payload = {
+        name: draw(_values_of(info.annotation))
+        for name, info in cls.model_fields.items()
+        if name != "type" and (info.is_required() or draw(st.booleans()))
+    }
+    valid = True
+    for _ in range(draw(st.integers(0, 2))):
+        valid = False
+        how = draw(st.sampled_from(["drop", "extra", "replace", "type"]))
+        if how == "drop" and payload:
+            payload.pop(draw(st.sampled_from(sorted(payload))))
+        elif how == "extra":
+            payload[draw(st.text(max_size=5))] = draw(_ANY_JSON)
+        elif how == "replace" and payload:
+            payload[draw(st.sampled_from(sorted(payload)))] = draw(_ANY_JSON)
+        elif how == "type":
+            payload["type"] = draw(st.sampled_from([etype, "ProviderDeleted", 1]))
+    return etype, json.dumps(payload, ensure_ascii=draw(st.booleans())), valid
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_stored_payloads())
+def test_fast_payload_validators_accept_only_what_pydantic_accepts_and_give_the_same(
+    case: tuple[str, str, bool],
+) -> None:
+    # Replay, rebuild and the audit decode with msgspec structs derived from the event models;
+    # what they refuse goes to decode_event (pydantic). So the fast path may refuse more than
+    # pydantic (a lax "3" for an int), but must never accept what pydantic refuses, nor give
+    # another value (1 for True, 1.0 for 1) for what both accept.
+    etype, text, valid = case
+    version, validate = PAYLOAD_VALIDATORS[etype]
+    try:
+        fast: dict[str, Any] | None = validate(text)
+    except ValueError:
+        fast = None
+    try:
+        slow: dict[str, Any] | None = decode_event(etype, version, text).__dict__
+    except CorruptEvent:
+        slow = None
+    if valid:
+        assert fast is not None, "a payload a correct writer stores takes the fast path"
+    if fast is not None:
+        assert slow is not None, f"accepted only by the fast path: {text}"
+        assert json.dumps(fast, sort_keys=True) == json.dumps(slow, sort_keys=True)
+
+
+def test_the_hot_event_types_take_the_fast_path() -> None:
+    # (InventoriesReplaced nests the Inventory model: pydantic alone)
+    hot = {"AllocationsReplaced", "MigrationStarted", "MigrationReverted", "MigrationConfirmed"}
+    assert hot | {"ConsumerDeleted", "AllocationsReleased", "ProviderCreated"} <= set(_FAST)
+    assert "InventoriesReplaced" not in _FAST
+
+
+async def test_replay_folds_a_payload_only_pydantic_accepts_like_decode_event(store: AllocationStore) -> None:
+    # A lax value (an int stored as "2") is refused by the fast path and accepted by decode_event:
+    # replay must fold it, as it did before the fast path, and as history reads it.
+    await _workload(store)
+    rows = await store.backend.read_payloads(0, 1000)
+    target = next(r for r in rows if r[1] == "AllocationsReplaced" and '"generation":1' in r[3])
+    lax = target[3].replace('"generation":1', '"generation":"1"')
+    with pytest.raises(ValueError):
+        PAYLOAD_VALIDATORS["AllocationsReplaced"][1](lax)
+    await store.backend.tamper("UPDATE events SET data = ? WHERE position = ?", (lax, target[0]))
+    head = await store.head()
+    recorded = [(r.position, r.event) for r in await store.backend.read(0, head)]
+    assert recorded[target[0] - 1][1]["generation"] == 1
+    assert await store.replay() == fold(recorded)
