@@ -21,8 +21,8 @@ from evstore.errors import CorruptEvent
 from evstore.events import (
     CAPACITY_PRESSURE,
     GENESIS_HASH,
-    METADATA_VALIDATOR,
     PAYLOAD_VALIDATORS,
+    check_metadata,
     decode_event,
 )
 from projections.gcpause import gc_paused
@@ -192,7 +192,7 @@ class _Replay:
         # metadata or time cannot be read would make read(), history and tail fail there. (A time
         # without a zone reads, but import refuses it: reported on its own.)
         try:
-            METADATA_VALIDATOR(row.metadata)
+            check_metadata(row.metadata)
             aware = datetime.fromisoformat(row.recorded_at).tzinfo is not None
         except (ValueError, TypeError) as exc:
             report.findings.append(

@@ -305,3 +305,38 @@ async def test_replay_folds_a_payload_only_pydantic_accepts_like_decode_event(st
     recorded = [(r.position, r.event) for r in await store.backend.read(0, head)]
     assert recorded[target[0] - 1][1]["generation"] == 1
     assert await store.replay() == fold(recorded)
+
+
+@st.composite
+def _metadata_texts(draw: st.DrawFn) -> str:
+    known = ["request_id", "correlation_id", "causation_id", "actor", "command", "command_id"]
+    meta = {
+        key: draw(st.none() | _PLAIN_TEXT | _ANY_JSON)
+        for key in draw(st.lists(st.sampled_from([*known, "idempotency_key", "x"]), unique=True))
+    }
+    value: Any = meta if draw(st.integers(0, 9)) else draw(_ANY_JSON)  # sometimes not an object
+    return json.dumps(value, ensure_ascii=draw(st.booleans()))
+
+
+@settings(max_examples=800, deadline=None)
+@given(_metadata_texts())
+def test_the_audits_metadata_check_refuses_exactly_what_readers_refuse(text: str) -> None:
+    # The audit checks each row's metadata with msgspec first (extra keys only parsed), pydantic
+    # for what msgspec refuses: it must agree with the readers' pydantic decoding on every text.
+    try:
+        ev.METADATA_VALIDATOR(text)
+        readers_accept = True
+    except ValueError:
+        readers_accept = False
+    try:
+        ev.check_metadata(text)
+        audit_accepts = True
+    except ValueError:
+        audit_accepts = False
+    assert audit_accepts == readers_accept, text
+    if ev._METADATA_FAST_CHECK is not None:
+        try:
+            ev._METADATA_FAST_CHECK(text)
+        except ValueError:
+            return
+        assert readers_accept, f"accepted only by the fast check: {text}"
