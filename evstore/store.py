@@ -56,7 +56,10 @@ log = structlog.get_logger("evstore")
 @contextlib.contextmanager
 def command_metadata(**metadata: Any) -> Iterator[None]:
     """Attach metadata (``request_id``, ``correlation_id``, ``causation_id``, ``actor``...) to every
-    command issued in this context (it follows the current task and its children)."""
+    command issued in this context (it follows the current task and its children).
+
+    ``command``, ``command_id`` and ``idempotency_key`` are written by evstore for each command;
+    values given for them here or in ``metadata=`` are replaced."""
     current = dict(_command_metadata.get() or {})
     current.update({k: v for k, v in metadata.items() if v is not None})
     token = _command_metadata.set(current)
@@ -256,6 +259,8 @@ class AllocationStore:
         meta["command_id"] = _command_id()
         if key is not None:
             meta["idempotency_key"] = key
+        elif "idempotency_key" in meta:
+            del meta["idempotency_key"]  # (evstore's key: a caller's value would pose as one used)
         n = cmd.needs(command)
         job = Job(
             command,

@@ -475,3 +475,19 @@ async def test_events_carry_well_formed_ids_and_the_command_that_wrote_them(stor
     if store.backend.url.startswith("sqlite"):  # SQLite's ids are time-ordered (version 7)
         assert all(uuid.UUID(e.event_id).version == 7 for e in events)
         assert [e.event_id[:13] for e in events] == sorted(e.event_id[:13] for e in events)
+
+
+async def test_evstores_own_metadata_keys_replace_a_callers(store: AllocationStore) -> None:
+    rp = new_uuid()
+    claimed = {"command": "Forged", "command_id": "not-an-id", "idempotency_key": "never-used", "actor": "a"}
+    with command_metadata(command=5):
+        await store.create_provider(rp, "node", metadata=claimed)
+        await store.rename_provider(rp, "node-2", idempotency_key="k-1", metadata=claimed)
+    created, renamed = [e async for e in store.history(rp)]
+    for event in (created, renamed):
+        assert event.metadata.actor == "a"
+        assert event.metadata.command in ("CreateProvider", "RenameProvider")
+        assert event.metadata.command_id is not None and len(event.metadata.command_id) == 32
+    assert created.metadata.command == "CreateProvider"
+    assert "idempotency_key" not in created.metadata.model_dump(exclude_none=True)
+    assert renamed.metadata.model_dump()["idempotency_key"] == "k-1"
