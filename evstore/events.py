@@ -348,7 +348,10 @@ def _fast_payload_validator(
     decode, as_dict = msgspec.json.Decoder(struct).decode, msgspec.structs.asdict
 
     def validate(data: str) -> dict[str, Any]:
-        return as_dict(decode(data))
+        try:
+            return as_dict(decode(data))
+        except TypeError:  # not text at all (pydantic raises a ValueError for it)
+            raise ValueError(f"expected JSON text, got {type(data).__name__}") from None
 
     return validate
 
@@ -461,7 +464,7 @@ def check_metadata(text: str) -> None:
         try:
             _METADATA_FAST_CHECK(text)
             return
-        except ValueError:
+        except (ValueError, TypeError):
             pass
     METADATA_VALIDATOR(text)
 

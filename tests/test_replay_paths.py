@@ -353,3 +353,17 @@ async def test_replay_keeps_one_copy_of_each_project_user_and_type_label(store: 
     for label in ("project_id", "user_id", "consumer_type"):
         values = [getattr(c, label) for c in consumers]
         assert len({id(v) for v in values}) == len(set(values)), label
+
+
+@pytest.mark.parametrize("data", [None, 5, ["not", "an", "object"]])
+def test_a_payload_that_is_not_text_is_a_corrupt_event_naming_its_position(data: Any) -> None:
+    # Regression: msgspec raises TypeError for anything but text or bytes (pydantic a ValueError),
+    # so such a row escaped the fold as a bare TypeError instead of a CorruptEvent.
+    from projections.replay import fold_payloads
+    from projections.state import State
+
+    with pytest.raises(CorruptEvent) as caught:
+        fold_payloads(State(), [(7, "ConsumerDeleted", 1, data)])
+    assert caught.value.details["position"] == 7
+    with pytest.raises(ValueError):
+        PAYLOAD_VALIDATORS["ConsumerDeleted"][1](data)
