@@ -318,7 +318,7 @@ def _maps_one_to_one(annotation: Any) -> bool:
 
 
 def _fast_payload_validator(
-    cls: type[BaseModel], extra: Literal["forbid", "ignore"] = "forbid"
+    cls: type[BaseModel], also: Mapping[str, Any] | None = None
 ) -> Callable[[str], dict[str, Any]] | None:
     """:func:`_payload_validator` for ``extra="forbid"``, decoded by msgspec (~2x faster), or
     ``None`` when a field of ``cls`` is outside :func:`_maps_one_to_one`.
@@ -326,10 +326,14 @@ def _fast_payload_validator(
     A msgspec struct is derived from the model's fields (types, required or default, unknown
     fields refused), so the schema is still written once. Its errors are ``ValueError``s, as
     pydantic's; callers then fall back to ``decode_event``, which accepts what pydantic's lax
-    mode accepts, or names what is wrong. With ``extra="ignore"`` unknown fields are only parsed
-    as JSON and left out of the dict (what checks a model with ``extra="allow"`` need).
+    mode accepts, or names what is wrong. ``also``: optional fields (name -> type, default
+    ``None``) the struct accepts beyond the model's own.
+
+    Unknown fields are refused, never skipped: msgspec skips a value without the limits pydantic
+    applies to it (nesting depth, digits of a number), so a skipped value could pass here and
+    fail for pydantic.
     """
-    fields: list[tuple[str, Any, Any]] = []
+    fields: list[tuple[str, Any, Any]] = [(name, kind, None) for name, kind in (also or {}).items()]
     for name, info in cls.model_fields.items():
         if info.metadata or not _maps_one_to_one(info.annotation):
             return None
@@ -343,7 +347,7 @@ def _fast_payload_validator(
             return None
         fields.append((name, info.annotation, default))
     struct = msgspec.defstruct(
-        f"{cls.__name__}Payload", fields, kw_only=True, forbid_unknown_fields=extra == "forbid", gc=False
+        f"{cls.__name__}Payload", fields, kw_only=True, forbid_unknown_fields=True, gc=False
     )
     decode, as_dict = msgspec.json.Decoder(struct).decode, msgspec.structs.asdict
 
@@ -453,7 +457,9 @@ class Metadata(BaseModel):
 
 #: what every reader checks a stored metadata text against, as a dict
 METADATA_VALIDATOR = _payload_validator(Metadata, extra="allow")
-_METADATA_FAST_CHECK = _fast_payload_validator(Metadata, extra="ignore")
+#: the metadata evstore itself writes (the model's fields and an idempotency key); a row with any
+#: other key (a caller's own) is checked by pydantic alone
+_METADATA_FAST_CHECK = _fast_payload_validator(Metadata, also={"idempotency_key": str | None})
 
 
 def check_metadata(text: str) -> None:
@@ -464,7 +470,7 @@ def check_metadata(text: str) -> None:
         try:
             _METADATA_FAST_CHECK(text)
             return
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             pass
     METADATA_VALIDATOR(text)
 

@@ -367,3 +367,48 @@ def test_a_payload_that_is_not_text_is_a_corrupt_event_naming_its_position(data:
     assert caught.value.details["position"] == 7
     with pytest.raises(ValueError):
         PAYLOAD_VALIDATORS["ConsumerDeleted"][1](data)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"actor": "a", "x": ' + _nested(250) + "}",  # deeper than pydantic accepts
+        '{"actor": "a", "x": ' + _nested(1200) + "}",  # deep enough for a RecursionError in msgspec
+        '{"x": ' + "9" * 4301 + "}",  # more digits than Python's int conversion allows
+        '{"x": ' + "9" * 4301 + ".5}",
+        '{"actor": ' + _nested(1200) + "}",
+        '{"idempotency_key": "k-1", "command": "CreateProvider", "command_id": "0"}',
+        '{"idempotency_key": 5}',
+    ],
+)
+def test_the_audits_metadata_check_agrees_with_readers_on_extreme_values(text: str) -> None:
+    # Regression: the fast check skipped unknown keys without pydantic's limits, so it accepted
+    # what readers refuse, and a value nested 1200 deep escaped as a RecursionError that aborted
+    # the whole audit. (Found by a review of the change; the property test's values are small.)
+    try:
+        ev.METADATA_VALIDATOR(text)
+        readers_accept = True
+    except ValueError:
+        readers_accept = False
+    try:
+        ev.check_metadata(text)
+        audit_accepts = True
+    except ValueError:
+        audit_accepts = False
+    assert audit_accepts == readers_accept
+
+
+async def test_the_audit_reports_metadata_nested_too_deep_instead_of_failing(sqlite_url: str) -> None:
+    from evstore import open_store
+
+    async with open_store(sqlite_url) as store:
+        await _workload(store)
+        deep = '{"actor": "a", "x": ' + _nested(1200) + "}"
+        await store.backend.tamper("UPDATE events SET metadata = ? WHERE position = 3", (deep,))
+        report = await store.audit()
+    assert not report.clean
+    assert any(f.positions == (3,) and f.details.get("reason") == "undecodable" for f in report.findings)
