@@ -34,6 +34,7 @@ async def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path) -> 
     acked_total = 0
     acks_read = 0  # acknowledgement lines checked after earlier kills
     checked = 0  # positions 1..checked were verified after an earlier kill (the audit re-checks them all)
+    checked_hash = ""  # the hash of row ``checked``: it chains every row before it
     for kill in range(KILLS):
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -60,6 +61,12 @@ async def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path) -> 
         async with open_store(url) as store:
             head = await store.head()
             assert head >= checked, "events that were there after an earlier kill are gone"
+            if checked:
+                # Pinning the last verified row's hash pins every row before it (the audit checks
+                # the chain): a lost tail refilled by later, unacknowledged commits would otherwise
+                # pass, with contiguous positions and a valid chain.
+                [row] = await store.backend.read_raw(checked - 1, 1)
+                assert row.hash == checked_hash, f"row {checked}, verified after an earlier kill, changed"
             # Only this child's events are read and decoded: reading the whole log after every
             # kill made the slow profile quadratic. The audit below still verifies all of it
             # (hash chain over every row, positions, projection equal to a fresh replay).
@@ -82,5 +89,8 @@ async def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path) -> 
             report = await store.audit()
             assert report.clean, report.findings
             checked = head
+            if checked:
+                [row] = await store.backend.read_raw(checked - 1, 1)
+                checked_hash = row.hash
     assert killed_mid_run == KILLS
     assert acked_total > KILLS, "the writer should have been killed mid-stream, not before it wrote"
