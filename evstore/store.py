@@ -1,8 +1,9 @@
 """The async facade: ``async with open_store(url) as store:``.
 
 Commands are validated here (bad arguments raise :class:`InvalidInput`), queued, and executed by
-one writer task in batches: several queued commands share one transaction (group commit) while
-each succeeds or fails on its own. A caller cancelled while its command waits in the queue
+one writer in batches: several queued commands share one transaction (group commit) while
+each succeeds or fails on its own. On SQLite the writer connection's thread takes the batches off
+the queue itself (``drain``) and answers each batch's callers as soon as it commits. A caller cancelled while its command waits in the queue
 removes it; a command already in a transaction is committed or rolled back whole.
 """
 
@@ -209,6 +210,7 @@ class AllocationStore:
     # --- the writer -----------------------------------------------------------------------
 
     async def _write_loop(self) -> None:
+        drain = getattr(self._backend, "drain", None)
         while True:
             if not self._queue:
                 if self._closing:
@@ -216,33 +218,77 @@ class AllocationStore:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch: list[tuple[Job, asyncio.Future[Receipt]]] = []
-            while self._queue and len(batch) < self._max_batch:
-                job, fut = self._queue.popleft()
-                if not fut.done():
-                    batch.append((job, fut))
-            if not batch:
+            if drain is not None:
+                # The backend's writer thread takes batches off the queue itself, one after the
+                # other, and delivers each batch's outcomes back on the loop: no loop round trip
+                # between batches, and one fewer per command. The thread delivers even if this
+                # task is cancelled meanwhile.
+                try:
+                    await drain(self._take_batch, self._deliver)
+                except Exception as exc:
+                    # Every batch the thread took was delivered; this is the hop itself failing
+                    # (the connection is gone): what is still queued can never run.
+                    log.warning("writer.drain_failed", error=repr(exc))
+                    self._fail_queued(
+                        exc
+                        if isinstance(exc, err.EvstoreError)
+                        else err.StorageError(f"Storage failure: {exc!r}")
+                    )
                 continue
-            outcomes: list[Outcome]
+            batch = self._take_batch()
+            if batch is None:
+                continue
+            outcomes: list[Outcome] | BaseException
             try:
                 # The batch must run to its end even if the writer task is cancelled meanwhile
                 # (the thread cannot be interrupted); shield it and deliver the outcomes.
-                outcomes = await asyncio.shield(self._backend.run_jobs([j for j, _ in batch]))
-            except err.EvstoreError as exc:
-                outcomes = [exc] * len(batch)
-            except Exception as exc:  # a backend bug must not kill the writer
-                outcomes = [err.StorageError(f"Storage failure: {exc!r}")] * len(batch)
-            appended = False
-            for (_, fut), outcome in zip(batch, outcomes, strict=True):
-                if isinstance(outcome, Receipt):
-                    appended = appended or bool(outcome.positions)
-                    if not fut.done():
-                        fut.set_result(outcome)
-                elif not fut.done():
-                    fut.set_exception(outcome)
-            if appended:
-                self._appended.set()
-                self._appended = asyncio.Event()
+                outcomes = await asyncio.shield(self._backend.run_jobs([j for j, _ in batch[1]]))
+            except Exception as exc:
+                outcomes = exc
+            self._deliver(batch[1], outcomes)
+
+    def _take_batch(self) -> tuple[list[Job], list[tuple[Job, asyncio.Future[Receipt]]]] | None:
+        """Up to ``max_batch`` queued commands whose callers still wait (``None``: none).
+
+        May run on the backend's writer thread (``drain``): it only pops from the queue, which
+        only the loop appends to (both atomic on a deque).
+        """
+        batch: list[tuple[Job, asyncio.Future[Receipt]]] = []
+        queue = self._queue
+        while queue and len(batch) < self._max_batch:
+            job, fut = queue.popleft()
+            if not fut.done():
+                batch.append((job, fut))
+        if not batch:
+            return None
+        return [j for j, _ in batch], batch
+
+    def _deliver(
+        self, batch: list[tuple[Job, asyncio.Future[Receipt]]], outcomes: list[Outcome] | BaseException
+    ) -> None:
+        """Answer each caller of a batch (on the loop)."""
+        if isinstance(outcomes, BaseException):
+            exc = outcomes
+            if not isinstance(exc, err.EvstoreError):  # a backend bug must not kill the writer
+                exc = err.StorageError(f"Storage failure: {exc!r}")
+            outcomes = [exc] * len(batch)
+        appended = False
+        for (_, fut), outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, Receipt):
+                appended = appended or bool(outcome.positions)
+                if not fut.done():
+                    fut.set_result(outcome)
+            elif not fut.done():
+                fut.set_exception(outcome)
+        if appended:
+            self._appended.set()
+            self._appended = asyncio.Event()
+
+    def _fail_queued(self, exc: err.EvstoreError) -> None:
+        while self._queue:
+            _, fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
 
     async def _submit(
         self,

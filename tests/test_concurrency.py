@@ -8,6 +8,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -385,3 +386,40 @@ async def test_one_group_commit_updates_consumers_left_in_every_state(store: All
     with pytest.raises(EvstoreError):  # the tombstone holds
         await allocate(store, a, {rp: {"VCPU": 1}})
     assert (await store.audit()).clean
+
+
+async def test_a_long_queue_does_not_starve_other_work_on_the_writer_connection(sqlite_url: str) -> None:
+    """The SQLite writer thread takes batch after batch off the queue by itself (``drain``); it
+    must still hand the connection back now and then, or a snapshot, rebuild or audit queued
+    behind a long stream of commands would wait for all of them."""
+    async with open_store(sqlite_url, max_batch=4) as store:
+        rp = await make_provider(store, VCPU=10_000)
+        start = await store.head()
+        tasks = [asyncio.create_task(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for _ in range(400)]
+        while not any(t.done() for t in tasks):  # the thread is draining the queue
+            await asyncio.sleep(0)
+
+        def head_now(conn: Any) -> int:
+            return int(conn.execute("SELECT max(position) FROM events").fetchone()[0])
+
+        seen = await store.backend._on_writer(head_now)  # type: ignore[attr-defined]
+        await asyncio.gather(*tasks)
+        assert await store.head() == start + 400
+        # its turn came after a few batches of 4, not after the whole queue
+        assert seen < start + 200, f"the probe waited for {seen - start} of 400 commands"
+
+
+async def test_commands_fail_fast_when_the_writer_connection_is_gone(sqlite_url: str) -> None:
+    """Regression guard: with its connection closed under it, the writer must answer every queued
+    command (with an error) instead of trying the same queue again and again."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await store.backend.close()
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(allocate(store, new_uuid(), {rp: {"VCPU": 1}}) for _ in range(5)), return_exceptions=True
+            ),
+            timeout=10,
+        )
+        assert all(isinstance(r, EvstoreError) for r in results), results
+        assert {r.code for r in results if isinstance(r, EvstoreError)} == {"evstore.store.closed"}

@@ -37,6 +37,7 @@ from projections.state import ConsumerState, State, evolve
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")
+B = TypeVar("B")
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -589,6 +590,42 @@ class SqliteBackend:
     async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
         cache = self._cache
         return await _on_thread(self._writer, lambda conn: _retry_busy(lambda: run_batch(conn, jobs, cache)))
+
+    #: batches one ``drain`` runs before it lets other work on the writer connection have a turn
+    DRAIN_BATCHES = 8
+
+    async def drain(
+        self,
+        take: Callable[[], tuple[list[Job], B] | None],
+        deliver: Callable[[B, list[Outcome] | BaseException], None],
+    ) -> None:
+        """Run queued batches on the writer's thread until the queue is empty.
+
+        ``take`` (called on the writer thread) pops the next batch and a token for it; each
+        batch's outcomes, or the exception that failed the whole batch, go to ``deliver(token,
+        ...)`` on the event loop as soon as the batch commits, while the thread goes on with the
+        next batch. After :attr:`DRAIN_BATCHES` batches it returns, so other work queued for the
+        writer connection (snapshots, rebuilds) is not starved under load; the caller drains again.
+        """
+        loop = asyncio.get_running_loop()
+        cache = self._cache
+
+        def work(conn: sqlite3.Connection) -> None:
+            for _ in range(self.DRAIN_BATCHES):
+                taken = take()
+                if taken is None:
+                    return
+                jobs, token = taken
+                result: list[Outcome] | BaseException
+                try:
+                    result = _retry_busy(functools.partial(run_batch, conn, jobs, cache))
+                except sqlite3.DatabaseError as exc:
+                    result = err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__)
+                except Exception as exc:
+                    result = exc
+                loop.call_soon_threadsafe(deliver, token, result)
+
+        await _on_thread(self._writer, work)
 
     async def head(self) -> int:
         def q(conn: sqlite3.Connection) -> int:
