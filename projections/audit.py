@@ -93,12 +93,16 @@ class _OverTracker:
     """Remembers since which position each (provider, class) has been over capacity."""
 
     since: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: only these providers (``None``: all)
+    watch: set[str] | None = None
 
     def update(self, state: State, event_type: str, fields: Mapping[str, Any], position: int) -> None:
         # Over capacity can only begin where usage rises or capacity falls (the event names those
         # providers), and only end for providers already over: nothing else needs a look.
         pressure = CAPACITY_PRESSURE.get(event_type)
         providers = set() if pressure is None else pressure(fields)
+        if self.watch is not None:
+            providers &= self.watch
         if self.since:
             providers = providers | {uuid for uuid, _ in self.since}
         for uuid in providers:
@@ -120,11 +124,16 @@ ReadRows = Callable[[int, int], Awaitable[list[Any]]]
 
 @dataclass(slots=True)
 class _Replay:
-    """A checked replay that can be resumed: positions, hash chain and decoding are verified."""
+    """A checked replay that can be resumed: positions, hash chain and decoding are verified.
+
+    With ``checked=False`` it only folds (rows a checked pass has already seen: what cannot be
+    decoded is skipped as that pass skipped it), and with ``over`` set it watches capacity.
+    """
 
     report: AuditReport
     state: State = field(default_factory=State)
-    over: _OverTracker = field(default_factory=_OverTracker)
+    over: _OverTracker | None = None
+    checked: bool = True
     expected: int = 1
     prev_hash: str = GENESIS_HASH
     chain_broken: bool = False
@@ -161,10 +170,38 @@ class _Replay:
                     await pending
 
     def check(self, row: Any) -> None:
-        report = self.report
-        report.events_checked += 1
         if row.position > self.last_seen:
             self.last_seen = row.position
+        if self.checked:
+            self._check_envelope(row)
+        # As a replay folds (projections.replay.fold_payloads): the current schema version is
+        # validated straight into a dict of its fields; anything else goes through decode_event,
+        # which upcasts or names what is wrong.
+        fields: Mapping[str, Any] | None = None
+        found = PAYLOAD_VALIDATORS.get(row.type)
+        if found is not None and found[0] == row.schema_version:
+            try:
+                fields = found[1](row.data)
+            except ValueError:
+                pass
+        if fields is None:
+            try:
+                fields = decode_event(row.type, row.schema_version, row.data, row.position).__dict__
+            except CorruptEvent as exc:
+                if self.checked:
+                    self.report.findings.append(
+                        Finding("integrity", exc.message, (row.position,), dict(exc.details))
+                    )
+                return
+        self.state.position = row.position
+        FOLDS[row.type](self.state, fields, row.position)
+        if self.over is not None:
+            self.over.update(self.state, row.type, fields, row.position)
+
+    def _check_envelope(self, row: Any) -> None:
+        """Position, hash chain, metadata and time of one row."""
+        report = self.report
+        report.events_checked += 1
         if row.position != self.expected:
             kind = "gap" if row.position > self.expected else "disorder"
             report.findings.append(
@@ -213,25 +250,6 @@ class _Replay:
                         {"reason": "naive_time"},
                     )
                 )
-        # As a replay folds (projections.replay.fold_payloads): the current schema version is
-        # validated straight into a dict of its fields; anything else goes through decode_event,
-        # which upcasts or names what is wrong.
-        fields: Mapping[str, Any] | None = None
-        found = PAYLOAD_VALIDATORS.get(row.type)
-        if found is not None and found[0] == row.schema_version:
-            try:
-                fields = found[1](row.data)
-            except ValueError:
-                pass
-        if fields is None:
-            try:
-                fields = decode_event(row.type, row.schema_version, row.data, row.position).__dict__
-            except CorruptEvent as exc:
-                report.findings.append(Finding("integrity", exc.message, (row.position,), dict(exc.details)))
-                return
-        self.state.position = row.position
-        FOLDS[row.type](self.state, fields, row.position)
-        self.over.update(self.state, row.type, fields, row.position)
 
 
 def _why(exc: Exception) -> str:
@@ -380,6 +398,10 @@ async def audit(
     """
     report = AuditReport()
     replay = _Replay(report)
+    # Usage is recounted once at the end, as a replay does (State.recount_usages): the checked
+    # pass needs it only there. Capacity is watched in a second pass, over the providers found
+    # over capacity at the end, and only if there are any (see over_capacity_since).
+    replay.state.usages_deferred = True
     with gc_paused():
         await replay.run(read, batch_size, progress=progress)
         persisted_state = await load_persisted()
@@ -390,8 +412,43 @@ async def audit(
             if replay.last_seen < persisted_state.position:
                 persisted_state = await load_persisted()
     replayed = replay.state
+    if replayed.usages_deferred:
+        replayed.recount_usages()
     report.head = replay.last_seen
     report.findings.extend(compare_states(replayed, persisted_state))
     report.findings.extend(leak_findings(replayed))
-    report.findings.extend(over_capacity_findings(replayed, replay.over))
+    over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
+    report.findings.extend(over_capacity_findings(replayed, over))
     return report
+
+
+def providers_over_capacity(state: State) -> set[str]:
+    """Providers using more of some class than its capacity (or any of a class they have no
+    inventory of)."""
+    out = set()
+    for uuid, prov in state.providers.items():
+        for rc, used in prov.usages.items():
+            inv = prov.inventories.get(rc)
+            if used > (inv.capacity if inv is not None else 0.0):
+                out.add(uuid)
+                break
+    return out
+
+
+async def over_capacity_since(
+    read: ReadRows, batch_size: int, head: int, providers: set[str]
+) -> _OverTracker:
+    """Since which position each (provider, class) of ``providers`` has been over capacity at ``head``.
+
+    Over capacity is rare (an inventory shrunk below what is held), and watching it means keeping
+    usage event by event and looking at every provider an event may push over: the audit's
+    checked pass does neither, and this second pass, an unchecked fold of the same rows with the
+    watch limited to ``providers``, runs only when the first found some. It finds exactly what
+    watching every provider in one pass finds for them.
+    """
+    tracker = _OverTracker(watch=providers)
+    if providers:
+        watcher = _Replay(AuditReport(), over=tracker, checked=False)
+        with gc_paused():
+            await watcher.run(read, batch_size, until=head)
+    return tracker
