@@ -1,10 +1,11 @@
 """The async facade: ``async with open_store(url) as store:``.
 
 Commands are validated here (bad arguments raise :class:`InvalidInput`), queued, and executed by
-one writer in batches: several queued commands share one transaction (group commit) while
-each succeeds or fails on its own. On SQLite the writer connection's thread takes the batches off
-the queue itself (``drain``) and answers each batch's callers as soon as it commits. A caller cancelled while its command waits in the queue
-removes it; a command already in a transaction is committed or rolled back whole.
+one writer in batches: several queued commands share one transaction (group commit) while each
+succeeds or fails on its own. On SQLite the writer connection's thread takes the batches off the
+queue itself (``drain``) and answers each batch's callers as soon as it commits. A caller
+cancelled while its command waits in the queue removes it; a command already in a transaction is
+committed or rolled back whole.
 """
 
 from __future__ import annotations
