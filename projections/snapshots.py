@@ -198,7 +198,8 @@ def supports_provider_snapshots(backend: object) -> bool:
     )
 
 
-ReadEntities = Callable[[list[str], int, int], Awaitable[list[Any]]]
+#: ``read_entities(entities, after, limit, until)``: events of the entities in ``(after, until]``
+ReadEntities = Callable[[list[str], int, int, int], Awaitable[list[Any]]]
 
 
 async def fold_entity_to(
@@ -219,10 +220,9 @@ async def fold_entity_to(
                 state = sliced
     after = state.position
     while after < position:
-        batch = await read_entities([entity], after, batch_size)
+        # (bounded by ``position``: rows after it would be read and decoded for nothing)
+        batch = await read_entities([entity], after, batch_size, position)
         for recorded in batch:
-            if recorded.position > position:
-                break
             evolve(state, recorded.event, recorded.position)
         if not batch or batch[-1].position >= position or len(batch) < batch_size:
             break

@@ -798,14 +798,17 @@ class PostgresBackend:
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
         return [decode_raw(r) for r in await self.read_raw(after, limit)]
 
-    async def read_entities(self, entities: Sequence[str], after: int, limit: int) -> list[RecordedEvent]:
+    async def read_entities(
+        self, entities: Sequence[str], after: int, limit: int, until: int | None = None
+    ) -> list[RecordedEvent]:
         cols = ", ".join("e." + c.strip() for c in EVENT_COLUMNS.split(","))
         sql = (
-            f"SELECT {cols} FROM events e WHERE e.position > $2 AND e.seq IN "
+            f"SELECT {cols} FROM events e WHERE e.position > $2 AND e.position <= $4 AND e.seq IN "
             "(SELECT seq FROM event_entities WHERE entity = ANY($1::text[])) ORDER BY e.position LIMIT $3"
         )
+        last = until if until is not None else 2**63 - 1
         async with self._connection() as conn:
-            rows = await self._guard(conn.fetch(sql, list(entities), after, limit), "reading history")
+            rows = await self._guard(conn.fetch(sql, list(entities), after, limit, last), "reading history")
         return [decode_raw(RawEvent(*r)) for r in rows]
 
     async def position_at(self, at: datetime) -> int:

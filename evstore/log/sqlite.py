@@ -657,15 +657,19 @@ class SqliteBackend:
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
         return [decode_raw(r) for r in await self.read_raw(after, limit)]
 
-    async def read_entities(self, entities: Sequence[str], after: int, limit: int) -> list[RecordedEvent]:
+    async def read_entities(
+        self, entities: Sequence[str], after: int, limit: int, until: int | None = None
+    ) -> list[RecordedEvent]:
         keys = list(entities)
+        last = until if until is not None else 2**63 - 1
 
         def q(conn: sqlite3.Connection) -> list[RawEvent]:
             rows = conn.execute(
                 f"SELECT {', '.join('e.' + c.strip() for c in EVENT_COLUMNS.split(','))} FROM events e "
                 "WHERE e.position IN (SELECT DISTINCT position FROM event_entities "
-                f"WHERE entity IN ({_in_clause(len(keys))}) AND position > ?) ORDER BY e.position LIMIT ?",
-                (*keys, after, limit),
+                f"WHERE entity IN ({_in_clause(len(keys))}) AND position > ? AND position <= ?) "
+                "ORDER BY e.position LIMIT ?",
+                (*keys, after, last, limit),
             ).fetchall()
             return list(map(RawEvent._make, rows))
 
