@@ -26,7 +26,7 @@ from evstore.events import (
     decode_event,
 )
 from projections.gcpause import gc_paused
-from projections.invariants import find_leaks
+from projections.invariants import find_leaks, over_capacity
 from projections.state import FOLDS, State
 
 
@@ -425,14 +425,7 @@ async def audit(
 def providers_over_capacity(state: State) -> set[str]:
     """Providers using more of some class than its capacity (or any of a class they have no
     inventory of)."""
-    out = set()
-    for uuid, prov in state.providers.items():
-        for rc, used in prov.usages.items():
-            inv = prov.inventories.get(rc)
-            if used > (inv.capacity if inv is not None else 0.0):
-                out.add(uuid)
-                break
-    return out
+    return {uuid for uuid, prov in state.providers.items() if over_capacity(prov)}
 
 
 async def over_capacity_since(
