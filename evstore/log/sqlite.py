@@ -620,7 +620,7 @@ class SqliteBackend:
                 try:
                     result = _retry_busy(functools.partial(run_batch, conn, jobs, cache))
                 except sqlite3.DatabaseError as exc:
-                    result = err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__)
+                    result = _storage_error(exc)
                 except Exception as exc:
                     result = exc
                 loop.call_soon_threadsafe(deliver, token, result)
@@ -826,11 +826,16 @@ async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Co
     try:
         return await conn._execute(call)  # type: ignore[no-any-return,no-untyped-call]
     except sqlite3.DatabaseError as exc:
-        raise err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__) from None
+        raise _storage_error(exc) from None
     except ValueError as exc:
         if "closed" in str(exc).lower() or "no active connection" in str(exc).lower():
             raise err.StoreClosed("The store is closed") from None
         raise
+
+
+def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
+    """What a caller sees of an error SQLite raised while running its work."""
+    return err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__)
 
 
 def _retry_busy(fn: Callable[[], T], attempts: int = 5) -> T:
