@@ -220,9 +220,12 @@ async def test_racing_deletes_and_reverts_from_two_processes_leak_nothing(pg_url
         assert report.clean, report.findings
 
 
-async def test_an_entity_found_while_loading_that_sorts_first_restarts_with_all_locks(
+async def test_an_entity_found_while_loading_that_sorts_first_is_taken_at_once_when_free(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Releasing a consumer discovers its provider; the provider's lock sorts before the
+    consumer's, so waiting for it could close a cycle. Free, it is taken without waiting
+    (``pg_try_advisory_xact_lock``) in the same transaction: no restart."""
     import evstore.log.postgres as pgmod
 
     restarts: list[set[int]] = []
@@ -246,7 +249,56 @@ async def test_an_entity_found_while_loading_that_sorts_first_restarts_with_all_
         await allocate(store, consumer, {rp: {"VCPU": 1}})
         restarts.clear()
         await store.release(consumer)
-        assert len(restarts) == 1 and backend._key(f"provider:{rp}") in restarts[0]
+        assert restarts == []
+        assert (await store.usage(rp)).usages["VCPU"] == 0
+        assert (await store.audit()).clean
+
+
+async def test_an_entity_found_while_loading_that_sorts_first_and_is_busy_restarts_with_all_locks(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same discovery while another session holds the provider's lock: the command must not
+    wait for it out of order; it restarts with every lock taken in order, waits there, and
+    completes once the other session lets go."""
+    import asyncpg  # type: ignore[import-untyped,unused-ignore]
+
+    import evstore.log.postgres as pgmod
+
+    restarts: list[set[int]] = []
+
+    class Spy(pgmod._Relock):
+        def __init__(self, keys: set[int]) -> None:
+            restarts.append(keys)
+            super().__init__(keys)
+
+    monkeypatch.setattr(pgmod, "_Relock", Spy)
+    async with open_store(pg_url) as store:
+        backend = pg(store)
+        consumer = new_uuid()
+        while True:
+            rp = new_uuid()
+            if backend._key(f"provider:{rp}") < backend._key(f"consumer:{consumer}"):
+                break
+        await store.create_provider(rp, "node")
+        await store.set_inventories(rp, {"VCPU": Inventory(total=4)}, generation=0)
+        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        restarts.clear()
+        other = await asyncpg.connect(pg_url)
+        try:
+            provider_key = backend._key(f"provider:{rp}")
+            await other.execute("SELECT pg_advisory_lock($1)", provider_key)
+            release = asyncio.create_task(store.release(consumer))
+            for _ in range(200):  # until the command has restarted and waits in order
+                if restarts:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert not release.done()  # it waits for the provider, holding no lock out of order
+            await other.execute("SELECT pg_advisory_unlock($1)", provider_key)
+            await asyncio.wait_for(release, 10)
+        finally:
+            await other.close()
+        assert len(restarts) == 1 and provider_key in restarts[0]
         assert (await store.usage(rp)).usages["VCPU"] == 0
         assert (await store.audit()).clean
 

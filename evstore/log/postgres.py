@@ -4,8 +4,10 @@
 connection. It first takes ``pg_advisory_xact_lock`` on hashed keys of the entities it touches
 (consumers, providers, provider names, custom classes, its idempotency key), in sorted order; the
 loader then follows consumers to their providers and migrations, and any entity discovered beyond
-what is locked is locked too - directly if its key sorts after every held key, otherwise the
-transaction restarts with the whole set locked in order, so lock waits never form a cycle.
+what is locked is locked too - directly if its key sorts after every held key; otherwise only if
+it is free at once (``pg_try_advisory_xact_lock``, which never waits), and failing that the
+transaction restarts with the whole set locked in order. Nothing ever waits for a lock out of
+order, so lock waits never form a cycle.
 Commands on disjoint entities therefore commit in parallel; commands sharing one are serialised.
 A deadlock (40P01) or serialization failure (40001) reported by the server is retried.
 
@@ -54,10 +56,12 @@ load the slice ``decide`` reads, each read with a snapshot taken after the locks
 (insert the events in order, their entity index rows and every projection change); ``COMMIT``;
 and ``evstore_sequence`` in a transaction of its own, which returns the events' positions (or
 finds them already positioned by another process's run and returns at once). Python decides
-between the second and the third. The command's own events are folded before they have seqs, at
-``OWN_EVENT - index``; ``evstore_write`` turns those into ``-seq`` as above. The functions'
-statements use generic plans (``plan_cache_mode``): planning them on each call cost more than
-running them.
+between the second and the third. A command that names consumers only (a release, a revert)
+discovers their providers while loading: one more ``evstore_lock_load`` for those, preceded by a
+try-lock when they sort before a held key (a restart, three round trips more, only if one is
+busy). The command's own events are folded before they have seqs, at ``OWN_EVENT - index``;
+``evstore_write`` turns those into ``-seq`` as above. The functions' statements use generic plans
+(``plan_cache_mode``): planning them on each call cost more than running them.
 
 Schema changes are versioned migrations run on open under an advisory lock (safe when several
 processes open at once). Faults (a connection killed mid-command) fail that command with
@@ -342,6 +346,10 @@ async def _reset_connection(conn: Any) -> None:
     """
     if conn.is_in_transaction():
         await conn.execute("ROLLBACK")
+
+
+#: take every advisory lock of $1 that is free, without waiting; true if all of them were
+TRY_LOCK = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest($1::bigint[]) AS k"
 
 
 class _Relock(Exception):
@@ -669,6 +677,13 @@ class PostgresBackend:
             if min(extra) > max(locked):
                 # lock them and reload: what we read before holding these locks may be stale
                 fence, to_lock = None, sorted(extra)
+                locked |= extra
+                continue
+            # Out of order: waiting for them while holding larger keys could close a cycle. Take
+            # them only if they are free right now (no wait, so no cycle), then reload under the
+            # whole set; if one is held elsewhere, restart with every lock taken in order.
+            if await conn.fetchval(TRY_LOCK, sorted(extra)):
+                fence, to_lock = None, []
                 locked |= extra
                 continue
             raise _Relock(locked | extra)
