@@ -295,6 +295,32 @@ async def test_a_writer_sees_what_another_connection_committed_since_its_last_gr
         assert (await a.audit()).clean
 
 
+async def test_two_writers_taking_turns_on_one_file_continue_each_others_log(tmp_path: Path) -> None:
+    """Two writers on one file, in runs and switches: each command continues the log where the
+    other left it (contiguous positions, one hash chain), whatever either writer remembers
+    between its own transactions."""
+    url = f"sqlite:///{tmp_path}/turns.db"
+    async with open_store(url) as a, open_store(url) as b:
+        rp = await make_provider(a, VCPU=100)
+        positions: list[int] = []
+        for i in range(20):
+            store = (a, b)[i % 3 % 2]  # a, b, a, a, b, a, ... (both runs and switches)
+            receipt = await store.set_allocations(
+                new_uuid(),
+                {rp: {"VCPU": 1}},
+                project_id="p",
+                user_id="u",
+                consumer_type="INSTANCE",
+                generation=None,
+            )
+            positions += receipt.positions
+        start = positions[0]
+        assert positions == list(range(start, start + 20))
+        assert await a.head() == await b.head() == positions[-1]
+        report = await b.audit()
+        assert report.clean, report.findings
+
+
 async def test_a_group_commit_that_rolls_back_is_forgotten(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
