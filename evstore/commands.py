@@ -253,6 +253,21 @@ def _check_consumer_generation(c: ConsumerState, given: int | None) -> None:
         raise _generation_conflict(c.generation, given, c.uuid)
 
 
+def _check_instance_alive(state: State, migration: ConsumerState) -> None:
+    """A migration holds its allocations for its instance: once the instance is tombstoned, a write
+    that gives the migration allocations would hold them for a deleted consumer (a leak)."""
+    assert migration.on_behalf_of is not None
+    inst = state.consumer(migration.on_behalf_of)
+    if inst.deleted:
+        raise err.ConsumerDeleted(
+            f"Consumer {migration.uuid} is a migration of instance {inst.uuid}, which was deleted at "
+            f"position {inst.deleted_at}; no allocations can be written for it any more",
+            consumer=inst.uuid,
+            migration=migration.uuid,
+            deleted_at=inst.deleted_at,
+        )
+
+
 @dataclass(slots=True)
 class _Change:
     """One consumer's replacement inside an allocation command (shared by writes and migrations)."""
@@ -275,6 +290,8 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
         c = state.consumer(ch.consumer)
         if ch.check_generation:
             _check_consumer_generation(c, ch.generation)
+            if ch.new and c.on_behalf_of is not None:
+                _check_instance_alive(state, c)
         elif c.deleted:
             _check_consumer_generation(c, c.generation)
     # Rows: new allocations; a consumer being emptied contributes its current ones at amount 0.
@@ -448,7 +465,13 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
     ]
 
 
-def _migration_and_instance(state: State, migration: str) -> tuple[ConsumerState, ConsumerState]:
+def _migration_and_instance(
+    state: State, migration: str, giving_back: bool = True
+) -> tuple[ConsumerState, ConsumerState]:
+    """The migration and its instance; ``giving_back``: the command gives the migration's
+    allocations to the instance (a revert), which a tombstoned instance must refuse. A confirm only
+    releases them, which frees what a deleted instance's migration may still hold (a log written
+    before this rule, or imported)."""
     mig = state.consumer(migration)
     if mig.deleted:
         _check_consumer_generation(mig, mig.generation)
@@ -457,10 +480,16 @@ def _migration_and_instance(state: State, migration: str) -> tuple[ConsumerState
             f"Consumer {migration} holds no allocations for a migration in progress", consumer=migration
         )
     inst = state.consumer(mig.on_behalf_of)
-    if inst.deleted:
+    if inst.deleted and (giving_back or not mig.allocations):
+        # (a confirm of a deleted instance's migration still holding allocations releases them)
+        why = (
+            "cannot give allocations back to it (they were released with the instance)"
+            if giving_back
+            else "has nothing left to confirm (its allocations were released with the instance)"
+        )
         raise err.ConsumerDeleted(
-            f"Instance {inst.uuid} was deleted at position {inst.deleted_at}; its migration {migration} "
-            "cannot give allocations back to it (they were released with the instance)",
+            f"Instance {inst.uuid} was deleted at position {inst.deleted_at}; "
+            f"its migration {migration} {why}",
             consumer=inst.uuid,
             migration=migration,
             deleted_at=inst.deleted_at,
@@ -494,7 +523,7 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
 
 
 def _confirm_migration(state: State, command: ConfirmMigration) -> list[ev.EventBase]:
-    mig, inst = _migration_and_instance(state, command.migration)
+    mig, inst = _migration_and_instance(state, command.migration, giving_back=False)
     return [ev.MigrationConfirmed(migration=mig.uuid, instance=inst.uuid, released=mig.allocations)]
 
 

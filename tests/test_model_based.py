@@ -66,12 +66,14 @@ class Model:
 
     def write(self, writes: list[tuple[str, dict[str, dict[str, int]], int | None]]) -> str:
         """Apply a replace of several consumers; return the outcome kind."""
-        for uuid, _, gen in writes:
+        for uuid, allocs, gen in writes:
             c = self.c(uuid)
             if c.deleted:
                 return "ConsumerDeleted"
             if c.gen != gen:
                 return "ConcurrentUpdate"
+            if allocs and c.behalf is not None and self.c(c.behalf).deleted:
+                return "ConsumerDeleted"  # a migration of a deleted instance gets nothing
         rows = []
         for uuid, allocs, _ in writes:
             if allocs:
@@ -108,6 +110,8 @@ class Model:
                 continue
             c.gen = (c.gen or 0) + 1 if allocs else None
             c.allocs = {p: dict(r) for p, r in allocs.items()}
+            if not allocs:
+                c.behalf = None  # emptied by a plain write: no longer holding for anyone
         for p in named:
             self.pgen[p] += 1
         return "ok"

@@ -141,3 +141,34 @@ async def test_placement_style_revert_through_write_allocations_is_rejected_too(
         )
     assert await store.head() == head
     assert set((await store.usage(src)).usages.values()) == {0}
+
+
+async def test_a_plain_write_to_the_migration_of_a_deleted_instance_is_rejected(
+    store: AllocationStore,
+) -> None:
+    """The racing writer targets the migration consumer instead of the instance: the migration
+    still acts for the deleted instance, so allocations given to it would be held for a tombstone
+    (the audit's second kind of leak). Rejected, nothing appended."""
+    src, _ = await cloud(store)
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {src: FLAVOR})
+    await store.start_migration(instance, migration)
+    await store.delete_consumer(instance)
+    head = await store.head()
+    with pytest.raises(ConsumerDeleted) as caught:
+        await store.set_allocations(
+            migration,
+            {src: FLAVOR},
+            project_id="project",
+            user_id="user",
+            consumer_type="MIGRATION",
+            generation=None,
+        )
+    assert caught.value.details["consumer"] == instance
+    assert caught.value.details["migration"] == migration
+    assert await store.head() == head
+    assert set((await store.usage(src)).usages.values()) == {0}
+    with pytest.raises(ConsumerDeleted):  # and there is nothing to confirm either
+        await store.confirm_migration(migration)
+    report = await store.audit()
+    assert report.clean, report.findings
