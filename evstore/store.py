@@ -167,6 +167,20 @@ class AllocationStore:
     snapshot_every: int = 10_000
 
     def __init__(self, backend: Backend, *, max_batch: int = 256, poll_interval: float = 0.2) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 100_000:
+            raise err.InvalidInput(
+                f"max_batch must be an integer from 1 to 100000, got {max_batch!r:.40}", field="max_batch"
+            )
+        if (
+            isinstance(poll_interval, bool)
+            or not isinstance(poll_interval, int | float)
+            or not 0 < poll_interval <= 3600
+        ):
+            raise err.InvalidInput(
+                f"poll_interval must be a number of seconds, above 0 and at most 3600, "
+                f"got {poll_interval!r:.40}",
+                field="poll_interval",
+            )
         self._backend = backend
         self._max_batch = max_batch
         self._poll_interval = poll_interval

@@ -47,6 +47,35 @@ def test_errors_have_stable_codes() -> None:
     assert all(code.startswith(("placement.", "evstore.")) for code in codes)
 
 
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"max_batch": 0}, "max_batch"),  # hung: the writer took empty batches forever
+        ({"max_batch": -3}, "max_batch"),
+        ({"max_batch": True}, "max_batch"),
+        ({"max_batch": 2.5}, "max_batch"),
+        ({"poll_interval": 0}, "poll_interval"),
+        ({"poll_interval": -1}, "poll_interval"),
+        ({"poll_interval": "soon"}, "poll_interval"),
+        ({"busy_timeout": -1}, "busy_timeout"),
+        ({"busy_timeout": "x"}, "busy_timeout"),
+        ({"busy_timeout": float("nan")}, "busy_timeout"),
+        ({"foo": 1}, "foo"),
+        ({"journal_mode": "DELETE"}, "journal_mode"),
+    ],
+)
+async def test_store_options_are_checked_before_anything_runs(
+    tmp_path: Path, options: dict[str, object], field: str
+) -> None:
+    with pytest.raises(InvalidInput, match=field):
+        async with asyncio.timeout(10), open_store(f"sqlite:///{tmp_path}/o.db", **options):
+            pass
+    assert not (tmp_path / "o.db").exists()
+    with pytest.raises(InvalidInput, match="foo"):  # in the URL too
+        async with open_store(f"sqlite:///{tmp_path}/o.db?foo=1"):
+            pass
+
+
 async def test_relative_and_absolute_urls_wal_and_durability(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -502,6 +502,10 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     return rest[1:], options
 
 
+#: what ``open_store(sqlite_url, **options)`` (or ``?k=v`` in the URL) may set on this backend
+OPTIONS = ("synchronous", "busy_timeout", "create")
+
+
 class SqliteBackend:
     """Log and projection in one SQLite file; one writer connection, one reader connection."""
 
@@ -509,16 +513,29 @@ class SqliteBackend:
         self.url = url
         path, url_options = parse_sqlite_url(url)
         merged = {**url_options, **{k: str(v) for k, v in options.items()}}
+        unknown = sorted(set(merged) - set(OPTIONS))
+        if unknown:
+            raise err.InvalidInput(
+                f"Unknown SQLite store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)} "
+                "(and max_batch, poll_interval, snapshot_every for any store)"
+            )
         self.path = path
         self._parent_dir = os.path.dirname(os.path.abspath(path))
         sync = merged.pop("synchronous", "FULL").upper()
         if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}")
         self.synchronous = sync
+        raw_timeout = merged.pop("busy_timeout", "30")
         try:
-            self.busy_timeout_ms = int(float(merged.pop("busy_timeout", "30")) * 1000)
+            busy_timeout = float(raw_timeout)
         except ValueError:
-            raise err.InvalidInput("busy_timeout must be a number of seconds") from None
+            busy_timeout = -1.0
+        if not 0 <= busy_timeout <= 86_400:  # (also refuses nan and inf)
+            raise err.InvalidInput(
+                f"busy_timeout must be a number of seconds from 0 to 86400, got {raw_timeout!r:.40}",
+                field="busy_timeout",
+            )
+        self.busy_timeout_ms = int(busy_timeout * 1000)
         create = merged.pop("create", "true").lower()
         if create not in ("true", "false", "1", "0"):
             raise err.InvalidInput(f"create must be true or false, got {create!r}")
