@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import os_resource_classes
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from evstore.errors import InvalidInput, InvalidInventoryValue
 
@@ -206,7 +206,8 @@ class ConsumerAllocations(BaseModel):
     project_id: str = Field(min_length=1, max_length=255)
     user_id: str = Field(min_length=1, max_length=255)
     consumer_type: str = Field(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")
-    consumer_generation: int | None = Field(
+    #: strict: a bool, a string or a float is not a generation (``set_allocations`` refuses them too)
+    consumer_generation: StrictInt | None = Field(
         default=None, ge=0, validation_alias=AliasChoices("consumer_generation", "generation")
     )
 
@@ -230,11 +231,10 @@ def coerce_consumer_allocations(value: object, consumer: str) -> ConsumerAllocat
         return value
     if isinstance(value, Mapping):
         try:
-            return ConsumerAllocations.model_validate(dict(value))
-        except ValidationError as exc:
-            raise InvalidInput(
-                f"Invalid allocations for consumer {consumer}: {pydantic_message(exc)}"
-            ) from None
+            return ConsumerAllocations(**{str(k): v for k, v in value.items()})
+        except InvalidInput as exc:
+            problem = exc.message.removeprefix("Invalid consumer allocations: ")
+            raise InvalidInput(f"Invalid allocations for consumer {consumer}: {problem}") from None
     raise InvalidInput(f"Allocations for consumer {consumer} must be a ConsumerAllocations or a mapping")
 
 

@@ -454,6 +454,30 @@ def test_the_value_models_refuse_bad_values_with_typed_errors() -> None:
         allocations={}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=3
     )
     assert ca.consumer_generation == 3
+    for wrong in (True, "2", 3.0, -1):  # were coerced to 1, 2 and 3 past the generation check
+        with pytest.raises(InvalidInput, match="generation: Input should be"):
+            ConsumerAllocations(
+                allocations={}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=wrong
+            )
+
+
+async def test_write_allocations_refuses_what_set_allocations_refuses_as_a_generation(
+    store: AllocationStore,
+) -> None:
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    await allocate(store, c, {rp: {"VCPU": 1}})  # generation 1
+    head = await store.head()
+    body = {"allocations": {rp: {"VCPU": 2}}, "project_id": "p", "user_id": "u", "consumer_type": "INSTANCE"}
+    for wrong in (True, "1", 1.0):
+        with pytest.raises(InvalidInput) as caught:
+            await store.set_allocations(
+                c, {rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=wrong
+            )  # type: ignore[arg-type]
+        with pytest.raises(InvalidInput, match=f"consumer {c}: consumer_generation") as caught:
+            await store.write_allocations({c: {**body, "consumer_generation": wrong}})
+        assert "Value error" not in caught.value.message
+    assert await store.head() == head
 
 
 async def test_metadata_readers_could_not_decode_is_refused_and_nothing_is_written(
