@@ -104,15 +104,15 @@ def sqlite_url(path: Path) -> str:
 
 def resolve_url(db: Path | None, url: str | None, *, must_exist: bool = True) -> str:
     """The store URL from --db, --url or $EVSTORE_URL (in that order); one of them is required."""
-    if db is not None and url is not None:
-        raise err.InvalidInput("give either --db or --url, not both")
+    if db is not None and url is not None:  # usage errors (exit 2), as click reports a bad option
+        fail("evstore.usage", "give either --db or --url, not both", EXIT_USAGE)
     if db is not None:
         if must_exist and not db.exists():
             raise err.NotFound(f"no database at {db} (check the path, or create one with `evstore demo`)")
         return sqlite_url(db)
     chosen = url or os.environ.get("EVSTORE_URL")
     if not chosen:
-        raise err.InvalidInput("no store given: use --db PATH, --url URL or set EVSTORE_URL")
+        fail("evstore.usage", "no store given: use --db PATH, --url URL or set EVSTORE_URL", EXIT_USAGE)
     if must_exist and chosen.startswith("sqlite:"):
         from evstore.log.sqlite import parse_sqlite_url
 
@@ -462,7 +462,7 @@ def add_event_row(table: Table, recorded: Any, names: Names) -> None:
 def parse_point(text: str, what: str = "--at") -> int | datetime:
     """A position (``1234``) or an ISO 8601 time with a zone (``2026-01-02T03:04:05Z``)."""
     text = text.strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # (str.isdigit also accepts '²', which int() refuses)
         return int(text)
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
@@ -496,11 +496,11 @@ def history(
         async with open_existing(resolve_url(db, url)) as store:
             names = await provider_names(store)
             found = [r async for r in store.history(key)]
+        if not found:  # (with --json too: the same exit code either way)
+            raise err.NotFound(f"no event in this log touches {key}")
         if json_out:
             emit_json({"uuid": key, "events": [event_json(r, names) for r in found]})
             return EXIT_OK
-        if not found:
-            raise err.NotFound(f"no event in this log touches {key}")
         table = events_table(f"History of {names.get(key, key)}")
         for recorded in found:
             add_event_row(table, recorded, names)
@@ -676,6 +676,13 @@ def diff(
         n = sum(result.events_by_type.values())
         kinds = ", ".join(f"{t} {c}" for t, c in sorted(result.events_by_type.items())) or "none"
         out.print(f"From position {result.from_position} to {result.to_position}: {n} events ({kinds})")
+        for label, uuids in (
+            ("providers created", result.providers_created),
+            ("providers deleted", result.providers_deleted),
+        ):
+            if uuids:
+                listed = ", ".join(f"{names[u]} ({u})" if u in names else u for u in uuids)
+                out.print(f"{label} ({len(uuids)}): {escape(listed)}")
         usage = Table(title="usage deltas")
         for col in ("provider", "class", "before", "after", "delta", "events"):
             usage.add_column(col, justify="right" if col in ("before", "after", "delta") else "left")
@@ -910,16 +917,29 @@ def import_(
     The imported log is then audited: exit 0 when clean, 3 when the log itself holds findings
     (e.g. leaks written by an older writer), 1 when the file was refused (nothing is imported).
     """
-    created = db is not None and not db.exists()
+    try:
+        target = resolve_url(db, url, must_exist=False)
+    except err.EvstoreError as exc:
+        fail(exc.code, exc.message)
+    created: Path | None = None  # a SQLite file this command creates: removed if the import is refused
+    if target.startswith("sqlite:"):
+        from evstore.log.sqlite import parse_sqlite_url
+
+        path, _ = parse_sqlite_url(target)
+        if path != ":memory:" and not Path(path).exists():
+            created = Path(path)
 
     async def work() -> int:
         from evstore.store import open_store
 
         def lines() -> Any:
             with file.open(encoding="utf-8") as source:
-                yield from source
+                try:
+                    yield from source
+                except UnicodeDecodeError:
+                    raise err.InvalidInput(f"{file} is not UTF-8 text: not an evstore export") from None
 
-        async with open_store(resolve_url(db, url, must_exist=False)) as store:
+        async with open_store(target) as store:
             with progress_bar() as bar:
                 tasks: dict[str, Any] = {}
 
@@ -944,9 +964,9 @@ def import_(
     try:
         run(work)
     except typer.Exit as exc:
-        if exc.exit_code == EXIT_ERROR and created and db is not None:
+        if exc.exit_code == EXIT_ERROR and created is not None:
             for suffix in ("", "-wal", "-shm"):  # leave nothing behind from a refused import
-                Path(str(db) + suffix).unlink(missing_ok=True)
+                Path(str(created) + suffix).unlink(missing_ok=True)
         raise
 
 

@@ -647,8 +647,12 @@ def _delete_provider(state: State, command: DeleteProvider) -> list[ev.EventBase
 
 def _create_resource_class(state: State, command: CreateResourceClass) -> list[ev.EventBase]:
     name = command.name
-    if not name.startswith(CUSTOM_PREFIX) or name in STANDARD_CLASSES:
-        raise err.InvalidInput(f"Custom resource classes must start with {CUSTOM_PREFIX}: {name}")
+    if not name.startswith(CUSTOM_PREFIX) or name == CUSTOM_PREFIX or name in STANDARD_CLASSES:
+        # (Placement's pattern for a custom class: ^CUSTOM_[A-Z0-9_]+$)
+        raise err.InvalidInput(
+            f"Custom resource classes must be {CUSTOM_PREFIX} followed by at least one of A-Z, 0-9 "
+            f"or _: {name}"
+        )
     if name in state.custom_classes:
         return []
     return [ev.ResourceClassCreated(name=name)]

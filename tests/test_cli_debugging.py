@@ -107,6 +107,27 @@ def test_state_views_and_bad_points(tmp_path: Path) -> None:
     assert backwards.returncode == 1 and "a <= b" in backwards.stderr
     unknown = evstore("history", "not-a-uuid", "--db", db)
     assert unknown.returncode == 1 and unknown.stderr.startswith("error: evstore.invalid_input: ")
+    superscript = evstore("state", "--at", "\u00b2", "--db", db)  # str.isdigit() says yes; int() says no
+    assert superscript.returncode == 1
+    assert superscript.stderr.startswith("error: evstore.invalid_input: --at must be a position")
+    stranger = "0b59e5ad-6c6a-4bde-9dbb-5b4a1d9a04a4"
+    for extra in ((), ("--json",)):  # the same exit code with or without --json
+        nothing = evstore("history", stranger, "--db", db, *extra)
+        assert nothing.returncode == 1, extra
+        assert nothing.stderr.startswith("error: evstore.not_found: no event in this log touches")
+
+
+def test_diff_lists_the_providers_created_and_deleted(tmp_path: Path) -> None:
+    db = str(tmp_path / "cloud.db")
+    _json("demo", "--db", db, "--instances", "4", "--nodes", "2")
+    both = _json("diff", "0", "4", "--db", db)
+    assert len(both["providers_created"]) == 2
+    human = evstore("diff", "0", "4", "--db", db)
+    assert human.returncode == 0, human.stderr
+    line = next(x for x in human.stdout.splitlines() if x.startswith("providers created"))
+    assert line.startswith("providers created (2): ")
+    for uuid in both["providers_created"]:
+        assert uuid in human.stdout.replace("\n", "")
 
 
 def test_rebuild_snapshot_and_stats(tmp_path: Path) -> None:

@@ -105,11 +105,14 @@ def test_audit_exit_codes_clean_findings_error(tmp_path: Path) -> None:
 
 
 def test_errors_are_one_line_with_a_code(tmp_path: Path) -> None:
-    nothing = evstore("audit")
-    assert nothing.returncode == 1
+    nothing = evstore("audit")  # a usage error: exit 2, as the README says
+    assert nothing.returncode == 2
     assert nothing.stderr.strip() == (
-        "error: evstore.invalid_input: no store given: use --db PATH, --url URL or set EVSTORE_URL"
+        "error: evstore.usage: no store given: use --db PATH, --url URL or set EVSTORE_URL"
     )
+    both = evstore("audit", "--db", str(tmp_path / "a.db"), "--url", "sqlite:///b.db")
+    assert both.returncode == 2
+    assert both.stderr.strip() == "error: evstore.usage: give either --db or --url, not both"
     bad_url = evstore("audit", "--url", "mysql://x")
     assert bad_url.returncode == 1 and bad_url.stderr.startswith("error: evstore.invalid_input: ")
     junk = tmp_path / "junk.db"

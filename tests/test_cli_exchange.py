@@ -68,3 +68,17 @@ def test_import_refuses_broken_files(tmp_path: Path) -> None:
 
     err = _import_fails(tmp_path, lines[1:], "headless")
     assert "not an evstore export" in err
+
+    binary = tmp_path / "binary.jsonl"  # not UTF-8: was evstore.internal (UnicodeDecodeError)
+    binary.write_bytes(b"\xff\xfe\x00garbage\n" * 10)
+    done = evstore("import", str(binary), "--db", str(tmp_path / "binary.db"))
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: evstore.invalid_input: ") and "not UTF-8" in done.stderr
+    assert not (tmp_path / "binary.db").exists()
+
+    # through --url too: a refused import leaves no file behind (it left an empty store)
+    target = tmp_path / "by-url.db"
+    truncated = tmp_path / "truncated.jsonl"
+    done = evstore("import", str(truncated), "--url", f"sqlite:///{target}")
+    assert done.returncode == 1 and "truncated" in done.stderr
+    assert not any(tmp_path.glob("by-url.db*"))

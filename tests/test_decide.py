@@ -142,6 +142,13 @@ def test_unknown_custom_class_is_rejected_until_created() -> None:
     assert state.providers[RP1].usages == {"CUSTOM_GOLD": 2}
 
 
+@pytest.mark.parametrize("name", ["CUSTOM_", "VCPU", "GOLD"])
+def test_a_custom_class_needs_a_name_after_the_prefix(name: str) -> None:
+    # Placement: ^CUSTOM_[A-Z0-9_]+$ ("CUSTOM_" alone was accepted)
+    with pytest.raises(err.InvalidInput, match="Custom resource classes must be CUSTOM_ followed by"):
+        when(cloud(VCPU=Inventory(total=8)), CreateResourceClass(name))
+
+
 # --- allocations: rows, constraints and capacity ---------------------------------------------
 
 
