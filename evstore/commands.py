@@ -396,7 +396,25 @@ def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.Eve
             raise err.InvalidInput(f"Consumer {w.consumer} appears twice in one command", consumer=w.consumer)
         seen.add(w.consumer)
     changes = [_Change(w.consumer, w.allocations, True, w.generation) for w in writes]
-    _check_and_plan(state, changes)
+    named = _check_and_plan(state, changes)
+    move = _as_move(state, writes)
+    if move is not None:
+        src, to = move
+        assert src.generation is not None and src.project_id and src.user_id
+        return [
+            ev.MigrationStarted(
+                instance=src.uuid,
+                migration=to.consumer,
+                allocations=to.allocations,
+                project_id=src.project_id,
+                user_id=src.user_id,
+                instance_consumer_type=src.consumer_type or "INSTANCE",
+                instance_generation=src.generation,
+                migration_consumer_type=to.consumer_type,
+                migration_generation=1,
+                provider_generations=_bumps(state, named, set()),
+            )
+        ]
     events: list[ev.EventBase] = []
     bumped: set[str] = set()
     for w, ch in zip(writes, changes, strict=True):
@@ -417,6 +435,32 @@ def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.Eve
             )
         )
     return events
+
+
+def _as_move(state: State, writes: list[ConsumerWrite]) -> tuple[ConsumerState, ConsumerWrite] | None:
+    """A plain write that is a move (SPEC: the same invariants apply): what Nova's
+    ``move_allocations`` sends - one consumer emptied, and exactly its allocations given, for the
+    same project and user, to another consumer that holds nothing. It is recorded as a
+    ``MigrationStarted``: the target then holds them on the source's behalf, so deleting the source
+    releases them, and a revert or confirm works on it as on any migration. The source's and the
+    target's outcome (allocations, generations, provider generations) is the same as the plain
+    write's. Anything else (more consumers, other amounts, a source that is itself a migration)
+    stays a plain write."""
+    if len(writes) != 2:
+        return None
+    emptied = [w for w in writes if not w.allocations]
+    filled = [w for w in writes if w.allocations]
+    if len(emptied) != 1 or len(filled) != 1:
+        return None
+    src, to = state.consumer(emptied[0].consumer), filled[0]
+    dst = state.consumer(to.consumer)
+    if not src.allocations or src.on_behalf_of is not None or src.deleted:
+        return None
+    if dst.allocations or dst.on_behalf_of is not None or dst.deleted:
+        return None
+    if to.allocations != src.allocations or (to.project_id, to.user_id) != (src.project_id, src.user_id):
+        return None
+    return src, to
 
 
 def _release(state: State, command: Release) -> list[ev.EventBase]:

@@ -6,6 +6,7 @@ per-row min/max/step, generation arithmetic.
 
 from __future__ import annotations
 
+import copy
 import uuid
 
 import pytest
@@ -36,6 +37,9 @@ RP1 = "00000000-0000-0000-0000-0000000000a1"
 RP2 = "00000000-0000-0000-0000-0000000000a2"
 C1 = "00000000-0000-0000-0000-0000000000c1"
 C2 = "00000000-0000-0000-0000-0000000000c2"
+C3 = "00000000-0000-0000-0000-0000000000c3"
+C4 = "00000000-0000-0000-0000-0000000000c4"
+C5 = "00000000-0000-0000-0000-0000000000c5"
 MIG = "00000000-0000-0000-0000-0000000000f1"
 
 
@@ -204,14 +208,49 @@ def test_first_failing_row_decides_the_error() -> None:
 def test_replace_semantics_let_a_swap_succeed_on_a_full_provider() -> None:
     state = cloud(VCPU=Inventory(total=4))
     when(state, one(write(C1, {RP1: {"VCPU": 4}})))
-    events = when(state, one(write(C1, {}, generation=1), write(C2, {RP1: {"VCPU": 4}})))
+    events = when(state, one(write(C1, {}, generation=1), write(C2, {RP1: {"VCPU": 3}})))
     assert [type(e) for e in events] == [ev.AllocationsReplaced, ev.AllocationsReplaced]
-    # the move bumps the provider once, carried by the first event naming it
+    # the swap bumps the provider once, carried by the first event naming it
     assert events[0].provider_generations == {RP1: 3}  # type: ignore[attr-defined]
     assert events[1].provider_generations == {}  # type: ignore[attr-defined]
     assert C1 not in state.consumers  # emptied: absent again
     assert state.consumers[C2].generation == 1
+    assert state.consumers[C2].on_behalf_of is None  # other amounts: not a move
     assert state.providers[RP1].generation == 3
+
+
+def test_a_plain_write_that_moves_every_allocation_is_recorded_as_a_migration() -> None:
+    state = cloud(VCPU=Inventory(total=4))
+    when(state, one(write(C1, {RP1: {"VCPU": 4}})))  # full: only a replace can move it
+    events = when(state, one(write(C1, {}, generation=1), write(C2, {RP1: {"VCPU": 4}}, ctype="MIGRATION")))
+    assert events == [
+        ev.MigrationStarted(
+            instance=C1,
+            migration=C2,
+            allocations={RP1: {"VCPU": 4}},
+            project_id="p",
+            user_id="u",
+            instance_consumer_type="INSTANCE",
+            instance_generation=1,
+            migration_consumer_type="MIGRATION",
+            migration_generation=1,
+            provider_generations={RP1: 3},
+        )
+    ]
+    assert C1 not in state.consumers  # the same outcome as the plain write...
+    assert state.consumers[C2].generation == 1
+    assert state.providers[RP1].generation == 3
+    assert state.consumers[C2].on_behalf_of == C1  # ...and C2 holds it for C1
+    deleted = when(state, DeleteConsumer(C1))
+    assert deleted[0].migrations_released == {C2: {RP1: {"VCPU": 4}}}  # type: ignore[attr-defined]
+    # for another project or user, or with a third consumer in the command: plain writes
+    when(state, one(write(C3, {RP1: {"VCPU": 2}})))
+    for writes in (
+        (write(C3, {}, generation=1), write(C4, {RP1: {"VCPU": 2}}, project="q")),
+        (write(C3, {}, generation=1), write(C4, {RP1: {"VCPU": 2}}), write(C5, {})),
+    ):
+        trial = copy.deepcopy(state)
+        assert all(isinstance(e, ev.AllocationsReplaced) for e in when(trial, one(*writes)))
 
 
 def test_over_capacity_tolerance_no_worse_is_accepted() -> None:

@@ -104,6 +104,17 @@ class Model:
         for p, _, _ in rows:
             if p not in named:
                 named.append(p)
+        # a move (one consumer emptied, exactly its allocations to one holding nothing): the target
+        # holds them on the source's behalf, as after start_migration (same project and user here)
+        emptied = [u for u, a, _ in writes if not a]
+        filled = [(u, a) for u, a, _ in writes if a]
+        move_to = None
+        if len(writes) == 2 and len(emptied) == 1 and len(filled) == 1:
+            src, (dst, allocs) = self.c(emptied[0]), filled[0]
+            target = self.c(dst)
+            if src.allocs and src.behalf is None and not target.allocs and target.behalf is None:
+                if allocs == src.allocs:
+                    move_to = dst
         for uuid, allocs, _ in writes:
             c = self.c(uuid)
             if not allocs and not c.allocs:
@@ -112,6 +123,8 @@ class Model:
             c.allocs = {p: dict(r) for p, r in allocs.items()}
             if not allocs:
                 c.behalf = None  # emptied by a plain write: no longer holding for anyone
+        if move_to is not None:
+            self.c(move_to).behalf = emptied[0]
         for p in named:
             self.pgen[p] += 1
         return "ok"

@@ -172,3 +172,62 @@ async def test_a_plain_write_to_the_migration_of_a_deleted_instance_is_rejected(
         await store.confirm_migration(migration)
     report = await store.audit()
     assert report.clean, report.findings
+
+
+def _entry(allocations: dict[str, dict[str, int]], generation: int | None, kind: str) -> dict[str, object]:
+    return {
+        "allocations": allocations,
+        "project_id": "project",
+        "user_id": "user",
+        "consumer_type": kind,
+        "consumer_generation": generation,
+    }
+
+
+async def test_a_nova_style_move_through_write_allocations_is_a_migration(store: AllocationStore) -> None:
+    """SPEC: a plain write that empties one consumer and fills another is also a move; the same
+    invariants apply. Nova's move_allocations (one POST /allocations) then a destination claim,
+    then the instance is deleted: the migration's source allocations must be released with it
+    (they leaked: the store did not know the migration held them for the instance)."""
+    src, dst = await cloud(store)
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {src: FLAVOR})
+    generation = (await store.allocations(instance)).generation
+    receipt = await store.write_allocations(
+        {instance: _entry({}, generation, "INSTANCE"), migration: _entry({src: FLAVOR}, None, "MIGRATION")}
+    )
+    assert receipt.consumer_generations == {instance: None, migration: 1}
+    assert [e.type async for e in store.history(migration)] == ["MigrationStarted"]
+    await allocate(store, instance, {dst: NEW_FLAVOR})  # the destination claim
+    await store.delete_consumer(instance)
+    assert (await store.allocations(migration)).allocations == {}
+    for p in (src, dst):
+        assert set((await store.usage(p)).usages.values()) == {0}
+    report = await store.audit()
+    assert report.clean, report.findings
+
+
+async def test_a_move_written_plainly_can_be_reverted_and_other_writes_stay_plain(
+    store: AllocationStore,
+) -> None:
+    src, dst = await cloud(store)
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {src: FLAVOR})
+    await store.write_allocations(
+        {instance: _entry({}, 1, "INSTANCE"), migration: _entry({src: FLAVOR}, None, "MIGRATION")}
+    )
+    await allocate(store, instance, {dst: NEW_FLAVOR})
+    await store.revert_migration(migration)
+    assert (await store.allocations(instance)).allocations == {src: FLAVOR}
+    assert set((await store.usage(dst)).usages.values()) == {0}
+    # not a move: other amounts than the source held (a resize written in one go) - plain writes
+    other = new_uuid()
+    generation = (await store.allocations(instance)).generation
+    receipt = await store.write_allocations(
+        {instance: _entry({}, generation, "INSTANCE"), other: _entry({dst: NEW_FLAVOR}, None, "INSTANCE")}
+    )
+    assert len(receipt.positions) == 2
+    assert [e.type async for e in store.history(other)] == ["AllocationsReplaced"]
+    await store.delete_consumer(instance)
+    assert (await store.allocations(other)).allocations == {dst: NEW_FLAVOR}  # not held for instance
+    assert (await store.audit()).clean
