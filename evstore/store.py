@@ -674,6 +674,9 @@ class AllocationStore:
         """The state folded from the log up to ``to_position`` (all of it by default)."""
         if to_position is not None:
             _position(to_position, "to_position")
+            head = await self._backend.head()
+            if to_position > head:  # (as state_at and diff: a position the log has not reached)
+                raise err.InvalidInput(f"position {to_position} is beyond the head of the log ({head})")
         return await replay(self._backend.read_payloads, to_position)
 
     async def state_at(

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evstore import AllocationStore, CorruptEvent, Inventory
+from evstore import AllocationStore, CorruptEvent, InvalidInput, Inventory
 from evstore import events as ev
 from evstore.events import PAYLOAD_VALIDATORS, decode_event
 from projections.replay import replay
@@ -123,6 +123,15 @@ async def test_replay_names_the_position_of_a_corrupt_row(store: AllocationStore
         await store.replay()
     assert caught.value.details["position"] == 5
     assert (await store.replay(to_position=4)).position == 4, "the rows before it still fold"
+
+
+async def test_replay_refuses_a_position_beyond_the_head_as_state_at_does(store: AllocationStore) -> None:
+    await _workload(store)
+    head = await store.head()
+    assert (await store.replay(to_position=head)).position == head
+    for ask in (store.replay(to_position=head + 1), store.state_at(position=head + 1)):
+        with pytest.raises(InvalidInput, match=f"beyond the head of the log \\({head}\\)"):
+            await ask  # replay silently answered with the state at the head
 
 
 async def test_replay_upcasts_an_old_row(sqlite_url: str) -> None:
