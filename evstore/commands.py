@@ -400,21 +400,7 @@ def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.Eve
     move = _as_move(state, writes)
     if move is not None:
         src, to = move
-        assert src.generation is not None and src.project_id and src.user_id
-        return [
-            ev.MigrationStarted(
-                instance=src.uuid,
-                migration=to.consumer,
-                allocations=to.allocations,
-                project_id=src.project_id,
-                user_id=src.user_id,
-                instance_consumer_type=src.consumer_type or "INSTANCE",
-                instance_generation=src.generation,
-                migration_consumer_type=to.consumer_type,
-                migration_generation=1,
-                provider_generations=_bumps(state, named, set()),
-            )
-        ]
+        return [_migration_started(state, src, to.consumer, to.consumer_type, named)]
     events: list[ev.EventBase] = []
     bumped: set[str] = set()
     for w, ch in zip(writes, changes, strict=True):
@@ -493,20 +479,26 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
         raise err.InvalidInput(f"Consumer {inst.uuid} is itself a migration; it cannot be migrated")
     changes = [_Change(inst.uuid, {}, False), _Change(mig.uuid, inst.allocations, False)]
     named = _check_and_plan(state, changes)
+    return [_migration_started(state, inst, mig.uuid, "MIGRATION", named)]
+
+
+def _migration_started(
+    state: State, inst: ConsumerState, migration: str, migration_type: str, named: list[str]
+) -> ev.MigrationStarted:
+    """Every allocation of ``inst`` moved to the (empty) consumer ``migration``, held for ``inst``."""
     assert inst.generation is not None and inst.project_id and inst.user_id
-    return [
-        ev.MigrationStarted(
-            instance=inst.uuid,
-            migration=mig.uuid,
-            allocations=inst.allocations,
-            project_id=inst.project_id,
-            user_id=inst.user_id,
-            instance_consumer_type=inst.consumer_type or "INSTANCE",
-            instance_generation=inst.generation,
-            migration_generation=1,
-            provider_generations=_bumps(state, named, set()),
-        )
-    ]
+    return ev.MigrationStarted(
+        instance=inst.uuid,
+        migration=migration,
+        allocations=inst.allocations,
+        project_id=inst.project_id,
+        user_id=inst.user_id,
+        instance_consumer_type=inst.consumer_type or "INSTANCE",
+        instance_generation=inst.generation,
+        migration_consumer_type=migration_type,
+        migration_generation=1,
+        provider_generations=_bumps(state, named, set()),
+    )
 
 
 def _migration_and_instance(

@@ -220,12 +220,8 @@ async def test_racing_deletes_and_reverts_from_two_processes_leak_nothing(pg_url
         assert report.clean, report.findings
 
 
-async def test_an_entity_found_while_loading_that_sorts_first_is_taken_at_once_when_free(
-    pg_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Releasing a consumer discovers its provider; the provider's lock sorts before the
-    consumer's, so waiting for it could close a cycle. Free, it is taken without waiting
-    (``pg_try_advisory_xact_lock``) in the same transaction: no restart."""
+def _spy_on_restarts(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
+    """The lock sets of every restart (``_Relock``) from now on."""
     import evstore.log.postgres as pgmod
 
     restarts: list[set[int]] = []
@@ -236,17 +232,32 @@ async def test_an_entity_found_while_loading_that_sorts_first_is_taken_at_once_w
             super().__init__(keys)
 
     monkeypatch.setattr(pgmod, "_Relock", Spy)
+    return restarts
+
+
+async def _consumer_on_a_provider_that_locks_first(store: AllocationStore) -> tuple[str, str]:
+    """A consumer holding 1 VCPU on a provider whose lock key sorts before the consumer's:
+    releasing the consumer discovers the provider while loading, out of order."""
+    backend = pg(store)
+    consumer = new_uuid()
+    while True:
+        rp = new_uuid()
+        if backend._key(f"provider:{rp}") < backend._key(f"consumer:{consumer}"):
+            break
+    await store.create_provider(rp, "node")
+    await store.set_inventories(rp, {"VCPU": Inventory(total=4)}, generation=0)
+    await allocate(store, consumer, {rp: {"VCPU": 1}})
+    return consumer, rp
+
+
+async def test_an_entity_found_while_loading_that_sorts_first_is_taken_at_once_when_free(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free, the provider's lock is taken without waiting (``pg_try_advisory_xact_lock``) in the
+    same transaction: no restart."""
+    restarts = _spy_on_restarts(monkeypatch)
     async with open_store(pg_url) as store:
-        backend = pg(store)
-        consumer = new_uuid()
-        # a provider whose lock sorts before the consumer's: releasing the consumer discovers it
-        while True:
-            rp = new_uuid()
-            if backend._key(f"provider:{rp}") < backend._key(f"consumer:{consumer}"):
-                break
-        await store.create_provider(rp, "node")
-        await store.set_inventories(rp, {"VCPU": Inventory(total=4)}, generation=0)
-        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        consumer, rp = await _consumer_on_a_provider_that_locks_first(store)
         restarts.clear()
         await store.release(consumer)
         assert restarts == []
@@ -262,30 +273,13 @@ async def test_an_entity_found_while_loading_that_sorts_first_and_is_busy_restar
     completes once the other session lets go."""
     import asyncpg  # type: ignore[import-untyped,unused-ignore]
 
-    import evstore.log.postgres as pgmod
-
-    restarts: list[set[int]] = []
-
-    class Spy(pgmod._Relock):
-        def __init__(self, keys: set[int]) -> None:
-            restarts.append(keys)
-            super().__init__(keys)
-
-    monkeypatch.setattr(pgmod, "_Relock", Spy)
+    restarts = _spy_on_restarts(monkeypatch)
     async with open_store(pg_url) as store:
-        backend = pg(store)
-        consumer = new_uuid()
-        while True:
-            rp = new_uuid()
-            if backend._key(f"provider:{rp}") < backend._key(f"consumer:{consumer}"):
-                break
-        await store.create_provider(rp, "node")
-        await store.set_inventories(rp, {"VCPU": Inventory(total=4)}, generation=0)
-        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        consumer, rp = await _consumer_on_a_provider_that_locks_first(store)
         restarts.clear()
         other = await asyncpg.connect(pg_url)
         try:
-            provider_key = backend._key(f"provider:{rp}")
+            provider_key = pg(store)._key(f"provider:{rp}")
             await other.execute("SELECT pg_advisory_lock($1)", provider_key)
             release = asyncio.create_task(store.release(consumer))
             for _ in range(200):  # until the command has restarted and waits in order
