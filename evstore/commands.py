@@ -638,9 +638,12 @@ def _name_taken(state: State, name: str, other_than: str | None = None) -> bool:
 
 
 def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase]:
-    if command.provider in state.providers or _name_taken(state, command.name):
+    duplicates = [f"uuid: {command.provider}"] if command.provider in state.providers else []
+    if _name_taken(state, command.name):
+        duplicates.append(f"name: {command.name}")
+    if duplicates:  # (Placement's wording on create: the column(s) and the value(s) taken)
         raise err.DuplicateName(
-            f"Conflicting resource provider {command.name} already exists.",
+            f"Conflicting resource provider {', '.join(duplicates)} already exists.",
             provider=command.provider,
             name=command.name,
         )

@@ -353,10 +353,15 @@ def test_set_single_inventory_and_delete_missing() -> None:
 
 def test_provider_rules() -> None:
     state = given(*provider(RP1, "rp1", VCPU=Inventory(total=8)))
-    with pytest.raises(err.DuplicateName):
-        when(state, CreateProvider(RP2, "rp1"))
-    with pytest.raises(err.DuplicateName):
-        when(state, CreateProvider(RP1, "other"))
+    # Placement's wording on create names the column taken (it named the new name for a uuid)
+    for command, taken in (
+        (CreateProvider(RP2, "rp1"), "name: rp1"),
+        (CreateProvider(RP1, "other"), f"uuid: {RP1}"),
+        (CreateProvider(RP1, "rp1"), f"uuid: {RP1}, name: rp1"),
+    ):
+        with pytest.raises(err.DuplicateName) as caught:
+            when(state, command)
+        assert caught.value.message == f"Conflicting resource provider {taken} already exists."
     [created] = when(state, CreateProvider(RP2, "child", parent=RP1))
     assert created == ev.ProviderCreated(provider=RP2, name="child", parent=RP1, root=RP1)
     with pytest.raises(err.CannotDeleteParent):
