@@ -209,7 +209,11 @@ def decide(command: Command, state: State) -> list[ev.EventBase]:
             prov = _provider(state, command.provider)
             inventories = dict(prov.inventories)
             inventories[command.resource_class] = command.inventory
-            return _set_inventories(state, command.provider, inventories, command.generation)
+            # only the class being set is checked: the others are stored, so known and valid (and
+            # the slice names only this class: the loader does not know the others' custom classes)
+            return _set_inventories(
+                state, command.provider, inventories, command.generation, {command.resource_class}
+            )
         case DeleteInventory():
             return _delete_inventory(state, command)
         case CreateProvider():
@@ -590,8 +594,13 @@ def _check_inventories(state: State, inventories: dict[str, Inventory]) -> None:
 
 
 def _set_inventories(
-    state: State, provider: str, inventories: dict[str, Inventory], generation: int
+    state: State,
+    provider: str,
+    inventories: dict[str, Inventory],
+    generation: int,
+    changed: set[str] | None = None,
 ) -> list[ev.EventBase]:
+    """Replace the provider's inventory; ``changed``: the classes to check (default: all)."""
     # Placement's order: provider generation, then unknown classes, then classes in use.
     prov = _provider(state, provider)
     if prov.generation != generation:
@@ -601,7 +610,7 @@ def _set_inventories(
             expected=prov.generation,
             got=generation,
         )
-    _check_inventories(state, inventories)
+    _check_inventories(state, inventories if changed is None else {rc: inventories[rc] for rc in changed})
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
         raise err.InventoryInUse(

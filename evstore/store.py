@@ -84,7 +84,8 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
 
 
 # (json.dumps makes a new encoder for every call with options; metadata is encoded per command)
-_METADATA_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+# (allow_nan=False: NaN and Infinity are not JSON; the log must stay readable by any JSON parser)
+_METADATA_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True, allow_nan=False)
 
 # a version-4 uuid's fixed bits: version (4) and RFC 4122 variant (0b10)
 _UUID4_CLEAR = ~((0xF << 76) | (0x3 << 62)) & (2**128 - 1)
@@ -102,7 +103,10 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
     try:
         text = _METADATA_ENCODER.encode(meta)
     except (TypeError, ValueError):
-        raise err.InvalidInput("metadata values must be JSON-serialisable") from None
+        raise err.InvalidInput(
+            "metadata values must be JSON-serialisable (strings, numbers other than NaN and Infinity, "
+            "booleans, null, lists and mappings)"
+        ) from None
     if check:
         try:
             Metadata.model_validate_json(text)

@@ -491,10 +491,34 @@ async def test_metadata_readers_could_not_decode_is_refused_and_nothing_is_writt
         if bad != {"request_id": "\ud800"}:
             assert next(iter(bad)) in info.value.message
     assert await store.head() == head
+    for bad in ({"score": float("nan")}, {"limit": float("inf")}, {"x": [float("-inf")]}):
+        # were stored as NaN / Infinity: not JSON, unreadable by a strict parser, forever in the log
+        with pytest.raises(InvalidInput, match="NaN and Infinity"):
+            await store.create_provider(new_uuid(), "node", metadata=bad)
+    assert await store.head() == head
     rp = new_uuid()
     await store.create_provider(rp, "node", metadata={"request_id": "req-1", "extra": [1, 2]})
     [event] = [e async for e in store.history(rp)]
     assert event.metadata.request_id == "req-1"
+
+
+async def test_set_inventory_on_a_provider_that_has_a_custom_class(store: AllocationStore) -> None:
+    """Updating one class checked every class the provider holds against the custom classes the
+    slice loaded - only the one named - so any provider with a CUSTOM_ inventory refused it."""
+    await store.create_resource_class("CUSTOM_GPU")
+    rp = new_uuid()
+    await store.create_provider(rp, "gpu-node")
+    gen = await store.set_inventories(
+        rp, {"VCPU": Inventory(total=8), "CUSTOM_GPU": Inventory(total=2)}, generation=0
+    )
+    gen = await store.set_inventory(rp, "VCPU", Inventory(total=16), generation=gen)
+    assert gen == 2
+    gen = await store.set_inventory(rp, "MEMORY_MB", {"total": 4096}, generation=gen)
+    gen = await store.delete_inventory(rp, "MEMORY_MB")
+    assert (await store.usage(rp)).usages == {"VCPU": 0, "CUSTOM_GPU": 0}
+    with pytest.raises(evstore.UnknownResourceClass):  # the class being set is still checked
+        await store.set_inventory(rp, "CUSTOM_NOPE", Inventory(total=1), generation=gen)
+    assert (await store.audit()).clean
 
 
 async def test_open_with_create_false_refuses_a_database_without_a_store(tmp_path: Path) -> None:
