@@ -87,6 +87,17 @@ def console() -> Console:
     return Console(highlight=False, soft_wrap=False, width=width)
 
 
+def shown(url: str) -> str:
+    """A store URL as printed: without its password."""
+    if url.startswith(("postgresql:", "postgres:")):
+        try:
+            from evstore.log.postgres import redact
+        except ImportError:  # (no asyncpg: such a URL cannot be opened anyway)
+            return "postgresql://<url not shown>"
+        return redact(url)
+    return url
+
+
 def note(message: str) -> None:
     """A human remark on stderr (keeps stdout clean for --json)."""
     print(message, file=sys.stderr, flush=True)
@@ -204,9 +215,8 @@ def usage_json(state: State) -> list[dict[str, Any]]:
 
 def print_audit(out: Console, report: AuditReport, url: str) -> None:
     verdict = "[green]clean[/green]" if report.clean else f"[red]{len(report.findings)} finding(s)[/red]"
-    out.print(
-        f"Audit of {escape(url)}: head {report.head}, {report.events_checked} events checked: {verdict}"
-    )
+    head, checked = report.head, report.events_checked
+    out.print(f"Audit of {escape(shown(url))}: head {head}, {checked} events checked: {verdict}")
     if report.clean:
         return
     table = Table()
@@ -258,7 +268,7 @@ def demo(
         if json_out:
             emit_json(
                 {
-                    "url": target,
+                    "url": shown(target),
                     "seed": seed,
                     "head": report.head,
                     "counts": dict(sorted(report.counts.items())),
@@ -729,9 +739,9 @@ def tail(
             names = await provider_names(store)
             out = console()
             if follow:
-                note(f"following {store.url} after position {start} (Ctrl-C to stop)")
+                note(f"following {shown(store.url)} after position {start} (Ctrl-C to stop)")
             else:
-                note(f"events of {store.url} after position {start} up to {head}")
+                note(f"events of {shown(store.url)} after position {start} up to {head}")
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK
@@ -848,7 +858,7 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
             found = dict(await store.stats())
             found["snapshot_positions"] = await store.snapshot_positions()
         if json_out:
-            emit_json({"url": target, **found})
+            emit_json({"url": shown(target), **found})
             return EXIT_OK
         out = console()
         size = found.get("db_bytes")

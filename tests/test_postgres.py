@@ -128,6 +128,16 @@ async def test_a_server_that_is_down_is_named_without_its_password() -> None:
     assert f"postgresql://evstore:***@127.0.0.1:{port}/evstore" in info.value.message
     assert "s3cret" not in str(info.value) and "s3cret" not in json.dumps(info.value.to_dict())
     assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    # libpq's ?password= too (it was shown in full)
+    url = f"postgresql://evstore@127.0.0.1:{port}/evstore?search_path=a&password=TopSecret3"
+    with pytest.raises(StorageError) as info:
+        async with open_store(url, connect_timeout=5):
+            pass
+    assert f"127.0.0.1:{port}/evstore?search_path=a&password=***" in info.value.message
+    assert "TopSecret3" not in str(info.value) and "TopSecret3" not in json.dumps(info.value.to_dict())
+    assert redact("postgresql://u@h/x?PASSWORD=a&sslpassword=b&x=1") == (
+        "postgresql://u@h/x?PASSWORD=***&sslpassword=***&x=1"
+    )
 
 
 async def test_a_missing_schema_is_a_clear_error(pg_url: str) -> None:

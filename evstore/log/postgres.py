@@ -330,11 +330,16 @@ def redact(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "postgresql://<unparseable url>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0].split(":", 1)[0]
+        parts = parts._replace(netloc=f"{user}:***@{netloc[1]}")
+    if parts.query:  # libpq and asyncpg also take ?password=... (any case of the key)
+        secret = ("password", "sslpassword")
+        pairs = [p.split("=", 1) for p in parts.query.split("&")]
+        hidden = [f"{k[0]}=***" if len(k) == 2 and k[0].lower() in secret else "=".join(k) for k in pairs]
+        parts = parts._replace(query="&".join(hidden))
+    return urlunsplit(parts)
 
 
 async def _reset_connection(conn: Any) -> None:
