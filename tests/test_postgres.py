@@ -281,8 +281,6 @@ async def test_an_entity_found_while_loading_that_sorts_first_and_is_busy_restar
     """The same discovery while another session holds the provider's lock: the command must not
     wait for it out of order; it restarts with every lock taken in order, waits there, and
     completes once the other session lets go."""
-    import asyncpg  # type: ignore[import-untyped,unused-ignore]
-
     restarts = _spy_on_restarts(monkeypatch)
     async with open_store(pg_url) as store:
         consumer, rp = await _consumer_on_a_provider_that_locks_first(store)
@@ -614,4 +612,48 @@ async def test_a_connection_killed_mid_command_fails_it_cleanly(pg_url: str) -> 
         assert (await store.usage(rp)).usages["VCPU"] == 0
         await allocate(store, c, {rp: {"VCPU": 2}})  # the pool recovered
         assert (await store.usage(rp)).usages["VCPU"] == 2
+        assert (await store.audit()).clean
+
+
+async def test_a_committed_command_whose_positions_time_out_is_not_called_rolled_back(pg_url: str) -> None:
+    """Positions are assigned after COMMIT, under the sequencer's lock (held for a whole audit,
+    rebuild or import by any process). A command timing out there is committed: it was reported
+    'rolled back' (outcome_unknown False), inviting a retry without its key - a double apply."""
+    async with open_store(pg_url, command_timeout=0.5) as store:
+        rp = await make_provider(store, VCPU=8)
+        consumer = new_uuid()
+        other = await asyncpg.connect(pg_url)
+        try:
+            tx = other.transaction()
+            await tx.start()
+            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key("!sequencer"))
+            with pytest.raises(StorageError) as caught:
+                await store.set_allocations(
+                    consumer,
+                    {rp: {"VCPU": 2}},
+                    project_id="p",
+                    user_id="u",
+                    consumer_type="INSTANCE",
+                    generation=None,
+                    idempotency_key="claim-1",
+                )
+            await tx.rollback()
+        finally:
+            await other.close()
+        assert caught.value.details["committed"] is True
+        assert caught.value.details["outcome_unknown"] is True
+        assert "rolled back" not in caught.value.message
+        assert "same idempotency key" in caught.value.message
+        assert (await store.allocations(consumer)).allocations == {rp: {"VCPU": 2}}
+        receipt = await store.set_allocations(  # the retry the message asks for: its receipt
+            consumer,
+            {rp: {"VCPU": 2}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            idempotency_key="claim-1",
+        )
+        assert receipt.replayed and receipt.positions == (await store.head(),)
+        assert (await store.usage(rp)).usages == {"VCPU": 2}
         assert (await store.audit()).clean

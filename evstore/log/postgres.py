@@ -382,10 +382,16 @@ def _is_connection_error(exc: BaseException) -> bool:
     )
 
 
-def _storage_error(exc: BaseException, doing: str, committing: bool = False) -> err.StorageError:
+def _storage_error(exc: BaseException, doing: str, committing: bool | None = False) -> err.StorageError:
+    """``committing``: True while a command's COMMIT was in flight, False inside its transaction
+    (rolled back), None for work that writes nothing of the caller's (reads, the sequencer)."""
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if _is_connection_error(exc):
+        if committing is None:
+            return err.StorageError(
+                f"Lost the connection to PostgreSQL while {doing}: {text}", sqlstate=sqlstate
+            )
         outcome = (
             "it may or may not have been committed (retry with the same idempotency key to be sure)"
             if committing
@@ -618,7 +624,18 @@ class PostgresBackend:
             await hook(None)
         if not seqs:
             return receipt
-        positions = await self._positions_of(seqs)
+        try:
+            positions = await self._positions_of(seqs)
+        except Exception as exc:
+            # The command is committed: whatever failed here (the sequencer timed out waiting for
+            # its lock, the connection died), it must not be reported as rolled back.
+            cause = exc.message if isinstance(exc, err.EvstoreError) else f"{type(exc).__name__}: {exc}"
+            raise err.StorageError(
+                f"The command was committed, but reading its positions failed ({cause}); retry "
+                "with the same idempotency key to get its receipt",
+                committed=True,
+                outcome_unknown=True,
+            ) from None
         return Receipt(
             positions, receipt.consumer_generations, receipt.provider_generations, receipt.replayed
         )
@@ -771,10 +788,10 @@ class PostgresBackend:
                     not _is_connection_error(exc)
                     and getattr(exc, "sqlstate", None) not in RETRYABLE_SQLSTATES
                 ):
-                    raise _storage_error(exc, "assigning positions") from None
+                    raise _storage_error(exc, "assigning positions", None) from None
                 last = exc  # sequencing is idempotent: try again on a fresh connection
         assert last is not None
-        raise _storage_error(last, "assigning positions")
+        raise _storage_error(last, "assigning positions", None)
 
     async def _catch_up(self, conn: Any) -> int:
         """Position events left by a writer that died between its commit and the sequencing.
@@ -790,7 +807,7 @@ class PostgresBackend:
         try:
             return await awaitable
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            raise _storage_error(exc, doing) from None
+            raise _storage_error(exc, doing, None) from None
 
     # --- reading --------------------------------------------------------------------------
 
@@ -850,7 +867,7 @@ class PostgresBackend:
                     await self._fenced(conn)
                     return await _load_all(conn)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                raise _storage_error(exc, "loading the projection") from None
+                raise _storage_error(exc, "loading the projection", None) from None
 
     async def _fenced(self, conn: Any) -> None:
         """Inside a transaction: hold writers back, and position every committed event."""
@@ -864,7 +881,7 @@ class PostgresBackend:
                 async with conn.transaction(isolation="repeatable_read", readonly=True):
                     return await fn(conn, *args)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                raise _storage_error(exc, f"querying {name}") from None
+                raise _storage_error(exc, f"querying {name}", None) from None
 
     async def tamper(self, sql: str, params: Sequence[Any] = ()) -> None:
         """Run raw SQL (tests and repair tools only); ``?`` placeholders become ``$n``."""
@@ -993,7 +1010,7 @@ class PostgresBackend:
                     "WHERE n.nspname = current_schema() AND c.relkind = 'r'"
                 )
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                raise _storage_error(exc, "reading statistics") from None
+                raise _storage_error(exc, "reading statistics", None) from None
         return {
             "head": int(head),
             "events_by_type": counts,
