@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from evstore import AllocationStore, EvstoreError, Inventory, StorageError, open_store
+from evstore import AllocationStore, EvstoreError, InvalidInput, Inventory, StorageError, open_store
 from evstore.errors import SchemaVersionError
 from evstore.log.postgres import SCHEMA_VERSION, PostgresBackend, redact
 from tests.conftest import allocate, make_provider, new_uuid
@@ -143,6 +143,27 @@ async def test_a_server_that_is_down_is_named_without_its_password() -> None:
 async def test_a_missing_schema_is_a_clear_error(pg_url: str) -> None:
     with pytest.raises(StorageError, match="no schema"):
         async with open_store(with_search_path(pg_url, "evstore_no_such_schema")):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "named"),
+    [
+        ("postgresql://u@127.0.0.1:1/x", {"command_timeout": 0}, "command_timeout"),  # raw ValueError
+        ("postgresql://u@127.0.0.1:1/x", {"command_timeout": float("nan")}, "command_timeout"),
+        ("postgresql://u@127.0.0.1:1/x", {"connect_timeout": -1}, "connect_timeout"),
+        ("postgresql://u@127.0.0.1:1/x", {"statement_cache_size": -1}, "statement_cache_size"),
+        ("postgresql://u@127.0.0.1:1/x", {"pool_size": 2.7}, "pool_size"),  # was truncated to 2
+        ("postgresql://u@127.0.0.1:1/x", {"pool_size": True}, "pool_size"),
+        ("postgresql://u@127.0.0.1:abc/x", {}, "Malformed PostgreSQL URL"),  # was evstore.internal
+        ("postgresql://u@[::1/x", {}, "Malformed PostgreSQL URL"),
+    ],
+)
+async def test_bad_options_and_urls_are_invalid_input_before_connecting(
+    url: str, options: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(InvalidInput, match=named):
+        async with open_store(url, **options):
             pass
 
 

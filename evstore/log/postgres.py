@@ -405,6 +405,22 @@ def _storage_error(exc: BaseException, doing: str, committing: bool | None = Fal
     return err.StorageError(f"PostgreSQL error while {doing}: {text}", sqlstate=sqlstate)
 
 
+def _integer(options: dict[str, Any], name: str, default: int, least: int) -> int:
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 1_000_000:
+        raise err.InvalidInput(f"{name} must be an integer from {least}, got {value!r:.40}", field=name)
+    return value
+
+
+def _seconds(options: dict[str, Any], name: str, default: float) -> float:
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86_400:
+        raise err.InvalidInput(
+            f"{name} must be a number of seconds above 0 (at most 86400), got {value!r:.40}", field=name
+        )
+    return float(value)
+
+
 class PostgresBackend:
     """Log and projection in one PostgreSQL database (or schema), shared by many processes.
 
@@ -429,17 +445,20 @@ class PostgresBackend:
         self.url = url
         self.safe_url = redact(url)
         try:
-            self.pool_size = int(options.get("pool_size", 10))
-            self.min_pool_size = int(options.get("min_pool_size", 1))
-            self.connect_timeout = float(options.get("connect_timeout", 10))
-            timeout = options.get("command_timeout")
-            self.command_timeout = None if timeout is None else float(timeout)
-            self.max_retries = int(options.get("max_retries", 10))
-            self.statement_cache_size = int(options.get("statement_cache_size", 100))
-            #: False: refuse to open a database (schema) that holds no store instead of creating one
-            self.create = options.get("create", True)
-        except (TypeError, ValueError):
-            raise err.InvalidInput("pool sizes and retries must be integers, timeouts numbers") from None
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (parsing it is the check: a port that is not a number raises)
+        except ValueError as exc:
+            raise err.InvalidInput(f"Malformed PostgreSQL URL {self.safe_url}: {exc}") from None
+        self.pool_size = _integer(options, "pool_size", 10, 1)
+        self.min_pool_size = _integer(options, "min_pool_size", 1, 0)
+        self.max_retries = _integer(options, "max_retries", 10, 1)
+        self.statement_cache_size = _integer(options, "statement_cache_size", 100, 0)
+        self.connect_timeout = _seconds(options, "connect_timeout", 10.0)
+        self.command_timeout = (
+            None if options.get("command_timeout") is None else _seconds(options, "command_timeout", 0.0)
+        )
+        #: False: refuse to open a database (schema) that holds no store instead of creating one
+        self.create = options.get("create", True)
         if not isinstance(self.create, bool):
             raise err.InvalidInput(f"create must be True or False, got {self.create!r}")
         if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
