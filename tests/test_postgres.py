@@ -678,3 +678,23 @@ async def test_a_committed_command_whose_positions_time_out_is_not_called_rolled
         assert receipt.replayed and receipt.positions == (await store.head(),)
         assert (await store.usage(rp)).usages == {"VCPU": 2}
         assert (await store.audit()).clean
+
+
+def test_a_connection_killed_under_asyncpg_counts_as_lost() -> None:
+    """A pooled connection the server killed surfaces as asyncpg's InternalClientError ('cannot
+    switch to state ...'), and its proxy refuses is_closed(): both were taken for bugs, so a
+    committed command failed with 'Storage failure: InternalClientError' and no outcome_unknown
+    (seen with pg_terminate_backend during a load)."""
+    from evstore.log import postgres as pgmod
+
+    killed = asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress")
+    committing = pgmod._storage_error(killed, "running a command", committing=True)
+    assert committing.details["outcome_unknown"] is True
+    assert "may or may not have been committed" in committing.message
+    assert pgmod._storage_error(killed, "running a command").details["outcome_unknown"] is False
+
+    class Detached:
+        def is_closed(self) -> bool:
+            raise asyncpg.InterfaceError("cannot call Connection.is_closed(): connection has been released")
+
+    assert pgmod._closed(Detached())

@@ -369,10 +369,26 @@ class _StaleConnection(Exception):
     """A pooled connection was dead before the command sent anything."""
 
 
+#: what a database call can raise: errors of the server, of the connection, of asyncpg's state
+DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
+
+
+def _closed(conn: Any) -> bool:
+    """Whether a pooled connection is gone (asyncpg detaches the proxy of a connection that died:
+    asking it then raises instead of answering)."""
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
+
+
 def _is_connection_error(exc: BaseException) -> bool:
+    """``InternalClientError`` ("cannot switch to state ...; another operation is in progress"):
+    what asyncpg raises on a pooled connection the server killed while it was idle."""
     return isinstance(
         exc,
         OSError
+        | asyncpg.InternalClientError
         | asyncpg.exceptions.ConnectionDoesNotExistError
         | asyncpg.exceptions.InterfaceError
         | asyncpg.exceptions.PostgresConnectionError
@@ -570,7 +586,7 @@ class PostgresBackend:
                             "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
                             str(SCHEMA_VERSION),
                         )
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 raise err.StorageError(
                     f"Cannot prepare the store at {self.safe_url}: {_storage_error(exc, 'migrating')}",
                     url=self.safe_url,
@@ -667,7 +683,7 @@ class PostgresBackend:
             try:
                 try:
                     await tx.start()
-                except (OSError, asyncpg.InterfaceError, asyncpg.PostgresError) as exc:
+                except DB_ERRORS as exc:
                     if _is_connection_error(exc):
                         raise _StaleConnection() from None  # nothing was sent: safe to retry
                     raise
@@ -682,12 +698,12 @@ class PostgresBackend:
                 await tx.commit()
                 return outcome
             except BaseException as exc:
-                if not committing and not conn.is_closed():
+                if not committing and not _closed(conn):
                     with contextlib.suppress(Exception):
                         await tx.rollback()
                 if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE_SQLSTATES:
                     raise
-                if isinstance(exc, OSError | asyncpg.PostgresError | asyncpg.InterfaceError):
+                if isinstance(exc, asyncpg.PostgresError) or _is_connection_error(exc):
                     raise _storage_error(exc, "running a command", committing) from None
                 raise
 
@@ -802,7 +818,7 @@ class PostgresBackend:
                 async with self._connection() as conn:
                     # one statement, its own transaction: the run commits before its lock is released
                     return await _sequence(conn, self._key("!sequencer"), wait, want)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 if (
                     not _is_connection_error(exc)
                     and getattr(exc, "sqlstate", None) not in RETRYABLE_SQLSTATES
@@ -825,7 +841,7 @@ class PostgresBackend:
     async def _guard(self, awaitable: Awaitable[Any], doing: str) -> Any:
         try:
             return await awaitable
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except DB_ERRORS as exc:
             raise _storage_error(exc, doing, None) from None
 
     # --- reading --------------------------------------------------------------------------
@@ -885,7 +901,7 @@ class PostgresBackend:
                 async with conn.transaction():
                     await self._fenced(conn)
                     return await _load_all(conn)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 raise _storage_error(exc, "loading the projection", None) from None
 
     async def _fenced(self, conn: Any) -> None:
@@ -899,7 +915,7 @@ class PostgresBackend:
             try:
                 async with conn.transaction(isolation="repeatable_read", readonly=True):
                     return await fn(conn, *args)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 raise _storage_error(exc, f"querying {name}", None) from None
 
     async def tamper(self, sql: str, params: Sequence[Any] = ()) -> None:
@@ -987,7 +1003,7 @@ class PostgresBackend:
                         await conn.executemany(
                             "INSERT INTO event_entities VALUES ($1, $2) ON CONFLICT DO NOTHING", entity_rows
                         )
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 raise _storage_error(exc, "importing events") from None
         return len(batch)
 
@@ -1009,7 +1025,7 @@ class PostgresBackend:
                 async with conn.transaction():
                     await self._fenced(conn)
                     return await _rebuild(conn, state, batch_size, progress)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 raise _storage_error(exc, "rebuilding the projection") from None
 
     async def stats(self) -> dict[str, Any]:
@@ -1028,7 +1044,7 @@ class PostgresBackend:
                     "JOIN pg_namespace n ON n.oid = c.relnamespace "
                     "WHERE n.nspname = current_schema() AND c.relkind = 'r'"
                 )
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DB_ERRORS as exc:
                 raise _storage_error(exc, "reading statistics", None) from None
         return {
             "head": int(head),
