@@ -643,21 +643,20 @@ async def test_a_committed_command_whose_positions_time_out_is_not_called_rolled
     async with open_store(pg_url, command_timeout=0.5) as store:
         rp = await make_provider(store, VCPU=8)
         consumer = new_uuid()
+
+        def claim() -> Any:
+            return store.set_allocations(
+                consumer, {rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE",
+                generation=None, idempotency_key="claim-1",
+            )  # fmt: skip
+
         other = await asyncpg.connect(pg_url)
         try:
             tx = other.transaction()
             await tx.start()
             await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key("!sequencer"))
             with pytest.raises(StorageError) as caught:
-                await store.set_allocations(
-                    consumer,
-                    {rp: {"VCPU": 2}},
-                    project_id="p",
-                    user_id="u",
-                    consumer_type="INSTANCE",
-                    generation=None,
-                    idempotency_key="claim-1",
-                )
+                await claim()
             await tx.rollback()
         finally:
             await other.close()
@@ -666,15 +665,7 @@ async def test_a_committed_command_whose_positions_time_out_is_not_called_rolled
         assert "rolled back" not in caught.value.message
         assert "same idempotency key" in caught.value.message
         assert (await store.allocations(consumer)).allocations == {rp: {"VCPU": 2}}
-        receipt = await store.set_allocations(  # the retry the message asks for: its receipt
-            consumer,
-            {rp: {"VCPU": 2}},
-            project_id="p",
-            user_id="u",
-            consumer_type="INSTANCE",
-            generation=None,
-            idempotency_key="claim-1",
-        )
+        receipt = await claim()  # the retry the message asks for: its receipt
         assert receipt.replayed and receipt.positions == (await store.head(),)
         assert (await store.usage(rp)).usages == {"VCPU": 2}
         assert (await store.audit()).clean
