@@ -18,7 +18,15 @@ from typing import Any
 import asyncpg
 import pytest
 
-from evstore import AllocationStore, EvstoreError, InvalidInput, Inventory, StorageError, open_store
+from evstore import (
+    AllocationStore,
+    EvstoreError,
+    InvalidInput,
+    Inventory,
+    NotFound,
+    StorageError,
+    open_store,
+)
 from evstore.errors import SchemaVersionError
 from evstore.log.postgres import SCHEMA_VERSION, PostgresBackend, redact
 from tests.conftest import allocate, make_provider, new_uuid
@@ -141,8 +149,14 @@ async def test_a_server_that_is_down_is_named_without_its_password() -> None:
 
 
 async def test_a_missing_schema_is_a_clear_error(pg_url: str) -> None:
+    missing = with_search_path(pg_url, "evstore_no_such_schema")
     with pytest.raises(StorageError, match="no schema"):
-        async with open_store(with_search_path(pg_url, "evstore_no_such_schema")):
+        async with open_store(missing):
+            pass
+    # opening an existing store only (the CLI's read-only commands): there is none, NotFound
+    # as for a SQLite file without one (was StorageError)
+    with pytest.raises(NotFound, match="no schema of its search_path exists"):
+        async with open_store(missing, create=False):
             pass
 
 

@@ -547,6 +547,12 @@ class PostgresBackend:
         async with self._connection() as conn:
             try:
                 schema = await conn.fetchval("SELECT current_schema()")
+                if schema is None and not self.create:  # (nothing to open: no store there)
+                    raise err.NotFound(
+                        f"No evstore store at {self.safe_url}: no schema of its search_path exists "
+                        "(check the URL's search_path)",
+                        url=self.safe_url,
+                    )
                 if schema is None:
                     raise err.StorageError(
                         f"Cannot open {self.safe_url}: no schema of the search_path exists to create "
