@@ -240,3 +240,19 @@ def coerce_consumer_allocations(value: object, consumer: str) -> ConsumerAllocat
 
 def is_known_class(name: str, custom: set[str] | frozenset[str]) -> bool:
     return name in STANDARD_CLASSES or name in custom
+
+
+def validate_int_option(value: object, name: str, least: int, most: int = 1_000_000) -> int:
+    """An integer store option (``open_store(..., name=value)``): bools and floats refused."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise InvalidInput(f"{name} must be an integer from {least} to {most}, got {value!r:.40}", field=name)
+    return value
+
+
+def validate_seconds_option(value: object, name: str, most: float = 86_400) -> float:
+    """A duration store option in seconds, above 0 (nan and inf refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= most:
+        raise InvalidInput(
+            f"{name} must be a number of seconds above 0 and at most {most:g}, got {value!r:.40}", field=name
+        )
+    return float(value)

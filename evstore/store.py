@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from evstore import commands as cmd
 from evstore import errors as err
 from evstore.events import GENESIS_HASH, Metadata, RecordedEvent
-from evstore.log import Backend, Job, Outcome, Receipt
+from evstore.log import MAX_POSITION, Backend, Job, Outcome, Receipt
 from evstore.schema import (
     ConsumerAllocations,
     Inventory,
@@ -39,8 +39,10 @@ from evstore.schema import (
     normalize_uuid,
     validate_consumer_type,
     validate_generation,
+    validate_int_option,
     validate_name,
     validate_resource_class_name,
+    validate_seconds_option,
 )
 from projections import audit as _audit
 from projections.audit import AuditReport
@@ -131,10 +133,6 @@ def _fingerprint(command: cmd.Command) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-#: the largest position (and count) a backend can store: SQLite INTEGER and PostgreSQL bigint
-MAX_POSITION = 2**63 - 1
-
-
 def _position(value: object, what: str = "position") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POSITION:
         raise err.InvalidInput(
@@ -171,20 +169,8 @@ class AllocationStore:
     snapshot_every: int = 10_000
 
     def __init__(self, backend: Backend, *, max_batch: int = 256, poll_interval: float = 0.2) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 100_000:
-            raise err.InvalidInput(
-                f"max_batch must be an integer from 1 to 100000, got {max_batch!r:.40}", field="max_batch"
-            )
-        if (
-            isinstance(poll_interval, bool)
-            or not isinstance(poll_interval, int | float)
-            or not 0 < poll_interval <= 3600
-        ):
-            raise err.InvalidInput(
-                f"poll_interval must be a number of seconds, above 0 and at most 3600, "
-                f"got {poll_interval!r:.40}",
-                field="poll_interval",
-            )
+        validate_int_option(max_batch, "max_batch", 1, 100_000)
+        validate_seconds_option(poll_interval, "poll_interval", 3600)
         self._backend = backend
         self._max_batch = max_batch
         self._poll_interval = poll_interval

@@ -21,6 +21,9 @@ from evstore.errors import EvstoreError
 from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
 from projections.state import State
 
+#: the largest position (and count) a backend can store: SQLite INTEGER and PostgreSQL bigint
+MAX_POSITION = 2**63 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class Job:

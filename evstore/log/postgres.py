@@ -88,8 +88,9 @@ import asyncpg  # type: ignore[import-untyped,unused-ignore]
 from evstore import errors as err
 from evstore.commands import Needs, decide
 from evstore.events import EventBase, RecordedEvent, decode_event
-from evstore.log import Job, Outcome, PayloadRow, RawEvent, Receipt
+from evstore.log import MAX_POSITION, Job, Outcome, PayloadRow, RawEvent, Receipt
 from evstore.log.sqlite import decode_raw
+from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
@@ -421,22 +422,6 @@ def _storage_error(exc: BaseException, doing: str, committing: bool | None = Fal
     return err.StorageError(f"PostgreSQL error while {doing}: {text}", sqlstate=sqlstate)
 
 
-def _integer(options: dict[str, Any], name: str, default: int, least: int) -> int:
-    value = options.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 1_000_000:
-        raise err.InvalidInput(f"{name} must be an integer from {least}, got {value!r:.40}", field=name)
-    return value
-
-
-def _seconds(options: dict[str, Any], name: str, default: float) -> float:
-    value = options.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86_400:
-        raise err.InvalidInput(
-            f"{name} must be a number of seconds above 0 (at most 86400), got {value!r:.40}", field=name
-        )
-    return float(value)
-
-
 class PostgresBackend:
     """Log and projection in one PostgreSQL database (or schema), shared by many processes.
 
@@ -465,14 +450,16 @@ class PostgresBackend:
             parts.port  # noqa: B018 (parsing it is the check: a port that is not a number raises)
         except ValueError as exc:
             raise err.InvalidInput(f"Malformed PostgreSQL URL {self.safe_url}: {exc}") from None
-        self.pool_size = _integer(options, "pool_size", 10, 1)
-        self.min_pool_size = _integer(options, "min_pool_size", 1, 0)
-        self.max_retries = _integer(options, "max_retries", 10, 1)
-        self.statement_cache_size = _integer(options, "statement_cache_size", 100, 0)
-        self.connect_timeout = _seconds(options, "connect_timeout", 10.0)
-        self.command_timeout = (
-            None if options.get("command_timeout") is None else _seconds(options, "command_timeout", 0.0)
-        )
+        self.pool_size = validate_int_option(options.get("pool_size", 10), "pool_size", 1)
+        self.min_pool_size = validate_int_option(options.get("min_pool_size", 1), "min_pool_size", 0)
+        self.max_retries = validate_int_option(options.get("max_retries", 10), "max_retries", 1)
+        cache_size = options.get("statement_cache_size", 100)
+        self.statement_cache_size = validate_int_option(cache_size, "statement_cache_size", 0)
+        self.connect_timeout = validate_seconds_option(options.get("connect_timeout", 10), "connect_timeout")
+        timeout = options.get("command_timeout")
+        if timeout is not None:
+            timeout = validate_seconds_option(timeout, "command_timeout")
+        self.command_timeout: float | None = timeout
         #: False: refuse to open a database (schema) that holds no store instead of creating one
         self.create = options.get("create", True)
         if not isinstance(self.create, bool):
@@ -884,7 +871,7 @@ class PostgresBackend:
             f"SELECT {cols} FROM events e WHERE e.position > $2 AND e.position <= $4 AND e.seq IN "
             "(SELECT seq FROM event_entities WHERE entity = ANY($1::text[])) ORDER BY e.position LIMIT $3"
         )
-        last = until if until is not None else 2**63 - 1
+        last = until if until is not None else MAX_POSITION
         async with self._connection() as conn:
             rows = await self._guard(conn.fetch(sql, list(entities), after, limit, last), "reading history")
         return [decode_raw(RawEvent(*r)) for r in rows]

@@ -29,7 +29,7 @@ import aiosqlite
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
 from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
-from evstore.log import GENESIS_HASH, Job, Outcome, PayloadRow, RawEvent, Receipt, event_hash
+from evstore.log import GENESIS_HASH, MAX_POSITION, Job, Outcome, PayloadRow, RawEvent, Receipt, event_hash
 from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
@@ -678,7 +678,7 @@ class SqliteBackend:
         self, entities: Sequence[str], after: int, limit: int, until: int | None = None
     ) -> list[RecordedEvent]:
         keys = list(entities)
-        last = until if until is not None else 2**63 - 1
+        last = until if until is not None else MAX_POSITION
 
         def q(conn: sqlite3.Connection) -> list[RawEvent]:
             rows = conn.execute(
