@@ -129,20 +129,18 @@ async def test_a_server_that_is_down_is_named_without_its_password() -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    url = f"postgresql://evstore:s3cret@127.0.0.1:{port}/evstore"
-    with pytest.raises(StorageError) as info:
-        async with open_store(url, connect_timeout=5):
-            pass
-    assert f"postgresql://evstore:***@127.0.0.1:{port}/evstore" in info.value.message
-    assert "s3cret" not in str(info.value) and "s3cret" not in json.dumps(info.value.to_dict())
+    base = f"127.0.0.1:{port}/evstore"
+    for url, secret, shown in (
+        (f"postgresql://evstore:s3cret@{base}", "s3cret", f"postgresql://evstore:***@{base}"),
+        # libpq's ?password= too (it was shown in full)
+        (f"postgresql://evstore@{base}?password=Top3", "Top3", f"postgresql://evstore@{base}?password=***"),
+    ):
+        with pytest.raises(StorageError) as info:
+            async with open_store(url, connect_timeout=5):
+                pass
+        assert shown in info.value.message
+        assert secret not in str(info.value) and secret not in json.dumps(info.value.to_dict())
     assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
-    # libpq's ?password= too (it was shown in full)
-    url = f"postgresql://evstore@127.0.0.1:{port}/evstore?search_path=a&password=TopSecret3"
-    with pytest.raises(StorageError) as info:
-        async with open_store(url, connect_timeout=5):
-            pass
-    assert f"127.0.0.1:{port}/evstore?search_path=a&password=***" in info.value.message
-    assert "TopSecret3" not in str(info.value) and "TopSecret3" not in json.dumps(info.value.to_dict())
     assert redact("postgresql://u@h/x?PASSWORD=a&sslpassword=b&x=1") == (
         "postgresql://u@h/x?PASSWORD=***&sslpassword=***&x=1"
     )
