@@ -316,7 +316,7 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
     # 3. every class named exists.
     classes = list(dict.fromkeys(rc for _, rc, _ in rows))
     for rc in classes:
-        if not is_known_class(rc, state.custom_classes):
+        if not is_known_class(rc, state.custom_classes) and not _in_use(state, rc, changes, named):
             raise err.UnknownResourceClass(f"No such resource class {rc}.", resource_class=rc)
     # 4. every provider has inventory of at least one class of the command.
     class_set = set(classes)
@@ -578,6 +578,18 @@ def _delete_consumer(state: State, command: DeleteConsumer) -> list[ev.EventBase
             migrations_released={m.uuid: m.allocations for m in state.migrations_for(c.uuid)},
         )
     ]
+
+
+def _in_use(state: State, rc: str, changes: list[_Change], named: list[str]) -> bool:
+    """Whether a class is held by a consumer of the command or stocked by a provider it names.
+
+    Classes are never deleted, so such a class exists. A backend loads the custom classes a
+    command names, not those it only carries along: emptying, migrating or reverting a consumer
+    that holds ``CUSTOM_*`` resources names none of them (each row comes from what is held).
+    """
+    if any(rc in state.providers[p].inventories for p in named):
+        return True
+    return any(rc in res for ch in changes for res in state.consumer(ch.consumer).allocations.values())
 
 
 def _check_inventories(state: State, inventories: dict[str, Inventory]) -> None:

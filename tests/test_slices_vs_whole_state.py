@@ -59,7 +59,9 @@ class Workload:
     def allocations(self) -> dict[str, dict[str, int]]:
         rnd = self.rnd
         return {
-            p: {rc: rnd.choice([1, 2, 4, 8]) for rc in rnd.sample(CLASSES[:3], rnd.choice([1, 2]))}
+            # (custom classes too: emptying, moving or reverting a consumer carries its classes
+            # along without naming them)
+            p: {rc: rnd.choice([1, 2, 4, 8]) for rc in rnd.sample(CLASSES[:4], rnd.choice([1, 2]))}
             for p in rnd.sample(self.providers, rnd.choice([1, 1, 2]))
         }
 
@@ -194,9 +196,10 @@ async def test_the_store_decides_on_slices_as_the_core_decides_on_the_whole_stat
         return entry[1]
 
     monkeypatch.setattr(store, "_submit", recording)
+    await store.create_resource_class(CLASSES[3])
     for i, p in enumerate(w.providers):  # a populated start, so that most commands are accepted
         await store.create_provider(p, f"start-{i}")
-        inventories = {rc: Inventory(total=w.rnd.choice([64, 256]), max_unit=64) for rc in CLASSES[:3]}
+        inventories = {rc: Inventory(total=w.rnd.choice([64, 256]), max_unit=64) for rc in CLASSES[:4]}
         await store.set_inventories(p, inventories, generation=0)
     gather = store.backend.url.startswith("sqlite")
     model = State()

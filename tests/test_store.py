@@ -521,6 +521,33 @@ async def test_set_inventory_on_a_provider_that_has_a_custom_class(store: Alloca
     assert (await store.audit()).clean
 
 
+async def test_consumers_holding_a_custom_class_can_be_emptied_moved_and_reverted(
+    store: AllocationStore,
+) -> None:
+    """The slice a command loads listed only the custom classes the command names; emptying,
+    migrating or reverting a consumer names none (its rows come from what it holds), so every
+    baremetal instance (CUSTOM_BAREMETAL_*) was stuck: UnknownResourceClass."""
+    gold = "CUSTOM_BAREMETAL_GOLD"
+    await store.create_resource_class(gold)
+    rp = new_uuid()
+    await store.create_provider(rp, "ironic-1")
+    await store.set_inventories(rp, {gold: Inventory(total=3, max_unit=1)}, generation=0)
+    a, b, migration = new_uuid(), new_uuid(), new_uuid()
+    labels = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE"}
+    for c in (a, b):
+        await store.set_allocations(c, {rp: {gold: 1}}, generation=None, **labels)
+    await store.set_allocations(a, {}, generation=1, **labels)  # Placement's PUT {}
+    assert (await store.allocations(a)).allocations == {}
+    await store.start_migration(b, migration)
+    assert (await store.allocations(migration)).allocations == {rp: {gold: 1}}
+    await store.revert_migration(migration)
+    assert (await store.allocations(b)).allocations == {rp: {gold: 1}}
+    await store.start_migration(b, migration)
+    await store.delete_consumer(b)
+    assert (await store.usage(rp)).usages == {gold: 0}
+    assert (await store.audit()).clean
+
+
 async def test_open_with_create_false_refuses_a_database_without_a_store(tmp_path: Path) -> None:
     blank = tmp_path / "blank.db"
     blank.write_bytes(b"")
