@@ -593,16 +593,21 @@ def _in_use(state: State, rc: str, changes: list[_Change], named: list[str]) -> 
 
 
 def _check_inventories(state: State, inventories: dict[str, Inventory]) -> None:
-    """Placement's order after the generation: unknown classes, then impossible values."""
-    for rc in inventories:
-        if not is_known_class(rc, state.custom_classes):
-            raise err.UnknownResourceClass(f"Unknown resource class in inventory: {rc}", resource_class=rc)
-    for rc, inv in inventories.items():
-        problems = inv.problems()
-        if problems:
-            raise err.InvalidInventoryValue(
-                f"Invalid inventory for {rc}: {'; '.join(problems)}", resource_class=rc, problems=problems
-            )
+    """Placement's order after the generation: reserved above total (Placement checks each
+    record's capacity as it reads the body), unknown classes, then what only evstore refuses."""
+    for check_all in (False, True):
+        for rc, inv in inventories.items():
+            problems = inv.problems()
+            if problems and (check_all or inv.reserved > inv.total):
+                raise err.InvalidInventoryValue(
+                    f"Invalid inventory for {rc}: {'; '.join(problems)}", resource_class=rc, problems=problems
+                )
+        if not check_all:
+            for rc in inventories:
+                if not is_known_class(rc, state.custom_classes):
+                    raise err.UnknownResourceClass(
+                        f"Unknown resource class in inventory: {rc}", resource_class=rc
+                    )
 
 
 def _set_inventories(
@@ -659,6 +664,18 @@ def _name_taken(state: State, name: str, other_than: str | None = None) -> bool:
 
 
 def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase]:
+    # (Placement's order: the parent, then uniqueness)
+    root = command.provider
+    if command.parent is not None:
+        if command.parent == command.provider:
+            raise err.InvalidInput("A resource provider cannot be its own parent")
+        parent = state.providers.get(command.parent)
+        if parent is None:
+            raise err.ProviderNotFound(
+                f"The parent provider {command.parent} of resource provider {command.provider} does not exist",
+                provider=command.parent,
+            )
+        root = parent.root
     duplicates = [f"uuid: {command.provider}"] if command.provider in state.providers else []
     if _name_taken(state, command.name):
         duplicates.append(f"name: {command.name}")
@@ -668,12 +685,6 @@ def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase
             provider=command.provider,
             name=command.name,
         )
-    root = command.provider
-    if command.parent is not None:
-        if command.parent == command.provider:
-            raise err.InvalidInput("A resource provider cannot be its own parent")
-        parent = _provider(state, command.parent)
-        root = parent.root
     return [
         ev.ProviderCreated(provider=command.provider, name=command.name, parent=command.parent, root=root)
     ]
@@ -692,14 +703,15 @@ def _rename_provider(state: State, command: RenameProvider) -> list[ev.EventBase
 
 def _delete_provider(state: State, command: DeleteProvider) -> list[ev.EventBase]:
     prov = _provider(state, command.provider)
-    if prov.usages:
-        raise err.ProviderInUse(
-            f"Unable to delete resource provider {prov.uuid}: Resource provider has allocations.",
-            provider=prov.uuid,
-        )
+    # (Placement's order: children first, then allocations)
     if any(p.parent == prov.uuid for p in state.providers.values()):
         raise err.CannotDeleteParent(
             f"Unable to delete parent resource provider {prov.uuid}: It has child resource providers.",
+            provider=prov.uuid,
+        )
+    if prov.usages:
+        raise err.ProviderInUse(
+            f"Unable to delete resource provider {prov.uuid}: Resource provider has allocations.",
             provider=prov.uuid,
         )
     return [ev.ProviderDeleted(provider=prov.uuid)]

@@ -362,6 +362,11 @@ def test_provider_rules() -> None:
         with pytest.raises(err.DuplicateName) as caught:
             when(state, command)
         assert caught.value.message == f"Conflicting resource provider {taken} already exists."
+    # Placement's order: the parent before uniqueness
+    with pytest.raises(err.ProviderNotFound, match=f"parent provider {RP2}"):
+        when(state, CreateProvider(RP1, "rp1", parent=RP2))
+    with pytest.raises(err.InvalidInput, match="its own parent"):
+        when(state, CreateProvider(RP1, "rp1", parent=RP1))
     [created] = when(state, CreateProvider(RP2, "child", parent=RP1))
     assert created == ev.ProviderCreated(provider=RP2, name="child", parent=RP1, root=RP1)
     with pytest.raises(err.CannotDeleteParent):
@@ -369,6 +374,8 @@ def test_provider_rules() -> None:
     with pytest.raises(err.DuplicateName):
         when(state, RenameProvider(RP2, "rp1"))
     when(state, one(write(C1, {RP1: {"VCPU": 1}})))
+    with pytest.raises(err.CannotDeleteParent):  # (Placement's order: children, then allocations)
+        when(state, DeleteProvider(RP1))
     when(state, DeleteProvider(RP2))
     with pytest.raises(err.ProviderInUse):
         when(state, DeleteProvider(RP1))
@@ -506,21 +513,32 @@ def test_inventory_generation_is_checked_before_classes_in_use() -> None:
         when(state, SetInventories(RP1, {}, 2))
 
 
-def test_inventory_values_are_checked_after_provider_generation_and_classes() -> None:
-    # Found by the differential test: Placement looks the provider up, compares the generation,
-    # checks the classes, and only then refuses reserved > total.
+def test_inventory_values_are_checked_after_provider_generation_then_classes_then_use() -> None:
+    # Placement 16 (checked against the real one): the provider, its generation, reserved >
+    # total (checked as each record is read), unknown classes, then classes in use; evstore's
+    # own refusals (min_unit > max_unit) come after what Placement checks.
     state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 2}})))  # VCPU in use; generation 2
     bad = Inventory(total=4, reserved=5)
     with pytest.raises(err.ProviderNotFound):
         when(state, SetInventories(RP2, {"VCPU": bad}, 0))
     with pytest.raises(err.ConcurrentUpdate):
         when(state, SetInventories(RP1, {"VCPU": bad}, 0))
+    reserved = "reserved \\(5\\) is greater than total \\(4\\)"
+    with pytest.raises(err.InvalidInventory, match=reserved):
+        when(state, SetInventories(RP1, {"MEMORY_MB": bad, "CUSTOM_NOPE": Inventory(total=1)}, 2))
     with pytest.raises(err.UnknownResourceClass):
-        when(state, SetInventories(RP1, {"VCPU": bad, "CUSTOM_NOPE": Inventory(total=1)}, 1))
-    with pytest.raises(err.InvalidInventory, match="reserved \\(5\\) is greater than total \\(4\\)"):
-        when(state, SetInventories(RP1, {"VCPU": bad}, 1))
+        when(
+            state,
+            SetInventories(RP1, {"MEMORY_MB": Inventory(total=1), "CUSTOM_NOPE": Inventory(total=1)}, 2),
+        )
+    with pytest.raises(err.InventoryInUse):
+        when(state, SetInventories(RP1, {"MEMORY_MB": Inventory(total=1)}, 2))
+    odd = Inventory(total=4, min_unit=3, max_unit=2)
+    with pytest.raises(err.UnknownResourceClass):
+        when(state, SetInventories(RP1, {"VCPU": odd, "CUSTOM_NOPE": Inventory(total=1)}, 2))
     with pytest.raises(err.InvalidInput, match="min_unit"):
-        when(state, SetInventory(RP1, "VCPU", Inventory(total=4, min_unit=3, max_unit=2), 1))
+        when(state, SetInventory(RP1, "VCPU", odd, 2))
 
 
 def test_releasing_a_tombstoned_consumer_is_not_found() -> None:
