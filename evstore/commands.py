@@ -672,7 +672,8 @@ def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase
         parent = state.providers.get(command.parent)
         if parent is None:
             raise err.ProviderNotFound(
-                f"The parent provider {command.parent} of resource provider {command.provider} does not exist",
+                f"The parent provider {command.parent} of resource provider {command.provider} "
+                "does not exist",
                 provider=command.parent,
             )
         root = parent.root

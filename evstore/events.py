@@ -421,6 +421,12 @@ def decode_event(
         raise CorruptEvent(
             f"Unknown event type {event_type!r}{where}", position=position, reason="unknown_type"
         )
+    if type(version) is not int:
+        raise CorruptEvent(
+            f"{event_type}{where} has schema_version {version!r:.40}, not an integer",
+            position=position,
+            reason="undecodable",
+        )
     if version > cls.SCHEMA_VERSION or version < 1:
         raise CorruptEvent(
             f"{event_type}{where} has schema_version {version}; "
@@ -434,9 +440,10 @@ def decode_event(
             raise ValueError("payload is not a JSON object")
         payload = upcast(event_type, version, payload)
         return cls.model_validate(payload)
-    except (ValueError, ValidationError, SchemaVersionError) as exc:
+    except (ValueError, ValidationError, SchemaVersionError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
         raise CorruptEvent(
-            f"Cannot decode {event_type}{where}: {exc}".splitlines()[0],
+            f"Cannot decode {event_type}{where}: {why}".splitlines()[0],
             position=position,
             reason="undecodable",
         ) from None

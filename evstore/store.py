@@ -20,7 +20,7 @@ import os
 import uuid as _uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -690,7 +690,7 @@ class AllocationStore:
         if at is not None:
             if not isinstance(at, datetime) or at.tzinfo is None:
                 raise err.InvalidInput("at must be a timezone-aware datetime")
-            position = await self._backend.position_at(at)
+            position = await self.position_of(at)
         position = _position(position)
         head = await self._backend.head()
         if position > head:  # (as diff and the CLI: a position the log has not reached yet)
@@ -742,6 +742,10 @@ class AllocationStore:
         if isinstance(point, datetime):
             if point.tzinfo is None:
                 raise err.InvalidInput("a time must be timezone-aware (e.g. 2026-01-02T03:04:05+00:00)")
+            try:
+                point.astimezone(UTC)
+            except OverflowError:  # within hours of datetime.min or .max: not a time UTC can say
+                return 0 if point.year == 1 else await self.head()
             return await self._backend.position_at(point)
         return _position(point)
 
@@ -787,7 +791,7 @@ class AllocationStore:
         payloads, header counts) and nothing is written unless all of it is sound; then the rows are
         appended verbatim and the projection is rebuilt. ``progress(phase, events)`` reports both passes.
         """
-        from projections.exchange import read_export
+        from projections.exchange import ChainCheck, read_export
 
         _count(batch_size, "batch_size")
         importer: Any = self._backend
@@ -799,12 +803,19 @@ class AllocationStore:
         def drain(rows: Iterator[Any]) -> list[Any]:
             return [row for _, row in zip(range(batch_size), rows, strict=False)]
 
+        validated = ChainCheck()
         for phase in ("validate", "import"):
-            rows = read_export(open_lines())
+            # (the import pass checks the rows again, in case the file changed, without folding)
+            rows = read_export(open_lines(), validated if phase == "validate" else ChainCheck(fold=False))
             done = 0
             while batch := await asyncio.to_thread(drain, rows):
                 if phase == "import":
-                    await importer.import_raw(batch)
+                    extra = {
+                        r.position: validated.extra_entities[r.position]
+                        for r in batch
+                        if r.position in validated.extra_entities
+                    }
+                    await importer.import_raw(batch, extra)
                 done += len(batch)
                 if progress is not None:
                     progress(phase, done)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
-from evstore.events import GENESIS_HASH, Metadata, RawEvent, decode_event
+from evstore.events import GENESIS_HASH, Metadata, MigrationStarted, RawEvent, decode_event
+from projections.state import State, evolve
 
 EXPORT_FORMAT = "evstore-export"
 EXPORT_VERSION = 1
@@ -71,7 +72,7 @@ def parse_header(text: str) -> ExportHeader:
         )
     try:
         return ExportHeader(int(raw["events"]), int(raw["head"]), str(raw["head_hash"]))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise _corrupt("malformed export header", 1, reason="header") from None
 
 
@@ -94,12 +95,19 @@ def parse_row(text: str, line: int) -> ExportRow:
 @dataclass(slots=True)
 class ChainCheck:
     """Re-validates rows in order: gap-free positions from 1, the hash chain, unique event ids,
-    decodable events of known types and versions, and recorded times that never go backwards."""
+    decodable events of known types and versions, text the databases can store, recorded times
+    in evstore's form (UTC, microseconds) that never go backwards, and (``fold``) that every
+    event folds, as the rebuild after the import will fold it."""
 
+    fold: bool = True
     expected: int = 1
     prev_hash: str = GENESIS_HASH
     last_time: datetime | None = None
     event_ids: set[str] = field(default_factory=set)
+    #: (usage is not needed to fold: deferred, as a replay defers it)
+    state: State = field(default_factory=lambda: State(usages_deferred=True))
+    #: positions whose event touches providers its payload does not name (see :meth:`_fold`)
+    extra_entities: dict[int, set[str]] = field(default_factory=dict)
 
     def check(self, row: ExportRow, line: int) -> None:
         if row.position != self.expected:
@@ -122,7 +130,7 @@ class ChainCheck:
                 f"event id {row.event_id} appears twice", line, position=row.position, reason="duplicate_id"
             )
         try:
-            decode_event(row.type, row.schema_version, row.data, row.position)
+            event = decode_event(row.type, row.schema_version, row.data, row.position)
             Metadata.model_validate_json(row.metadata)  # as readers decode it
             recorded = datetime.fromisoformat(row.recorded_at)
         except CorruptEvent as exc:
@@ -134,9 +142,27 @@ class ChainCheck:
                 position=row.position,
                 reason="envelope",
             ) from None
+        if "\\u" in row.data and not _storable(row.data):
+            raise _corrupt(
+                f"the payload at position {row.position} holds text that is not valid unicode (a lone "
+                "surrogate escape): no database can store it",
+                line,
+                position=row.position,
+                reason="undecodable",
+            )
         if recorded.tzinfo is None:
             raise _corrupt(
                 f"recorded_at of position {row.position} has no time zone", line, position=row.position
+            )
+        # Readers find positions by time comparing the stored text (it sorts as the times do only
+        # in one form), and the hash covers the text: a time in any other form is refused.
+        if recorded.astimezone(UTC).isoformat(timespec="microseconds") != row.recorded_at:
+            raise _corrupt(
+                f"recorded_at of position {row.position} is {row.recorded_at!r}, not in evstore's form "
+                "(UTC with microseconds, e.g. 2026-01-02T03:04:05.000006+00:00)",
+                line,
+                position=row.position,
+                reason="envelope",
             )
         if self.last_time is not None and recorded < self.last_time:
             raise _corrupt(
@@ -145,23 +171,57 @@ class ChainCheck:
                 position=row.position,
                 reason="time_order",
             )
+        if self.fold:
+            self._fold(event, row.position, line)
         self.event_ids.add(row.event_id)
         self.last_time = recorded
         self.prev_hash = row.hash
         self.expected = row.position + 1
 
+    def _fold(self, event: Any, position: int, line: int) -> None:
+        if isinstance(event, MigrationStarted):
+            # evstore starts a migration only onto an empty consumer; an imported log may move
+            # allocations onto one that holds some, and those providers lose them here without
+            # the payload naming them: their history must still show this event.
+            held = self.state.consumers.get(event.migration)
+            if held is not None and held.allocations:
+                extra = {f"provider:{p}" for p in held.allocations} - event.entities()
+                if extra:
+                    self.extra_entities[position] = extra
+        try:
+            evolve(self.state, event, position)
+        except Exception as exc:  # (every fold is meant to take any decodable event)
+            raise _corrupt(
+                f"the event at position {position} cannot be folded: {exc!r}",
+                line,
+                position=position,
+                reason="unfoldable",
+            ) from None
 
-def read_export(lines: Iterable[str]) -> Iterator[ExportRow]:
+
+def _storable(data: str) -> bool:
+    """Whether every string in the JSON text ``data`` encodes as UTF-8 (no lone surrogate)."""
+    try:
+        json.dumps(json.loads(data), ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # (UnicodeEncodeError is a ValueError)
+        return False
+    return True
+
+
+def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterator[ExportRow]:
     """Parse and validate an export, yielding rows; raises :class:`CorruptEvent` at the first problem.
 
     The header's counts and final hash are checked after the last row, so a truncated file is
-    refused too (consume the whole iterator before trusting any row).
+    refused too (consume the whole iterator before trusting any row). ``check`` (a fresh
+    :class:`ChainCheck` by default) is what validates, and what it learnt stays readable there.
     """
     header: ExportHeader | None = None
-    check = ChainCheck()
+    check = check if check is not None else ChainCheck()
     count = 0
     line_no = 0
     for line_no, text in enumerate(lines, start=1):
+        if not isinstance(text, str):
+            raise InvalidInput(f"line {line_no} of the export is a {type(text).__name__}, not text")
         if not text.strip():
             continue
         if header is None:

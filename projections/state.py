@@ -235,7 +235,11 @@ def _consumer_deleted(state: State, e: Payload, position: int) -> None:
 
 
 def _inventories_replaced(state: State, e: Payload, position: int) -> None:
-    prov = state.providers[e["provider"]]
+    prov = state.providers.get(e["provider"])
+    if prov is None:
+        # Only a damaged or imported log names a provider that does not exist here: keep folding
+        # (the audit reports the event) rather than crash every reader of the log.
+        return
     prov.inventories = dict(e["inventories"])
     prov.generation = e["generation"]
 
@@ -249,7 +253,9 @@ def _provider_created(state: State, e: Payload, position: int) -> None:
 
 
 def _provider_updated(state: State, e: Payload, position: int) -> None:
-    state.providers[e["provider"]].name = e["name"]
+    prov = state.providers.get(e["provider"])
+    if prov is not None:  # (as _inventories_replaced)
+        prov.name = e["name"]
 
 
 def _provider_deleted(state: State, e: Payload, position: int) -> None:

@@ -10,10 +10,18 @@ import pytest
 
 from evstore import AllocationStore, Inventory, open_store
 from evstore.errors import CorruptEvent
-from evstore.events import decode_event, event_hash
+from evstore.events import (
+    GENESIS_HASH,
+    AllocationsReplaced,
+    InventoriesReplaced,
+    MigrationStarted,
+    ProviderCreated,
+    decode_event,
+    event_hash,
+)
 from evstore.log import RawEvent
 from evstore.log.sqlite import SqliteBackend, now_iso
-from projections.exchange import ExportHeader, parse_header, row_line
+from projections.exchange import ExportHeader, parse_header, parse_row, row_line
 from projections.state import fold
 from tests.conftest import allocate, make_provider, new_uuid
 
@@ -317,3 +325,165 @@ async def test_a_buggy_writers_provider_lifecycle_folds_the_same_everywhere(
         for provider, prov in by_event.providers.items():
             assert (await store.usage(provider)).usages == prov.usage_view()
             assert (await at_head.usage(provider)).usages == prov.usage_view()
+
+
+def _export(events: list[Any], at: Any = None) -> list[str]:
+    """An export of ``events`` (models) as a chained log, times from ``at(i)`` or canonical UTC."""
+    last: Any = RawEvent(0, "", "", 0, "", "", "", GENESIS_HASH)
+    rows = []
+    for i, e in enumerate(events, start=1):
+        when = at(i) if at is not None else f"2026-01-01T00:00:{i:02d}.000000+00:00"
+        last = chained(last, e.event_type, e.payload_json(), version=e.schema_version, at=when)
+        rows.append(last)
+    header = ExportHeader(len(rows), len(rows), last.hash).to_line()
+    return [header, *(row_line(r) for r in rows)]
+
+
+async def test_events_naming_a_missing_provider_are_findings_not_crashes(sqlite_url: str) -> None:
+    """Regression: with the ProviderCreated row gone, the folds of InventoriesReplaced and
+    ProviderUpdated raised KeyError - from the audit, replay, state_at, diff and rebuild alike."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, "node", VCPU=8)  # created (1), inventory (2)
+        await store.rename_provider(rp, "renamed")  # 3
+        backend = await _sqlite(store)
+        await backend.tamper("DELETE FROM events WHERE position = 1")
+        report = await store.audit()
+        reasons = sorted((f.positions, f.details.get("reason")) for f in report.integrity)
+        assert reasons == [
+            ((2,), "hash_chain"),
+            ((2,), "position_gap"),
+            ((2,), "unknown_provider"),
+            ((3,), "unknown_provider"),
+        ]
+        assert any("names provider" in f.message for f in report.integrity)
+        assert (await store.replay()).providers == {}
+        assert (await store.state_at(position=3)).providers() == []
+        assert (await store.diff(0, 3)).providers_created == []
+        await store.rebuild()
+        assert not (await store.audit()).drift
+
+
+async def test_an_imported_inventory_for_a_provider_never_created_is_reported(tmp_path: Path) -> None:
+    """Regression: the import appended the rows, then its rebuild raised KeyError: a half-imported
+    store that no rebuild could repair."""
+    rp = new_uuid()
+    inventory = InventoriesReplaced(provider=rp, inventories={"VCPU": Inventory(total=4)}, generation=1)
+    lines = _export([inventory])
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        [finding] = (await store.audit()).findings
+        assert finding.details == {"reason": "unknown_provider", "provider": rp}
+        assert finding.positions == (1,)
+
+
+async def test_tombstone_and_allocation_positions_that_drift_are_findings(sqlite_url: str) -> None:
+    """Regression: the audit compared consumers field by field but left out deleted_at and
+    allocated_at: a projection answering a wrong tombstone position was called clean."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        deleted_at = (await store.delete_consumer(c)).position
+        backend = await _sqlite(store)
+        await backend.tamper("UPDATE p_consumers SET deleted_at = 1, allocated_at = 2 WHERE uuid = ?", (c,))
+        report = await store.audit()
+        assert sorted(f.details["field"] for f in report.drift) == ["allocated_at", "deleted_at"]
+        assert all(f.positions == (deleted_at,) for f in report.drift)
+        await store.rebuild()
+        assert (await store.allocations(c)).deleted_at == deleted_at
+        assert (await store.audit()).clean
+
+
+@pytest.mark.parametrize(
+    ("change", "reasons"),
+    [
+        ("UPDATE events SET data = CAST(data AS BLOB) WHERE position = 2", {"undecodable"}),
+        ("UPDATE events SET metadata = CAST(metadata AS BLOB) WHERE position = 2", {"undecodable"}),
+        ("UPDATE events SET schema_version = 'one' WHERE position = 2", {"undecodable", "hash_chain"}),
+        (
+            "UPDATE events SET data = '{\"provider\":' || replace(hex(zeroblob(50000)), '00', '[') "
+            "WHERE position = 2",
+            {"undecodable", "hash_chain"},
+        ),
+    ],
+)
+async def test_rows_stored_with_other_types_or_nested_too_deep_are_findings(
+    sqlite_url: str, change: str, reasons: set[str]
+) -> None:
+    """Regression: a BLOB where text belongs, a textual schema_version or a payload nested
+    100,000 deep made the audit raise TypeError / RecursionError instead of reporting the row."""
+    async with open_store(sqlite_url) as store:
+        await make_provider(store, VCPU=8)
+        await (await _sqlite(store)).tamper(change)
+        report = await store.audit()
+        assert {f.details.get("reason") for f in report.integrity} == reasons
+        assert {f.positions for f in report.integrity} == {(2,)}
+        if "CAST" not in change:  # (readers decode a BLOB's JSON as its text)
+            with pytest.raises(CorruptEvent, match="position 2"):
+                await store.read(0, 10)
+
+
+@pytest.mark.parametrize(
+    ("what", "match"),
+    [
+        ("a lone surrogate in a name", "not valid unicode"),
+        ("a time with another offset", "not in evstore's form"),
+        ("a header with an infinite count", "malformed export header"),
+    ],
+)
+async def test_imports_that_readers_or_databases_would_trip_on_are_refused_whole(
+    tmp_path: Path, what: str, match: str
+) -> None:
+    """Regression: these imports appended their rows and then failed in the rebuild
+    (UnicodeEncodeError), were accepted with times that position_at compares as text (questions
+    by time answered position 0), or raised OverflowError; now each is a CorruptEvent, nothing written."""
+    rp = new_uuid()
+    created = ProviderCreated(provider=rp, name="node", root=rp)
+    if what == "a lone surrogate in a name":
+        lines = _export([created])
+        bad_name = json.dumps({"provider": rp, "name": "\ud800"})  # (ASCII text: the escape survives)
+        at = "2026-01-01T00:00:02.000000+00:00"
+        bad = chained(parse_row(lines[1], 2), "ProviderUpdated", bad_name, at=at)
+        lines[0] = ExportHeader(2, 2, bad.hash).to_line()
+        lines.append(row_line(bad))
+    elif what == "a time with another offset":
+        lines = _export([created], at=lambda i: f"2026-01-01T05:00:0{i}.000000+05:00")
+    else:
+        lines = _export([created])
+        lines[0] = lines[0].replace('"events":1', '"events":1e999')
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        with pytest.raises(CorruptEvent, match=match):
+            await store.import_events(lambda: iter(lines))
+        assert await store.head() == 0
+
+
+async def test_an_imported_migration_onto_a_holding_consumer_is_in_the_history_it_changed(
+    tmp_path: Path,
+) -> None:
+    """A Placement-style writer may move allocations onto a migration consumer that holds some:
+    the MigrationStarted names only the instance's providers, so the history of the provider the
+    migration left (and its state_at slice) missed the event. The import indexes it there too."""
+    p, q, migration, instance = new_uuid(), new_uuid(), new_uuid(), new_uuid()
+    inv = {"VCPU": Inventory(total=8)}
+    labels = {"project_id": "p", "user_id": "u"}
+    lines = _export(
+        [
+            ProviderCreated(provider=p, name="P", root=p),
+            InventoriesReplaced(provider=p, inventories=inv, generation=1),
+            ProviderCreated(provider=q, name="Q", root=q),
+            InventoriesReplaced(provider=q, inventories=inv, generation=1),
+            AllocationsReplaced(consumer=migration, allocations={p: {"VCPU": 3}}, consumer_type="MIGRATION",
+                                generation=1, provider_generations={p: 2}, **labels),
+            AllocationsReplaced(consumer=instance, allocations={q: {"VCPU": 2}}, consumer_type="INSTANCE",
+                                generation=1, provider_generations={q: 2}, **labels),
+            MigrationStarted(instance=instance, migration=migration, allocations={q: {"VCPU": 2}},
+                             instance_consumer_type="INSTANCE", instance_generation=1,
+                             provider_generations={q: 3}, **labels),
+        ]
+    )  # fmt: skip
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        assert [e.position async for e in store.history(p)] == [1, 2, 5, 7]
+        sliced = await store.state_at(position=7, provider=p)
+        assert (await sliced.usage(p)).usages == (await store.usage(p)).usages == {"VCPU": 0}
+        assert await sliced.provider_allocations(p) == {}

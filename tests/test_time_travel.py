@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,11 @@ async def test_state_at_a_time_and_the_queries_on_it(store: AllocationStore) -> 
         await store.state_at(at=datetime.now())  # naive time
     with pytest.raises(InvalidInput):
         await store.state_at(position=1, at=before)
+    # (regression: the first and last hours datetime allows raised OverflowError in UTC)
+    east, west = timezone(timedelta(hours=5)), timezone(timedelta(hours=-5))
+    assert (await store.state_at(at=datetime.min.replace(tzinfo=east))).position == 0
+    assert (await store.state_at(at=datetime.max.replace(tzinfo=west))).position == await store.head()
+    assert await store.position_of(datetime.max.replace(tzinfo=west)) == await store.head()
 
 
 async def test_snapshots_of_an_older_format_are_made_again(tmp_path: Path) -> None:

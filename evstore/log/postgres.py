@@ -78,7 +78,7 @@ import contextlib
 import hashlib
 import random
 import uuid as _uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -961,13 +961,17 @@ class PostgresBackend:
         async with self._connection() as conn:
             await self._guard(conn.execute("DELETE FROM snapshots"), "dropping snapshots")
 
-    async def import_raw(self, rows: Sequence[RawEvent]) -> int:
+    async def import_raw(
+        self, rows: Sequence[RawEvent], extra_entities: Mapping[int, set[str]] | None = None
+    ) -> int:
         """Append already-recorded rows verbatim (positions, ids, hashes, times), in one transaction.
 
         The rows must continue the log exactly (first position = head + 1, no gaps); the caller
         validates hashes and payloads first and rebuilds the projection afterwards.
+        ``extra_entities``: history keys of a position beyond those its event names.
         """
         batch = list(rows)
+        extra = extra_entities or {}
         async with self._connection() as conn:
             try:
                 async with conn.transaction():
@@ -982,7 +986,9 @@ class PostgresBackend:
                                 reason="position_gap",
                             )
                     entities = [
-                        decode_event(r.type, r.schema_version, r.data, r.position).entities() for r in batch
+                        decode_event(r.type, r.schema_version, r.data, r.position).entities()
+                        | extra.get(r.position, set())
+                        for r in batch
                     ]
                     columns = [list(c) for c in zip(*(_raw_fields(r) for r in batch), strict=True)]
                     inserted = await conn.fetch(IMPORT_SQL, *columns) if batch else []

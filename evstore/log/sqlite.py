@@ -18,7 +18,7 @@ import operator
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -789,14 +789,18 @@ class SqliteBackend:
 
         return await self._on_reader(q)
 
-    async def import_raw(self, rows: Sequence[RawEvent]) -> int:
+    async def import_raw(
+        self, rows: Sequence[RawEvent], extra_entities: Mapping[int, set[str]] | None = None
+    ) -> int:
         """Append already-recorded rows verbatim (positions, ids, hashes, times), in one transaction.
 
         The rows must continue the log exactly (first position = head + 1, no gaps); the caller
         validates hashes and payloads first and rebuilds the projection afterwards.
+        ``extra_entities``: history keys of a position beyond those its event names.
         """
         batch = list(rows)
-        return await self._on_writer(lambda conn: _retry_busy(lambda: _import_raw(conn, batch)))
+        extra = dict(extra_entities or {})
+        return await self._on_writer(lambda conn: _retry_busy(lambda: _import_raw(conn, batch, extra)))
 
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
@@ -954,7 +958,7 @@ def _load_all(conn: sqlite3.Connection) -> State:
     return state
 
 
-def _import_raw(conn: sqlite3.Connection, rows: list[RawEvent]) -> int:
+def _import_raw(conn: sqlite3.Connection, rows: list[RawEvent], extra: Mapping[int, set[str]]) -> int:
     conn.execute("BEGIN IMMEDIATE")
     try:
         head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
@@ -967,7 +971,8 @@ def _import_raw(conn: sqlite3.Connection, rows: list[RawEvent]) -> int:
                     reason="position_gap",
                 )
             event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
-            entity_rows.extend((entity, raw.position) for entity in event.entities())
+            names = event.entities() | extra.get(raw.position, set())
+            entity_rows.extend((entity, raw.position) for entity in names)
         conn.executemany(
             f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
             [
