@@ -179,6 +179,7 @@ class AllocationStore:
         self._appended = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
+        self._closed: asyncio.Future[None] | None = None
 
     @property
     def url(self) -> str:
@@ -196,15 +197,26 @@ class AllocationStore:
         return self
 
     async def close(self) -> None:
-        if self._closing:
-            return
+        """Answer every queued command, then close the connections.
+
+        Cancelling ``close()`` (a shutdown deadline) does not cut that short: the closing goes
+        on in the background, and a second ``close()`` waits for it.
+        """
+        if self._closed is None:
+            self._closed = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
         self._closing = True
-        if self._writer is not None:
-            # The writer finishes the batch in its transaction and everything queued, then stops:
-            # every caller gets its answer before the connections close.
-            self._wake.set()
-            await self._writer
-        await self._backend.close()
+        self._appended.set()  # subscribers waiting for appends learn of it now, not at their next poll
+        try:
+            if self._writer is not None:
+                # The writer finishes the batch in its transaction and everything queued, then
+                # stops: every caller gets its answer before the connections close.
+                self._wake.set()
+                await asyncio.wait([self._writer])  # (it may have been cancelled: that is no error here)
+        finally:
+            await self._backend.close()
 
     async def __aenter__(self) -> AllocationStore:
         return await self.open()
@@ -215,6 +227,14 @@ class AllocationStore:
     # --- the writer -----------------------------------------------------------------------
 
     async def _write_loop(self) -> None:
+        try:
+            await self._write_queued()
+        finally:
+            # Cancelled (e.g. a shutdown that cancels every task): what is still queued will
+            # never run, and its callers must hear so rather than wait forever.
+            self._fail_queued(err.StoreClosed("The store was closed before this command ran"))
+
+    async def _write_queued(self) -> None:
         drain = getattr(self._backend, "drain", None)
         while True:
             if not self._queue:
@@ -303,6 +323,8 @@ class AllocationStore:
     ) -> Receipt:
         if self._closing or self._writer is None:
             raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
+        if self._writer.done():
+            raise err.StoreClosed("The store's writer task was cancelled: close the store and open it again")
         key = _validate_key(idempotency_key)
         meta = _metadata_dict(metadata)
         from_caller = bool(meta)
@@ -621,6 +643,8 @@ class AllocationStore:
         _position(after, "after")
         _count(batch_size, "batch_size")
         while True:
+            if self._closing:
+                raise err.StoreClosed("The store was closed while this subscriber followed it")
             signal = self._appended
             batch = await self._backend.read(after, batch_size)
             for recorded in batch:

@@ -21,8 +21,10 @@ from evstore import (
     EvstoreError,
     Inventory,
     StorageError,
+    StoreClosed,
     open_store,
 )
+from evstore.store import make_backend
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -449,3 +451,54 @@ async def test_commands_fail_fast_when_the_writer_connection_is_gone(sqlite_url:
         )
         assert all(isinstance(r, EvstoreError) for r in results), results
         assert {r.code for r in results if isinstance(r, EvstoreError)} == {"evstore.store.closed"}
+
+
+async def test_a_cancelled_close_still_answers_every_queued_command(store_url: str) -> None:
+    """Regression: close() under a shutdown deadline cancelled the writer task with it: the
+    queued callers waited forever, a second close() returned at once and left the connections
+    (and their non-daemon threads) open."""
+    store = AllocationStore(make_backend(store_url))
+    await store.open()
+    rp = await make_provider(store, VCPU=100_000)
+    callers = [asyncio.create_task(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for _ in range(600)]
+    await asyncio.sleep(0)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.001):
+            await store.close()
+    done, pending = await asyncio.wait(callers, timeout=30)
+    assert not pending
+    await store.close()  # waits for the first one's closing
+    accepted = [t for t in done if t.exception() is None]
+    async with open_store(store_url) as reopened:
+        assert (await reopened.usage(rp))["VCPU"] == len(accepted) > 0
+        assert (await reopened.audit()).clean
+
+
+async def test_a_cancelled_writer_task_fails_commands_instead_of_hanging(store_url: str) -> None:
+    """Regression: a shutdown that cancels every other task cancelled the store's writer too;
+    from then on every command hung with no error, and close() raised CancelledError."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        writer = store._writer
+        assert writer is not None
+        writer.cancel()
+        await asyncio.wait([writer])
+        with pytest.raises(StoreClosed, match="writer task was cancelled"):
+            async with asyncio.timeout(5):
+                await store.rename_provider(rp, "renamed")
+    # (the async with closed it without an error)
+
+
+async def test_close_ends_a_waiting_subscriber_at_once(sqlite_url: str) -> None:
+    """Regression: a subscriber waiting for appends slept until its next poll after close()."""
+    async with open_store(sqlite_url, poll_interval=60) as store:
+        await make_provider(store, VCPU=8)
+
+        async def follow() -> list[int]:
+            return [e.position async for e in store.subscribe()]
+
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.2)
+    with pytest.raises(StoreClosed):
+        async with asyncio.timeout(5):
+            await follower
