@@ -121,6 +121,12 @@ class CorruptEvent(StorageError):
     code = "evstore.log.corrupt"
 
 
+class ProjectionCorrupt(StorageError):
+    """A row of the persisted projection cannot be read; ``evstore rebuild`` refolds it from the log."""
+
+    code = "evstore.projection.corrupt"
+
+
 class SchemaVersionError(StorageError):
     """The database or an event was written by a newer, unknown schema version."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from evstore.errors import CorruptEvent
+from evstore.errors import CorruptEvent, ProjectionCorrupt
 from evstore.events import (
     CAPACITY_PRESSURE,
     GENESIS_HASH,
@@ -453,20 +453,29 @@ async def audit(
     # pass needs it only there. Capacity is watched in a second pass, over the providers found
     # over capacity at the end, and only if there are any (see over_capacity_since).
     replay.state.usages_deferred = True
+    unreadable: ProjectionCorrupt | None = None
     with gc_paused():
         await replay.run(read, batch_size, progress=progress)
-        persisted_state = await load_persisted()
-        for _ in range(10):
-            if persisted_state.position <= replay.last_seen:
-                break
-            await replay.run(read, batch_size, until=persisted_state.position, progress=progress)
-            if replay.last_seen < persisted_state.position:
-                persisted_state = await load_persisted()
+        try:
+            persisted_state: State | None = await load_persisted()
+            for _ in range(10):
+                assert persisted_state is not None
+                if persisted_state.position <= replay.last_seen:
+                    break
+                await replay.run(read, batch_size, until=persisted_state.position, progress=progress)
+                if replay.last_seen < persisted_state.position:
+                    persisted_state = await load_persisted()
+        except ProjectionCorrupt as exc:  # (drift the projection cannot even describe)
+            unreadable, persisted_state = exc, None
     replayed = replay.state
     if replayed.usages_deferred:
         replayed.recount_usages()
     report.head = replay.last_seen
-    report.findings.extend(compare_states(replayed, persisted_state))
+    if persisted_state is None:
+        assert unreadable is not None
+        report.findings.append(Finding("drift", unreadable.message, (), dict(unreadable.details)))
+    else:
+        report.findings.extend(compare_states(replayed, persisted_state))
     report.findings.extend(leak_findings(replayed))
     over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
     report.findings.extend(over_capacity_findings(replayed, over))

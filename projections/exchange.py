@@ -50,7 +50,15 @@ class ExportHeader:
 
 def row_line(row: Any) -> str:
     """One row as a JSON line (``row`` is any object with the raw row's attributes)."""
-    return json.dumps({name: getattr(row, name) for name in ROW_FIELDS}, separators=(",", ":"))
+    try:
+        return json.dumps({name: getattr(row, name) for name in ROW_FIELDS}, separators=(",", ":"))
+    except (TypeError, ValueError):  # a damaged row (e.g. a BLOB where text belongs)
+        raise CorruptEvent(
+            f"The row at position {row.position} cannot be exported: a field is stored with another "
+            "type than evstore writes (`evstore audit` names it)",
+            position=row.position,
+            reason="undecodable",
+        ) from None
 
 
 def _corrupt(message: str, line: int, **details: Any) -> CorruptEvent:

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from evstore.errors import ProjectionCorrupt
 from evstore.schema import Inventory
 from projections.state import ConsumerState, ProviderState, State
 
@@ -135,9 +136,22 @@ def provider_row(p: ProviderState) -> tuple[Any, ...]:
 
 def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
     uuid, name, parent, root, generation, inventories, usages = row
-    return ProviderState(
-        uuid, name, parent, root, generation, inventories_from_json(inventories), json.loads(usages)
-    )
+    try:
+        used = json.loads(usages)
+        if not isinstance(used, dict) or not all(type(v) is int for v in used.values()):
+            raise ValueError("usages is not a mapping of amounts")
+        return ProviderState(uuid, name, parent, root, generation, inventories_from_json(inventories), used)
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+        raise ProjectionCorrupt(
+            f"The projection row of provider {uuid} cannot be read ({_first_line(exc)}): the "
+            "projection is damaged; `evstore rebuild` refolds it from the log",
+            provider=uuid,
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def consumer_row(c: ConsumerState) -> tuple[Any, ...]:

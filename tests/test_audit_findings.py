@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from evstore import AllocationStore, Inventory, open_store
-from evstore.errors import CorruptEvent
+from evstore.errors import CorruptEvent, ProjectionCorrupt
 from evstore.events import (
     GENESIS_HASH,
     AllocationsReplaced,
@@ -487,3 +488,37 @@ async def test_an_imported_migration_onto_a_holding_consumer_is_in_the_history_i
         sliced = await store.state_at(position=7, provider=p)
         assert (await sliced.usage(p)).usages == (await store.usage(p)).usages == {"VCPU": 0}
         assert await sliced.provider_allocations(p) == {}
+
+
+async def test_a_damaged_projection_row_fails_only_its_own_commands(sqlite_url: str) -> None:
+    """Regression: a projection row that cannot be decoded raised JSONDecodeError while loading
+    one command, which failed every command of its group commit ('Storage failure:
+    JSONDecodeError'); the audit and usage() raised it too, untyped."""
+    async with open_store(sqlite_url) as store:
+        damaged = await make_provider(store, "damaged", VCPU=100)
+        healthy = await make_provider(store, "healthy", VCPU=100)
+        backend = await _sqlite(store)
+        await backend.tamper("UPDATE p_providers SET usages = '{oops' WHERE uuid = ?", (damaged,))
+        store.backend._cache.forget()  # type: ignore[attr-defined]  # (as another process's write would)
+        outcomes = await asyncio.gather(
+            allocate(store, new_uuid(), {damaged: {"VCPU": 1}}),
+            *(allocate(store, new_uuid(), {healthy: {"VCPU": 1}}) for _ in range(30)),
+            return_exceptions=True,
+        )
+        assert isinstance(outcomes[0], ProjectionCorrupt) and damaged in outcomes[0].message
+        assert outcomes[1:] == [None] * 30
+        with pytest.raises(ProjectionCorrupt, match="evstore rebuild"):
+            await store.usage(damaged)
+        [finding] = (await store.audit()).findings
+        assert finding.kind == "drift" and finding.details == {"provider": damaged}
+        await store.rebuild()
+        assert (await store.usage(healthy))["VCPU"] == 30
+        assert (await store.audit()).clean
+
+
+async def test_exporting_a_row_stored_with_another_type_is_a_typed_error(sqlite_url: str) -> None:
+    async with open_store(sqlite_url) as store:
+        await make_provider(store, VCPU=8)
+        await (await _sqlite(store)).tamper("UPDATE events SET data = CAST(data AS BLOB) WHERE position = 2")
+        with pytest.raises(CorruptEvent, match="position 2 cannot be exported"):
+            _ = [line async for line in store.export()]

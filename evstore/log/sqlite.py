@@ -427,8 +427,17 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
                 )
             return Receipt.from_json(row[1])
     n = job.needs
-    state = cache.load(conn, job.command, n)
-    events = decide(job.command, state)
+    try:
+        state = cache.load(conn, job.command, n)
+        events = decide(job.command, state)
+    except (err.EvstoreError, sqlite3.Error):
+        raise
+    except Exception as exc:
+        # Nothing written yet: this job fails alone, not every job of its group commit.
+        raise err.StorageError(
+            f"Cannot run {type(job.command).__name__}: {exc!r:.200} (if the projection is damaged, "
+            "`evstore audit` says where and `evstore rebuild` refolds it from the log)"
+        ) from exc
     # From here on the job writes: nothing may reject it any more (see run_batch).
     try:
         wanted = State(providers=dict(state.providers), consumers=dict(state.consumers))
