@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import functools
 import hashlib
 import json
 import os
@@ -812,39 +813,36 @@ class AllocationStore:
         """Load an export into this (empty) store, reproducing positions, ids, hashes and times.
 
         ``open_lines`` is called twice: the whole file is validated first (chain, positions,
-        payloads, header counts) and nothing is written unless all of it is sound; then the rows are
-        appended verbatim and the projection is rebuilt. ``progress(phase, events)`` reports both passes.
+        payloads, header counts, and that every event folds) and nothing is written unless all
+        of it is sound; then the rows and the projection folded from them are written in one
+        transaction, so no command (of this process or another) is decided against a
+        half-imported store, and a failed or killed import leaves the store empty.
+        ``progress(phase, events)`` reports both passes ("validate", "import").
         """
         from projections.exchange import ChainCheck, read_export
 
         _count(batch_size, "batch_size")
         importer: Any = self._backend
-        if not callable(getattr(importer, "import_raw", None)):
+        if not callable(getattr(importer, "import_all", None)):
             raise err.InvalidInput("this backend cannot import a log")
         if await self.head() != 0:
             raise err.InvalidInput("import needs an empty store: this one already has events")
 
-        def drain(rows: Iterator[Any]) -> list[Any]:
-            return [row for _, row in zip(range(batch_size), rows, strict=False)]
+        def drain(rows: Iterator[Any]) -> int:
+            return sum(1 for _ in zip(range(batch_size), rows, strict=False))
 
         validated = ChainCheck()
-        for phase in ("validate", "import"):
-            # (the import pass checks the rows again, in case the file changed, without folding)
-            rows = read_export(open_lines(), validated if phase == "validate" else ChainCheck(fold=False))
-            done = 0
-            while batch := await asyncio.to_thread(drain, rows):
-                if phase == "import":
-                    extra = {
-                        r.position: validated.extra_entities[r.position]
-                        for r in batch
-                        if r.position in validated.extra_entities
-                    }
-                    await importer.import_raw(batch, extra)
-                done += len(batch)
-                if progress is not None:
-                    progress(phase, done)
-        await self.rebuild()
-        return done
+        rows = read_export(open_lines(), validated)
+        done = 0
+        while counted := await asyncio.to_thread(drain, rows):
+            done += counted
+            if progress is not None:
+                progress("validate", done)
+        # (the import pass checks the rows again, in case the file changed, without folding)
+        again = read_export(open_lines(), ChainCheck(fold=False))
+        report = None if progress is None else functools.partial(progress, "import")
+        imported: int = await importer.import_all(again, validated.extra_entities, batch_size, report)
+        return imported
 
 
 def make_backend(url: str, **options: Any) -> Backend:

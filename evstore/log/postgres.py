@@ -76,9 +76,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import random
 import uuid as _uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -961,50 +962,70 @@ class PostgresBackend:
         async with self._connection() as conn:
             await self._guard(conn.execute("DELETE FROM snapshots"), "dropping snapshots")
 
-    async def import_raw(
-        self, rows: Sequence[RawEvent], extra_entities: Mapping[int, set[str]] | None = None
+    async def import_all(
+        self,
+        rows: Iterator[RawEvent],
+        extra_entities: Mapping[int, set[str]],
+        batch_size: int,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
-        """Append already-recorded rows verbatim (positions, ids, hashes, times), in one transaction.
+        """Load a validated export into this empty store: every row verbatim (positions, ids,
+        hashes, times) and the projection folded from them, in one transaction holding the fence.
 
-        The rows must continue the log exactly (first position = head + 1, no gaps); the caller
-        validates hashes and payloads first and rebuilds the projection afterwards.
+        ``rows`` is read on a worker thread (it reads the file). No command is decided against a
+        half-imported store, and an import that fails or is killed leaves the store empty.
         ``extra_entities``: history keys of a position beyond those its event names.
         """
-        batch = list(rows)
-        extra = extra_entities or {}
+
+        def take() -> list[RawEvent]:
+            return list(itertools.islice(rows, batch_size))
+
         async with self._connection() as conn:
             try:
                 async with conn.transaction():
                     await self._fenced(conn)  # no writer, no sequencer meanwhile
-                    head = int(await conn.fetchval("SELECT coalesce(max(position), 0) FROM events"))
-                    for expected, raw in enumerate(batch, start=head + 1):
-                        if raw.position != expected:
-                            raise err.CorruptEvent(
-                                f"Imported rows must continue the log at position {expected}, "
-                                f"got {raw.position}",
-                                position=raw.position,
-                                reason="position_gap",
+                    if await conn.fetchval("SELECT 1 FROM events LIMIT 1") is not None:
+                        raise err.InvalidInput("import needs an empty store: this one already has events")
+                    state = State(usages_deferred=True)
+                    expected = 1
+                    while batch := await asyncio.to_thread(take):
+                        for raw in batch:
+                            if raw.position != expected:
+                                raise err.CorruptEvent(
+                                    f"Imported rows must continue the log at position {expected}, "
+                                    f"got {raw.position}",
+                                    position=raw.position,
+                                    reason="position_gap",
+                                )
+                            expected += 1
+                        entities = [
+                            decode_event(r.type, r.schema_version, r.data, r.position).entities()
+                            | extra_entities.get(r.position, set())
+                            for r in batch
+                        ]
+                        columns = [list(c) for c in zip(*(_raw_fields(r) for r in batch), strict=True)]
+                        inserted = await conn.fetch(IMPORT_SQL, *columns)
+                        seq_of = {r["event_id"]: r["seq"] for r in inserted}
+                        entity_rows = [
+                            (entity, seq_of[raw.event_id])
+                            for raw, names in zip(batch, entities, strict=True)
+                            for entity in names
+                        ]
+                        if entity_rows:
+                            await conn.executemany(
+                                "INSERT INTO event_entities VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                                entity_rows,
                             )
-                    entities = [
-                        decode_event(r.type, r.schema_version, r.data, r.position).entities()
-                        | extra.get(r.position, set())
-                        for r in batch
-                    ]
-                    columns = [list(c) for c in zip(*(_raw_fields(r) for r in batch), strict=True)]
-                    inserted = await conn.fetch(IMPORT_SQL, *columns) if batch else []
-                    seq_of = {r["event_id"]: r["seq"] for r in inserted}
-                    entity_rows = [
-                        (entity, seq_of[raw.event_id])
-                        for raw, names in zip(batch, entities, strict=True)
-                        for entity in names
-                    ]
-                    if entity_rows:
-                        await conn.executemany(
-                            "INSERT INTO event_entities VALUES ($1, $2) ON CONFLICT DO NOTHING", entity_rows
-                        )
+                        with gc_paused():
+                            fold_payloads(
+                                state, [(r.position, r.type, r.schema_version, r.data) for r in batch]
+                            )
+                        if progress is not None:
+                            progress(expected - 1)
+                    await _rebuild(conn, state, batch_size, None)
+                    return expected - 1
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "importing events") from None
-        return len(batch)
 
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False

@@ -18,7 +18,7 @@ import operator
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -798,18 +798,34 @@ class SqliteBackend:
 
         return await self._on_reader(q)
 
-    async def import_raw(
-        self, rows: Sequence[RawEvent], extra_entities: Mapping[int, set[str]] | None = None
+    async def import_all(
+        self,
+        rows: Iterator[RawEvent],
+        extra_entities: Mapping[int, set[str]],
+        batch_size: int,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
-        """Append already-recorded rows verbatim (positions, ids, hashes, times), in one transaction.
+        """Load a validated export into this empty store: every row verbatim (positions, ids,
+        hashes, times) and the projection folded from them, in one write transaction.
 
-        The rows must continue the log exactly (first position = head + 1, no gaps); the caller
-        validates hashes and payloads first and rebuilds the projection afterwards.
-        ``extra_entities``: history keys of a position beyond those its event names.
+        ``rows`` is consumed on the writer's thread (it reads the file). Nobody, in this process
+        or another, decides a command against a half-imported store, and an import that fails or
+        is killed leaves the store as empty as it was. ``extra_entities``: history keys of a
+        position beyond those its event names.
         """
-        batch = list(rows)
-        extra = dict(extra_entities or {})
-        return await self._on_writer(lambda conn: _retry_busy(lambda: _import_raw(conn, batch, extra)))
+        loop = asyncio.get_running_loop()
+
+        def report(done: int) -> None:
+            if progress is not None:
+                loop.call_soon_threadsafe(progress, done)
+
+        def work(conn: sqlite3.Connection) -> int:
+            try:
+                return _retry_busy(lambda: _import_all(conn, rows, extra_entities, batch_size, report))
+            finally:
+                self._cache.forget()  # (the projection was written behind its back)
+
+        return await self._on_writer(work)
 
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
@@ -967,34 +983,58 @@ def _load_all(conn: sqlite3.Connection) -> State:
     return state
 
 
-def _import_raw(conn: sqlite3.Connection, rows: list[RawEvent], extra: Mapping[int, set[str]]) -> int:
-    conn.execute("BEGIN IMMEDIATE")
+def _import_all(
+    conn: sqlite3.Connection,
+    rows: Iterator[RawEvent],
+    extra: Mapping[int, set[str]],
+    batch_size: int,
+    progress: Callable[[int], None] | None,
+) -> int:
+    conn.execute("BEGIN IMMEDIATE")  # (the only statement here that can be busy, and retried)
     try:
-        head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
-        entity_rows: list[tuple[str, int]] = []
-        for expected, raw in enumerate(rows, start=head + 1):
-            if raw.position != expected:
-                raise err.CorruptEvent(
-                    f"Imported rows must continue the log at position {expected}, got {raw.position}",
-                    position=raw.position,
-                    reason="position_gap",
-                )
-            event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
-            names = event.entities() | extra.get(raw.position, set())
-            entity_rows.extend((entity, raw.position) for entity in names)
-        conn.executemany(
-            f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
-            [
-                (r.position, r.event_id, r.type, r.schema_version, r.data, r.metadata, r.recorded_at, r.hash)
-                for r in rows
-            ],
-        )
-        conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", entity_rows)
+        if conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None:
+            raise err.InvalidInput("import needs an empty store: this one already has events")
+        state = State(usages_deferred=True)
+        expected = 1
+        with gc_paused():
+            while batch := list(itertools.islice(rows, batch_size)):
+                entity_rows: list[tuple[str, int]] = []
+                for raw in batch:
+                    if raw.position != expected:
+                        raise err.CorruptEvent(
+                            f"Imported rows must continue the log at position {expected}, got {raw.position}",
+                            position=raw.position,
+                            reason="position_gap",
+                        )
+                    expected += 1
+                    event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
+                    names = event.entities() | extra.get(raw.position, set())
+                    entity_rows.extend((entity, raw.position) for entity in names)
+                conn.executemany(f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", batch)
+                conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", entity_rows)
+                fold_payloads(state, [(r.position, r.type, r.schema_version, r.data) for r in batch])
+                if progress is not None:
+                    progress(expected - 1)
+            if state.usages_deferred:  # (a buggy writer's log may have made the fold go event by event)
+                state.recount_usages()
+            _replace_projection(conn, state)
         conn.execute("COMMIT")
-        return len(rows)
+        return expected - 1
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _replace_projection(conn: sqlite3.Connection, state: State) -> None:
+    """Every projection row and index written again from ``state`` (inside a write transaction)."""
+    for table in PROJECTION_TABLES:
+        conn.execute(f"DELETE FROM {table}")
+    # Building the secondary indexes once, from sorted rows, beats updating them row by row.
+    for name in PROJECTION_INDEXES:
+        conn.execute(f"DROP INDEX IF EXISTS {name}")
+    _write_projection(conn, state)
+    for sql in PROJECTION_INDEXES.values():
+        conn.execute(sql)
 
 
 def _provider_rows(state: State) -> Iterable[tuple[Any, ...]]:
@@ -1189,14 +1229,7 @@ def _rebuild(
             if not full and _sync_projection(conn, state):
                 _repair_index_definitions(conn)
             else:
-                for table in PROJECTION_TABLES:
-                    conn.execute(f"DELETE FROM {table}")
-                # Building the secondary indexes once, from sorted rows, beats updating them row by row.
-                for name in PROJECTION_INDEXES:
-                    conn.execute(f"DROP INDEX IF EXISTS {name}")
-                _write_projection(conn, state)
-                for sql in PROJECTION_INDEXES.values():
-                    conn.execute(sql)
+                _replace_projection(conn, state)
         count = int(conn.execute("SELECT count(*) FROM events").fetchone()[0])  # == head unless tampered
         conn.execute("COMMIT")
         return count

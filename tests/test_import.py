@@ -1,0 +1,75 @@
+"""import_events is all or nothing, and nothing is decided against a half-imported store."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from evstore import AllocationStore, ConsumerDeleted, CorruptEvent, DuplicateName, open_store
+from projections.exchange import parse_row
+from tests.conftest import allocate, make_provider, new_uuid
+
+
+async def _source(tmp_path: Path, consumers: int = 1500) -> tuple[list[str], str, str]:
+    """An export of a store with one provider, ``consumers`` allocations and one tombstone."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, "rp", VCPU=100_000)
+        held = [new_uuid() for _ in range(consumers)]
+        await asyncio.gather(*(allocate(source, c, {rp: {"VCPU": 1}}) for c in held))
+        await source.delete_consumer(held[0])
+        return [line async for line in source.export()], rp, held[0]
+
+
+async def test_commands_during_an_import_are_decided_against_all_of_it(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression: the import appended batch after batch and refolded the projection at the end;
+    meanwhile commands were decided against an empty projection: a provider of the log created
+    again, a tombstoned consumer given allocations (a leak), and the import then failed halfway
+    (its positions taken), leaving a store no import could fill again."""
+    lines, rp, deleted = await _source(tmp_path)
+    importing = asyncio.Event()
+
+    def progress(phase: str, done: int) -> None:
+        if phase == "import":
+            importing.set()
+
+    task = asyncio.create_task(store.import_events(lambda: iter(lines), batch_size=100, progress=progress))
+    await asyncio.wait_for(importing.wait(), 30)
+    outcomes = await asyncio.gather(
+        store.create_provider(rp, "again"),
+        allocate(store, deleted, {rp: {"VCPU": 1}}),
+        return_exceptions=True,
+    )
+    assert await task == len(lines) - 1
+    assert isinstance(outcomes[0], DuplicateName), outcomes[0]
+    assert isinstance(outcomes[1], ConsumerDeleted), outcomes[1]
+    assert await store.head() == len(lines) - 1
+    assert (await store.usage(rp))["VCPU"] == 1499
+    assert (await store.audit()).clean
+
+
+async def test_an_import_that_fails_halfway_leaves_the_store_empty(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """The file changed between the validation and the import pass: refused, nothing kept, and
+    the same store takes the sound file afterwards."""
+    lines, rp, _ = await _source(tmp_path, consumers=300)
+    last = parse_row(lines[-1], len(lines))
+    altered = [*lines[:-1], lines[-1].replace(last.hash, "0" * 64)]
+    calls = 0
+
+    def open_lines() -> list[str]:
+        nonlocal calls
+        calls += 1
+        return lines if calls == 1 else altered
+
+    with pytest.raises(CorruptEvent, match="hash chain"):
+        await store.import_events(open_lines, batch_size=50)
+    assert await store.head() == 0
+    assert await store.providers() == []
+    assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
+    assert (await store.usage(rp))["VCPU"] == 299
+    assert (await store.audit()).clean
