@@ -548,6 +548,49 @@ async def test_consumers_holding_a_custom_class_can_be_emptied_moved_and_reverte
     assert (await store.audit()).clean
 
 
+async def test_another_applications_database_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """Regression: a database with its own ``events`` or ``meta`` table got evstore's tables added
+    (and then failed on every call with 'no such column'); a textual schema version raised a
+    bare ValueError."""
+    foreign = (
+        ("events", "CREATE TABLE events (id INTEGER, what TEXT)"),
+        ("meta", "CREATE TABLE meta (k, v)"),
+    )
+    for name, ddl in foreign:
+        path = tmp_path / f"{name}.db"
+        with sqlite3.connect(path) as conn:
+            conn.execute(ddl)
+        with pytest.raises(evstore.StorageError, match=f"Not an evstore database: its table '{name}'"):
+            async with open_store(f"sqlite:///{path}"):
+                pass
+        with sqlite3.connect(path) as conn:
+            assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == [name]
+    path = tmp_path / "odd-version.db"
+    async with open_store(f"sqlite:///{path}"):
+        pass
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE meta SET value = '1.1' WHERE key = 'schema_version'")
+    with pytest.raises(evstore.SchemaVersionError, match="not a number"):
+        async with open_store(f"sqlite:///{path}"):
+            pass
+
+
+async def test_opening_a_store_takes_no_write_lock(tmp_path: Path) -> None:
+    """Regression: every open ran the DDL in a write transaction, so while another process held
+    one (a long rebuild or import) even a read-only open waited busy_timeout and failed."""
+    path = tmp_path / "store.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=8)
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        async with open_store(f"sqlite:///{path}", busy_timeout=0.2, create=False) as store:
+            assert await store.head() == 2
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
 async def test_open_with_create_false_refuses_a_database_without_a_store(tmp_path: Path) -> None:
     blank = tmp_path / "blank.db"
     blank.write_bytes(b"")

@@ -917,20 +917,73 @@ def _holds_no_store(path: str) -> bool:
         conn.close()
 
 
+@functools.cache
+def _schema_objects() -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
+    """The columns of each table this version defines, and its index names (from the DDL itself)."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.executescript(DDL)
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        columns = {t: tuple(r[1] for r in conn.execute(f"PRAGMA table_info({t})")) for t in tables}
+        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        return columns, frozenset(i for i in indexes if not i.startswith("sqlite_autoindex"))
+    finally:
+        conn.close()
+
+
+def _schema_state(conn: sqlite3.Connection) -> bool:
+    """Whether the store's schema is there and current; raises if the database is someone else's
+    or newer than this evstore. Reads only: opening a store takes no write lock when nothing is
+    to be created or migrated."""
+    columns, indexes = _schema_objects()
+    found = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
+    for table, want in columns.items():
+        if found.get(table) == "table":
+            have = tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
+            if have != want:
+                raise err.StorageError(
+                    f"Not an evstore database: its table {table!r} has the columns ({', '.join(have)}), "
+                    f"evstore's has ({', '.join(want)}). Use another file for the store.",
+                    table=table,
+                )
+        elif table in found:
+            raise err.StorageError(f"Not an evstore database: {table!r} is a {found[table]}, not a table")
+    version: int | None = None
+    if found.get("meta") == "table":
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is not None:
+            try:
+                version = int(row[0])
+            except (TypeError, ValueError):
+                raise err.SchemaVersionError(
+                    f"This database's schema version is {row[0]!r:.40}, not a number: it was not written "
+                    "by evstore, or was damaged",
+                    found=row[0],
+                ) from None
+        elif "events" in found:
+            raise err.StorageError("Not an evstore database: it has evstore's tables but no schema version")
+        if version is not None and version > SCHEMA_VERSION:
+            raise err.SchemaVersionError(
+                f"This database has schema version {version}; this evstore understands up to "
+                f"{SCHEMA_VERSION}. Upgrade evstore to open it.",
+                found=version,
+                supported=SCHEMA_VERSION,
+            )
+    retired = {"events_recorded_at", "p_consumers_behalf"}  # (dropped by the DDL: a migration)
+    return (
+        version == SCHEMA_VERSION
+        and columns.keys() <= found.keys()
+        and indexes <= found.keys()
+        and not retired & found.keys()
+    )
+
+
 def _ensure_schema(conn: sqlite3.Connection) -> None:
+    if _snapshot(conn, lambda: _schema_state(conn)):
+        return  # (nothing to create: no write lock, so a busy or read-only file still opens)
     conn.execute("BEGIN IMMEDIATE")
     try:
-        exists = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
-        if exists:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            found = int(row[0]) if row else None
-            if found is not None and found > SCHEMA_VERSION:
-                raise err.SchemaVersionError(
-                    f"This database has schema version {found}; this evstore understands up to "
-                    f"{SCHEMA_VERSION}. Upgrade evstore to open it.",
-                    found=found,
-                    supported=SCHEMA_VERSION,
-                )
+        _schema_state(conn)  # (again, under the lock: another process may have changed it)
         for statement in DDL.split(";"):
             if statement.strip():
                 conn.execute(statement)
