@@ -475,7 +475,8 @@ async def audit(
         assert unreadable is not None
         report.findings.append(Finding("drift", unreadable.message, (), dict(unreadable.details)))
     else:
-        report.findings.extend(compare_states(replayed, persisted_state))
+        # (whole-state work: on a thread, so the event loop keeps getting turns)
+        report.findings.extend(await asyncio.to_thread(compare_states, replayed, persisted_state))
     report.findings.extend(leak_findings(replayed))
     over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
     report.findings.extend(over_capacity_findings(replayed, over))

@@ -9,6 +9,7 @@ every consumer created, changed, released, deleted - or created and gone again i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -117,7 +118,9 @@ def _classify(before: ConsumerState | None, after: ConsumerState | None) -> Chan
 
 async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_size: int = 5000) -> Diff:
     """Fold the events after ``start.position`` up to ``to_position`` and describe the change."""
-    before = clone(start)
+    # (a copy of the whole state takes seconds on a large store: on a thread, so the event loop
+    # keeps getting turns - the GIL is handed over every few milliseconds)
+    before = await asyncio.to_thread(clone, start)
     state = start
     touched: dict[str, list[int]] = {}
     counts: dict[str, int] = {}
@@ -133,6 +136,11 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
             for entity in event.entities():
                 touched.setdefault(entity, []).append(raw.position)
             after = raw.position
+    return await asyncio.to_thread(_describe, before, state, touched, counts)
+
+
+def _describe(before: State, state: State, touched: dict[str, list[int]], counts: dict[str, int]) -> Diff:
+    """What changed from ``before`` to ``state`` (whole-state work: run on a thread)."""
     result = Diff(before.position, state.position, events_by_type=counts)
     for uuid in sorted(before.providers.keys() | state.providers.keys()):
         old, new = before.providers.get(uuid), state.providers.get(uuid)
