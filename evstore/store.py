@@ -50,7 +50,13 @@ from projections.audit import AuditReport
 from projections.diff import Diff
 from projections.replay import StateView, replay
 from projections.state import State
-from projections.views import ConsumerView, ProjectUsages, ProviderUsage
+from projections.views import (
+    RESERVED_CONSUMER_TYPES,
+    ConsumerView,
+    ProjectUsages,
+    ProviderUsage,
+    reserved_type_usages,
+)
 
 _command_metadata: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "evstore_command_metadata", default=None
@@ -600,9 +606,15 @@ class AllocationStore:
     async def usages(
         self, project_id: str, user_id: str | None = None, consumer_type: str | None = None
     ) -> ProjectUsages:
+        """Totals per class of a project's (and user's) consumers, and per consumer type with a
+        consumer count. ``consumer_type``: one type, or Placement's ``"all"`` (every consumer,
+        grouped as "all") or ``"unknown"`` (consumers recorded without a type)."""
         validate_name(project_id, "project_id")
         if user_id is not None:
             validate_name(user_id, "user_id")
+        if consumer_type in RESERVED_CONSUMER_TYPES:
+            rows = await self._backend.query("project_usages", project_id, user_id, None)
+            return reserved_type_usages(rows, consumer_type)
         if consumer_type is not None:
             validate_consumer_type(consumer_type)
         rows = await self._backend.query("project_usages", project_id, user_id, consumer_type)

@@ -13,11 +13,13 @@ from evstore.log import PayloadRow
 from projections.gcpause import gc_paused
 from projections.state import FOLDS, State, evolve
 from projections.views import (
+    RESERVED_CONSUMER_TYPES,
     ConsumerView,
     ProjectUsages,
     ProviderUsage,
     project_usage_rows,
     provider_allocations,
+    reserved_type_usages,
 )
 
 ReadEvents = Callable[[int, int], Awaitable[list[Any]]]
@@ -158,6 +160,9 @@ class StateView:
             raise InvalidInput("project_id must be a non-empty string")
         if self.scope is not None:
             raise InvalidInput(f"This view was folded for {self.scope} only; usages() needs the whole state")
+        if consumer_type in RESERVED_CONSUMER_TYPES:
+            rows = project_usage_rows(self.state, project_id, user_id, None)
+            return reserved_type_usages(rows, consumer_type)
         return ProjectUsages.from_rows(project_usage_rows(self.state, project_id, user_id, consumer_type))
 
     def providers(self) -> list[str]:

@@ -108,6 +108,18 @@ class ProjectUsages(Mapping[str, int]):
         return cls(totals, len(consumers), by_type)
 
 
+#: Placement's reserved ``consumer_type`` values (microversion 1.38): every consumer, grouped as
+#: "all", or only the consumers without a type (evstore records those as UNKNOWN)
+RESERVED_CONSUMER_TYPES = ("all", "unknown")
+
+
+def reserved_type_usages(rows: list[tuple[str | None, str, str, int]], consumer_type: str) -> ProjectUsages:
+    """``usages`` for a reserved ``consumer_type``, from the rows of every consumer type."""
+    if consumer_type == "unknown":
+        rows = [r for r in rows if r[0] in (None, "UNKNOWN")]
+    return ProjectUsages.from_rows([(consumer_type, *r[1:]) for r in rows])
+
+
 def project_usage_rows(
     state: State, project_id: str, user_id: str | None, consumer_type: str | None
 ) -> list[tuple[str | None, str, str, int]]:

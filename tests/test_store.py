@@ -149,6 +149,16 @@ async def test_project_usages_by_consumer_type(store: AllocationStore) -> None:
     assert (await store.usages("acme", user_id="bob")).usages == {"VCPU": 5}
     assert (await store.usages("acme", consumer_type="MIGRATION")).usages == {"VCPU": 4}
     assert (await store.usages("nobody")).usages == {}
+    # Placement's reserved types (1.38): "all" groups every consumer; "unknown" has none here
+    grouped = await store.usages("acme", consumer_type="all")
+    assert grouped.usages == everything.usages
+    assert grouped.by_consumer_type == {"all": {"VCPU": 7, "DISK_GB": 10, "consumer_count": 3}}
+    assert (await store.usages("acme", consumer_type="unknown")).consumer_count == 0
+    then = await store.state_at(position=await store.head())
+    assert (await then.usages("acme", consumer_type="all")).by_consumer_type == grouped.by_consumer_type
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}}, project_id="acme", consumer_type="UNKNOWN")
+    untyped = await store.usages("acme", consumer_type="unknown")  # (what a v1 event upcasts to)
+    assert untyped.by_consumer_type == {"unknown": {"VCPU": 1, "consumer_count": 1}}
 
 
 async def test_idempotent_commands_append_once(store: AllocationStore) -> None:
