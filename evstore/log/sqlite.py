@@ -590,7 +590,13 @@ class SqliteBackend:
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
-            raise err.StorageError(f"Cannot open {self.url}: {exc}") from None
+            hint = ""
+            if "readonly" in str(exc):
+                hint = (
+                    " (evstore needs to write the file and its directory, for its -wal and -shm files, "
+                    "even to read it: work on a writable copy)"
+                )
+            raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}") from None
         except BaseException:
             await self.close()
             raise
