@@ -187,6 +187,8 @@ class AllocationStore:
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
+        #: batches running (PostgreSQL): kept alive until they end, even if the writer is cancelled
+        self._running: set[asyncio.Future[list[Outcome]]] = set()
 
     @property
     def url(self) -> str:
@@ -270,14 +272,25 @@ class AllocationStore:
             batch = self._take_batch()
             if batch is None:
                 continue
-            outcomes: list[Outcome] | BaseException
-            try:
-                # The batch must run to its end even if the writer task is cancelled meanwhile
-                # (the thread cannot be interrupted); shield it and deliver the outcomes.
-                outcomes = await asyncio.shield(self._backend.run_jobs([j for j, _ in batch[1]]))
-            except Exception as exc:
-                outcomes = exc
-            self._deliver(batch[1], outcomes)
+            # The batch runs to its end even if the writer task is cancelled meanwhile, and its
+            # callers are answered when it ends (not when this task resumes, which a cancelled
+            # task never does): they were taken off the queue, no one else would answer them.
+            running = asyncio.ensure_future(self._backend.run_jobs([j for j, _ in batch[1]]))  # noqa: RUF006
+            self._running.add(running)  # (the loop keeps only a weak reference to a task)
+            running.add_done_callback(self._running.discard)
+            running.add_done_callback(functools.partial(self._deliver_when_done, batch[1]))
+            with contextlib.suppress(Exception):  # (its callers hear of it from _deliver_when_done)
+                await asyncio.shield(running)
+
+    def _deliver_when_done(
+        self, batch: list[tuple[Job, asyncio.Future[Receipt]]], running: asyncio.Future[list[Outcome]]
+    ) -> None:
+        outcomes: list[Outcome] | BaseException
+        if running.cancelled():
+            outcomes = err.StorageError("The command was cancelled while it ran; its outcome is unknown")
+        else:
+            outcomes = running.exception() or running.result()
+        self._deliver(batch, outcomes)
 
     def _take_batch(self) -> tuple[list[Job], list[tuple[Job, asyncio.Future[Receipt]]]] | None:
         """Up to ``max_batch`` queued commands whose callers still wait (``None``: none).
@@ -850,10 +863,12 @@ class AllocationStore:
             done += counted
             if progress is not None:
                 progress("validate", done)
+        extra = validated.extra_entities
+        del validated, rows  # (its fold and event ids: not kept through the import)
         # (the import pass checks the rows again, in case the file changed, without folding)
         again = read_export(open_lines(), ChainCheck(fold=False))
         report = None if progress is None else functools.partial(progress, "import")
-        imported: int = await importer.import_all(again, validated.extra_entities, batch_size, report)
+        imported: int = await importer.import_all(again, extra, batch_size, report)
         return imported
 
 

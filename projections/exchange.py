@@ -105,7 +105,9 @@ class ChainCheck:
     """Re-validates rows in order: gap-free positions from 1, the hash chain, unique event ids,
     decodable events of known types and versions, text the databases can store, recorded times
     in evstore's form (UTC, microseconds) that never go backwards, and (``fold``) that every
-    event folds, as the rebuild after the import will fold it."""
+    event folds, as the rebuild after the import will fold it. ``fold=False`` is a second pass
+    over a file already checked: it keeps no state (duplicate ids are then refused by the
+    database's unique index)."""
 
     fold: bool = True
     expected: int = 1
@@ -133,7 +135,7 @@ class ChainCheck:
                 position=row.position,
                 reason="hash_chain",
             )
-        if row.event_id in self.event_ids:
+        if self.fold and row.event_id in self.event_ids:  # (fold=False: a second pass, see there)
             raise _corrupt(
                 f"event id {row.event_id} appears twice", line, position=row.position, reason="duplicate_id"
             )
@@ -181,7 +183,7 @@ class ChainCheck:
             )
         if self.fold:
             self._fold(event, row.position, line)
-        self.event_ids.add(row.event_id)
+            self.event_ids.add(row.event_id)
         self.last_time = recorded
         self.prev_hash = row.hash
         self.expected = row.position + 1

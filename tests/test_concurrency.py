@@ -489,6 +489,25 @@ async def test_a_cancelled_writer_task_fails_commands_instead_of_hanging(store_u
     # (the async with closed it without an error)
 
 
+async def test_a_writer_cancelled_mid_batch_still_answers_that_batch(store_url: str) -> None:
+    """Regression (PostgreSQL): the batch running when the writer was cancelled had been taken off
+    the queue and was delivered by the writer after it - which a cancelled task never reaches: up
+    to max_batch callers waited forever for commands that had committed."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=100_000)
+        callers = [asyncio.create_task(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for _ in range(300)]
+        await asyncio.sleep(0.05)
+        writer = store._writer
+        assert writer is not None
+        writer.cancel()
+        done, pending = await asyncio.wait(callers, timeout=30)
+        assert not pending
+        accepted = sum(1 for t in done if t.exception() is None)
+        assert all(isinstance(t.exception(), (StoreClosed, type(None))) for t in done)
+    async with open_store(store_url) as reopened:
+        assert (await reopened.usage(rp))["VCPU"] == accepted
+
+
 async def test_close_ends_a_waiting_subscriber_at_once(sqlite_url: str) -> None:
     """Regression: a subscriber waiting for appends slept until its next poll after close()."""
     async with open_store(sqlite_url, poll_interval=60) as store:
