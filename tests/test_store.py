@@ -565,16 +565,23 @@ async def test_another_applications_database_is_refused_and_left_alone(tmp_path:
     foreign = (
         ("events", "CREATE TABLE events (id INTEGER, what TEXT)"),
         ("meta", "CREATE TABLE meta (k, v)"),
+        ("meta", "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)"),  # (Chromium's History)
     )
     for name, ddl in foreign:
         path = tmp_path / f"{name}.db"
         with sqlite3.connect(path) as conn:
             conn.execute(ddl)
-        with pytest.raises(evstore.StorageError, match=f"Not an evstore database: its table '{name}'"):
+        with sqlite3.connect(path) as conn:
+            before = [r[0] for r in conn.execute("SELECT name FROM sqlite_master")]
+        with pytest.raises(evstore.StorageError, match="Not an evstore database"):
             async with open_store(f"sqlite:///{path}"):
                 pass
+        with pytest.raises(NotFound):
+            async with open_store(f"sqlite:///{path}", create=False):
+                pass
         with sqlite3.connect(path) as conn:
-            assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == [name]
+            assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == before
+        path.unlink()
     path = tmp_path / "odd-version.db"
     async with open_store(f"sqlite:///{path}"):
         pass

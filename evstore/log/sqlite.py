@@ -916,7 +916,14 @@ def _holds_no_store(path: str) -> bool:
         return True  # cannot be opened read-only: it does not exist
     try:
         meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'")
-        return meta.fetchone() is None
+        if meta.fetchone() is None:
+            return True
+        # (another application's meta table: only evstore's holds a schema version)
+        try:
+            version = conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'")
+        except sqlite3.OperationalError:  # (no key column)
+            return True
+        return version.fetchone() is None
     except sqlite3.DatabaseError:
         return False  # not a database: the open fails with that message
     finally:
@@ -966,8 +973,13 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
                     "by evstore, or was damaged",
                     found=row[0],
                 ) from None
-        elif "events" in found:
-            raise err.StorageError("Not an evstore database: it has evstore's tables but no schema version")
+        else:
+            # evstore writes its tables and the version in one transaction: a meta table without
+            # one is another application's
+            raise err.StorageError(
+                "Not an evstore database: it has a meta table without evstore's schema version "
+                "(another application's?). Use another file for the store."
+            )
         if version is not None and version > SCHEMA_VERSION:
             raise err.SchemaVersionError(
                 f"This database has schema version {version}; this evstore understands up to "
