@@ -9,9 +9,12 @@ up front from one seeded generator, so a seed always produces the same plan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import random
 import uuid as _uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -113,6 +116,13 @@ def plan_cloud(seed: int, nodes: int, instances: int) -> tuple[list[tuple[str, s
     return providers, plans
 
 
+#: One command of a story: the store call to make (with its request metadata), made when the
+#: round reaches the story. A story is a generator: it yields the commands of its next step and is
+#: sent back their outcomes (a receipt or the error), in the same order.
+Call = Callable[[], Awaitable[object]]
+Story = Generator[list[Call], list[object], None]
+
+
 class _Cloud:
     def __init__(self, store: AllocationStore, report: DemoReport) -> None:
         self.store = store
@@ -122,89 +132,136 @@ class _Cloud:
     def _reject(self, exc: err.EvstoreError) -> None:
         self.report.rejected[exc.code] += 1
 
-    async def _place(self, plan: InstancePlan, flavor: Flavor, avoid: int | None = None) -> int | None:
+    def _call(self, fn: Callable[[], Awaitable[object]], **metadata: str) -> Call:
+        async def call() -> object:
+            with command_metadata(**metadata):
+                return await fn()
+
+        return call
+
+    def _place(
+        self, plan: InstancePlan, flavor: Flavor, avoid: int | None = None
+    ) -> Generator[list[Call], list[object], int | None]:
         """Write the instance's allocations on the first node (in its preference order) with room."""
         for host in plan.hosts:
             if host == avoid:
                 continue
-            try:
-                await self.store.set_allocations(
-                    plan.uuid,
-                    {self.nodes[host]: flavor},
-                    project_id=plan.project_id,
-                    user_id=plan.user_id,
-                    consumer_type="INSTANCE",
-                    generation=None,
+            [outcome] = yield [
+                self._call(
+                    functools.partial(
+                        self.store.set_allocations,
+                        plan.uuid,
+                        {self.nodes[host]: flavor},
+                        project_id=plan.project_id,
+                        user_id=plan.user_id,
+                        consumer_type="INSTANCE",
+                        generation=None,
+                    ),
+                    request_id=f"req-{plan.uuid[:8]}",
+                    actor="demo-scheduler",
                 )
-                return host
-            except err.CapacityExceeded as exc:
-                self._reject(exc)  # the scheduler's claim failed on a full node: try the next one
+            ]
+            if isinstance(outcome, err.CapacityExceeded):
+                self._reject(outcome)  # the scheduler's claim failed on a full node: try the next one
+                continue
+            _raise_unexpected(outcome)
+            return host
         return None
 
-    async def run(self, plan: InstancePlan) -> None:
-        with command_metadata(request_id=f"req-{plan.uuid[:8]}", actor="demo-scheduler"):
-            host = await self._place(plan, FLAVORS[plan.flavor])
-            if host is None:
-                self.report.counts["builds_failed"] += 1
-                return
-            self.report.counts["builds"] += 1
-            if plan.fate == "keep":
-                return
-            if plan.fate == "delete":
-                await self.store.delete_consumer(plan.uuid)
-                self.report.counts["deletes"] += 1
-                return
-            await self._migrate(plan, host)
-
-    async def _migrate(self, plan: InstancePlan, source: int) -> None:
+    def story(self, plan: InstancePlan) -> Story:
+        scheduler = {"request_id": f"req-{plan.uuid[:8]}", "actor": "demo-scheduler"}
+        host = yield from self._place(plan, FLAVORS[plan.flavor])
+        if host is None:
+            self.report.counts["builds_failed"] += 1
+            return
+        self.report.counts["builds"] += 1
+        if plan.fate == "keep":
+            return
+        if plan.fate == "delete":
+            [outcome] = yield [
+                self._call(functools.partial(self.store.delete_consumer, plan.uuid), **scheduler)
+            ]
+            _raise_unexpected(outcome)
+            self.report.counts["deletes"] += 1
+            return
         resize = plan.fate.startswith("resize")
         flavor = FLAVORS[plan.new_flavor if resize else plan.flavor]
-        await self.store.start_migration(plan.uuid, plan.migration)
+        start = functools.partial(self.store.start_migration, plan.uuid, plan.migration)
+        [outcome] = yield [self._call(start, **scheduler)]
+        _raise_unexpected(outcome)
         self.report.counts["resizes_started" if resize else "migrations_started"] += 1
-        dest = await self._place(plan, flavor, avoid=source)
+        dest = yield from self._place(plan, flavor, avoid=host)
+        revert = functools.partial(self.store.revert_migration, plan.migration)
         if dest is None:
             # NoValidHost: the conductor rolls the migration back.
-            await self.store.revert_migration(plan.migration)
+            [outcome] = yield [self._call(revert, **scheduler)]
+            _raise_unexpected(outcome)
             self.report.counts["migrations_no_valid_host"] += 1
             return
         if plan.fate in ("migrate_confirm", "resize_confirm"):
-            await self.store.confirm_migration(plan.migration)
+            confirm = functools.partial(self.store.confirm_migration, plan.migration)
+            [outcome] = yield [self._call(confirm, **scheduler)]
+            _raise_unexpected(outcome)
             self.report.counts["confirmed"] += 1
         elif plan.fate in ("migrate_revert", "resize_revert"):
-            await self.store.revert_migration(plan.migration)
+            [outcome] = yield [self._call(revert, **scheduler)]
+            _raise_unexpected(outcome)
             self.report.counts["reverted"] += 1
         else:
-            await self._race(plan)
+            yield from self._race(plan, revert)
 
-    async def _race(self, plan: InstancePlan) -> None:
-        """The user deletes the instance while the compute service reverts its migration."""
-        loop = asyncio.get_running_loop()
-
-        async def delete() -> None:
-            with command_metadata(request_id=f"req-del-{plan.uuid[:8]}", actor="demo-user"):
-                await self.store.delete_consumer(plan.uuid)
-
-        async def revert() -> None:
-            with command_metadata(request_id=f"req-rev-{plan.uuid[:8]}", actor="demo-compute"):
-                await self.store.revert_migration(plan.migration)
-
-        first, second = (delete, revert) if plan.delete_first else (revert, delete)
-        tasks = [loop.create_task(first()), loop.create_task(second())]
-        delete_result, revert_result = await asyncio.gather(
-            *(tasks if plan.delete_first else tasks[::-1]), return_exceptions=True
+    def _race(self, plan: InstancePlan, revert: Callable[[], Awaitable[object]]) -> Story:
+        """The user deletes the instance while the compute service reverts its migration: both
+        commands are in flight at once (the one the plan starts first is queued first)."""
+        delete = self._call(
+            functools.partial(self.store.delete_consumer, plan.uuid),
+            request_id=f"req-del-{plan.uuid[:8]}",
+            actor="demo-user",
         )
-        if isinstance(delete_result, BaseException):
-            raise delete_result
+        reverting = self._call(revert, request_id=f"req-rev-{plan.uuid[:8]}", actor="demo-compute")
+        if plan.delete_first:
+            delete_result, revert_result = yield [delete, reverting]
+        else:
+            revert_result, delete_result = yield [reverting, delete]
+        _raise_unexpected(delete_result)
         self.report.counts["deletes"] += 1
         self.report.deleted_mid_migration.append((plan.uuid, plan.migration))
         if isinstance(revert_result, err.ConsumerDeleted | err.NotFound):
             self._reject(revert_result)
             self.report.counts["races_delete_won"] += 1
             self.report.rejected_reverts.append((plan.uuid, plan.migration))
-        elif isinstance(revert_result, BaseException):
-            raise revert_result
         else:
+            _raise_unexpected(revert_result)
             self.report.counts["races_revert_won"] += 1
+
+
+def _raise_unexpected(outcome: object) -> None:
+    if isinstance(outcome, BaseException):
+        raise outcome
+
+
+async def _in_rounds(stories: list[Story]) -> None:
+    """Run the stories concurrently, in rounds: every story still going puts the commands of its
+    next step in flight, all at once (they share group commits), and the round ends when all
+    are answered. Commands enter the store's queue in story order, which fixes the order of the
+    log: a seed gives the same positions on every run (with a free-for-all of tasks, which
+    commands share a group commit - and so the order they come back in - depends on timing)."""
+    steps: dict[int, list[Call]] = {}
+    for i, story in enumerate(stories):
+        with contextlib.suppress(StopIteration):
+            steps[i] = next(story)
+    while steps:
+        order = sorted(steps)
+        calls = [call() for i in order for call in steps[i]]
+        # (gather starts its tasks in this order; each queues its command before it first waits)
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        following: dict[int, list[Call]] = {}
+        at = 0
+        for i in order:
+            mine, at = list(outcomes[at : at + len(steps[i])]), at + len(steps[i])
+            with contextlib.suppress(StopIteration):
+                following[i] = stories[i].send(mine)
+        steps = following
 
 
 async def run_demo(
@@ -221,15 +278,20 @@ async def run_demo(
         await asyncio.gather(*(store.create_provider(u, name) for u, name in providers))
         await asyncio.gather(*(store.set_inventories(u, NODE_INVENTORY, generation=0) for u, _ in providers))
     cloud = _Cloud(store, report)
-    await asyncio.gather(*(cloud.run(p) for p in plans))
+    await _in_rounds([cloud.story(p) for p in plans])
     # A build the scheduler cannot place anywhere: every node refuses it.
     huge = InstancePlan(
         str(_uuid.UUID(int=seed, version=4)), PROJECTS[0], "user-1", "huge", tuple(range(nodes)),
         "keep", "", "", False,
     )  # fmt: skip
-    with command_metadata(request_id="req-huge", actor="demo-scheduler"):
-        if await cloud._place(huge, HUGE_FLAVOR) is None:
-            report.counts["builds_failed"] += 1
+    placed: list[int | None] = []
+
+    def build_huge() -> Story:
+        placed.append((yield from cloud._place(huge, HUGE_FLAVOR)))
+
+    await _in_rounds([build_huge()])
+    if placed == [None]:
+        report.counts["builds_failed"] += 1
     report.head = await store.head()
     log.info("demo.done", seed=seed, head=report.head, **report.counts)
     return report
