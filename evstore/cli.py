@@ -151,6 +151,10 @@ def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130)
         fail(exc.code, exc.message)
     except KeyboardInterrupt:
         raise typer.Exit(interrupt_code) from None
+    except BrokenPipeError:
+        # the reader went away (`evstore history ... | head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(141) from None
     except OSError as exc:
         fail("evstore.io", str(exc))
     except Exception as exc:  # a bug: still one line, the traceback only at -vv

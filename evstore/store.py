@@ -882,8 +882,10 @@ def make_backend(url: str, **options: Any) -> Backend:
     if url.startswith(("postgresql://", "postgres://")):
         try:
             from evstore.log.postgres import PostgresBackend  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            raise err.InvalidInput("The PostgreSQL backend is not available in this build") from None
+        except ImportError as exc:
+            raise err.InvalidInput(
+                f"The PostgreSQL backend needs asyncpg ({exc}): pip install 'evstore[postgres]'"
+            ) from None
         return PostgresBackend(url, **options)  # type: ignore[no-any-return,unused-ignore]
     raise err.InvalidInput(f"Unsupported store URL {url!r}: use sqlite:///path.db or postgresql://...")
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.test_cli_support import demo_db, evstore
+from tests.test_cli_support import REPO, demo_db, evstore
 
 
 def test_export_import_reproduces_the_log_exactly(tmp_path: Path) -> None:
@@ -82,3 +84,33 @@ def test_import_refuses_broken_files(tmp_path: Path) -> None:
     done = evstore("import", str(truncated), "--url", f"sqlite:///{target}")
     assert done.returncode == 1 and "truncated" in done.stderr
     assert not any(tmp_path.glob("by-url.db*"))
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
+    """Regression: `evstore export ... | head -1` printed 'error: evstore.io: [Errno 32] Broken pipe'."""
+    db = demo_db(tmp_path / "demo.db", instances=20)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evstore.cli", "export", "--db", str(db)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b'{"format":"evstore-export"')
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 141
+    assert proc.stderr.read() == b""
+
+
+def test_a_postgresql_url_without_asyncpg_says_what_to_install() -> None:
+    script = (
+        "import sys; sys.modules['asyncpg'] = None\n"
+        "from evstore.store import make_backend\n"
+        "from evstore import InvalidInput\n"
+        "try:\n    make_backend('postgresql://u@h/db')\n"
+        "except InvalidInput as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=False
+    )
+    assert "pip install 'evstore[postgres]'" in done.stdout, done.stdout + done.stderr
