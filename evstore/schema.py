@@ -14,12 +14,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import os_resource_classes
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from evstore.errors import InvalidInput, InvalidInventoryValue
 
 MAX_INT = 2147483647
-RC_PATTERN = re.compile(r"^[A-Z0-9_]+$")
+RC_PATTERN = re.compile(r"[A-Z0-9_]+")  # (used with fullmatch: "$" would let a final newline through)
 CUSTOM_PREFIX = "CUSTOM_"
 STANDARD_CLASSES: frozenset[str] = frozenset(os_resource_classes.STANDARDS)
 
@@ -28,6 +38,14 @@ UuidLike = str | _uuid.UUID
 
 #: a uuid already in the form normalize_uuid returns (the common case: checked without parsing)
 _CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+#: the other spellings accepted (any case): dashed, 32 hex digits, in braces, or as a urn:uuid: URN.
+#: (uuid.UUID alone also takes whitespace, signs, underscores, other scripts' digits and dashes
+#: anywhere, and turns a truncated uuid into another one.)
+_UUID_SPELLINGS = re.compile(
+    r"(?:urn:uuid:)?(?:[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+    r"|[0-9a-fA-F]{32}|\{[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\})",
+    re.ASCII,
+)
 
 
 def normalize_uuid(value: object, what: str = "uuid") -> str:
@@ -36,16 +54,13 @@ def normalize_uuid(value: object, what: str = "uuid") -> str:
         return value
     if isinstance(value, _uuid.UUID):
         return str(value)
-    if isinstance(value, str):
-        try:
-            return str(_uuid.UUID(value))
-        except ValueError:
-            pass
+    if isinstance(value, str) and _UUID_SPELLINGS.fullmatch(value):
+        return str(_uuid.UUID(value))
     raise InvalidInput(f"Malformed {what}: {value!r} is not a UUID", field=what, value=repr(value)[:100])
 
 
 def validate_resource_class_name(name: object) -> str:
-    if not isinstance(name, str) or not RC_PATTERN.match(name) or len(name) > 255:
+    if not isinstance(name, str) or not RC_PATTERN.fullmatch(name) or len(name) > 255:
         raise InvalidInput(
             f"Invalid resource class {name!r}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
             resource_class=repr(name)[:100],
@@ -78,7 +93,11 @@ def normalize_allocations(value: object, what: str = "allocations") -> dict[str,
             raise InvalidInput(f"{what} for provider {puuid} must be a mapping of class to amount")
         if not resources:
             raise InvalidInput(f"{what} for provider {puuid} names no resource class")
-        row = out.setdefault(puuid, {})
+        if puuid in out:
+            raise InvalidInput(
+                f"{what} name provider {puuid} twice (spelled {provider!r:.60} the second time)"
+            )
+        row = out[puuid] = {}
         for rc, amount in resources.items():
             rc = validate_resource_class_name(rc)
             row[rc] = validate_amount(amount, rc)
@@ -94,11 +113,13 @@ def validate_name(value: object, what: str, max_len: int = 255) -> str:
         raise InvalidInput(
             f"{what} must be valid Unicode text (no lone surrogates), got {value!r:.80}"
         ) from None
+    if "\x00" in value:  # (PostgreSQL cannot store it: refused on every backend alike)
+        raise InvalidInput(f"{what} must not contain NUL characters, got {value!r:.80}")
     return value
 
 
 def validate_consumer_type(value: object) -> str:
-    if not isinstance(value, str) or not RC_PATTERN.match(value) or len(value) > 255:
+    if not isinstance(value, str) or not RC_PATTERN.fullmatch(value) or len(value) > 255:
         raise InvalidInput(f"consumer_type must match ^[A-Z0-9_]+$, got {value!r:.80}")
     return value
 
@@ -146,7 +167,10 @@ class Inventory(BaseModel):
         if isinstance(v, bool):
             raise ValueError("allocation_ratio must be a number")
         if isinstance(v, int):
-            v = float(v)
+            try:
+                v = float(v)
+            except OverflowError:
+                raise ValueError("allocation_ratio is too large") from None
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("allocation_ratio must be finite")
         return v
@@ -169,14 +193,21 @@ class Inventory(BaseModel):
 
 def coerce_inventory(value: object, resource_class: str) -> Inventory:
     if isinstance(value, Inventory):
-        return value
+        # Checked again: model_copy(update=...) and model_construct make instances that never were
+        # (an event with an inventory of total 0 could never be decoded again).
+        value = value.model_dump()
     if isinstance(value, Mapping):
-        try:
-            return Inventory.model_validate(dict(value))
-        except ValidationError as exc:
+        if not all(isinstance(k, str) for k in value):
             raise InvalidInventoryValue(
-                f"Invalid inventory for {resource_class}: {pydantic_message(exc)}",
+                f"Invalid inventory for {resource_class}: field names must be strings",
                 resource_class=resource_class,
+            )
+        try:
+            return Inventory(**dict(value))
+        except InvalidInventoryValue as exc:
+            problem = exc.message.removeprefix("Invalid inventory: ")
+            raise InvalidInventoryValue(
+                f"Invalid inventory for {resource_class}: {problem}", resource_class=resource_class
             ) from None
     raise InvalidInput(
         f"Inventory for {resource_class} must be an Inventory or a mapping, got {type(value).__name__}"
@@ -203,12 +234,15 @@ class ConsumerAllocations(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     allocations: dict[str, dict[str, int]]
-    project_id: str = Field(min_length=1, max_length=255)
-    user_id: str = Field(min_length=1, max_length=255)
-    consumer_type: str = Field(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")
+    #: (strict: bytes are not text; and the same checks as set_allocations: no lone surrogate, no NUL)
+    project_id: StrictStr = Field(min_length=1, max_length=255)
+    user_id: StrictStr = Field(min_length=1, max_length=255)
+    consumer_type: str = Field(
+        min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$"
+    )  # (Rust regex: "$" is the very end)
     #: strict: a bool, a string or a float is not a generation (``set_allocations`` refuses them too)
     consumer_generation: StrictInt | None = Field(
-        default=None, ge=0, validation_alias=AliasChoices("consumer_generation", "generation")
+        default=None, ge=0, le=2**62, validation_alias=AliasChoices("consumer_generation", "generation")
     )
 
     def __init__(self, **data: Any) -> None:
@@ -216,6 +250,14 @@ class ConsumerAllocations(BaseModel):
             super().__init__(**data)
         except ValidationError as exc:
             raise InvalidInput(f"Invalid consumer allocations: {pydantic_message(exc)}") from None
+
+    @field_validator("project_id", "user_id")
+    @classmethod
+    def _text(cls, v: str, info: ValidationInfo) -> str:
+        try:
+            return validate_name(v, str(info.field_name))
+        except InvalidInput as exc:
+            raise ValueError(exc.message) from None
 
     @field_validator("allocations", mode="before")
     @classmethod
@@ -228,7 +270,7 @@ class ConsumerAllocations(BaseModel):
 
 def coerce_consumer_allocations(value: object, consumer: str) -> ConsumerAllocations:
     if isinstance(value, ConsumerAllocations):
-        return value
+        value = value.model_dump()  # (checked again: see coerce_inventory)
     if isinstance(value, Mapping):
         try:
             return ConsumerAllocations(**{str(k): v for k, v in value.items()})

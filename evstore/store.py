@@ -88,7 +88,9 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
     elif metadata is not None:
         if not isinstance(metadata, Mapping):
             raise err.InvalidInput("metadata must be a mapping or evstore.Metadata")
-        merged.update({str(k): v for k, v in metadata.items() if v is not None})
+        if not all(isinstance(k, str) for k in metadata):
+            raise err.InvalidInput("metadata keys must be strings")
+        merged.update({k: v for k, v in metadata.items() if v is not None})
     return merged
 
 
@@ -111,7 +113,7 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
     caller values) as every reader of the log decodes it: from that text."""
     try:
         text = _METADATA_ENCODER.encode(meta)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         raise err.InvalidInput(
             "metadata values must be JSON-serialisable (strings, numbers other than NaN and Infinity, "
             "booleans, null, lists and mappings)"
@@ -847,6 +849,10 @@ class AllocationStore:
         from projections.exchange import ChainCheck, read_export
 
         _count(batch_size, "batch_size")
+        if not callable(open_lines):
+            raise err.InvalidInput(
+                "open_lines must be a callable returning the export's lines (it is called twice)"
+            )
         importer: Any = self._backend
         if not callable(getattr(importer, "import_all", None)):
             raise err.InvalidInput("this backend cannot import a log")
@@ -856,8 +862,14 @@ class AllocationStore:
         def drain(rows: Iterator[Any]) -> int:
             return sum(1 for _ in zip(range(batch_size), rows, strict=False))
 
+        def lines() -> Iterable[str]:
+            opened = open_lines()
+            if not isinstance(opened, Iterable) or isinstance(opened, str | bytes):
+                raise err.InvalidInput(f"open_lines() must return the lines, got a {type(opened).__name__}")
+            return opened
+
         validated = ChainCheck()
-        rows = read_export(open_lines(), validated)
+        rows = read_export(lines(), validated)
         done = 0
         while counted := await asyncio.to_thread(drain, rows):
             done += counted
@@ -866,7 +878,7 @@ class AllocationStore:
         extra = validated.extra_entities
         del validated, rows  # (its fold and event ids: not kept through the import)
         # (the import pass checks the rows again, in case the file changed, without folding)
-        again = read_export(open_lines(), ChainCheck(fold=False))
+        again = read_export(lines(), ChainCheck(fold=False))
         report = None if progress is None else functools.partial(progress, "import")
         imported: int = await importer.import_all(again, extra, batch_size, report)
         return imported

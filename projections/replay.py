@@ -156,8 +156,13 @@ class StateView:
     async def usages(
         self, project_id: str, user_id: str | None = None, consumer_type: str | None = None
     ) -> ProjectUsages:
-        if not isinstance(project_id, str) or not project_id:
-            raise InvalidInput("project_id must be a non-empty string")
+        from evstore.schema import validate_consumer_type, validate_name
+
+        validate_name(project_id, "project_id")  # (the live store's checks: same answers to the same input)
+        if user_id is not None:
+            validate_name(user_id, "user_id")
+        if consumer_type is not None and consumer_type not in RESERVED_CONSUMER_TYPES:
+            validate_consumer_type(consumer_type)
         if self.scope is not None:
             raise InvalidInput(f"This view was folded for {self.scope} only; usages() needs the whole state")
         if consumer_type in RESERVED_CONSUMER_TYPES:

@@ -8,7 +8,9 @@ import logging
 import os
 import sqlite3
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -415,6 +417,87 @@ async def test_bad_input_is_a_typed_error_that_leaves_no_trace(store: Allocation
     assert info.value.code.startswith("evstore.")
     assert info.value.message
     assert await store.head() == head
+
+
+def _put(s: AllocationStore, allocations: object, **overrides: object) -> Any:
+    fields: dict[str, Any] = {
+        "project_id": "p",
+        "user_id": "u",
+        "consumer_type": "INSTANCE",
+        "generation": None,
+    }
+    return s.set_allocations(new_uuid(), allocations, **{**fields, **overrides})  # type: ignore[arg-type]
+
+
+def _post(s: AllocationStore, entry: object) -> Any:
+    return s.write_allocations({new_uuid(): entry})  # type: ignore[dict-item]
+
+
+_ENTRY = {"allocations": {}, "project_id": "p", "user_id": "u", "consumer_type": "INSTANCE"}
+
+#: input a review found accepted, or failing untyped (each fails before its fix)
+SLIPPED_THROUGH: dict[str, Callable[[AllocationStore, str], Awaitable[object]]] = {
+    # an accepted one wrote an event nothing could decode again: reads, time travel, rebuild broken for good
+    "Inventory changed by model_copy": lambda s, rp: s.set_inventories(
+        rp, {"VCPU": Inventory(total=8).model_copy(update={"total": 0})}, generation=1
+    ),
+    "Inventory.model_construct": lambda s, rp: s.set_inventories(
+        rp, {"VCPU": Inventory.model_construct(total=-1)}, generation=1
+    ),
+    "ConsumerAllocations changed by model_copy": lambda s, rp: _post(
+        s,
+        ConsumerAllocations(allocations={rp: {"VCPU": 1}}, project_id="p", user_id="u").model_copy(
+            update={"allocations": {rp: {"VCPU": 0}}, "consumer_type": "instance", "project_id": ""}
+        ),
+    ),
+    "a class name ending in a newline": lambda s, rp: s.create_resource_class("CUSTOM_X\n"),
+    "a consumer type ending in a newline": lambda s, rp: _put(
+        s, {rp: {"VCPU": 1}}, consumer_type="INSTANCE\n"
+    ),
+    "one provider spelled twice": lambda s, rp: _put(s, {rp: {"VCPU": 1}, rp.upper(): {"VCPU": 2}}),
+    "a ratio too large for a float": lambda s, rp: s.set_inventory(
+        rp, "VCPU", {"total": 4, "allocation_ratio": 10**400}, generation=1
+    ),
+    "an inventory field that is not a string": lambda s, rp: s.set_inventory(
+        rp, "VCPU", {"total": 4, 1: 2}, generation=1
+    ),
+    "NUL in a provider name": lambda s, rp: s.create_provider(new_uuid(), "node\x00"),
+    "NUL in a project id": lambda s, rp: _put(s, {rp: {"VCPU": 1}}, project_id="p\x00"),
+    "a truncated uuid after a space": lambda s, rp: s.release(" " + "1" * 31),
+    "a uuid with other dashes": lambda s, rp: s.release(
+        "1-2-3-4-5-6-7-8-9-0-1-2-3-4-5-6-7-8-9-0-1-2-3-4-5-6-7-8-9-0-1-2"
+    ),
+    "a uuid with a sign": lambda s, rp: s.release("+" + "0" * 31),
+    "bytes as a project id (POST)": lambda s, rp: _post(s, {**_ENTRY, "project_id": b"p"}),
+    "a generation past 2**62 (POST)": lambda s, rp: _post(s, {**_ENTRY, "consumer_generation": 2**64}),
+    "metadata keys that are not strings": lambda s, rp: s.create_provider(
+        new_uuid(),
+        "n",
+        metadata={("a",): 1},  # type: ignore[dict-item]
+    ),
+    "metadata nested too deep": lambda s, rp: s.create_provider(new_uuid(), "n", metadata={"x": _deep(1000)}),
+    "import of a list instead of a callable": lambda s, rp: s.import_events(["{}"]),  # type: ignore[arg-type]
+}
+
+
+def _deep(n: int) -> object:
+    value: object = []
+    for _ in range(n):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("case", sorted(SLIPPED_THROUGH))
+async def test_input_that_slipped_through_is_refused_with_no_trace(store: AllocationStore, case: str) -> None:
+    rp = await make_provider(store, VCPU=8)  # (generation 1)
+    head = await store.head()
+    usage = await store.usage(rp)
+    with pytest.raises(InvalidInput) as info:
+        await SLIPPED_THROUGH[case](store, rp)
+    assert info.value.code.startswith("evstore.") and info.value.message
+    assert await store.head() == head
+    assert await store.usage(rp) == usage
+    assert (await store.audit()).clean
 
 
 async def test_release_of_nothing_is_not_found(store: AllocationStore) -> None:
