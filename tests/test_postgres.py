@@ -235,6 +235,43 @@ async def test_commands_sharing_a_provider_are_serialised(pg_url: str) -> None:
         assert (await second.audit()).clean
 
 
+async def test_a_revert_waits_for_a_write_to_its_absent_instance(pg_url: str) -> None:
+    """Regression: an instance emptied by start_migration has no row, so a revert (which names only
+    the migration) loaded and locked nothing for it: the scheduler's destination write to the
+    instance, open at that moment, was overwritten by a revert decided on 'the instance holds
+    nothing' - the acknowledged allocation missing from the log, the projection drifting from it."""
+    async with open_store(pg_url) as first, open_store(pg_url) as second:
+        src, dst = await make_provider(first, "src", VCPU=8), await make_provider(first, "dst", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(first, instance, {src: {"VCPU": 4}})
+        await first.start_migration(instance, migration)
+        inside, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(conn: Any) -> None:
+            inside.set()
+            await release.wait()
+
+        pg(first)._before_commit = hold
+        async with asyncio.timeout(30):
+            destination = asyncio.create_task(allocate(first, instance, {dst: {"VCPU": 4}}))
+            await inside.wait()
+            revert = asyncio.create_task(second.revert_migration(migration))
+            waiting = "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory' AND datname = $1"
+            try:
+                while not await admin_fetch(pg_url, waiting, await database(pg_url)):
+                    assert not revert.done(), "the revert did not wait for the write to its instance"
+                    await asyncio.sleep(0.01)
+            finally:
+                release.set()
+            await destination
+            await revert
+        pg(first)._before_commit = None
+        # the revert replaced what the instance held by then: the destination allocation
+        assert (await second.allocations(instance)).allocations == {src: {"VCPU": 4}}
+        assert (await second.usage(dst)).usages["VCPU"] == 0
+        assert (await second.audit()).clean
+
+
 async def test_racing_deletes_and_reverts_from_two_processes_leak_nothing(pg_url: str) -> None:
     """The delete discovers the migration, the revert the instance: both lock both, in order."""
     async with open_store(pg_url) as first, open_store(pg_url) as second:

@@ -1106,6 +1106,10 @@ def _slice_names(state: State) -> Iterable[str]:
     Names need no lock here: a decision about a name (create, rename) locks that name first.
     """
     yield from (f"consumer:{c}" for c in state.consumers)
+    # A migration's instance is written by a revert even when it has no row (absent since the
+    # migration started, so nothing was loaded for it): it is locked all the same, or a write
+    # giving it destination allocations could commit between this load and the revert's commit.
+    yield from (f"consumer:{c.on_behalf_of}" for c in state.consumers.values() if c.on_behalf_of)
     yield from (f"provider:{p}" for p in state.providers)
 
 
