@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from projections.state import ConsumerState, ProviderState, State
 
 
-@dataclass(frozen=True, slots=True)
+def _equal(self: Any, other: object) -> Any:
+    """A view equals a view of its kind with the same fields, and any mapping with its items (as a
+    dict would): ``await store.usage(rp) == {"VCPU": 2}``."""
+    names = [f.name for f in fields(self)]
+    if type(other) is type(self):
+        return all(getattr(self, name) == getattr(other, name) for name in names)
+    if isinstance(other, Mapping):
+        return dict(self.items()) == dict(other.items())
+    return NotImplemented
+
+
+def _to_dict(self: Any) -> dict[str, Any]:
+    """Every field, as plain JSON-ready values."""
+    return asdict(self)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class ProviderUsage(Mapping[str, int]):
     """``usage(provider)``: the generation and one entry per inventory class (0 where unused)."""
 
@@ -25,12 +42,16 @@ class ProviderUsage(Mapping[str, int]):
     def __len__(self) -> int:
         return len(self.usages)
 
+    __eq__ = _equal
+    __hash__ = None  # type: ignore[assignment]  # (a mapping of mutable values, as a dict is)
+    to_dict = _to_dict
+
     @classmethod
     def of(cls, p: ProviderState) -> ProviderUsage:
         return cls(p.uuid, p.generation, p.usage_view())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ConsumerView(Mapping[str, dict[str, int]]):
     """``allocations(consumer)``: what it holds, its owner and generation; empty when absent or deleted."""
 
@@ -53,6 +74,10 @@ class ConsumerView(Mapping[str, dict[str, int]]):
     def __len__(self) -> int:
         return len(self.allocations)
 
+    __eq__ = _equal
+    __hash__ = None  # type: ignore[assignment]  # (a mapping of mutable values, as a dict is)
+    to_dict = _to_dict
+
     @classmethod
     def of(cls, uuid: str, c: ConsumerState | None) -> ConsumerView:
         if c is None:
@@ -70,7 +95,7 @@ class ConsumerView(Mapping[str, dict[str, int]]):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ProjectUsages(Mapping[str, int]):
     """``usages(project_id, user_id, consumer_type)``: totals per class, and per consumer type.
 
@@ -89,6 +114,10 @@ class ProjectUsages(Mapping[str, int]):
 
     def __len__(self) -> int:
         return len(self.usages)
+
+    __eq__ = _equal
+    __hash__ = None  # type: ignore[assignment]  # (a mapping of mutable values, as a dict is)
+    to_dict = _to_dict
 
     @classmethod
     def from_rows(cls, rows: list[tuple[str | None, str, str, int]]) -> ProjectUsages:

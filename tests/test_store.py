@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -738,3 +739,21 @@ async def test_evstores_own_metadata_keys_replace_a_callers(store: AllocationSto
     assert created.metadata.command == "CreateProvider"
     assert "idempotency_key" not in created.metadata.model_dump(exclude_none=True)
     assert renamed.metadata.model_dump()["idempotency_key"] == "k-1"
+
+
+async def test_query_results_compare_and_serialise_as_mappings(store: AllocationStore) -> None:
+    """Regression: the views are mappings but their dataclass equality hid it (usage == {...} was
+    False even with the same items), hash() failed on their dicts, and they had no to_dict."""
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    await allocate(store, c, {rp: {"VCPU": 2}}, project_id="acme")
+    usage, held, totals = await store.usage(rp), await store.allocations(c), await store.usages("acme")
+    assert usage == {"VCPU": 2} and held == {rp: {"VCPU": 2}} and totals == {"VCPU": 2}
+    assert usage != {"VCPU": 3}
+    assert usage == await store.usage(rp)  # a view of the same kind: every field compared
+    assert usage != dataclasses.replace(usage, generation=usage.generation + 1)
+    for view in (usage, held, totals):
+        with pytest.raises(TypeError):
+            hash(view)
+        assert json.loads(json.dumps(view.to_dict())) == view.to_dict()
+    assert usage.to_dict() == {"provider": rp, "generation": 2, "usages": {"VCPU": 2}}
