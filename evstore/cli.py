@@ -81,10 +81,22 @@ def configure_logging(verbosity: int) -> None:
     )
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits 1 (an error, by our exit codes) when the reader goes away; end as run() does
+        _reader_gone()
+
+
+def _reader_gone() -> NoReturn:
+    """The reader of our output went away (`evstore tail | head`): stop quietly, as other tools do."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise typer.Exit(141)
+
+
 def console() -> Console:
     # Piped output (scripts, tests) must not be folded at 80 columns: uuids are 36 characters.
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(highlight=False, soft_wrap=False, width=width)
+    return _Console(highlight=False, soft_wrap=False, width=width)
 
 
 def shown(url: str) -> str:
@@ -152,9 +164,7 @@ def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130)
     except KeyboardInterrupt:
         raise typer.Exit(interrupt_code) from None
     except BrokenPipeError:
-        # the reader went away (`evstore history ... | head`): stop quietly, as other tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise typer.Exit(141) from None
+        _reader_gone()
     except OSError as exc:
         fail("evstore.io", str(exc))
     except Exception as exc:  # a bug: still one line, the traceback only at -vv

@@ -154,7 +154,7 @@ class Inventory(BaseModel):
     step_size: int = Field(default=1, ge=1, le=MAX_INT)
     allocation_ratio: float = Field(default=1.0, gt=0, le=3.40282e38)
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, /, **data: Any) -> None:
         # Bad values are bad input: a typed evstore error (also a ValueError), not pydantic's.
         try:
             super().__init__(**data)
@@ -244,7 +244,7 @@ class ConsumerAllocations(BaseModel):
         default=None, ge=0, le=2**62, validation_alias=AliasChoices("consumer_generation", "generation")
     )
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, /, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:

@@ -87,19 +87,21 @@ def test_import_refuses_broken_files(tmp_path: Path) -> None:
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
-    """Regression: `evstore export ... | head -1` printed 'error: evstore.io: [Errno 32] Broken pipe'."""
-    db = demo_db(tmp_path / "demo.db", instances=20)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "evstore.cli", "export", "--db", str(db)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    assert proc.stdout.readline().startswith(b'{"format":"evstore-export"')
-    proc.stdout.close()
-    assert proc.wait(timeout=60) == 141
-    assert proc.stderr.read() == b""
+    """Regression: `evstore export ... | head -1` printed 'error: evstore.io: [Errno 32] Broken pipe';
+    a table (rich) exited 1, an error by the README's exit codes."""
+    db = demo_db(tmp_path / "demo.db", instances=200)
+    for command in (["export"], ["tail", "--after", "0", "--no-follow"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "evstore.cli", *command, "--db", str(db)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 141, command
+        assert b"error" not in proc.stderr.read(), command
 
 
 def test_a_postgresql_url_without_asyncpg_says_what_to_install() -> None:

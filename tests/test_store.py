@@ -477,6 +477,10 @@ SLIPPED_THROUGH: dict[str, Callable[[AllocationStore, str], Awaitable[object]]] 
         metadata={("a",): 1},  # type: ignore[dict-item]
     ),
     "metadata nested too deep": lambda s, rp: s.create_provider(new_uuid(), "n", metadata={"x": _deep(1000)}),
+    "an inventory field named self": lambda s, rp: s.set_inventory(
+        rp, "VCPU", {"total": 4, "self": 1}, generation=1
+    ),
+    "an allocations entry field named self (POST)": lambda s, rp: _post(s, {**_ENTRY, "self": 1}),
     "import of a list instead of a callable": lambda s, rp: s.import_events(["{}"]),  # type: ignore[arg-type]
 }
 
