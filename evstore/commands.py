@@ -9,6 +9,7 @@ given events, when command, then events or error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from evstore import errors as err
 from evstore import events as ev
@@ -595,19 +596,22 @@ def _in_use(state: State, rc: str, changes: list[_Change], named: list[str]) -> 
 def _check_inventories(state: State, inventories: dict[str, Inventory]) -> None:
     """Placement's order after the generation: reserved above total (Placement checks each
     record's capacity as it reads the body), unknown classes, then what only evstore refuses."""
-    for check_all in (False, True):
-        for rc, inv in inventories.items():
-            problems = inv.problems()
-            if problems and (check_all or inv.reserved > inv.total):
-                raise err.InvalidInventoryValue(
-                    f"Invalid inventory for {rc}: {'; '.join(problems)}", resource_class=rc, problems=problems
-                )
-        if not check_all:
-            for rc in inventories:
-                if not is_known_class(rc, state.custom_classes):
-                    raise err.UnknownResourceClass(
-                        f"Unknown resource class in inventory: {rc}", resource_class=rc
-                    )
+    for rc, inv in inventories.items():
+        if inv.reserved > inv.total:
+            _refuse_inventory(rc, inv)
+    for rc in inventories:
+        if not is_known_class(rc, state.custom_classes):
+            raise err.UnknownResourceClass(f"Unknown resource class in inventory: {rc}", resource_class=rc)
+    for rc, inv in inventories.items():
+        if inv.problems():
+            _refuse_inventory(rc, inv)
+
+
+def _refuse_inventory(rc: str, inv: Inventory) -> NoReturn:
+    problems = inv.problems()
+    raise err.InvalidInventoryValue(
+        f"Invalid inventory for {rc}: {'; '.join(problems)}", resource_class=rc, problems=problems
+    )
 
 
 def _set_inventories(

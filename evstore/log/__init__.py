@@ -11,14 +11,14 @@ fails on its own.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
 from evstore.commands import Command, Needs
-from evstore.errors import EvstoreError
-from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
+from evstore.errors import CorruptEvent, EvstoreError
+from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, decode_event, event_hash
 from projections.state import State
 
 #: the largest position (and count) a backend can store: SQLite INTEGER and PostgreSQL bigint
@@ -100,3 +100,21 @@ class Backend(Protocol):
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
     ) -> int: ...
+
+
+def imported_entities(
+    batch: Sequence[RawEvent], expected: int, extra: Mapping[int, set[str]]
+) -> list[set[str]]:
+    """The history keys of each row of an imported ``batch`` (what its event names, plus
+    ``extra``), checking that the batch continues the log at position ``expected``."""
+    names = []
+    for offset, raw in enumerate(batch):
+        if raw.position != expected + offset:
+            raise CorruptEvent(
+                f"Imported rows must continue the log at position {expected + offset}, got {raw.position}",
+                position=raw.position,
+                reason="position_gap",
+            )
+        event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
+        names.append(event.entities() | extra.get(raw.position, set()))
+    return names

@@ -88,8 +88,8 @@ import asyncpg  # type: ignore[import-untyped,unused-ignore]
 
 from evstore import errors as err
 from evstore.commands import Needs, decide
-from evstore.events import EventBase, RecordedEvent, decode_event
-from evstore.log import MAX_POSITION, Job, Outcome, PayloadRow, RawEvent, Receipt
+from evstore.events import EventBase, RecordedEvent
+from evstore.log import MAX_POSITION, Job, Outcome, PayloadRow, RawEvent, Receipt, imported_entities
 from evstore.log.sqlite import decode_raw
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
@@ -989,20 +989,8 @@ class PostgresBackend:
                     state = State(usages_deferred=True)
                     expected = 1
                     while batch := await asyncio.to_thread(take):
-                        for raw in batch:
-                            if raw.position != expected:
-                                raise err.CorruptEvent(
-                                    f"Imported rows must continue the log at position {expected}, "
-                                    f"got {raw.position}",
-                                    position=raw.position,
-                                    reason="position_gap",
-                                )
-                            expected += 1
-                        entities = [
-                            decode_event(r.type, r.schema_version, r.data, r.position).entities()
-                            | extra_entities.get(r.position, set())
-                            for r in batch
-                        ]
+                        entities = imported_entities(batch, expected, extra_entities)
+                        expected += len(batch)
                         columns = [list(c) for c in zip(*(_raw_fields(r) for r in batch), strict=True)]
                         inserted = await conn.fetch(IMPORT_SQL, *columns)
                         seq_of = {r["event_id"]: r["seq"] for r in inserted}

@@ -29,7 +29,17 @@ import aiosqlite
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
 from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
-from evstore.log import GENESIS_HASH, MAX_POSITION, Job, Outcome, PayloadRow, RawEvent, Receipt, event_hash
+from evstore.log import (
+    GENESIS_HASH,
+    MAX_POSITION,
+    Job,
+    Outcome,
+    PayloadRow,
+    RawEvent,
+    Receipt,
+    event_hash,
+    imported_entities,
+)
 from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
@@ -1069,18 +1079,11 @@ def _import_all(
         expected = 1
         with gc_paused():
             while batch := list(itertools.islice(rows, batch_size)):
-                entity_rows: list[tuple[str, int]] = []
-                for raw in batch:
-                    if raw.position != expected:
-                        raise err.CorruptEvent(
-                            f"Imported rows must continue the log at position {expected}, got {raw.position}",
-                            position=raw.position,
-                            reason="position_gap",
-                        )
-                    expected += 1
-                    event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
-                    names = event.entities() | extra.get(raw.position, set())
-                    entity_rows.extend((entity, raw.position) for entity in names)
+                names = imported_entities(batch, expected, extra)
+                expected += len(batch)
+                entity_rows = [
+                    (entity, raw.position) for raw, keys in zip(batch, names, strict=True) for entity in keys
+                ]
                 conn.executemany(f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", batch)
                 conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", entity_rows)
                 fold_payloads(state, [(r.position, r.type, r.schema_version, r.data) for r in batch])
