@@ -28,7 +28,7 @@ import aiosqlite
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
-from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
+from evstore.events import PAYLOAD_VALIDATORS, EventBase, Metadata, RecordedEvent, decode_event
 from evstore.log import (
     GENESIS_HASH,
     MAX_POSITION,
@@ -45,7 +45,15 @@ from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
 
-SCHEMA_VERSION = 1
+#: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
+#: no longer a unique index in new stores (ids are time-ordered and random: 80 random bits)
+SCHEMA_VERSION = 2
+#: the history index (``event_entities``) is brought up to date once it lags this many events
+#: behind the log; reads look at the (at most this many) newest events themselves
+HISTORY_LAG = 1000
+#: the history key of an event row that could not be decoded when it was indexed: every history
+#: read over it fails with CorruptEvent (it cannot tell whose the row was)
+DAMAGED_KEY = "damaged"
 T = TypeVar("T")
 B = TypeVar("B")
 
@@ -53,7 +61,7 @@ DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     position INTEGER PRIMARY KEY,
-    event_id TEXT NOT NULL UNIQUE,
+    event_id TEXT NOT NULL,
     type TEXT NOT NULL,
     schema_version INTEGER NOT NULL,
     data TEXT NOT NULL,
@@ -135,8 +143,9 @@ class _Tail:
     recorded_at: str
     #: the write transaction's clock (read once per batch): every event it appends is recorded at it
     now: str
-    #: event and history-index rows appended by this transaction, inserted together at its end
-    #: (``insert_appended``): one statement each per transaction instead of per command
+    #: event and history-index rows appended by this transaction: the events are inserted together
+    #: at its end (``insert_appended``), one statement per transaction instead of per command; the
+    #: history rows go to :func:`index_history`
     rows: list[tuple[Any, ...]] = field(default_factory=list)
     entity_rows: list[tuple[str, int]] = field(default_factory=list)
 
@@ -256,11 +265,60 @@ def append_events(tail: _Tail, events: list[EventBase], meta_json: str) -> list[
 
 
 def insert_appended(conn: sqlite3.Connection, tail: _Tail) -> None:
-    """Insert the rows :func:`append_events` collected in this transaction."""
+    """Insert the event rows :func:`append_events` collected in this transaction."""
     if tail.rows:
         conn.executemany(f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", tail.rows)
-        conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", tail.entity_rows)
-        tail.rows, tail.entity_rows = [], []
+        tail.rows = []
+
+
+def history_through(conn: sqlite3.Connection) -> int:
+    """The position through which the history index (``event_entities``) is complete."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'history_through'").fetchone()
+    try:
+        return int(row[0]) if row is not None else 0
+    except (TypeError, ValueError):
+        return 0  # (damaged: reads then look at every event themselves, which is only slower)
+
+
+def _entity_rows_of(conn: sqlite3.Connection, after: int, upto: int) -> list[tuple[str, int]]:
+    """The history rows of the events in ``(after, upto]``, from the events themselves."""
+    out: list[tuple[str, int]] = []
+    sql = "SELECT position, type, schema_version, data FROM events WHERE position > ? AND position <= ?"
+    for position, etype, version, data in conn.execute(sql, (after, upto)):
+        try:
+            event = decode_event(etype, version, data, position)
+        except err.CorruptEvent:
+            out.append((DAMAGED_KEY, position))  # (the audit reports it; history reads fail on it)
+            continue
+        out.extend((entity, position) for entity in event.entities())
+    return out
+
+
+def index_history(conn: sqlite3.Connection, cache: _WriterCache, start: int, tail: _Tail) -> None:
+    """Bring the history index up to date once it lags :data:`HISTORY_LAG` events (in this write
+    transaction, after its events are inserted; ``start`` is the log's head before them).
+
+    Every event's history rows cost a random B-tree page or two (a consumer's key is a random
+    uuid); written once per many events, sorted, the rows of hot providers share their pages and
+    each command dirties ~3.5 fewer pages (WAL frames). Until then the writer keeps the rows of the
+    events it appended itself; if another connection appended some, they are read off the events.
+    """
+    rows, tail.entity_rows = tail.entity_rows, []
+    if cache.history_through is None:
+        cache.history_through = history_through(conn)
+        cache.pending, cache.pending_upto = [], cache.history_through
+    if cache.pending is not None and cache.pending_upto == start:
+        cache.pending.extend(rows)
+    else:
+        cache.pending = None  # (another connection appended events since: read them back)
+    cache.pending_upto = tail.position
+    through = cache.history_through
+    if tail.position - through < HISTORY_LAG:
+        return
+    todo = cache.pending if cache.pending is not None else _entity_rows_of(conn, through, tail.position)
+    conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", sorted(todo))
+    conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(tail.position),))
+    cache.history_through, cache.pending = tail.position, []
 
 
 class _WriterCache:
@@ -288,6 +346,12 @@ class _WriterCache:
 
     def __init__(self) -> None:
         self.data_version: int | None = None
+        #: the stored ``history_through`` (None: read it in this transaction)
+        self.history_through: int | None = None
+        #: history rows of the events after ``history_through`` through ``pending_upto``, which
+        #: this writer appended (None: some were appended by another connection)
+        self.pending: list[tuple[str, int]] | None = []
+        self.pending_upto = 0
         self.forget()
 
     def forget(self) -> None:
@@ -299,6 +363,8 @@ class _WriterCache:
         #: custom classes known to be stored
         self.stored_classes: set[str] = set()
         self.data_version = None
+        self.history_through = None
+        self.pending, self.pending_upto = [], 0
         self._clean()
 
     def _clean(self) -> None:
@@ -484,12 +550,15 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
     try:
         cache.begin(conn)
         tail = _read_tail(conn)
+        start = tail.position
         for job in jobs:
             try:
                 outcomes.append(_process(conn, tail, job, cache))
             except err.EvstoreError as exc:
                 outcomes.append(exc)
         insert_appended(conn, tail)
+        if tail.position > start:
+            index_history(conn, cache, start, tail)
         cache.flush(conn)
         conn.execute("COMMIT")
     except BaseException:
@@ -705,17 +774,25 @@ class SqliteBackend:
         keys = list(entities)
         last = until if until is not None else MAX_POSITION
 
-        def q(conn: sqlite3.Connection) -> list[RawEvent]:
-            rows = conn.execute(
-                f"SELECT {', '.join('e.' + c.strip() for c in EVENT_COLUMNS.split(','))} FROM events e "
-                "WHERE e.position IN (SELECT DISTINCT position FROM event_entities "
-                f"WHERE entity IN ({_in_clause(len(keys))}) AND position > ? AND position <= ?) "
-                "ORDER BY e.position LIMIT ?",
-                (*keys, after, last, limit),
-            ).fetchall()
-            return list(map(RawEvent._make, rows))
+        def q(conn: sqlite3.Connection) -> list[RecordedEvent]:
+            through = history_through(conn)
+            found: list[RecordedEvent] = []
+            if after < through:  # the indexed part
+                upto = min(last, through)
+                _fail_on_damaged(conn, after, upto)
+                rows = conn.execute(
+                    f"SELECT {', '.join('e.' + c.strip() for c in EVENT_COLUMNS.split(','))} FROM events e "
+                    "WHERE e.position IN (SELECT DISTINCT position FROM event_entities "
+                    f"WHERE entity IN ({_in_clause(len(keys))}) AND position > ? AND position <= ?) "
+                    "ORDER BY e.position LIMIT ?",
+                    (*keys, after, upto, limit),
+                ).fetchall()
+                found = [decode_raw(RawEvent._make(r)) for r in rows]
+            if len(found) < limit and last > through:
+                found += _scan_unindexed(conn, keys, max(after, through), last, limit - len(found))
+            return found
 
-        return [decode_raw(r) for r in await self._on_reader(q)]
+        return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
 
     async def position_at(self, at: datetime) -> int:
         stamp = at.astimezone(UTC).isoformat(timespec="microseconds")
@@ -915,6 +992,52 @@ def _retry_busy(fn: Callable[[], T], attempts: int = 5) -> T:
     raise AssertionError("unreachable")
 
 
+def _fail_on_damaged(conn: sqlite3.Connection, after: int, upto: int) -> None:
+    """Raise CorruptEvent for the first row in ``(after, upto]`` that was damaged when the history
+    index reached it and still is (whose it was cannot be told)."""
+    sql = (
+        f"SELECT {EVENT_COLUMNS} FROM events WHERE position IN (SELECT position FROM event_entities "
+        "WHERE entity = ? AND position > ? AND position <= ?) ORDER BY position"
+    )
+    for row in conn.execute(sql, (DAMAGED_KEY, after, upto)).fetchall():
+        decode_raw(RawEvent._make(row))
+
+
+def _scan_unindexed(
+    conn: sqlite3.Connection, keys: Sequence[str], after: int, last: int, limit: int
+) -> list[RecordedEvent]:
+    """The events in ``(after, last]`` that name one of ``keys``, found without the history index
+    (the newest events, which it does not hold yet: at most :data:`HISTORY_LAG` of them).
+
+    An event names an entity only through its payload, so only rows whose text holds one of the
+    ids are decoded whole; every other row is still validated (cheaply): a damaged row fails the
+    read with CorruptEvent, as its entities cannot be told.
+    """
+    names = [key.split(":", 1)[-1] for key in keys]
+    wanted = set(keys)
+    validators = PAYLOAD_VALIDATORS.get
+    found: list[RecordedEvent] = []
+    sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? AND position <= ? ORDER BY position"
+    for row in conn.execute(sql, (after, last)):
+        raw = RawEvent._make(row)
+        if not isinstance(raw.data, str) or any(name in raw.data for name in names):
+            recorded = decode_raw(raw)
+            if recorded.event.entities() & wanted:
+                found.append(recorded)
+                if len(found) == limit:
+                    break
+            continue
+        checked = validators(raw.type)
+        if checked is not None and checked[0] == raw.schema_version:
+            try:
+                checked[1](raw.data)
+                continue
+            except ValueError:
+                pass
+        decode_event(raw.type, raw.schema_version, raw.data, raw.position)  # (raises if damaged)
+    return found
+
+
 def _holds_no_store(path: str) -> bool:
     """Whether ``path`` is missing, or a SQLite database without evstore's tables (read-only check;
     a file that is not a database at all is left to the normal open, which reports it)."""
@@ -1015,7 +1138,11 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         for statement in DDL.split(";"):
             if statement.strip():
                 conn.execute(statement)
-        conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        # A new store, or one of schema version 1, whose history index is complete: it holds the
+        # rows of every event (version 1 wrote them with each event). _schema_state refused newer.
+        head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
+        conn.execute("INSERT OR IGNORE INTO meta VALUES ('history_through', ?)", (str(head),))
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -1092,6 +1219,7 @@ def _import_all(
             if state.usages_deferred:  # (a buggy writer's log may have made the fold go event by event)
                 state.recount_usages()
             _replace_projection(conn, state)
+            conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(expected - 1),))
         conn.execute("COMMIT")
         return expected - 1
     except BaseException:
