@@ -618,6 +618,38 @@ async def test_the_audit_sees_a_consistent_projection_while_writers_run(pg_url: 
         assert (await auditor.audit()).clean
 
 
+@pytest.mark.parametrize("fenced", ["audit", "rebuild"])
+async def test_commands_go_on_while_the_fence_waits_for_a_stuck_client(pg_url: str, fenced: str) -> None:
+    """Regression: audit, rebuild and import take the fence (an exclusive advisory lock every
+    command takes shared). Waiting for it behind a client stuck inside a command queued every new
+    command behind the wait too: PostgreSQL grants lock requests in order. The fence is now
+    waited for in short attempts, between which commands go through; it is taken once the stuck
+    client goes away."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=Inventory(total=100_000))
+        stuck = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
+        try:
+            tr = stuck.transaction()
+            await tr.start()
+            await stuck.execute("SELECT pg_advisory_xact_lock_shared($1)", pg(store)._key("!fence"))
+            waiting = asyncio.create_task(getattr(store, fenced)())
+            await asyncio.sleep(0.5)  # (the fence is being waited for)
+            assert not waiting.done()
+            for _ in range(5):  # before the fix: each of these hung until the stuck client left
+                await asyncio.wait_for(allocate(store, new_uuid(), {rp: {"VCPU": 1}}), timeout=5)
+            assert not waiting.done()
+            await tr.rollback()
+            await asyncio.wait_for(waiting, timeout=10)
+        finally:
+            await stuck.close()
+        assert (await store.audit()).clean
+
+
+async def _search_path(store: AllocationStore) -> str:
+    async with pg(store)._connection() as conn:
+        return str(await conn.fetchval("SHOW search_path"))
+
+
 async def test_a_tombstone_reports_its_position(pg_url: str) -> None:
     async with open_store(pg_url) as store:
         rp = await make_provider(store, VCPU=4)

@@ -898,9 +898,31 @@ class PostgresBackend:
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "loading the projection", None) from None
 
+    #: how long one attempt to take the fence waits (see :meth:`_fenced`)
+    FENCE_ATTEMPT_MS = 200
+
     async def _fenced(self, conn: Any) -> None:
-        """Inside a transaction: hold writers back, and position every committed event."""
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!fence"))
+        """Inside a transaction: hold writers back, and position every committed event.
+
+        The fence is an exclusive advisory lock that every command takes shared. PostgreSQL grants
+        lock requests in order, so while the fence is waited for, new commands queue behind the
+        wait: behind a client stuck inside a command (a frozen VM, a partition), every command
+        would stop until the server ended that client. So the wait is made of short attempts
+        (``lock_timeout``, in a savepoint), with pauses in which queued commands go through.
+        """
+        key = self._key("!fence")
+        pause = 0.01
+        while True:
+            try:
+                async with conn.transaction():  # (a savepoint: an attempt that times out is undone alone)
+                    previous = await conn.fetchval("SELECT current_setting('lock_timeout')")
+                    await conn.execute(f"SET LOCAL lock_timeout = {int(self.FENCE_ATTEMPT_MS)}")
+                    await conn.execute("SELECT pg_advisory_xact_lock($1)", key)
+                    await conn.execute("SELECT set_config('lock_timeout', $1, true)", previous)
+                break
+            except asyncpg.LockNotAvailableError:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
         await _sequence(conn, self._key("!sequencer"), True, [])
 
     async def query(self, name: str, *args: Any) -> Any:
