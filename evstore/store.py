@@ -189,8 +189,9 @@ class AllocationStore:
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
-        #: batches running (PostgreSQL): kept alive until they end, even if the writer is cancelled
-        self._running: set[asyncio.Future[list[Outcome]]] = set()
+        #: batches or jobs running (PostgreSQL): kept alive until they end, even if the writer is
+        #: cancelled, and waited for by close()
+        self._running: set[asyncio.Future[Any]] = set()
 
     @property
     def url(self) -> str:
@@ -226,6 +227,8 @@ class AllocationStore:
                 # stops: every caller gets its answer before the connections close.
                 self._wake.set()
                 await asyncio.wait([self._writer])  # (it may have been cancelled: that is no error here)
+            while self._running:  # (jobs the writer started on their own: PostgreSQL's)
+                await asyncio.wait(list(self._running))
         finally:
             await self._backend.close()
 
@@ -274,6 +277,10 @@ class AllocationStore:
             batch = self._take_batch()
             if batch is None:
                 continue
+            start = getattr(self._backend, "start_jobs", None)
+            if start is not None:
+                self._start(start, batch[1])
+                continue
             # The batch runs to its end even if the writer task is cancelled meanwhile, and its
             # callers are answered when it ends (not when this task resumes, which a cancelled
             # task never does): they were taken off the queue, no one else would answer them.
@@ -284,14 +291,37 @@ class AllocationStore:
             with contextlib.suppress(Exception):  # (its callers hear of it from _deliver_when_done)
                 await asyncio.shield(running)
 
+    def _start(
+        self,
+        start: Callable[[list[Job]], list[asyncio.Task[Outcome]]],
+        batch: list[tuple[Job, asyncio.Future[Receipt]]],
+    ) -> None:
+        """Start a batch's jobs on a backend that runs each job on its own (PostgreSQL) and go on:
+        the next queued commands start while these run. Each caller is answered when its job
+        ends, even if the writer task is cancelled meanwhile (the job goes on without it)."""
+        try:
+            tasks = start([j for j, _ in batch])
+        except Exception as exc:
+            self._deliver(batch, exc)
+            return
+        for (job, fut), task in zip(batch, tasks, strict=True):
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            task.add_done_callback(functools.partial(self._deliver_when_done, [(job, fut)]))
+
     def _deliver_when_done(
-        self, batch: list[tuple[Job, asyncio.Future[Receipt]]], running: asyncio.Future[list[Outcome]]
+        self,
+        batch: list[tuple[Job, asyncio.Future[Receipt]]],
+        running: asyncio.Future[list[Outcome]] | asyncio.Future[Outcome],
     ) -> None:
         outcomes: list[Outcome] | BaseException
         if running.cancelled():
             outcomes = err.StorageError("The command was cancelled while it ran; its outcome is unknown")
+        elif (failed := running.exception()) is not None:
+            outcomes = failed
         else:
-            outcomes = running.exception() or running.result()
+            result = running.result()
+            outcomes = result if isinstance(result, list) else [result]
         self._deliver(batch, outcomes)
 
     def _take_batch(self) -> tuple[list[Job], list[tuple[Job, asyncio.Future[Receipt]]]] | None:

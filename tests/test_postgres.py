@@ -650,6 +650,41 @@ async def _search_path(store: AllocationStore) -> str:
         return str(await conn.fetchval("SHOW search_path"))
 
 
+async def test_a_command_waiting_for_another_process_holds_back_only_its_own_entities(pg_url: str) -> None:
+    """Regression: a process ran one group commit at a time and answered a group when all of it
+    had ended, so one command waiting for a lock another process held (here a raw connection in an
+    open transaction) held back every command of its group and every group queued after it, on
+    any entity. Now each command starts when it is queued and is answered when it ends; only the
+    commands naming the same entity wait for it, and they keep their order."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=Inventory(total=100_000))
+        held, free = new_uuid(), new_uuid()
+        await allocate(store, held, {rp: {"VCPU": 1}})
+        other = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
+        try:
+            tr = other.transaction()
+            await tr.start()
+            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key(f"consumer:{held}"))
+            blocked = asyncio.create_task(store.delete_consumer(held))
+            after_it = asyncio.create_task(
+                store.set_allocations(
+                    held, {}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+                )
+            )
+            await asyncio.sleep(0.2)
+            for _ in range(3):  # queued alongside and after it, on other consumers of the same provider
+                await asyncio.wait_for(allocate(store, free, {rp: {"VCPU": 1}}), timeout=5)
+                free = new_uuid()
+            assert not blocked.done() and not after_it.done()
+            await tr.rollback()
+            await asyncio.wait_for(blocked, timeout=10)
+            with pytest.raises(EvstoreError):  # (it ran after the delete, as queued: a tombstone)
+                await asyncio.wait_for(after_it, timeout=10)
+        finally:
+            await other.close()
+        assert (await store.audit()).clean
+
+
 async def test_a_tombstone_reports_its_position(pg_url: str) -> None:
     async with open_store(pg_url) as store:
         rp = await make_provider(store, VCPU=4)
@@ -770,3 +805,29 @@ def test_a_connection_killed_under_asyncpg_counts_as_lost() -> None:
             raise asyncpg.InterfaceError("cannot call Connection.is_closed(): connection has been released")
 
     assert pgmod._closed(Detached())
+
+
+async def test_a_free_connection_slot_goes_to_the_oldest_waiting_command() -> None:
+    """A command that waited for an earlier one on its entity does not queue again behind every
+    command started since: slots go to the lowest start order; a cancelled waiter passes its turn."""
+    from evstore.log.postgres import _OldestFirst
+
+    slots = _OldestFirst(1)
+    await slots.acquire(1)
+    got: list[int] = []
+
+    async def wait(order: int) -> None:
+        await slots.acquire(order)
+        got.append(order)
+
+    tasks = {order: asyncio.create_task(wait(order)) for order in (9, 7, 8, 6)}
+    await asyncio.sleep(0)
+    tasks[6].cancel()
+    await asyncio.sleep(0)
+    for expected in (7, 8, 9):
+        slots.release()
+        await asyncio.sleep(0)
+        assert got[-1] == expected
+    slots.release()  # (no one waits: the slot is free again)
+    await asyncio.wait_for(slots.acquire(10), timeout=1)
+    assert got == [7, 8, 9]

@@ -75,7 +75,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
+import heapq
 import itertools
 import random
 import uuid as _uuid
@@ -469,7 +471,10 @@ class PostgresBackend:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None
         self._namespace = ""
-        self._slots = asyncio.Semaphore(self.pool_size)
+        self._slots = _OldestFirst(self.pool_size)
+        self._started = 0
+        #: entity name -> the end of the transaction of the last started job naming it (start_jobs)
+        self._last_of: dict[str, asyncio.Future[None]] = {}
         # in-process coalescing of sequencer runs (see _sequenced)
         self._seq_lock = asyncio.Lock()
         self._seq_started = 0
@@ -593,36 +598,62 @@ class PostgresBackend:
     # --- writing --------------------------------------------------------------------------
 
     async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
-        """Run the jobs concurrently, each in its own transaction on its own connection.
+        """Run the jobs concurrently, each in its own transaction on its own connection (see
+        :meth:`start_jobs`), and return their outcomes in order."""
+        return list(await asyncio.gather(*self.start_jobs(jobs)))
 
-        Jobs of one batch that name a common entity run in the order given (the order their
-        callers queued them); the others run in parallel.
+    def start_jobs(self, jobs: Sequence[Job]) -> list[asyncio.Task[Outcome]]:
+        """Start each job now, in its own transaction on its own connection (as many at once as
+        the pool has connections), and return its task.
+
+        A job that names an entity (consumer, provider, name) named by a job started earlier
+        waits until that one's transaction has ended: such jobs commit in the order they were
+        started, the order their callers queued them (and take no connection just to wait for
+        each other's locks). The others run in parallel: a job waiting for a lock held by another
+        process holds back only the jobs that share an entity with it.
         """
         if self._pool is None:
             raise err.StoreClosed("The store is closed")
-        last: dict[str, asyncio.Task[Outcome]] = {}
+        last = self._last_of
+        loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task[Outcome]] = []
         for job in jobs:
             names = _lock_names(job)
             before = {last[n] for n in names if n in last}
-            task = asyncio.ensure_future(self._run_after(before, job))
+            ended: asyncio.Future[None] = loop.create_future()  # (its transaction)
             for n in names:
-                last[n] = task
-            tasks.append(task)
-        return list(await asyncio.gather(*tasks))
+                last[n] = ended
+            ended.add_done_callback(functools.partial(self._forget_last, names))
+            self._started += 1
+            tasks.append(asyncio.ensure_future(self._run_after(before, job, self._started, ended)))
+        return tasks
 
-    async def _run_after(self, before: set[asyncio.Task[Outcome]], job: Job) -> Outcome:
-        if before:
-            await asyncio.wait(before)
-        async with self._slots:
+    def _forget_last(self, names: Iterable[str], ended: asyncio.Future[None]) -> None:
+        last = self._last_of
+        for n in names:
+            if last.get(n) is ended:
+                del last[n]
+
+    async def _run_after(
+        self, before: set[asyncio.Future[None]], job: Job, order: int, ended: asyncio.Future[None]
+    ) -> Outcome:
+        try:
+            if before:
+                await asyncio.wait(before)
+            await self._slots.acquire(order)
             try:
-                return await self._run_job(job)
+                return await self._run_job(job, ended)
             except err.EvstoreError as exc:
                 return exc
             except Exception as exc:  # a backend bug must not take the batch down
                 return err.StorageError(f"Storage failure: {exc!r}")
+            finally:
+                self._slots.release()
+        finally:
+            if not ended.done():
+                ended.set_result(None)
 
-    async def _run_job(self, job: Job) -> Outcome:
+    async def _run_job(self, job: Job, ended: asyncio.Future[None] | None = None) -> Outcome:
         keys = {self._key(n) for n in _lock_names(job)}
         attempt = 0
         while True:
@@ -645,6 +676,8 @@ class PostgresBackend:
                         sqlstate=exc.sqlstate,
                     ) from None
                 await asyncio.sleep(random.uniform(0, 0.002 * 2**attempt))
+        if ended is not None and not ended.done():
+            ended.set_result(None)  # (committed or rolled back: the next job on its entities may go)
         if isinstance(result, err.EvstoreError):
             return result
         receipt, seqs = result
@@ -1096,6 +1129,41 @@ def _raw_fields(r: RawEvent) -> tuple[Any, ...]:
 
 
 # --- lock keys ----------------------------------------------------------------------------------
+
+
+class _OldestFirst:
+    """A semaphore whose free slot goes to the waiter started first (the lowest ``order``), not
+    to the one that asked first: a job that waited for an earlier job on the same entity does not
+    queue again behind every job started since (a chain of commands on a hot provider would
+    otherwise wait through the whole queue once per link)."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    async def acquire(self, order: int) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (order, fut))
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # (handed a slot as it was cancelled: pass it on)
+            else:
+                self._waiters.remove((order, fut))
+                heapq.heapify(self._waiters)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            _, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)  # (the slot passes straight to it)
+                return
+        self._free += 1
 
 
 def _lock_names(job: Job) -> set[str]:
