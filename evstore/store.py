@@ -905,10 +905,10 @@ class AllocationStore:
             done += counted
             if progress is not None:
                 progress("validate", done)
-        extra = validated.extra_entities
+        extra, ends_at = validated.extra_entities, validated.prev_hash
         del validated, rows  # (its fold and event ids: not kept through the import)
-        # (the import pass checks the rows again, in case the file changed, without folding)
-        again = read_export(lines(), ChainCheck(fold=False))
+        # (the import pass checks the rows again without folding: they must be the same rows)
+        again = read_export(lines(), ChainCheck(fold=False, ends_at=ends_at))
         report = None if progress is None else functools.partial(progress, "import")
         imported: int = await importer.import_all(again, extra, batch_size, report)
         return imported

@@ -106,10 +106,13 @@ class ChainCheck:
     decodable events of known types and versions, text the databases can store, recorded times
     in evstore's form (UTC, microseconds) that never go backwards, and (``fold``) that every
     event folds, as the rebuild after the import will fold it. ``fold=False`` is a second pass
-    over a file already checked: it keeps no state (duplicate ids are then refused by the
-    database's unique index)."""
+    over a file already checked: it keeps no state, and ``ends_at`` (the first pass's final hash)
+    makes sure it reads the same rows (the chain covers every field of every row), so what the
+    first pass found (unique ids, ``extra_entities``) holds for them too."""
 
     fold: bool = True
+    #: the hash the chain must end at (a second pass: the first pass's ``prev_hash``)
+    ends_at: str | None = None
     expected: int = 1
     prev_hash: str = GENESIS_HASH
     last_time: datetime | None = None
@@ -243,6 +246,13 @@ def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterat
         yield row
     if header is None:
         raise InvalidInput("the export file is empty")
+    if check.ends_at is not None and check.prev_hash != check.ends_at:
+        raise _corrupt(
+            "the file changed while it was imported (its hash chain ends elsewhere than when it was "
+            "validated): nothing was imported",
+            line_no,
+            reason="changed",
+        )
     if count != header.events or check.expected - 1 != header.head or check.prev_hash != header.head_hash:
         raise _corrupt(
             f"the file ends after {count} events at position {check.expected - 1}, but its header promises "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import signal
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from evstore import AllocationStore, ConsumerDeleted, CorruptEvent, DuplicateName, open_store
-from projections.exchange import parse_row
+from evstore.log import GENESIS_HASH
+from projections.exchange import parse_row, row_line
 from tests.conftest import allocate, make_provider, new_uuid
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +81,39 @@ async def test_an_import_that_fails_halfway_leaves_the_store_empty(
     assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
     assert (await store.usage(rp))["VCPU"] == 299
     assert (await store.audit()).clean
+
+
+async def test_a_file_replaced_by_another_sound_export_between_the_passes_is_refused(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression: the second pass checked each row and the header but not that they were the
+    rows the first pass validated; another sound export of the same length (here one whose second
+    row repeats the first row's event id, re-chained) was imported, duplicate id and all (stores
+    of schema version 2 have no unique index on event ids)."""
+    lines, _, _ = await _source(tmp_path, consumers=20)
+    rows = [parse_row(line, n) for n, line in enumerate(lines[1:], start=2)]
+    forged, prev = [], GENESIS_HASH
+    for i, row in enumerate(rows):
+        row = row._replace(event_id=rows[0].event_id) if i == 1 else row
+        row = row._replace(hash=row.chained_hash(prev))
+        forged.append(row_line(row))
+        prev = row.hash
+    header = json.loads(lines[0])
+    header["head_hash"] = prev
+    forged_lines = [json.dumps(header), *forged]
+    calls = 0
+
+    def open_lines() -> list[str]:
+        nonlocal calls
+        calls += 1
+        return lines if calls == 1 else forged_lines
+
+    with pytest.raises(CorruptEvent, match="changed while it was imported") as info:
+        await store.import_events(open_lines, batch_size=5)
+    assert info.value.details["reason"] == "changed"
+    assert await store.head() == 0
+    with pytest.raises(CorruptEvent, match="appears twice"):  # (the forged file alone: refused too)
+        await store.import_events(lambda: forged_lines)
 
 
 async def test_an_import_killed_midway_leaves_the_store_empty(tmp_path: Path) -> None:
