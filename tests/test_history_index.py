@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 import evstore.log.sqlite as sqlite_backend
-from evstore import AllocationStore, CorruptEvent, open_store
+from evstore import AllocationStore, CorruptEvent, StorageError, open_store
+from tests.conftest import make_provider, new_uuid
 from tests.test_projections_support import random_workload
 
 pytestmark = pytest.mark.asyncio
@@ -103,11 +104,11 @@ async def test_a_rolled_back_catch_up_is_done_again(tmp_path: Path, monkeypatch:
     real = sqlite_backend.index_history
     failures = []
 
-    def failing_once(conn: sqlite3.Connection, cache: Any, start: int, tail: Any) -> None:
-        real(conn, cache, start, tail)
+    def failing_once(conn: sqlite3.Connection, cache: Any, tail: Any, force: bool = False) -> None:
+        real(conn, cache, tail, force)
         caught_up = cache.history_through == tail.position
-        if caught_up and not failures and start >= 20:  # (past random_workload's set-up, which must not fail)
-            failures.append(start)
+        if caught_up and not failures and tail.position >= 25:  # (past random_workload's set-up)
+            failures.append(tail.position)
             raise sqlite3.OperationalError("disk I/O error (injected)")
 
     monkeypatch.setattr(sqlite_backend, "index_history", failing_once)
@@ -161,36 +162,101 @@ async def test_a_version_1_store_is_migrated(tmp_path: Path, monkeypatch: pytest
         await _check_reads(store, random.Random(11))
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [
-        "UPDATE events SET data = '{not json' WHERE position = ?",
-        "UPDATE events SET data = '{\"consumer\": 7}' WHERE position = ?",
-    ],
-)
-async def test_a_damaged_row_fails_history_reads_indexed_or_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+DAMAGES = {
+    "not json": "UPDATE events SET data = '{not json' WHERE position = ?",
+    "ids gone": "UPDATE events SET data = '{\"consumer\": 7}' WHERE position = ?",
+    "unknown type": "UPDATE events SET type = 'Teleported' WHERE position = ?",
+}
+
+
+async def _history(store: AllocationStore, uuid: str) -> list[int]:
+    return [e.position async for e in store.history(uuid)]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("appended_by", ["this writer", "another connection"])
+async def test_a_damaged_row_fails_only_the_reads_of_its_entities(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str, appended_by: str
 ) -> None:
-    """Whose a damaged row was cannot be told once its text is gone: a history read over it fails
-    with CorruptEvent naming it, before the index reaches it and after (the catch-up marks it)."""
-    monkeypatch.setattr(sqlite_backend, "HISTORY_LAG", 5)
+    """A row damaged before the index reached it: the catch-up indexes it under the keys its writer
+    remembers, else under the ids its text still holds, so reads of those entities fail with
+    CorruptEvent (as if the index had reached it first) and no other entity's reads do; restored,
+    it is back in its entities' history. (Before the catch-up, a read finds it by the ids in its
+    text: a row whose damage erased them is missing from its entities' history until then.)"""
+    monkeypatch.setattr(sqlite_backend, "HISTORY_LAG", 8)
+    path = tmp_path / "s.db"
+    url = f"sqlite:///{path}"
+    async with open_store(url) as store, open_store(url) as other:
+        await random_workload(store, 31, commands=10)
+        await random_workload(other if appended_by == "another connection" else store, 32, commands=4)
+        truth = await _truth(store)
+        victim, names = truth[-1]
+        assert _index(path)[0] < victim
+        ids = {key.split(":", 1)[1] for key in names}
+        bystanders = {key.split(":", 1)[1] for _, keys in truth for key in keys} - ids
+        with sqlite3.connect(path) as conn:
+            original = conn.execute("SELECT type, data FROM events WHERE position = ?", (victim,)).fetchone()
+            conn.execute(DAMAGES[damage], (victim,))
+        await random_workload(store, 33, commands=12)  # (the catch-up passes it)
+        assert _index(path)[0] > victim
+        for uuid in bystanders:
+            await _history(store, uuid)  # (no error)
+        remembered = appended_by == "this writer" or damage == "unknown type"
+        for uuid in ids:
+            if remembered:
+                with pytest.raises(CorruptEvent, match=f"position {victim}"):
+                    await _history(store, uuid)
+            else:
+                assert victim not in await _history(store, uuid)
+        with sqlite3.connect(path) as conn:
+            conn.execute("UPDATE events SET type = ?, data = ? WHERE position = ?", (*original, victim))
+        for uuid in ids:
+            assert (victim in await _history(store, uuid)) == remembered
+        assert (await store.audit()).clean
+
+
+async def test_closing_indexes_what_the_store_appended(tmp_path: Path) -> None:
+    """A store closed cleanly leaves a complete index: reads after it need no scan."""
     path = tmp_path / "s.db"
     async with open_store(f"sqlite:///{path}") as store:
-        await random_workload(store, 21, commands=20)
-        truth = await _truth(store)
-        victim = truth[-1][0]  # (not indexed yet: the index lags)
-        some = sorted(next(iter(names)) for p, names in truth if p < victim)[0].split(":", 1)[1]
-        assert _index(path)[0] < victim
-        with sqlite3.connect(path) as conn:
-            conn.execute(damage, (victim,))
-        for seed in (22, 23):
-            with pytest.raises(CorruptEvent, match=f"position {victim}") as info:
-                [e async for e in store.history(some)]
-            assert info.value.code == "evstore.log.corrupt"
-            # reads that end before it are not affected
-            assert await store.backend.read_entities(
-                [f"consumer:{some}", f"provider:{some}"], 0, 1000, victim - 1
+        await random_workload(store, 41, commands=30)
+        head = await store.head()
+        assert _index(path)[0] < head
+    through, _ = _index(path)
+    assert through == head
+    async with open_store(f"sqlite:///{path}") as store:
+        await _check_index(store, path, 1)
+        await _check_reads(store, random.Random(41))
+
+
+async def test_keys_of_a_rolled_back_batch_are_not_used_for_the_events_another_connection_appends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer remembers the history keys of the events it appends; when their batch rolls
+    back, another connection may append different events at those positions: the keys must go."""
+    monkeypatch.setattr(sqlite_backend, "HISTORY_LAG", 60)
+    real = sqlite_backend.index_history
+    fail = {"armed": False}
+
+    def failing(conn: sqlite3.Connection, cache: Any, tail: Any, force: bool = False) -> None:
+        real(conn, cache, tail, force)
+        if fail["armed"]:
+            fail["armed"] = False
+            raise sqlite3.OperationalError("disk I/O error (injected)")
+
+    monkeypatch.setattr(sqlite_backend, "index_history", failing)
+    path = tmp_path / "s.db"
+    url = f"sqlite:///{path}"
+    async with open_store(url) as a, open_store(url) as b:
+        await random_workload(a, 51, commands=5)
+        rp = await make_provider(a, VCPU=100)
+        fail["armed"] = True
+        with pytest.raises(StorageError):  # (appended, remembered, rolled back)
+            await a.set_allocations(
+                new_uuid(), {rp: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="X", generation=None
             )
-            await random_workload(store, seed, commands=10)  # (the catch-up passes it)
-        through, rows = _index(path)
-        assert through > victim and (sqlite_backend.DAMAGED_KEY, victim) in rows
+        await random_workload(b, 53, commands=10)
+        await random_workload(a, 54, commands=40)  # (a's catch-up covers b's events)
+        assert _index(path)[0] > 0
+        await _check_index(a, path, 60)
+        await _check_reads(a, random.Random(51))

@@ -16,6 +16,7 @@ import functools
 import itertools
 import operator
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -25,10 +26,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
+import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
-from evstore.events import PAYLOAD_VALIDATORS, EventBase, Metadata, RecordedEvent, decode_event
+from evstore.events import EventBase, Metadata, RecordedEvent, decode_event
 from evstore.log import (
     GENESIS_HASH,
     MAX_POSITION,
@@ -48,12 +50,12 @@ from projections.state import ConsumerState, State, evolve
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
 #: no longer a unique index in new stores (ids are time-ordered and random: 80 random bits)
 SCHEMA_VERSION = 2
+log = structlog.get_logger("evstore.sqlite")
 #: the history index (``event_entities``) is brought up to date once it lags this many events
 #: behind the log; reads look at the (at most this many) newest events themselves
 HISTORY_LAG = 1000
-#: the history key of an event row that could not be decoded when it was indexed: every history
-#: read over it fails with CorruptEvent (it cannot tell whose the row was)
-DAMAGED_KEY = "damaged"
+#: a uuid in a damaged row's text (see _history_of)
+_UUID_IN_TEXT = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 T = TypeVar("T")
 B = TypeVar("B")
 
@@ -147,7 +149,8 @@ class _Tail:
     #: at its end (``insert_appended``), one statement per transaction instead of per command; the
     #: history rows go to :func:`index_history`
     rows: list[tuple[Any, ...]] = field(default_factory=list)
-    entity_rows: list[tuple[str, int]] = field(default_factory=list)
+    #: each appended event's position and history keys
+    entity_rows: list[tuple[int, set[str]]] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=1024)  # (most queries name 1-3 keys)
@@ -230,9 +233,9 @@ def _read_tail(conn: sqlite3.Connection) -> _Tail:
 
 
 def _time_ordered_uuid() -> str:
-    """A version-7-style uuid (48-bit millisecond time, then random bits): ids of successive
-    events sort together, so the unique index on event_id appends instead of touching a random
-    page per event."""
+    """A version-7-style uuid (48-bit millisecond time, then 74 random bits): ids of successive
+    events sort together (an index on event_id, which stores of schema version 1 have, appends
+    instead of touching a random page per event)."""
     value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
     value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
     value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant
@@ -258,7 +261,7 @@ def append_events(tail: _Tail, events: list[EventBase], meta_json: str) -> list[
             tail.hash, position, event_id, etype, event.SCHEMA_VERSION, data, meta_json, recorded_at
         )
         rows.append((position, event_id, etype, event.SCHEMA_VERSION, data, meta_json, recorded_at, digest))
-        entity_rows.extend((entity, position) for entity in event.entities())
+        entity_rows.append((position, event.entities()))
         tail.position, tail.hash, tail.recorded_at = position, digest, recorded_at
         out.append((position, event))
     return out
@@ -280,45 +283,81 @@ def history_through(conn: sqlite3.Connection) -> int:
         return 0  # (damaged: reads then look at every event themselves, which is only slower)
 
 
-def _entity_rows_of(conn: sqlite3.Connection, after: int, upto: int) -> list[tuple[str, int]]:
-    """The history rows of the events in ``(after, upto]``, from the events themselves."""
-    out: list[tuple[str, int]] = []
+def _history_of(
+    conn: sqlite3.Connection, after: int, upto: int, known: Mapping[int, set[str]]
+) -> list[tuple[str, int]]:
+    """The history rows of the events in ``(after, upto]``: ``known`` keys where given (the events
+    this writer appended), else read off the events. A row that cannot be decoded (damaged since
+    it was written) is indexed under every id its text still holds, as consumer and provider: the
+    history reads of those entities then fail on it with CorruptEvent, as they would had the index
+    reached it before the damage."""
+    inside = [p for p in known if after < p <= upto]
+    out = [(entity, p) for p in inside for entity in known[p]]
+    if len(inside) == upto - after:
+        return out  # (all known: nothing to read)
     sql = "SELECT position, type, schema_version, data FROM events WHERE position > ? AND position <= ?"
     for position, etype, version, data in conn.execute(sql, (after, upto)):
-        try:
-            event = decode_event(etype, version, data, position)
-        except err.CorruptEvent:
-            out.append((DAMAGED_KEY, position))  # (the audit reports it; history reads fail on it)
+        if position in known:
             continue
-        out.extend((entity, position) for entity in event.entities())
+        try:
+            keys = decode_event(etype, version, data, position).entities()
+        except err.CorruptEvent:
+            ids = set(_UUID_IN_TEXT.findall(data)) if isinstance(data, str) else set()
+            keys = {f"{kind}:{uuid}" for uuid in ids for kind in ("consumer", "provider")}
+        out.extend((entity, position) for entity in keys)
     return out
 
 
-def index_history(conn: sqlite3.Connection, cache: _WriterCache, start: int, tail: _Tail) -> None:
-    """Bring the history index up to date once it lags :data:`HISTORY_LAG` events (in this write
-    transaction, after its events are inserted; ``start`` is the log's head before them).
+def index_history(conn: sqlite3.Connection, cache: _WriterCache, tail: _Tail, force: bool = False) -> None:
+    """Bring the history index up to date once it lags :data:`HISTORY_LAG` events (``force``: at
+    all), in this write transaction, after its events are inserted.
 
     Every event's history rows cost a random B-tree page or two (a consumer's key is a random
     uuid); written once per many events, sorted, the rows of hot providers share their pages and
-    each command dirties ~3.5 fewer pages (WAL frames). Until then the writer keeps the rows of the
-    events it appended itself; if another connection appended some, they are read off the events.
+    each command dirties ~3.5 fewer pages (WAL frames). Until then the writer keeps the keys of the
+    events it appended (:attr:`_WriterCache.own`); those another connection appended are read off
+    the events.
     """
-    rows, tail.entity_rows = tail.entity_rows, []
+    for position, keys in tail.entity_rows:
+        cache.own[position] = keys
+    tail.entity_rows = []
     if cache.history_through is None:
         cache.history_through = history_through(conn)
-        cache.pending, cache.pending_upto = [], cache.history_through
-    if cache.pending is not None and cache.pending_upto == start:
-        cache.pending.extend(rows)
-    else:
-        cache.pending = None  # (another connection appended events since: read them back)
-    cache.pending_upto = tail.position
+        cache.drop_own(upto=cache.history_through)  # (another connection indexed them meanwhile)
     through = cache.history_through
-    if tail.position - through < HISTORY_LAG:
+    if tail.position <= through or (tail.position - through < HISTORY_LAG and not force):
         return
-    todo = cache.pending if cache.pending is not None else _entity_rows_of(conn, through, tail.position)
-    conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", sorted(todo))
+    rows = _history_of(conn, through, tail.position, cache.own)
+    conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", sorted(rows))
     conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(tail.position),))
-    cache.history_through, cache.pending = tail.position, []
+    cache.history_through = tail.position
+    cache.drop_own(upto=tail.position)
+
+
+def flush_history(conn: sqlite3.Connection, cache: _WriterCache) -> None:
+    """Index the events this writer appended, whatever the lag (the store is closing: reads after
+    it find everything in the index). Skipped if another connection holds the write lock."""
+    if not cache.own:
+        return
+    timeout = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+    conn.execute("PRAGMA busy_timeout = 100")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError:
+        return  # (busy: the next writer's catch-up does it)
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {int(timeout)}")
+    try:
+        cache.history_through = None  # (read again under the lock)
+        head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
+        index_history(conn, cache, _Tail(head, "", "", ""), force=True)
+        conn.execute("COMMIT")
+    except BaseException:
+        cache.forget()
+        cache.own = {}
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 class _WriterCache:
@@ -348,10 +387,10 @@ class _WriterCache:
         self.data_version: int | None = None
         #: the stored ``history_through`` (None: read it in this transaction)
         self.history_through: int | None = None
-        #: history rows of the events after ``history_through`` through ``pending_upto``, which
-        #: this writer appended (None: some were appended by another connection)
-        self.pending: list[tuple[str, int]] | None = []
-        self.pending_upto = 0
+        #: position -> history keys of the events this writer appended that the index does not
+        #: hold yet. Facts about the log, not the projection: kept when the rest is forgotten,
+        #: except the positions of a transaction that rolled back (drop_own).
+        self.own: dict[int, set[str]] = {}
         self.forget()
 
     def forget(self) -> None:
@@ -364,8 +403,15 @@ class _WriterCache:
         self.stored_classes: set[str] = set()
         self.data_version = None
         self.history_through = None
-        self.pending, self.pending_upto = [], 0
         self._clean()
+
+    def drop_own(self, upto: int | None = None, after: int | None = None) -> None:
+        """Forget the history keys of the events at ``upto`` and before, or after ``after``."""
+        self.own = {
+            p: keys
+            for p, keys in self.own.items()
+            if (upto is None or p > upto) and (after is None or p <= after)
+        }
 
     def _clean(self) -> None:
         self.before = State()
@@ -546,6 +592,7 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
     every job in it fails (none was acknowledged).
     """
     outcomes: list[Outcome] = []
+    start: int | None = None
     conn.execute("BEGIN IMMEDIATE")
     try:
         cache.begin(conn)
@@ -558,11 +605,13 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
                 outcomes.append(exc)
         insert_appended(conn, tail)
         if tail.position > start:
-            index_history(conn, cache, start, tail)
+            index_history(conn, cache, tail)
         cache.flush(conn)
         conn.execute("COMMIT")
     except BaseException:
         cache.forget()  # (it holds what was rolled back)
+        if start is not None:
+            cache.drop_own(after=start)
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
@@ -681,6 +730,12 @@ class SqliteBackend:
             raise
 
     async def close(self) -> None:
+        if self._writer is not None and self._cache.own:
+            cache = self._cache
+            try:
+                await _on_thread(self._writer, lambda conn: flush_history(conn, cache))
+            except Exception as exc:  # (only the index's lag is at stake: reads still find everything)
+                log.warning("history.flush_failed", error=repr(exc))
         for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
             await conn.close()
         self._reader = self._writer = None
@@ -779,7 +834,6 @@ class SqliteBackend:
             found: list[RecordedEvent] = []
             if after < through:  # the indexed part
                 upto = min(last, through)
-                _fail_on_damaged(conn, after, upto)
                 rows = conn.execute(
                     f"SELECT {', '.join('e.' + c.strip() for c in EVENT_COLUMNS.split(','))} FROM events e "
                     "WHERE e.position IN (SELECT DISTINCT position FROM event_entities "
@@ -992,49 +1046,27 @@ def _retry_busy(fn: Callable[[], T], attempts: int = 5) -> T:
     raise AssertionError("unreachable")
 
 
-def _fail_on_damaged(conn: sqlite3.Connection, after: int, upto: int) -> None:
-    """Raise CorruptEvent for the first row in ``(after, upto]`` that was damaged when the history
-    index reached it and still is (whose it was cannot be told)."""
-    sql = (
-        f"SELECT {EVENT_COLUMNS} FROM events WHERE position IN (SELECT position FROM event_entities "
-        "WHERE entity = ? AND position > ? AND position <= ?) ORDER BY position"
-    )
-    for row in conn.execute(sql, (DAMAGED_KEY, after, upto)).fetchall():
-        decode_raw(RawEvent._make(row))
-
-
 def _scan_unindexed(
     conn: sqlite3.Connection, keys: Sequence[str], after: int, last: int, limit: int
 ) -> list[RecordedEvent]:
     """The events in ``(after, last]`` that name one of ``keys``, found without the history index
-    (the newest events, which it does not hold yet: at most :data:`HISTORY_LAG` of them).
-
-    An event names an entity only through its payload, so only rows whose text holds one of the
-    ids are decoded whole; every other row is still validated (cheaply): a damaged row fails the
-    read with CorruptEvent, as its entities cannot be told.
-    """
+    (the newest events, which it does not hold yet: fewer than :data:`HISTORY_LAG`). An event
+    names an entity only through its payload, so the entity's id is in its stored text: only
+    those rows are decoded (a damaged one fails the read with CorruptEvent, as through the index)."""
     names = [key.split(":", 1)[-1] for key in keys]
     wanted = set(keys)
-    validators = PAYLOAD_VALIDATORS.get
+    sql = (
+        f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? AND position <= ? AND ("
+        + " OR ".join("instr(data, ?) > 0" for _ in names)
+        + ") ORDER BY position"
+    )
     found: list[RecordedEvent] = []
-    sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? AND position <= ? ORDER BY position"
-    for row in conn.execute(sql, (after, last)):
-        raw = RawEvent._make(row)
-        if not isinstance(raw.data, str) or any(name in raw.data for name in names):
-            recorded = decode_raw(raw)
-            if recorded.event.entities() & wanted:
-                found.append(recorded)
-                if len(found) == limit:
-                    break
-            continue
-        checked = validators(raw.type)
-        if checked is not None and checked[0] == raw.schema_version:
-            try:
-                checked[1](raw.data)
-                continue
-            except ValueError:
-                pass
-        decode_event(raw.type, raw.schema_version, raw.data, raw.position)  # (raises if damaged)
+    for row in conn.execute(sql, (after, last, *names)):
+        recorded = decode_raw(RawEvent._make(row))
+        if recorded.event.entities() & wanted:
+            found.append(recorded)
+            if len(found) == limit:
+                break
     return found
 
 
