@@ -27,6 +27,7 @@ from evstore.events import (
 )
 from projections.gcpause import gc_paused
 from projections.invariants import find_leaks, over_capacity
+from projections.replay import FOLD_SLICE
 from projections.state import FOLDS, State
 
 
@@ -155,10 +156,12 @@ class _Replay:
                     return
                 if until is None or batch[-1].position < until:
                     pending = asyncio.ensure_future(read(batch[-1].position, batch_size))
-                for row in batch:
+                for i, row in enumerate(batch, start=1):
                     if until is not None and row.position > until:
                         return
                     self.check(row)
+                    if i % FOLD_SLICE == 0:
+                        await asyncio.sleep(0)  # (other tasks run between slices of the batch)
                 if progress is not None:
                     progress(self.report.events_checked)
                 if until is not None and self.last_seen >= until:

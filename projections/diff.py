@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from evstore.events import decode_event
 from projections.persisted import clone
+from projections.replay import FOLD_SLICE
 from projections.state import ConsumerState, State, evolve
 
 Allocs = dict[str, dict[str, int]]
@@ -129,7 +130,9 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
         batch = await read_raw(after, min(batch_size, to_position - after))
         if not batch:
             break
-        for raw in batch:
+        for i, raw in enumerate(batch, start=1):
+            if i % FOLD_SLICE == 0:
+                await asyncio.sleep(0)  # (other tasks run between slices of the batch)
             event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
             evolve(state, event, raw.position)
             counts[raw.type] = counts.get(raw.type, 0) + 1

@@ -9,6 +9,7 @@ snapshot can never make a deleted consumer come back.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from evstore.errors import InvalidInput
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
-from projections.replay import fold_payloads
+from projections.replay import fold_payloads_yielding
 from projections.state import ConsumerState, ProviderState, State, evolve
 
 log = structlog.get_logger("evstore.snapshots")
@@ -251,7 +252,11 @@ async def fold_to(
         raise InvalidInput("snapshot interval must be a positive number of events")
     with gc_paused():
         found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
-        decoded = _decoded(decode_state, found, "whole store") if found is not None else None
+        # (whole-state work runs on a thread: decoding or encoding a large store's state takes
+        # a fraction of a second, which the event loop must not stall for)
+        decoded = None
+        if found is not None:
+            decoded = await asyncio.to_thread(_decoded, decode_state, found, "whole store")
         state = decoded if decoded is not None else State()
         after = state.position
         while after < position:
@@ -262,16 +267,16 @@ async def fold_to(
             folded = 0
             for i, raw in enumerate(batch):
                 if save and raw.position % every == 0:
-                    fold_payloads(state, rows[folded : i + 1])
+                    await fold_payloads_yielding(state, rows[folded : i + 1])
                     folded = i + 1
-                    encoded = encode_state(state)
+                    encoded = await asyncio.to_thread(encode_state, state)
                     await backend.save_snapshot(raw.position, raw.hash, SNAPSHOT_FORMAT, encoded)
                     if supports_provider_snapshots(backend):
-                        slices = sorted(provider_slices(state).items())
+                        slices = sorted((await asyncio.to_thread(provider_slices, state)).items())
                         await backend.save_provider_snapshots(  # type: ignore[attr-defined]
                             raw.position, raw.hash, SNAPSHOT_FORMAT, slices
                         )
-            fold_payloads(state, rows[folded:])
+            await fold_payloads_yielding(state, rows[folded:])
             after = batch[-1].position
             if progress is not None:
                 progress(after)

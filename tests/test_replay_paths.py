@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import typing
@@ -411,3 +412,71 @@ async def test_the_audit_reports_metadata_nested_too_deep_instead_of_failing(sql
         report = await store.audit()
     assert not report.clean
     assert any(f.positions == (3,) and f.details.get("reason") == "undecodable" for f in report.findings)
+
+
+@pytest.mark.parametrize("work", ["replay", "audit", "diff", "state_at", "take_snapshots"])
+async def test_bulk_folds_let_other_tasks_run_between_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, work: str
+) -> None:
+    """Regression: replay, rebuild, the audit, diff and time travel folded each batch a read
+    returned (5,000 events) in one go, and encoded or decoded a whole-store snapshot on the event
+    loop: other tasks stood still for up to hundreds of milliseconds on a large store. They now
+    yield to the loop every FOLD_SLICE events (and code snapshots on a thread): counted by the
+    folds themselves, no more than FOLD_SLICE events are folded between two turns of another task."""
+    from evstore import open_store
+    from projections.replay import FOLD_SLICE
+    from projections.state import FOLDS
+
+    async with open_store(f"sqlite:///{tmp_path / 's.db'}", synchronous="OFF", snapshot_every=2500) as store:
+        rp = await make_provider(store, VCPU=10**6)
+        for _ in range(6):
+            await asyncio.gather(
+                *(
+                    store.set_allocations(
+                        new_uuid(),
+                        {rp: {"VCPU": 1}},
+                        project_id="p",
+                        user_id="u",
+                        consumer_type="X",
+                        generation=None,
+                    )
+                    for _ in range(1000)
+                )
+            )
+        head = await store.head()
+        folded = {"since_turn": 0, "most": 0, "all": 0}
+
+        def counting(fold: Callable[..., None]) -> Callable[..., None]:
+            def counted(*args: Any) -> None:
+                folded["since_turn"] += 1
+                folded["all"] += 1
+                folded["most"] = max(folded["most"], folded["since_turn"])
+                fold(*args)
+
+            return counted
+
+        for name, fold in list(FOLDS.items()):
+            monkeypatch.setitem(FOLDS, name, counting(fold))
+        stop = False
+
+        async def turns() -> None:
+            while not stop:
+                folded["since_turn"] = 0
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(turns())
+        await asyncio.sleep(0)
+        if work == "replay":
+            await store.replay()
+        elif work == "audit":
+            assert (await store.audit()).clean
+        elif work == "diff":
+            await store.diff(1, head)
+        elif work == "state_at":
+            await store.state_at(head)
+        else:
+            await store.take_snapshots()
+        stop = True
+        await other
+        assert folded["all"] >= head - 1
+        assert folded["most"] <= FOLD_SLICE, folded
