@@ -162,6 +162,11 @@ def _validate_key(key: object) -> str | None:
     return validate_name(key, "idempotency_key", 255)  # (text the database can store: no lone surrogate)
 
 
+def _waiting(fut: asyncio.Future[Receipt]) -> bool:
+    """Whether a command's caller still waits for it (not cancelled, not answered)."""
+    return not fut.done()
+
+
 class AllocationStore:
     """Providers, inventories, consumers and their allocations, kept as an event log.
 
@@ -293,14 +298,14 @@ class AllocationStore:
 
     def _start(
         self,
-        start: Callable[[list[Job]], list[asyncio.Task[Outcome]]],
+        start: Callable[[list[Job], list[Callable[[], bool]]], list[asyncio.Task[Outcome]]],
         batch: list[tuple[Job, asyncio.Future[Receipt]]],
     ) -> None:
         """Start a batch's jobs on a backend that runs each job on its own (PostgreSQL) and go on:
         the next queued commands start while these run. Each caller is answered when its job
         ends, even if the writer task is cancelled meanwhile (the job goes on without it)."""
         try:
-            tasks = start([j for j, _ in batch])
+            tasks = start([j for j, _ in batch], [functools.partial(_waiting, fut) for _, fut in batch])
         except Exception as exc:
             self._deliver(batch, exc)
             return

@@ -685,6 +685,81 @@ async def test_a_command_waiting_for_another_process_holds_back_only_its_own_ent
         assert (await store.audit()).clean
 
 
+async def test_a_command_whose_caller_gives_up_before_it_begins_does_not_run(pg_url: str) -> None:
+    """Found by review: commands start as soon as they are queued, so one waiting behind an earlier
+    command on its consumer was no longer dropped when its caller stopped waiting (a timeout): it
+    ran later, unannounced. It is now asked before its transaction begins."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=100)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        other = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
+        try:
+            tr = other.transaction()
+            await tr.start()
+            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key(f"consumer:{c}"))
+            first = asyncio.create_task(allocate(store, c, {rp: {"VCPU": 2}}, generation=1))
+            await asyncio.sleep(0.2)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(allocate(store, c, {rp: {"VCPU": 50}}, generation=2), timeout=0.3)
+            await tr.rollback()
+            await asyncio.wait_for(first, timeout=10)
+        finally:
+            await other.close()
+        while pg(store)._last_of:  # (every job has ended)
+            await asyncio.sleep(0.05)
+        assert (await store.allocations(c)).allocations == {rp: {"VCPU": 2}}
+        assert await store.head() == 4
+
+
+async def test_a_cancelled_job_does_not_let_its_successor_overtake_its_predecessor(pg_url: str) -> None:
+    """Found by review: a job task cancelled while it waited for its predecessor released its
+    successor at once, which then ran while the predecessor's transaction was still open."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=100)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        backend = pg(store)
+        other = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
+        try:
+            tr = other.transaction()
+            await tr.start()
+            await other.execute("SELECT pg_advisory_xact_lock($1)", backend._key(f"consumer:{c}"))
+            jobs = []
+            for amount in (2, 3, 4):
+                jobs.append(
+                    asyncio.ensure_future(
+                        store.set_allocations(
+                            c,
+                            {rp: {"VCPU": amount}},
+                            project_id="p",
+                            user_id="u",
+                            consumer_type="I",
+                            generation=1 if amount == 2 else 2,
+                        )
+                    )
+                )
+            await asyncio.sleep(0.3)
+            running = sorted(store._running, key=lambda t: int(t.get_name().rsplit("-", 1)[1]))
+            assert len(running) == 3 and not any(t.done() for t in running)
+            running[1].cancel()  # (the middle job's own task, waiting for the first: started second)
+            await asyncio.sleep(0.3)
+            waiting = await other.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            )
+            assert waiting == 1  # (the first job only: the third has not begun)
+            assert not jobs[
+                2
+            ].done()  # (before the fix: it ran, and failed on the first's lock or overtook it)
+            await tr.rollback()
+            outcomes = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=10)
+        finally:
+            await other.close()
+        assert not isinstance(outcomes[0], BaseException) and not isinstance(outcomes[2], BaseException)
+        assert isinstance(outcomes[1], StorageError)
+        assert (await store.allocations(c)).allocations == {rp: {"VCPU": 4}}
+
+
 async def test_a_tombstone_reports_its_position(pg_url: str) -> None:
     async with open_store(pg_url) as store:
         rp = await make_provider(store, VCPU=4)
@@ -820,11 +895,16 @@ async def test_a_free_connection_slot_goes_to_the_oldest_waiting_command() -> No
         await slots.acquire(order)
         got.append(order)
 
-    tasks = {order: asyncio.create_task(wait(order)) for order in (9, 7, 8, 6)}
+    tasks = {order: asyncio.create_task(wait(order)) for order in (9, 7, 8, 6, 5)}
     await asyncio.sleep(0)
     tasks[6].cancel()
     await asyncio.sleep(0)
-    for expected in (7, 8, 9):
+    tasks[5].cancel()  # (cancelled; its entry is popped by a release before it resumes)
+    slots.release()
+    (ended,) = await asyncio.gather(tasks[5], return_exceptions=True)
+    assert isinstance(ended, asyncio.CancelledError)  # (not a ValueError from its clean-up)
+    assert got == [7]
+    for expected in (8, 9):
         slots.release()
         await asyncio.sleep(0)
         assert got[-1] == expected

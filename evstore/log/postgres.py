@@ -602,22 +602,28 @@ class PostgresBackend:
         :meth:`start_jobs`), and return their outcomes in order."""
         return list(await asyncio.gather(*self.start_jobs(jobs)))
 
-    def start_jobs(self, jobs: Sequence[Job]) -> list[asyncio.Task[Outcome]]:
+    def start_jobs(
+        self, jobs: Sequence[Job], wanted: Sequence[Callable[[], bool]] | None = None
+    ) -> list[asyncio.Task[Outcome]]:
         """Start each job now, in its own transaction on its own connection (as many at once as
         the pool has connections), and return its task.
 
-        A job that names an entity (consumer, provider, name) named by a job started earlier
-        waits until that one's transaction has ended: such jobs commit in the order they were
-        started, the order their callers queued them (and take no connection just to wait for
-        each other's locks). The others run in parallel: a job waiting for a lock held by another
-        process holds back only the jobs that share an entity with it.
+        A job that names an entity (consumer, provider, name, idempotency key) named by a job
+        started earlier waits until that one's transaction has ended: such jobs commit in the
+        order they were started, the order their callers queued them (and take no connection
+        just to wait for each other's locks). Entities a job reaches only while loading (a
+        migration's instance, the providers of a consumer's allocations) are serialised by the
+        database's locks, in no promised order. The others run in parallel: a job waiting for a
+        lock held by another process holds back only the jobs that share an entity with it.
+        ``wanted[i]()`` is asked when job ``i`` is about to begin its transaction: if its caller
+        has given up meanwhile, it does not run.
         """
         if self._pool is None:
             raise err.StoreClosed("The store is closed")
         last = self._last_of
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task[Outcome]] = []
-        for job in jobs:
+        for i, job in enumerate(jobs):
             names = _lock_names(job)
             before = {last[n] for n in names if n in last}
             ended: asyncio.Future[None] = loop.create_future()  # (its transaction)
@@ -625,7 +631,12 @@ class PostgresBackend:
                 last[n] = ended
             ended.add_done_callback(functools.partial(self._forget_last, names))
             self._started += 1
-            tasks.append(asyncio.ensure_future(self._run_after(before, job, self._started, ended)))
+            still = wanted[i] if wanted is not None else None
+            task = asyncio.ensure_future(self._run_after(before, job, self._started, ended, still))
+            # However the task ends (even cancelled before its first step), its successors go
+            # only once its own predecessors have ended too.
+            task.add_done_callback(functools.partial(_end_when_done, ended, before))
+            tasks.append(task)
         return tasks
 
     def _forget_last(self, names: Iterable[str], ended: asyncio.Future[None]) -> None:
@@ -635,23 +646,26 @@ class PostgresBackend:
                 del last[n]
 
     async def _run_after(
-        self, before: set[asyncio.Future[None]], job: Job, order: int, ended: asyncio.Future[None]
+        self,
+        before: set[asyncio.Future[None]],
+        job: Job,
+        order: int,
+        ended: asyncio.Future[None],
+        wanted: Callable[[], bool] | None,
     ) -> Outcome:
+        if before:
+            await asyncio.wait(before)
+        await self._slots.acquire(order)
         try:
-            if before:
-                await asyncio.wait(before)
-            await self._slots.acquire(order)
-            try:
-                return await self._run_job(job, ended)
-            except err.EvstoreError as exc:
-                return exc
-            except Exception as exc:  # a backend bug must not take the batch down
-                return err.StorageError(f"Storage failure: {exc!r}")
-            finally:
-                self._slots.release()
+            if wanted is not None and not wanted():
+                return err.StorageError("Not run: its caller stopped waiting before it began")
+            return await self._run_job(job, ended)
+        except err.EvstoreError as exc:
+            return exc
+        except Exception as exc:  # a backend bug must not take the batch down
+            return err.StorageError(f"Storage failure: {exc!r}")
         finally:
-            if not ended.done():
-                ended.set_result(None)
+            self._slots.release()
 
     async def _run_job(self, job: Job, ended: asyncio.Future[None] | None = None) -> Outcome:
         keys = {self._key(n) for n in _lock_names(job)}
@@ -1131,6 +1145,20 @@ def _raw_fields(r: RawEvent) -> tuple[Any, ...]:
 # --- lock keys ----------------------------------------------------------------------------------
 
 
+def _end_when_done(ended: asyncio.Future[None], before: set[asyncio.Future[None]], _: object) -> None:
+    _end_after(ended, before)
+
+
+def _end_after(ended: asyncio.Future[None], before: set[asyncio.Future[None]]) -> None:
+    """Resolve ``ended`` once every future of ``before`` is done (now, if they are)."""
+    pending = [f for f in before if not f.done()]
+    if not pending:
+        if not ended.done():
+            ended.set_result(None)
+        return
+    pending[0].add_done_callback(lambda _: _end_after(ended, before))
+
+
 class _OldestFirst:
     """A semaphore whose free slot goes to the waiter started first (the lowest ``order``), not
     to the one that asked first: a job that waited for an earlier job on the same entity does not
@@ -1153,8 +1181,9 @@ class _OldestFirst:
             if fut.done() and not fut.cancelled():
                 self.release()  # (handed a slot as it was cancelled: pass it on)
             else:
-                self._waiters.remove((order, fut))
-                heapq.heapify(self._waiters)
+                with contextlib.suppress(ValueError):  # (release() may have popped it already)
+                    self._waiters.remove((order, fut))
+                    heapq.heapify(self._waiters)
             raise
 
     def release(self) -> None:
