@@ -279,6 +279,11 @@ async def test_each_outcome_is_logged_with_context(store: AllocationStore) -> No
             await _log_two_outcomes(store, rp)
     finally:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # evstore binds its logger once per configuration: each change above applied at once, and
+    # this command, after capture_logs ended, is not captured
+    with pytest.raises(evstore.CapacityExceeded):
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    assert len(logs) == 2
     accepted, rejected = logs
     assert accepted["event"] == "command.accepted" and accepted["position"] == 3
     assert accepted["provider"] == [rp]
@@ -761,3 +766,30 @@ async def test_query_results_compare_and_serialise_as_mappings(store: Allocation
             hash(view)
         assert json.loads(json.dumps(view.to_dict())) == view.to_dict()
     assert usage.to_dict() == {"provider": rp, "generation": 2, "usages": {"VCPU": 2}}
+
+
+def test_ids_do_not_repeat_across_random_seed_or_fork() -> None:
+    """Command and event ids come from evstore's own generator (not os.urandom per id, a system
+    call that gave up the GIL on every command): an application's random.seed() does not make
+    them repeat, and a forked child does not repeat its parent's."""
+    import os
+    import random
+
+    from evstore.log import random_bits
+    from evstore.log.sqlite import _time_ordered_uuid
+    from evstore.store import _command_id
+
+    random.seed(7)
+    first = (_command_id(), _time_ordered_uuid())
+    random.seed(7)
+    assert (_command_id(), _time_ordered_uuid()) != first
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next bits, then out without running the parent's clean-up
+        os.write(write, random_bits(128).to_bytes(16, "big"))
+        os._exit(0)
+    os.close(write)
+    theirs = int.from_bytes(os.read(read, 16), "big")
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert random_bits(128) != theirs

@@ -41,6 +41,7 @@ from evstore.log import (
     Receipt,
     event_hash,
     imported_entities,
+    random_bits,
 )
 from projections import persisted
 from projections.gcpause import gc_paused
@@ -236,7 +237,7 @@ def _time_ordered_uuid() -> str:
     """A version-7-style uuid (48-bit millisecond time, then 74 random bits): ids of successive
     events sort together (an index on event_id, which stores of schema version 1 have, appends
     instead of touching a random page per event)."""
-    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    value = (time.time_ns() // 1_000_000) << 80 | random_bits(80)
     value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
     value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant
     h = f"{value:032x}"  # (formatted by hand: a UUID object costs 3x as much)
