@@ -9,6 +9,7 @@ answers: the events whose ``entities()`` name one of the keys, in ``(after, unti
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sqlite3
 from pathlib import Path
@@ -260,3 +261,45 @@ async def test_keys_of_a_rolled_back_batch_are_not_used_for_the_events_another_c
         assert _index(path)[0] > 0
         await _check_index(a, path, 60)
         await _check_reads(a, random.Random(51))
+
+
+CANCELLED_CLOSE = """
+import asyncio, sqlite3, sys, uuid
+from evstore import open_store
+
+async def main(path):
+    store = await open_store(f"sqlite:///{path}").__aenter__()
+    await store.create_provider(str(uuid.uuid4()), "p1")  # (not in the history index yet)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # (another process writing: the flush at close waits)
+    try:
+        async with asyncio.timeout(0.05):  # (a caller bounding its shutdown)
+            await store.close()
+    except TimeoutError:
+        print("close timed out", flush=True)
+    other.execute("ROLLBACK")
+
+asyncio.run(main(sys.argv[1]))  # (cancels the close still running in the background)
+print("exiting", flush=True)
+"""
+
+
+async def test_a_close_cancelled_during_the_flush_still_closes_the_connections(tmp_path: Path) -> None:
+    """Found by review: a close() cancelled while it flushed the history index left both aiosqlite
+    connections open, and their threads (not daemons) kept the process from exiting."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", CANCELLED_CLOSE, str(tmp_path / "s.db")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "close timed out" in done.stdout and "exiting" in done.stdout

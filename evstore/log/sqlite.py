@@ -731,16 +731,20 @@ class SqliteBackend:
             raise
 
     async def close(self) -> None:
-        if self._writer is not None and self._cache.own:
-            cache = self._cache
-            try:
-                await _on_thread(self._writer, lambda conn: flush_history(conn, cache))
-            except Exception as exc:  # (only the index's lag is at stake: reads still find everything)
-                log.warning("history.flush_failed", error=repr(exc))
-        for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
-            await conn.close()
-        self._reader = self._writer = None
-        self._cache = _WriterCache()  # (a reopened store must not trust what this one remembered)
+        try:
+            if self._writer is not None and self._cache.own:
+                cache = self._cache
+                try:
+                    await _on_thread(self._writer, lambda conn: flush_history(conn, cache))
+                except Exception as exc:  # (only the index's lag is at stake: reads still find everything)
+                    log.warning("history.flush_failed", error=repr(exc))
+        finally:
+            # (even if the flush is cancelled: aiosqlite's threads are not daemons, and an open
+            # connection would keep the process from exiting)
+            for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
+                await conn.close()
+            self._reader = self._writer = None
+            self._cache = _WriterCache()  # (a reopened store must not trust what this one remembered)
 
     async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         cache = self._cache
