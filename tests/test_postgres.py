@@ -12,6 +12,7 @@ import json
 import os
 import random
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -627,11 +628,7 @@ async def test_commands_go_on_while_the_fence_waits_for_a_stuck_client(pg_url: s
     client goes away."""
     async with open_store(pg_url) as store:
         rp = await make_provider(store, VCPU=Inventory(total=100_000))
-        stuck = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
-        try:
-            tr = stuck.transaction()
-            await tr.start()
-            await stuck.execute("SELECT pg_advisory_xact_lock_shared($1)", pg(store)._key("!fence"))
+        async with _another_client_holding(pg_url, store, "!fence", shared=True) as (_, tr):
             waiting = asyncio.create_task(getattr(store, fenced)())
             await asyncio.sleep(0.5)  # (the fence is being waited for)
             assert not waiting.done()
@@ -640,14 +637,29 @@ async def test_commands_go_on_while_the_fence_waits_for_a_stuck_client(pg_url: s
             assert not waiting.done()
             await tr.rollback()
             await asyncio.wait_for(waiting, timeout=10)
-        finally:
-            await stuck.close()
         assert (await store.audit()).clean
 
 
 async def _search_path(store: AllocationStore) -> str:
     async with pg(store)._connection() as conn:
         return str(await conn.fetchval("SHOW search_path"))
+
+
+@contextlib.asynccontextmanager
+async def _another_client_holding(
+    pg_url: str, store: AllocationStore, name: str, shared: bool = False
+) -> AsyncIterator[tuple[Any, Any]]:
+    """Another client inside a transaction, holding the advisory lock evstore takes for ``name``
+    (as a command of another process would): yields the connection and its transaction."""
+    other = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
+    try:
+        tr = other.transaction()
+        await tr.start()
+        lock = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+        await other.execute(f"SELECT {lock}($1)", pg(store)._key(name))
+        yield other, tr
+    finally:
+        await other.close()
 
 
 async def test_a_command_waiting_for_another_process_holds_back_only_its_own_entities(pg_url: str) -> None:
@@ -660,11 +672,7 @@ async def test_a_command_waiting_for_another_process_holds_back_only_its_own_ent
         rp = await make_provider(store, VCPU=Inventory(total=100_000))
         held, free = new_uuid(), new_uuid()
         await allocate(store, held, {rp: {"VCPU": 1}})
-        other = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
-        try:
-            tr = other.transaction()
-            await tr.start()
-            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key(f"consumer:{held}"))
+        async with _another_client_holding(pg_url, store, f"consumer:{held}") as (_, tr):
             blocked = asyncio.create_task(store.delete_consumer(held))
             after_it = asyncio.create_task(
                 store.set_allocations(
@@ -680,8 +688,6 @@ async def test_a_command_waiting_for_another_process_holds_back_only_its_own_ent
             await asyncio.wait_for(blocked, timeout=10)
             with pytest.raises(EvstoreError):  # (it ran after the delete, as queued: a tombstone)
                 await asyncio.wait_for(after_it, timeout=10)
-        finally:
-            await other.close()
         assert (await store.audit()).clean
 
 
@@ -693,19 +699,13 @@ async def test_a_command_whose_caller_gives_up_before_it_begins_does_not_run(pg_
         rp = await make_provider(store, VCPU=100)
         c = new_uuid()
         await allocate(store, c, {rp: {"VCPU": 1}})
-        other = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
-        try:
-            tr = other.transaction()
-            await tr.start()
-            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key(f"consumer:{c}"))
+        async with _another_client_holding(pg_url, store, f"consumer:{c}") as (_, tr):
             first = asyncio.create_task(allocate(store, c, {rp: {"VCPU": 2}}, generation=1))
             await asyncio.sleep(0.2)
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(allocate(store, c, {rp: {"VCPU": 50}}, generation=2), timeout=0.3)
             await tr.rollback()
             await asyncio.wait_for(first, timeout=10)
-        finally:
-            await other.close()
         while pg(store)._last_of:  # (every job has ended)
             await asyncio.sleep(0.05)
         assert (await store.allocations(c)).allocations == {rp: {"VCPU": 2}}
@@ -719,12 +719,7 @@ async def test_a_cancelled_job_does_not_let_its_successor_overtake_its_predecess
         rp = await make_provider(store, VCPU=100)
         c = new_uuid()
         await allocate(store, c, {rp: {"VCPU": 1}})
-        backend = pg(store)
-        other = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
-        try:
-            tr = other.transaction()
-            await tr.start()
-            await other.execute("SELECT pg_advisory_xact_lock($1)", backend._key(f"consumer:{c}"))
+        async with _another_client_holding(pg_url, store, f"consumer:{c}") as (other, tr):
             jobs = []
             for amount in (2, 3, 4):
                 jobs.append(
@@ -753,8 +748,6 @@ async def test_a_cancelled_job_does_not_let_its_successor_overtake_its_predecess
             ].done()  # (before the fix: it ran, and failed on the first's lock or overtook it)
             await tr.rollback()
             outcomes = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=10)
-        finally:
-            await other.close()
         assert not isinstance(outcomes[0], BaseException) and not isinstance(outcomes[2], BaseException)
         assert isinstance(outcomes[1], StorageError)
         assert (await store.allocations(c)).allocations == {rp: {"VCPU": 4}}
