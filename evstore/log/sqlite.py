@@ -49,7 +49,7 @@ from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
 
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
-#: no longer a unique index in new stores (ids are time-ordered and random: 80 random bits)
+#: no longer a unique index in new stores (ids are time-ordered, with 74 random bits)
 SCHEMA_VERSION = 2
 log = structlog.get_logger("evstore.sqlite")
 #: the history index (``event_entities``) is brought up to date once it lags this many events
