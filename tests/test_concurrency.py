@@ -521,3 +521,73 @@ async def test_close_ends_a_waiting_subscriber_at_once(sqlite_url: str) -> None:
     with pytest.raises(StoreClosed):
         async with asyncio.timeout(5):
             await follower
+
+
+class _BatchOnlyBackend:
+    """A backend as the Backend protocol's minimum: whole batches through ``run_jobs``, without
+    the SQLite writer thread's ``drain`` or PostgreSQL's per-command ``start_jobs`` (a third-party
+    backend may offer neither). Everything else is the wrapped backend's."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.batches: list[int] = []
+        self.running = asyncio.Event()  # (set while a batch waits for ``go``)
+        self.go = asyncio.Event()
+        self.go.set()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("drain", "start_jobs"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    async def run_jobs(self, jobs: Any) -> Any:
+        self.batches.append(len(jobs))
+        self.running.set()
+        await self.go.wait()
+        return await self._inner.run_jobs(jobs)
+
+
+async def test_a_backend_with_only_run_jobs_gets_group_commits_all_or_nothing(store_url: str) -> None:
+    """The writer's generic path (a batch per ``run_jobs``, shielded from cancellation): racing
+    claims share group commits, each accepted or rejected alone, a rejected one leaves no trace,
+    and a writer cancelled mid-batch still answers that batch."""
+    backend = _BatchOnlyBackend(make_backend(store_url))
+    store = AllocationStore(backend)
+    await store.open()
+    try:
+        rp = await make_provider(store, VCPU=10)
+        consumers = [new_uuid() for _ in range(100)]
+
+        async def claim(c: str) -> bool:
+            try:
+                await allocate(store, c, {rp: {"VCPU": 1}})
+                return True
+            except CapacityExceeded:
+                return False
+
+        results = await asyncio.gather(*(claim(c) for c in consumers))
+        assert results.count(True) == 10
+        assert max(backend.batches) > 1  # (commands shared a batch)
+        assert await store.head() == 12
+        winners = {c for c, ok in zip(consumers, results, strict=True) if ok}
+        assert {c for c in consumers if (await store.allocations(c)).allocations} == winners
+
+        big = await make_provider(store, VCPU=100_000)
+        backend.running.clear()
+        backend.go.clear()
+        callers = [asyncio.create_task(allocate(store, new_uuid(), {big: {"VCPU": 1}})) for _ in range(300)]
+        await asyncio.wait_for(backend.running.wait(), 10)  # a batch is under way
+        writer = store._writer
+        assert writer is not None
+        writer.cancel()
+        await asyncio.wait([writer])
+        backend.go.set()
+        done, pending = await asyncio.wait(callers, timeout=30)
+        assert not pending
+        assert all(isinstance(t.exception(), (StoreClosed, type(None))) for t in done)
+        accepted = sum(1 for t in done if t.exception() is None)
+        assert accepted == backend.batches[-1] > 0  # (that batch ran to its end and was answered)
+        assert (await store.usage(big)).usages.get("VCPU", 0) == accepted
+        assert (await store.audit()).clean
+    finally:
+        await store.close()
