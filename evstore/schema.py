@@ -234,11 +234,12 @@ class ConsumerAllocations(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     allocations: dict[str, dict[str, int]]
-    #: (strict: bytes are not text; and the same checks as set_allocations: no lone surrogate, no NUL)
+    #: (strict, here and for the type: bytes are not text; and the same checks as set_allocations: no
+    #: lone surrogate, no NUL)
     project_id: StrictStr = Field(min_length=1, max_length=255)
     user_id: StrictStr = Field(min_length=1, max_length=255)
     #: (pydantic's patterns are Rust regexes, where "$" is the very end: no final newline gets through)
-    consumer_type: str = Field(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")
+    consumer_type: StrictStr = Field(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")
     #: strict: a bool, a string or a float is not a generation (``set_allocations`` refuses them too)
     consumer_generation: StrictInt | None = Field(
         default=None, ge=0, le=2**62, validation_alias=AliasChoices("consumer_generation", "generation")

@@ -475,6 +475,12 @@ SLIPPED_THROUGH: dict[str, Callable[[AllocationStore, str], Awaitable[object]]] 
     ),
     "a uuid with a sign": lambda s, rp: s.release("+" + "0" * 31),
     "bytes as a project id (POST)": lambda s, rp: _post(s, {**_ENTRY, "project_id": b"p"}),
+    "bytes as a consumer type (POST)": lambda s, rp: _post(
+        s, {**_ENTRY, "allocations": {rp: {"VCPU": 1}}, "consumer_type": b"INSTANCE"}
+    ),
+    "a bytearray as a consumer type (POST)": lambda s, rp: _post(
+        s, {**_ENTRY, "allocations": {rp: {"VCPU": 1}}, "consumer_type": bytearray(b"PONY")}
+    ),
     "a generation past 2**62 (POST)": lambda s, rp: _post(s, {**_ENTRY, "consumer_generation": 2**64}),
     "metadata keys that are not strings": lambda s, rp: s.create_provider(
         new_uuid(),
