@@ -534,6 +534,25 @@ async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_
         assert (await reader.audit()).clean
 
 
+async def test_history_shows_the_events_of_a_writer_that_died_after_commit(pg_url: str) -> None:
+    """Regression (helper-27): history() read positioned rows only and never caught up, so an
+    event that queries already showed (committed, its writer dead before the sequencing) was
+    missing from its consumer's and provider's history until something else read the head."""
+    async with open_store(pg_url) as writer, open_store(pg_url, pool_size=1) as reader:
+        rp = await make_provider(writer, VCPU=4)
+
+        async def die(conn: Any) -> None:
+            raise RuntimeError("the process died between its commit and the sequencing")
+
+        pg(writer)._after_commit = die
+        c = new_uuid()
+        with pytest.raises(StorageError):
+            await allocate(writer, c, {rp: {"VCPU": 3}})
+        assert (await reader.allocations(c)).allocations == {rp: {"VCPU": 3}}
+        assert [e.position async for e in reader.history(c)] == [3]
+        assert [e.position async for e in reader.history(rp)] == [1, 2, 3]
+
+
 async def test_a_writer_whose_events_another_process_positioned_does_not_wait_for_the_sequencer(
     pg_url: str,
 ) -> None:

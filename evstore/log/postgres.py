@@ -920,8 +920,12 @@ class PostgresBackend:
             "(SELECT seq FROM event_entities WHERE entity = ANY($1::text[])) ORDER BY e.position LIMIT $3"
         )
         last = until if until is not None else MAX_POSITION
+        args = (sql, list(entities), after, limit, last)
         async with self._connection() as conn:
-            rows = await self._guard(conn.fetch(sql, list(entities), after, limit, last), "reading history")
+            rows = await self._guard(conn.fetch(*args), "reading history")
+            # (as _read_rows: committed events a dead writer left unpositioned belong here too)
+            if len(rows) < limit and await self._guard(self._catch_up(conn), "reading history"):
+                rows = await self._guard(conn.fetch(*args), "reading history")
         return [decode_raw(RawEvent(*r)) for r in rows]
 
     async def position_at(self, at: datetime) -> int:
