@@ -95,8 +95,10 @@ def _reader_gone() -> NoReturn:
 
 def console() -> Console:
     # Piped output (scripts, tests) must not be folded at 80 columns: uuids are 36 characters.
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return _Console(highlight=False, soft_wrap=False, width=width)
+    # Nor folded at all: one event, one line, for grep.
+    tty = sys.stdout.isatty()
+    width = None if tty or os.environ.get("COLUMNS") else 200
+    return _Console(highlight=False, soft_wrap=not tty, width=width)
 
 
 def shown(url: str) -> str:
@@ -249,7 +251,9 @@ def print_audit(out: Console, report: AuditReport, url: str) -> None:
 def demo(
     db: DbOption = None,
     url: UrlOption = None,
-    seed: Annotated[int, typer.Option(help="Seed of the simulated cloud (same seed, same plan).")] = 1848343,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the simulated cloud (same seed, same plan).", min=0, max=2**128 - 1)
+    ] = 1848343,
     nodes: Annotated[int, typer.Option(help="Compute nodes.", min=2, max=100)] = 6,
     instances: Annotated[int, typer.Option(help="Instances to build.", min=1, max=100_000)] = 200,
     json_out: JsonOption = False,
@@ -272,10 +276,11 @@ def demo(
             where = f"--db {db}"
         else:
             target = resolve_url(db, url, must_exist=False)
-            where = f"--url '{target}'"
+            where = f"--url '{shown(target)}'"
         async with open_store(target) as store:
             if await store.head() != 0:
-                raise err.InvalidInput(f"the demo needs an empty store and {target} already has events")
+                shown_url = shown(target)
+                raise err.InvalidInput(f"the demo needs an empty store and {shown_url} already has events")
             report = await run_demo(store, seed=seed, nodes=nodes, instances=instances)
             state = await store.backend.load_state()
             audit = await store.audit()
@@ -877,7 +882,7 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
         out = console()
         size = found.get("db_bytes")
         out.print(
-            f"{escape(target)}: head {found.get('head', 0)}"
+            f"{escape(shown(target))}: head {found.get('head', 0)}"
             + (f", {size:,} bytes" if size is not None else "")
         )
         table = Table(title="events by type")
@@ -912,17 +917,28 @@ def export(
                     sys.stdout.write(line + "\n")
                 sys.stdout.flush()
                 return EXIT_OK
-            partial = output.with_name(output.name + ".partial")
-            with progress_bar() as bar, partial.open("w", encoding="utf-8") as sink:
-                task = bar.add_task("exporting", total=head or 1)
-                written = -1  # the header is not an event
-                async for line in store.export():
-                    sink.write(line + "\n")
-                    written += 1
-                    if written % 1000 == 0:
-                        bar.update(task, completed=written)
-                bar.update(task, completed=head or 1)
-            partial.replace(output)  # a half-written export never carries the final name
+            # A regular file (a symlink's target) is written beside it and renamed over it, so a
+            # half-written export never carries the final name; a pipe or a device is written to
+            # as it is (renaming over one would replace it with a file, and write nothing to it).
+            final = output.resolve()
+            in_place = final.exists() and not final.is_file()
+            sink_path = final if in_place else final.with_name(final.name + ".partial")
+            try:
+                with progress_bar() as bar, sink_path.open("w", encoding="utf-8") as sink:
+                    task = bar.add_task("exporting", total=head or 1)
+                    written = -1  # the header is not an event
+                    async for line in store.export():
+                        sink.write(line + "\n")
+                        written += 1
+                        if written % 1000 == 0:
+                            bar.update(task, completed=written)
+                    bar.update(task, completed=head or 1)
+                if not in_place:
+                    sink_path.replace(final)
+            except BaseException:
+                if not in_place:
+                    sink_path.unlink(missing_ok=True)  # (a failed export must not leave a disk full)
+                raise
         note(f"exported {head} events to {output}")
         return EXIT_OK
 

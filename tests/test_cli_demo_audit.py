@@ -138,8 +138,15 @@ def test_demo_audit_and_debugging_commands_on_postgres(tmp_path: Path) -> None:
     assert evstore("audit", env=env).returncode == 0
     stats = json.loads(evstore("stats", "--json", env=env).stdout)
     assert stats["head"] == demo["head"]
-    again = evstore("demo", "--url", url)  # never wipes a server store: it must be empty
+    # the test server trusts any password: one in the URL must be printed by no command
+    # (regression, helper-28: stats, the demo's "Try:" line and its "needs an empty store")
+    secret = "://" + url.split("://", 1)[1].replace("@", ":hunter2@", 1)
+    secret_url = url.split("://", 1)[0] + secret
+    assert evstore("stats", "--url", secret_url).stdout.count("***") == 1
+    again = evstore("demo", "--url", secret_url)  # never wipes a server store: it must be empty
     assert again.returncode == 1 and "needs an empty store" in again.stderr
+    for done in (again, evstore("stats", "--url", secret_url), evstore("audit", "--url", secret_url)):
+        assert "hunter2" not in done.stdout + done.stderr
     # a PostgreSQL log exported and imported into SQLite keeps its hashes: the audit is clean
     dump = tmp_path / "pg.jsonl"
     assert evstore("export", "-o", str(dump), env=env).returncode == 0

@@ -116,3 +116,50 @@ def test_a_postgresql_url_without_asyncpg_says_what_to_install() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=False
     )
     assert "pip install 'evstore[postgres]'" in done.stdout, done.stdout + done.stderr
+
+
+def test_export_to_a_symlink_a_pipe_or_a_failure_leaves_each_as_it_should(tmp_path: Path) -> None:
+    """Regression (helper-28): `export -o PATH` wrote PATH.partial and renamed it over PATH, which
+    replaced a symlink with a file (its target kept the old content), replaced a pipe (its reader
+    got nothing; as root, /dev/full became a file), and a failed export left the .partial behind."""
+    import os
+    import sqlite3
+    import threading
+
+    db = demo_db(tmp_path / "demo.db", instances=30)
+    expected = evstore("export", "--db", str(db)).stdout
+    assert expected.count("\n") > 60
+
+    real = tmp_path / "real.jsonl"
+    real.write_text("original\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    done = evstore("export", "--db", str(db), "-o", str(link))
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and real.read_text() == expected
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    received: list[str] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    done = evstore("export", "--db", str(db), "-o", str(fifo))
+    reader.join(timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert received == [expected] and fifo.is_fifo()
+
+    with sqlite3.connect(db) as conn:  # a row no export can write, half-way through the log
+        conn.execute("UPDATE events SET data = x'00ff' WHERE position = 50")
+    out = tmp_path / "out.jsonl"
+    done = evstore("export", "--db", str(db), "-o", str(out))
+    assert done.returncode == 1 and "position 50" in done.stderr, done.stderr
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_a_demo_seed_out_of_range_is_a_usage_error_before_anything_is_written(tmp_path: Path) -> None:
+    """Regression (helper-28): --seed -5 ran the demo, then failed with evstore.internal at the
+    599th event (the seed names a uuid: 0 <= seed < 2**128)."""
+    for seed in ("-5", str(2**128)):
+        done = evstore("demo", "--db", str(tmp_path / "d.db"), "--seed", seed)
+        assert done.returncode == 2 and done.stderr.startswith("error: evstore.usage: "), done.stderr
+        assert not (tmp_path / "d.db").exists()

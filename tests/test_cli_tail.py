@@ -81,3 +81,14 @@ def test_tail_from_the_start_without_following(tmp_path: Path) -> None:
     assert [json.loads(line)["position"] for line in done.stdout.splitlines()] == list(range(1, head + 1))
     human = evstore("tail", "--db", str(db), "--after", str(head - 1), "--no-follow")
     assert human.returncode == 0 and str(head) in human.stdout
+
+
+def test_piped_tail_prints_one_line_per_event_whatever_the_width(tmp_path: Path) -> None:
+    """Regression (helper-28): piped output was folded at the console width (200 columns, or
+    $COLUMNS), so one event could take several lines and grep missed parts of it."""
+    db = demo_db(tmp_path / "demo.db", instances=20, nodes=2)
+    head = json.loads(evstore("stats", "--db", str(db), "--json").stdout)["head"]
+    for columns in ("60", "250"):
+        done = evstore("tail", "--after", "0", "--no-follow", "--db", str(db), env={"COLUMNS": columns})
+        assert done.returncode == 0, done.stderr
+        assert len(done.stdout.splitlines()) == head
