@@ -8,6 +8,8 @@ import json
 import random
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,47 @@ async def test_an_import_that_fails_halfway_leaves_the_store_empty(
     assert await store.providers() == []
     assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
     assert (await store.usage(rp))["VCPU"] == 299
+    assert (await store.audit()).clean
+
+
+async def test_an_import_whose_caller_is_cancelled_while_it_writes_leaves_the_store_empty(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression (helper-28): Ctrl-C during the write pass ended the command, but the writer
+    thread went on and committed the whole import (SQLite); the README promises an interrupted
+    import leaves the store empty. Cancelled in the middle of the write pass, and at its end (the
+    rows written, the projection not yet), it rolls back; the store then takes the file."""
+    lines, rp, _ = await _source(tmp_path, consumers=1500)
+    loop = asyncio.get_running_loop()
+    for cancel_at in (500, len(lines)):
+        reached, gate = asyncio.Event(), threading.Event()
+        calls = 0
+
+        def gated(at: int, reached: asyncio.Event = reached, gate: threading.Event = gate) -> Iterator[str]:
+            # the write pass reads the file on the writer's thread: hold it there at line ``at``
+            for n, line in enumerate([*lines, None]):
+                if n == at:
+                    loop.call_soon_threadsafe(reached.set)
+                    gate.wait(30)
+                if line is not None:
+                    yield line
+
+        def open_lines(at: int = cancel_at) -> Iterator[str]:
+            nonlocal calls
+            calls += 1
+            return iter(lines) if calls == 1 else gated(at)
+
+        task = asyncio.create_task(store.import_events(open_lines, batch_size=100))
+        await asyncio.wait_for(reached.wait(), 60)
+        task.cancel()
+        await asyncio.sleep(0.1)  # (the import's caller hears of it and tells the thread to stop)
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await store.head() == 0, cancel_at
+        assert await store.providers() == []
+    assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
+    assert (await store.usage(rp))["VCPU"] == 1499
     assert (await store.audit()).clean
 
 

@@ -18,6 +18,7 @@ import operator
 import os
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -971,13 +972,25 @@ class SqliteBackend:
             if progress is not None:
                 loop.call_soon_threadsafe(progress, done)
 
+        stop = threading.Event()
+
         def work(conn: sqlite3.Connection) -> int:
             try:
-                return _retry_busy(lambda: _import_all(conn, rows, extra_entities, batch_size, report))
+                return _retry_busy(lambda: _import_all(conn, rows, extra_entities, batch_size, report, stop))
             finally:
                 self._cache.forget()  # (the projection was written behind its back)
 
-        return await self._on_writer(work)
+        running = asyncio.ensure_future(self._on_writer(work))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            # The thread would go on and commit the whole import after its caller gave up
+            # (Ctrl-C): tell it to roll back, and wait until it has, so that an interrupted
+            # import leaves the store empty, as one that failed does.
+            stop.set()
+            with contextlib.suppress(_ImportStopped, err.EvstoreError):
+                await running
+            raise
 
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
@@ -1228,13 +1241,22 @@ def _load_all(conn: sqlite3.Connection) -> State:
     return state
 
 
+class _ImportStopped(Exception):
+    """The caller of an import was cancelled (Ctrl-C): the import rolls back."""
+
+
 def _import_all(
     conn: sqlite3.Connection,
     rows: Iterator[RawEvent],
     extra: Mapping[int, set[str]],
     batch_size: int,
     progress: Callable[[int], None] | None,
+    stop: threading.Event | None = None,
 ) -> int:
+    def check() -> None:
+        if stop is not None and stop.is_set():
+            raise _ImportStopped
+
     conn.execute("BEGIN IMMEDIATE")  # (the only statement here that can be busy, and retried)
     try:
         if conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None:
@@ -1243,6 +1265,7 @@ def _import_all(
         expected = 1
         with gc_paused():
             while batch := list(itertools.islice(rows, batch_size)):
+                check()
                 names = imported_entities(batch, expected, extra)
                 expected += len(batch)
                 entity_rows = [
@@ -1255,8 +1278,10 @@ def _import_all(
                     progress(expected - 1)
             if state.usages_deferred:  # (a buggy writer's log may have made the fold go event by event)
                 state.recount_usages()
+            check()
             _replace_projection(conn, state)
             conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(expected - 1),))
+        check()
         conn.execute("COMMIT")
         return expected - 1
     except BaseException:
