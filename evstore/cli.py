@@ -963,11 +963,17 @@ def import_(
         fail(exc.code, exc.message)
     created: Path | None = None  # a SQLite file this command creates: removed if the import is refused
     if target.startswith("sqlite:"):
-        from evstore.log.sqlite import parse_sqlite_url
+        from evstore.log.sqlite import foreign_tables, parse_sqlite_url
 
         path, _ = parse_sqlite_url(target)
         if path != ":memory:" and not Path(path).exists():
             created = Path(path)
+        elif others := foreign_tables(path):
+            fail(
+                "evstore.invalid_input",
+                f"{path} is not an evstore store: it holds another application's tables "
+                f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); import into a new file",
+            )
 
     async def work() -> int:
         from evstore.store import open_store

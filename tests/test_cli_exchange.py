@@ -163,3 +163,26 @@ def test_a_demo_seed_out_of_range_is_a_usage_error_before_anything_is_written(tm
         done = evstore("demo", "--db", str(tmp_path / "d.db"), "--seed", seed)
         assert done.returncode == 2 and done.stderr.startswith("error: evstore.usage: "), done.stderr
         assert not (tmp_path / "d.db").exists()
+
+
+def test_import_refuses_another_applications_database(tmp_path: Path) -> None:
+    """Regression (helper-28): import wrote evstore's tables beside another application's (and
+    left them there when the file was refused); the other commands refuse such a file."""
+    import sqlite3
+
+    db = demo_db(tmp_path / "demo.db", instances=10, nodes=2)
+    dump = tmp_path / "demo.jsonl"
+    dump.write_text(evstore("export", "--db", str(db)).stdout)
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE foo (x)")
+    conn.close()
+    done = evstore("import", str(dump), "--db", str(other))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("error: evstore.invalid_input: ") and "(foo)" in done.stderr
+    with sqlite3.connect(other) as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["foo"]
+    conn.close()
+    empty = tmp_path / "empty.db"  # an empty file (no tables) still becomes a store
+    empty.touch()
+    assert evstore("import", str(dump), "--db", str(empty)).returncode == 0

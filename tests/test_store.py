@@ -534,6 +534,24 @@ async def test_future_database_schema_is_refused(tmp_path: Path) -> None:
             pass
 
 
+@pytest.mark.parametrize("version", ["0", "-1"])
+async def test_a_schema_version_below_one_is_refused_not_upgraded(tmp_path: Path, version: str) -> None:
+    """Regression (helper-28): versions 0 and -1 were taken for old ones and rewritten to the
+    current version by any command that opened the file, a read-only audit included."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with open_store(url):
+        pass
+    with sqlite3.connect(tmp_path / "s.db") as conn:
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (version,))
+    conn.close()
+    with pytest.raises(evstore.SchemaVersionError, match=f"schema version is {version}: evstore numbers"):
+        async with open_store(url):
+            pass
+    with sqlite3.connect(tmp_path / "s.db") as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (version,)
+    conn.close()
+
+
 async def test_closed_store_refuses_commands(tmp_path: Path) -> None:
     async with open_store(f"sqlite:///{tmp_path}/c.db") as store:
         pass

@@ -1113,6 +1113,24 @@ def _holds_no_store(path: str) -> bool:
         conn.close()
 
 
+def foreign_tables(path: str) -> list[str]:
+    """The tables of an existing SQLite database that holds no evstore store (another
+    application's: an import must not write evstore's tables beside them); empty when the file
+    is missing, empty, an evstore store, or no database (read-only check)."""
+    if path == ":memory:" or not _holds_no_store(path):
+        return []
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return []
+    try:
+        return sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+    except sqlite3.DatabaseError:
+        return []
+    finally:
+        conn.close()
+
+
 @functools.cache
 def _schema_objects() -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
     """The columns of each table this version defines, and its index names (from the DDL itself)."""
@@ -1162,6 +1180,12 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
             raise err.StorageError(
                 "Not an evstore database: it has a meta table without evstore's schema version "
                 "(another application's?). Use another file for the store."
+            )
+        if version is not None and version < 1:
+            raise err.SchemaVersionError(
+                f"This database's schema version is {version}: evstore numbers its versions from 1, "
+                "so it was not written by evstore, or was damaged (evstore does not upgrade it)",
+                found=version,
             )
         if version is not None and version > SCHEMA_VERSION:
             raise err.SchemaVersionError(
