@@ -571,8 +571,8 @@ def state(
         from evstore.schema import normalize_uuid
         from projections.replay import StateView
 
-        if provider is not None and consumer is not None:
-            raise err.InvalidInput("give --provider or --consumer, not both")
+        if provider is not None and consumer is not None:  # (a usage error, as --db with --url)
+            fail("evstore.usage", "give --provider or --consumer, not both", EXIT_USAGE)
         async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
             if at is None:

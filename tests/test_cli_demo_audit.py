@@ -115,6 +115,11 @@ def test_errors_are_one_line_with_a_code(tmp_path: Path) -> None:
     both = evstore("audit", "--db", str(tmp_path / "a.db"), "--url", "sqlite:///b.db")
     assert both.returncode == 2
     assert both.stderr.strip() == "error: evstore.usage: give either --db or --url, not both"
+    # conflicting options of one command: a usage error too (helper-28: it exited 1)
+    rp = "5b9a2ad6-67b7-4cb7-989b-ec8a1e41b594"
+    two = evstore("state", "--provider", rp, "--consumer", rp, "--db", str(tmp_path / "a.db"))
+    assert two.returncode == 2
+    assert two.stderr.strip() == "error: evstore.usage: give --provider or --consumer, not both"
     bad_url = evstore("audit", "--url", "mysql://x")
     assert bad_url.returncode == 1 and bad_url.stderr.startswith("error: evstore.invalid_input: ")
     junk = tmp_path / "junk.db"
