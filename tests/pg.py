@@ -3,7 +3,8 @@
 
 A schema costs one ``CREATE SCHEMA`` (milliseconds, unlike a database); the store URL selects it
 with ``?search_path=<schema>`` (asyncpg passes unknown URL parameters as server settings). Schemas
-made by this process are dropped at exit; those left by killed runs are dropped on the next run.
+made by this process are dropped at exit; those left by killed runs on this machine are dropped on
+the next run (schema names carry a hash of the host name: a pid means nothing on another machine).
 Without a configured server the PostgreSQL tests are skipped; under CI (``CI=true``) that is a
 failure instead, so CI cannot silently stop testing PostgreSQL.
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import itertools
 import os
 import re
+import socket
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -27,6 +30,9 @@ ENV = "EVSTORE_TEST_POSTGRES_URL"
 PREFIX = "evt_"
 T = TypeVar("T")
 
+#: this machine (or container), in schema names: the sweep of schemas left by killed runs drops
+#: only its own (another machine sharing the server has other pids, alive or not)
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _counter = itertools.count(1)
 _created: list[str] = []
 _swept = False
@@ -70,7 +76,8 @@ async def _create_schema(url: str, schema: str, sweep: bool) -> None:
             for row in await conn.fetch(
                 "SELECT nspname FROM pg_namespace WHERE nspname LIKE $1", PREFIX.replace("_", r"\_") + "%"
             ):
-                match = re.fullmatch(rf"{PREFIX}(\d+)_\d+", row["nspname"])
+                # only this machine's (container's) schemas: a pid is meaningless on another one
+                match = re.fullmatch(rf"{PREFIX}{HOST}_(\d+)_\d+", row["nspname"])
                 if match and not _alive(int(match.group(1))):
                     await conn.execute(f'DROP SCHEMA IF EXISTS "{row["nspname"]}" CASCADE')
         await conn.execute(f'CREATE SCHEMA "{schema}"')
@@ -112,7 +119,7 @@ def fresh_database_url() -> str:
     """A URL to a fresh, empty store (a new schema) on the configured PostgreSQL server."""
     global _swept
     base = server_url()
-    schema = f"{PREFIX}{os.getpid()}_{next(_counter)}"
+    schema = f"{PREFIX}{HOST}_{os.getpid()}_{next(_counter)}"
     run_sync(_create_schema(base, schema, sweep=not _swept))
     if not _swept:
         _swept = True
