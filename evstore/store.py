@@ -732,7 +732,18 @@ class AllocationStore:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
             signal = self._appended
-            batch = await self._backend.read(after, batch_size)
+            try:
+                batch = await self._backend.read(after, batch_size)
+            except err.CorruptEvent as exc:
+                # Deliver what comes before the damaged row first (a debugging tool must show the
+                # events leading up to it), then raise.
+                damaged = exc.details.get("position")
+                if not isinstance(damaged, int) or damaged <= after + 1:
+                    raise
+                batch = await self._backend.read(after, damaged - after - 1)
+                for recorded in batch:
+                    yield recorded
+                raise
             for recorded in batch:
                 yield recorded
                 after = recorded.position

@@ -258,6 +258,30 @@ async def test_multi_consumer_command_appends_several_events_atomically(store: A
     assert (await store.allocations(c)).allocations == {}
 
 
+async def test_a_subscriber_gets_every_event_before_a_damaged_row_then_the_error(tmp_path: Path) -> None:
+    """Regression (helper-28): a damaged row failed the subscriber's whole batch, so `evstore
+    tail` showed none of the events before it - the ones a person debugging it wants to see."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with open_store(url) as store:
+        rp = await make_provider(store, VCPU=100)
+        for _ in range(20):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    with sqlite3.connect(tmp_path / "s.db") as conn:
+        conn.execute("UPDATE events SET data = '{' WHERE position = 15")
+    conn.close()
+    async with open_store(url) as store:
+        seen: list[int] = []
+        with pytest.raises(evstore.CorruptEvent, match="position 15"):
+            async for recorded in store.subscribe(0, batch_size=10):
+                seen.append(recorded.position)
+        assert seen == list(range(1, 15))
+        seen.clear()
+        with pytest.raises(evstore.CorruptEvent, match="position 15"):
+            async for recorded in store.subscribe(14):
+                seen.append(recorded.position)
+        assert seen == []
+
+
 def test_older_event_versions_are_upcast() -> None:
     fixture = json.loads((FIXTURES / "allocations_replaced_v1.json").read_text())
     event = decode_event(fixture["type"], fixture["schema_version"], json.dumps(fixture["data"]), position=3)
