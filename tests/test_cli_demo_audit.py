@@ -120,6 +120,14 @@ def test_errors_are_one_line_with_a_code(tmp_path: Path) -> None:
     two = evstore("state", "--provider", rp, "--consumer", rp, "--db", str(tmp_path / "a.db"))
     assert two.returncode == 2
     assert two.stderr.strip() == "error: evstore.usage: give --provider or --consumer, not both"
+    # a store whose schema version row was deleted: damaged, not "no evstore tables" (helper-28)
+    damaged = demo_db(tmp_path / "damaged.db", instances=10, nodes=2)
+    with sqlite3.connect(damaged) as conn:
+        conn.execute("DELETE FROM meta WHERE key = 'schema_version'")
+    conn.close()
+    lost = evstore("audit", "--db", str(damaged))
+    assert lost.returncode == 1 and lost.stderr.startswith("error: evstore.schema.version: "), lost.stderr
+    assert "no schema version" in lost.stderr
     bad_url = evstore("audit", "--url", "mysql://x")
     assert bad_url.returncode == 1 and bad_url.stderr.startswith("error: evstore.invalid_input: ")
     junk = tmp_path / "junk.db"

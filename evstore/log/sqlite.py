@@ -710,9 +710,16 @@ class SqliteBackend:
                 raise err.StorageError(f"Cannot open {self.url}: directory {parent} does not exist")
         if not self.create and await asyncio.to_thread(_holds_no_store, self.path):
             # checked read-only first: opening for writing would already turn the file into a database
+            reason = await asyncio.to_thread(_no_store_reason, self.path)
+            if reason is None:
+                raise err.SchemaVersionError(
+                    f"{self.path} has evstore's tables but no schema version (its meta row is gone): "
+                    "the file was damaged; evstore does not guess its version",
+                    found=None,
+                )
             raise err.NotFound(
-                f"No evstore store in {self.path}: the database holds no evstore tables (check the "
-                "path, or create a store, e.g. with `evstore demo --db ...`)"
+                f"No evstore store in {self.path}: {reason} (check the path, or create a store, e.g. "
+                "with `evstore demo --db ...`)"
             )
         try:
             self._writer = await self._connect()
@@ -1086,6 +1093,26 @@ def _scan_unindexed(
             if len(found) == limit:
                 break
     return found
+
+
+def _no_store_reason(path: str) -> str | None:
+    """Why ``path`` (for which :func:`_holds_no_store` holds) is no store; None when it has
+    evstore's tables but lost its schema version (damage, not absence)."""
+    if not os.path.exists(path):
+        return "the file does not exist"
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        return f"the file cannot be opened ({exc})"
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as exc:
+        return f"the file cannot be read ({exc})"
+    finally:
+        conn.close()
+    if {"meta", "events"} <= tables:
+        return None
+    return "the database holds no evstore tables"
 
 
 def _holds_no_store(path: str) -> bool:
