@@ -103,13 +103,7 @@ def console() -> Console:
 
 def shown(url: str) -> str:
     """A store URL as printed: without its password."""
-    if url.startswith(("postgresql:", "postgres:")):
-        try:
-            from evstore.log.postgres import redact
-        except ImportError:  # (no asyncpg: such a URL cannot be opened anyway)
-            return "postgresql://<url not shown>"
-        return redact(url)
-    return url
+    return err.redact_url(url)
 
 
 def note(message: str) -> None:

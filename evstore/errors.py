@@ -7,6 +7,7 @@ it (``placement.*``); conditions Placement does not name get an ``evstore.*`` co
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 
@@ -135,3 +136,15 @@ class SchemaVersionError(StorageError):
 
 class StoreClosed(EvstoreError):
     code = "evstore.store.closed"
+
+
+_USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):.*@")
+_KEYWORD_PASSWORD = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)('[^']*'|[^&\s]*)")
+
+
+def redact_url(url: str) -> str:
+    """A store URL (or a libpq keyword string) fit for a message or a log: every password
+    hidden, wherever it is written (``user:secret@``, ``?password=``, ``password=...``), also in
+    text no URL parser accepts (a password with an unencoded ``/`` or ``@``). Hides more than the
+    password in odd cases (up to the last ``@``), never less."""
+    return _KEYWORD_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1:***@", url))

@@ -968,7 +968,8 @@ def make_backend(url: str, **options: Any) -> Backend:
                 f"The PostgreSQL backend needs asyncpg ({exc}): pip install 'evstore[postgres]'"
             ) from None
         return PostgresBackend(url, **options)  # type: ignore[no-any-return,unused-ignore]
-    raise err.InvalidInput(f"Unsupported store URL {url!r}: use sqlite:///path.db or postgresql://...")
+    shown = err.redact_url(url)
+    raise err.InvalidInput(f"Unsupported store URL {shown!r}: use sqlite:///path.db or postgresql://...")
 
 
 @contextlib.asynccontextmanager

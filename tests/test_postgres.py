@@ -30,6 +30,7 @@ from evstore import (
 )
 from evstore.errors import SchemaVersionError
 from evstore.log.postgres import SCHEMA_VERSION, PostgresBackend, redact
+from evstore.store import make_backend
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.pg import with_search_path
 
@@ -145,6 +146,69 @@ async def test_a_server_that_is_down_is_named_without_its_password() -> None:
     assert redact("postgresql://u@h/x?PASSWORD=a&sslpassword=b&x=1") == (
         "postgresql://u@h/x?PASSWORD=***&sslpassword=***&x=1"
     )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+asyncpg://app:TopSecret1@db.example:5432/evstore",  # not a scheme evstore takes
+        " postgresql://app:TopSecret1@db.example/evstore",
+        "host=db.example password=TopSecret1 dbname=evstore",  # a libpq keyword string
+        "postgresql://app:ab/cdTopSecret1@db.example/evstore",  # an unencoded "/": no URL parser's
+        "postgresql://app:Top@Secret1@db.example:x/evstore",
+    ],
+)
+def test_a_url_evstore_refuses_is_named_without_its_password(url: str) -> None:
+    """Regression (helper-29): 'Unsupported store URL' and 'Malformed PostgreSQL URL' printed the
+    URL as given, password and all (redaction relied on a URL parser that did not see one)."""
+    with pytest.raises(InvalidInput) as info:
+        make_backend(url)
+    assert "Secret1" not in str(info.value) and "Secret1" not in json.dumps(info.value.to_dict())
+    assert "***" in info.value.message
+
+
+async def test_a_lock_timeout_in_the_url_does_not_fail_a_committed_command(pg_url: str) -> None:
+    """Regression (helper-29): the sequencer, which positions a command's events after its
+    COMMIT, waited for its lock under the URL's lock_timeout: when another process's run held it
+    longer, a command that had committed was reported as failed (outcome unknown). The sequencer
+    now waits as long as it takes; the entity locks of a command still obey the setting."""
+    async with open_store(pg_url + "&lock_timeout=50ms") as store:
+        rp = await make_provider(store, VCPU=4)
+        async with _another_client_holding(pg_url, store, "!sequencer") as (_, tr):
+            claim = asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}}))
+            await asyncio.sleep(0.5)  # ten times the lock_timeout
+            assert not claim.done()
+            await tr.rollback()
+        await asyncio.wait_for(claim, 10)  # (raised StorageError, outcome unknown, before the fix)
+        assert (await store.usage(rp))["VCPU"] == 1
+        assert (await store.audit()).clean
+
+
+async def test_transactions_run_at_read_committed_whatever_the_default(pg_url: str) -> None:
+    """Regression (helper-29): with default_transaction_isolation=serializable (a role's or a
+    database's default, or the URL's), audits, rebuilds and head reads failed with serialization
+    errors evstore does not retry; evstore's locking is built for READ COMMITTED."""
+    url = pg_url + "&default_transaction_isolation=serializable"
+    async with open_store(url) as store:
+        backend = pg(store)
+        async with backend._connection() as conn:
+            assert await conn.fetchval("SHOW transaction_isolation") == "read committed"
+        rp = await make_provider(store, VCPU=100)
+        await asyncio.gather(
+            *(allocate(store, new_uuid(), {rp: {"VCPU": 1}}) for _ in range(20)),
+            *(store.audit() for _ in range(3)),
+        )
+        assert (await store.usage(rp))["VCPU"] == 20
+
+
+@pytest.mark.parametrize("value", ["banana", "", "-2"])
+async def test_a_damaged_schema_version_is_a_typed_error(pg_url: str, value: str) -> None:
+    """Regression (helper-29): a schema version that is not a number raised a bare ValueError."""
+    async with open_store(pg_url) as store:
+        await pg(store).tamper(f"UPDATE evstore_meta SET value = '{value}' WHERE key = 'schema_version'")
+    with pytest.raises(SchemaVersionError, match="schema version"):
+        async with open_store(pg_url):
+            pass
 
 
 async def test_a_missing_schema_is_a_clear_error(pg_url: str) -> None:

@@ -84,7 +84,7 @@ import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
 
@@ -99,7 +99,7 @@ from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -306,6 +306,11 @@ MIGRATIONS: tuple[str, ...] = (
         positions := evstore_positions(want);
     END $$;
     """,
+    # 4: the sequencer waits for its lock however the URL sets lock_timeout: it runs after the
+    # command committed, so a timeout there failed a command that had succeeded
+    """
+    ALTER FUNCTION evstore_sequence(bigint, boolean, bigint[]) SET lock_timeout = 0;
+    """,
 )
 
 PROJECTION_TABLES = ("p_allocations", "p_consumers", "p_providers", "p_classes")
@@ -330,20 +335,16 @@ TestHook = Callable[[Any], Awaitable[None]]
 
 def redact(url: str) -> str:
     """The URL without its password (for messages and logs)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "postgresql://<unparseable url>"
-    if parts.password is not None:
-        netloc = parts.netloc.rsplit("@", 1)
-        user = netloc[0].split(":", 1)[0]
-        parts = parts._replace(netloc=f"{user}:***@{netloc[1]}")
-    if parts.query:  # libpq and asyncpg also take ?password=... (any case of the key)
-        secret = ("password", "sslpassword")
-        pairs = [p.split("=", 1) for p in parts.query.split("&")]
-        hidden = [f"{k[0]}=***" if len(k) == 2 and k[0].lower() in secret else "=".join(k) for k in pairs]
-        parts = parts._replace(query="&".join(hidden))
-    return urlunsplit(parts)
+    return err.redact_url(url)
+
+
+async def _init_connection(conn: Any) -> None:
+    """Every new connection: evstore's transactions run at READ COMMITTED, whatever the role, the
+    database or the URL make the default. Its locking is built for it (a command locks, then reads
+    what the last holder committed; a snapshot taken before the lock would be stale), and at
+    REPEATABLE READ or SERIALIZABLE its reads (audit, rebuild, the head) failed with
+    serialization errors it does not retry."""
+    await conn.execute("SET default_transaction_isolation = 'read committed'")
 
 
 async def _reset_connection(conn: Any) -> None:
@@ -497,6 +498,7 @@ class PostgresBackend:
                 command_timeout=self.command_timeout,
                 statement_cache_size=self.statement_cache_size,
                 reset=_reset_connection,
+                init=_init_connection,
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -527,9 +529,10 @@ class PostgresBackend:
         except asyncpg.exceptions.InterfaceError as exc:
             if self._pool is None or "clos" in str(exc):
                 raise err.StoreClosed("The store is closed") from None
-            raise _storage_error(exc, "connecting") from None
+            raise _storage_error(exc, "connecting", None) from None
         except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
-            raise _storage_error(exc, f"connecting to {self.safe_url}") from None
+            # (nothing was sent on it: no claim about a transaction, which the caller knows better)
+            raise _storage_error(exc, f"connecting to {self.safe_url}", None) from None
         try:
             yield conn
         finally:
@@ -569,7 +572,20 @@ class PostgresBackend:
                         value = await conn.fetchval(
                             "SELECT value FROM evstore_meta WHERE key = 'schema_version'"
                         )
-                        found = int(value) if value is not None else 0
+                        try:
+                            found = int(value) if value is not None else 0
+                        except ValueError:
+                            raise err.SchemaVersionError(
+                                f"This database's schema version is {value!r:.40}, not a number: it "
+                                "was not written by evstore, or was damaged",
+                                found=value,
+                            ) from None
+                        if found < 0:
+                            raise err.SchemaVersionError(
+                                f"This database's schema version is {found}: not one evstore writes "
+                                "(it was damaged)",
+                                found=found,
+                            )
                     if found > SCHEMA_VERSION:
                         raise err.SchemaVersionError(
                             f"This database has schema version {found}; this evstore understands up "
