@@ -745,6 +745,26 @@ async def _another_client_holding(
         await other.close()
 
 
+async def test_reads_go_on_while_commands_wait_for_another_processs_fence(pg_url: str) -> None:
+    """Regression (helper-29): while another process held the fence (its rebuild or import),
+    this process's commands waiting for it took every pooled connection, and reads - which take
+    no lock - waited for a connection as long as the fence was held."""
+    async with open_store(pg_url, pool_size=3) as store:
+        rps = [await make_provider(store, VCPU=100) for _ in range(6)]
+        async with _another_client_holding(pg_url, store, "!fence") as (_, tr):
+            # (on six providers: commands naming one entity would wait for each other, not the pool)
+            claims = [asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for rp in rps]
+            await asyncio.sleep(0.3)
+            assert not any(c.done() for c in claims)  # (they wait for the fence)
+            async with asyncio.timeout(2):
+                assert await store.head() == 12
+                assert (await store.usage(rps[0])).usages == {"VCPU": 0}
+                assert [e.position async for e in store.history(rps[0])] == [1, 2]
+            await tr.rollback()
+        await asyncio.wait_for(asyncio.gather(*claims), 10)
+        assert [(await store.usage(rp))["VCPU"] for rp in rps] == [1] * 6
+
+
 async def test_a_command_waiting_for_another_process_holds_back_only_its_own_entities(pg_url: str) -> None:
     """Regression: a process ran one group commit at a time and answered a group when all of it
     had ended, so one command waiting for a lock another process held (here a raw connection in an

@@ -472,7 +472,10 @@ class PostgresBackend:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None
         self._namespace = ""
-        self._slots = _OldestFirst(self.pool_size)
+        # Commands use at most all but one connection: waiting for a lock another process holds
+        # (its rebuild's fence, a hot entity), they must not take every connection from the reads
+        # (head, queries, history, audit), which take no lock and would wait for a connection.
+        self._slots = _OldestFirst(max(1, self.pool_size - 1))
         self._started = 0
         #: entity name -> the end of the transaction of the last started job naming it (start_jobs)
         self._last_of: dict[str, asyncio.Future[None]] = {}
