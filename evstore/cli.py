@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -95,10 +96,8 @@ def _reader_gone() -> NoReturn:
 
 def console() -> Console:
     # Piped output (scripts, tests) must not be folded at 80 columns: uuids are 36 characters.
-    # Nor folded at all: one event, one line, for grep.
-    tty = sys.stdout.isatty()
-    width = None if tty or os.environ.get("COLUMNS") else 200
-    return _Console(highlight=False, soft_wrap=not tty, width=width)
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
+    return _Console(highlight=False, soft_wrap=False, width=width)
 
 
 def shown(url: str) -> str:
@@ -768,9 +767,10 @@ def tail(
                 else:
                     who = recorded.metadata.request_id or recorded.metadata.actor or "-"
                     what = describe(recorded.event, names, short=True)
-                    out.print(
+                    out.print(  # (never folded: one event, one line, for grep)
                         f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='milliseconds')} "
-                        f"{recorded.type:<20} {escape(who)}  {escape(what)}"
+                        f"{recorded.type:<20} {escape(who)}  {escape(what)}",
+                        soft_wrap=True,
                     )
                     sys.stdout.flush()
                 seen += 1
@@ -911,14 +911,14 @@ def export(
                     sys.stdout.write(line + "\n")
                 sys.stdout.flush()
                 return EXIT_OK
-            # A regular file (a symlink's target) is written beside it and renamed over it, so a
-            # half-written export never carries the final name; a pipe or a device is written to
-            # as it is (renaming over one would replace it with a file, and write nothing to it).
-            final = output.resolve()
-            in_place = final.exists() and not final.is_file()
+            final, in_place = _export_target(output)
             sink_path = final if in_place else final.with_name(final.name + ".partial")
             try:
-                with progress_bar() as bar, sink_path.open("w", encoding="utf-8") as sink:
+                # (in place: appending, as a shell's >> or a pipe expects; never truncating)
+                with (
+                    progress_bar() as bar,
+                    sink_path.open("a" if in_place else "w", encoding="utf-8") as sink,
+                ):
                     task = bar.add_task("exporting", total=head or 1)
                     written = -1  # the header is not an event
                     async for line in store.export():
@@ -937,6 +937,32 @@ def export(
         return EXIT_OK
 
     run(work)
+
+
+def _export_target(output: Path) -> tuple[Path, bool]:
+    """Where ``export -o`` writes, and whether in place. A regular file (a symlink's target) is
+    written beside it and renamed over it, so a half-written export never carries the final
+    name. Anything else is written to as it is: a pipe or a device (renaming over one would
+    replace it with a file and write nothing to it), and a file reached through a descriptor
+    link (``/dev/stdout``, ``/dev/fd/3``, ``/proc/self/fd/1``: the shell opened it, perhaps for
+    appending, and replacing it would lose what it held)."""
+    try:
+        st = os.stat(output)  # (follows links, /proc/self/fd/N to a pipe included)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:  # a symlink loop, a path through a file...
+        fail("evstore.usage", f"cannot write the export to {output}: {exc.strerror or exc}", EXIT_USAGE)
+    absolute = Path(os.path.abspath(output))
+    through_descriptor = absolute.parts[1:2] in (("dev",), ("proc",))
+    if st is not None and (not stat.S_ISREG(st.st_mode) or through_descriptor):
+        return output, True
+    try:
+        final = output.resolve()
+    except (OSError, RuntimeError) as exc:  # (RuntimeError: a symlink loop, on Python 3.11)
+        fail("evstore.usage", f"cannot write the export to {output}: {exc}", EXIT_USAGE)
+    if not final.parent.is_dir():
+        fail("evstore.usage", f"cannot write the export to {output}: no directory {final.parent}", EXIT_USAGE)
+    return final, False
 
 
 @app.command("import")

@@ -148,6 +148,29 @@ def test_export_to_a_symlink_a_pipe_or_a_failure_leaves_each_as_it_should(tmp_pa
     assert done.returncode == 0, done.stderr
     assert received == [expected] and fifo.is_fifo()
 
+    # through a descriptor link: an anonymous pipe, and a file the shell opened for appending
+    # (regression, helper-30: resolving /proc/self/fd/N found no file; the append lost the file)
+    piped = evstore("export", "--db", str(db), "-o", "/dev/stdout")
+    assert piped.returncode == 0 and piped.stdout == expected, piped.stderr
+    log = tmp_path / "app.log"
+    log.write_text("PRECIOUS\n")
+    with log.open("a") as appended:
+        done = subprocess.run(
+            [sys.executable, "-m", "evstore.cli", "export", "--db", str(db), "-o", "/dev/stdout"],
+            stdout=appended,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    assert log.read_text() == "PRECIOUS\n" + expected
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for bad in (loop, tmp_path / "no-such-dir" / "x.jsonl"):
+        done = evstore("export", "--db", str(db), "-o", str(bad))
+        assert done.returncode == 2 and done.stderr.startswith("error: evstore.usage: "), done.stderr
+
     with sqlite3.connect(db) as conn:  # a row no export can write, half-way through the log
         conn.execute("UPDATE events SET data = x'00ff' WHERE position = 50")
     out = tmp_path / "out.jsonl"
