@@ -94,7 +94,10 @@ async def test_an_import_whose_caller_is_cancelled_while_it_writes_leaves_the_st
     rows written, the projection not yet), it rolls back; the store then takes the file."""
     lines, rp, _ = await _source(tmp_path, consumers=1500)
     loop = asyncio.get_running_loop()
-    for cancel_at in (500, len(lines)):
+    rows = len(lines) - 1  # (the header is not a row)
+    # mid-pass; and once every row is written, at the last read of the file (the whole file in
+    # one batch: the check before the projection is written, or the one before COMMIT, stops it)
+    for cancel_at, batch_size in ((500, 100), (len(lines), rows)):
         reached, gate = asyncio.Event(), threading.Event()
         calls = 0
 
@@ -112,7 +115,7 @@ async def test_an_import_whose_caller_is_cancelled_while_it_writes_leaves_the_st
             calls += 1
             return iter(lines) if calls == 1 else gated(at)
 
-        task = asyncio.create_task(store.import_events(open_lines, batch_size=100))
+        task = asyncio.create_task(store.import_events(open_lines, batch_size=batch_size))
         await asyncio.wait_for(reached.wait(), 60)
         task.cancel()
         await asyncio.sleep(0.1)  # (the import's caller hears of it and tells the thread to stop)
@@ -124,6 +127,40 @@ async def test_an_import_whose_caller_is_cancelled_while_it_writes_leaves_the_st
     assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
     assert (await store.usage(rp))["VCPU"] == 1499
     assert (await store.audit()).clean
+
+
+async def test_a_cancelled_import_whose_file_then_fails_still_ends_cancelled(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression (helper-30): an error from the writer thread after the cancellation (here the
+    file failing to read) replaced the CancelledError: Ctrl-C printed an I/O error, exit 1."""
+    lines, _, _ = await _source(tmp_path, consumers=300)
+    loop = asyncio.get_running_loop()
+    reached, gate = asyncio.Event(), threading.Event()
+    calls = 0
+
+    def open_lines() -> Iterator[str]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return iter(lines)
+
+        def failing() -> Iterator[str]:
+            yield from lines[:100]
+            loop.call_soon_threadsafe(reached.set)
+            gate.wait(30)
+            raise OSError(5, "Input/output error")
+
+        return failing()
+
+    task = asyncio.create_task(store.import_events(open_lines, batch_size=10))
+    await asyncio.wait_for(reached.wait(), 60)
+    task.cancel()
+    await asyncio.sleep(0.1)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await store.head() == 0
 
 
 async def test_a_file_replaced_by_another_sound_export_between_the_passes_is_refused(

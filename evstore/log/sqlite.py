@@ -995,8 +995,10 @@ class SqliteBackend:
             # (Ctrl-C): tell it to roll back, and wait until it has, so that an interrupted
             # import leaves the store empty, as one that failed does.
             stop.set()
-            with contextlib.suppress(_ImportStopped, err.EvstoreError):
+            try:
                 await running
+            except Exception as exc:  # (rolled back; the caller hears of its cancellation, not this)
+                log.debug("import.cancelled", error=repr(exc))
             raise
 
     async def rebuild(
