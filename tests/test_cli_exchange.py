@@ -206,6 +206,15 @@ def test_import_refuses_another_applications_database(tmp_path: Path) -> None:
     with sqlite3.connect(other) as conn:
         assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["foo"]
     conn.close()
+    # one whose own key/value meta table even holds a schema_version (helper-30: taken for a store)
+    lookalike = tmp_path / "lookalike.db"
+    with sqlite3.connect(lookalike) as conn:
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+        conn.execute("INSERT INTO meta VALUES ('schema_version', '2')")
+        conn.execute("CREATE TABLE users (name)")
+    conn.close()
+    done = evstore("import", str(dump), "--db", str(lookalike))
+    assert done.returncode == 1 and "(users)" in done.stderr, done.stdout + done.stderr
     empty = tmp_path / "empty.db"  # an empty file (no tables) still becomes a store
     empty.touch()
     assert evstore("import", str(dump), "--db", str(empty)).returncode == 0

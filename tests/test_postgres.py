@@ -201,7 +201,7 @@ async def test_transactions_run_at_read_committed_whatever_the_default(pg_url: s
         assert (await store.usage(rp))["VCPU"] == 20
 
 
-@pytest.mark.parametrize("value", ["banana", "", "-2"])
+@pytest.mark.parametrize("value", ["banana", "", "-2", "0"])
 async def test_a_damaged_schema_version_is_a_typed_error(pg_url: str, value: str) -> None:
     """Regression (helper-29): a schema version that is not a number raised a bare ValueError."""
     async with open_store(pg_url) as store:

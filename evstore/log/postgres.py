@@ -583,11 +583,11 @@ class PostgresBackend:
                                 "was not written by evstore, or was damaged",
                                 found=value,
                             ) from None
-                        if found < 0:
+                        if found < 1:  # (evstore writes its tables and a version >= 1 together)
                             raise err.SchemaVersionError(
-                                f"This database's schema version is {found}: not one evstore writes "
-                                "(it was damaged)",
-                                found=found,
+                                f"This database's schema version is {value!r:.40}: not one evstore "
+                                "writes (it was damaged, or the schema is another application's)",
+                                found=value,
                             )
                     if found > SCHEMA_VERSION:
                         raise err.SchemaVersionError(

@@ -1143,21 +1143,23 @@ def _holds_no_store(path: str) -> bool:
 
 
 def foreign_tables(path: str) -> list[str]:
-    """The tables of an existing SQLite database that holds no evstore store (another
-    application's: an import must not write evstore's tables beside them); empty when the file
-    is missing, empty, an evstore store, or no database (read-only check)."""
-    if path == ":memory:" or not _holds_no_store(path):
+    """The tables of an existing SQLite database that are not evstore's (another application's:
+    an import must not write evstore's tables beside them); empty when the file is missing,
+    empty, an evstore store, or no database (read-only check)."""
+    if path == ":memory:":
         return []
     try:
         conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
     except sqlite3.Error:
         return []
     try:
-        return sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
     except sqlite3.DatabaseError:
         return []
     finally:
         conn.close()
+    ours = _schema_objects()[0].keys()
+    return sorted(t for t in tables if t not in ours and not t.startswith("sqlite_"))
 
 
 @functools.cache
