@@ -28,18 +28,19 @@ from evstore.store import make_backend
 from tests.conftest import allocate, make_provider, new_uuid
 
 
+async def _claim(store: AllocationStore, consumer: str, rp: str) -> bool:
+    """One VCPU on ``rp`` for ``consumer``: True if accepted, False if refused for capacity."""
+    try:
+        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        return True
+    except CapacityExceeded:
+        return False
+
+
 async def test_hundred_tasks_race_for_ten_slots(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=10)
     consumers = [new_uuid() for _ in range(100)]
-
-    async def claim(c: str) -> bool:
-        try:
-            await allocate(store, c, {rp: {"VCPU": 1}})
-            return True
-        except CapacityExceeded:
-            return False
-
-    results = await asyncio.gather(*(claim(c) for c in consumers))
+    results = await asyncio.gather(*(_claim(store, c, rp) for c in consumers))
     assert results.count(True) == 10
     assert (await store.usage(rp)).usages == {"VCPU": 10}
     winners = [c for c, ok in zip(consumers, results, strict=True) if ok]
@@ -557,15 +558,7 @@ async def test_a_backend_with_only_run_jobs_gets_group_commits_all_or_nothing(st
     try:
         rp = await make_provider(store, VCPU=10)
         consumers = [new_uuid() for _ in range(100)]
-
-        async def claim(c: str) -> bool:
-            try:
-                await allocate(store, c, {rp: {"VCPU": 1}})
-                return True
-            except CapacityExceeded:
-                return False
-
-        results = await asyncio.gather(*(claim(c) for c in consumers))
+        results = await asyncio.gather(*(_claim(store, c, rp) for c in consumers))
         assert results.count(True) == 10
         assert max(backend.batches) > 1  # (commands shared a batch)
         assert await store.head() == 12

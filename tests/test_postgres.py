@@ -574,6 +574,11 @@ async def test_readers_see_exactly_the_committed_events_under_concurrent_writers
         assert seqs != sorted(seqs)
 
 
+async def _die_after_commit(conn: Any) -> None:
+    """An ``_after_commit`` hook: the process dies between its COMMIT and the sequencing."""
+    raise RuntimeError("the process died between its commit and the sequencing")
+
+
 async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_url: str) -> None:
     # a reader with a pool of one connection positions them on that connection
     async with (
@@ -582,10 +587,7 @@ async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_
     ):
         rp = await make_provider(writer, VCPU=4)
 
-        async def die(conn: Any) -> None:
-            raise RuntimeError("the process died between its commit and the sequencing")
-
-        pg(writer)._after_commit = die
+        pg(writer)._after_commit = _die_after_commit
         c = new_uuid()
         with pytest.raises(StorageError):
             await allocate(writer, c, {rp: {"VCPU": 3}})
@@ -605,10 +607,7 @@ async def test_history_shows_the_events_of_a_writer_that_died_after_commit(pg_ur
     async with open_store(pg_url) as writer, open_store(pg_url, pool_size=1) as reader:
         rp = await make_provider(writer, VCPU=4)
 
-        async def die(conn: Any) -> None:
-            raise RuntimeError("the process died between its commit and the sequencing")
-
-        pg(writer)._after_commit = die
+        pg(writer)._after_commit = _die_after_commit
         c = new_uuid()
         with pytest.raises(StorageError):
             await allocate(writer, c, {rp: {"VCPU": 3}})
