@@ -117,6 +117,20 @@ async def test_a_schema_without_a_store_is_refused_when_it_must_exist(pg_url: st
         assert await store.head() == 2
 
 
+async def test_open_does_not_hang_on_a_stuck_holder_of_the_migration_lock(pg_url: str) -> None:
+    """Regression (helper-29): open() waited without limit for the store's migration lock, which
+    a stuck session held; it now gives up after connect_timeout with a message saying why."""
+    async with open_store(pg_url) as store:
+        async with _another_client_holding(pg_url, store, "!migrate"):
+            with pytest.raises(StorageError, match="migration lock") as info:
+                async with asyncio.timeout(10):
+                    async with open_store(pg_url, connect_timeout=1):
+                        pass
+            assert "evstore" in info.value.code
+        async with open_store(pg_url, connect_timeout=1) as reopened:  # (released: opens at once)
+            assert await reopened.head() == 0
+
+
 async def test_a_newer_schema_is_refused(pg_url: str) -> None:
     async with open_store(pg_url) as store:
         await pg(store).tamper("UPDATE evstore_meta SET value = '99' WHERE key = 'schema_version'")

@@ -562,7 +562,20 @@ class PostgresBackend:
                 self._namespace = f"{database}.{schema}"
                 async with conn.transaction():
                     # Serialise concurrent opens of the same store; the key is per database+schema.
-                    await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!migrate"))
+                    # Waiting at most connect_timeout: a session stuck holding it (another open's
+                    # migration never takes that long) must not make open() hang for good.
+                    wait_ms = max(1, int(self.connect_timeout * 1000))
+                    await conn.execute(f"SET LOCAL lock_timeout = {wait_ms}")
+                    try:
+                        await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!migrate"))
+                    except asyncpg.LockNotAvailableError:
+                        raise err.StorageError(
+                            f"Cannot open {self.safe_url}: another session has held the store's "
+                            f"migration lock for over {self.connect_timeout:g} s (connect_timeout): a "
+                            "stuck process? (pg_locks shows it)",
+                            url=self.safe_url,
+                        ) from None
+                    await conn.execute("SET LOCAL lock_timeout TO DEFAULT")
                     found = 0
                     exists = await conn.fetchval("SELECT to_regclass('evstore_meta')") is not None
                     if not exists and not self.create:
