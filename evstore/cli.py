@@ -757,7 +757,7 @@ def tail(
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK
-            async for recorded in store.subscribe(start):
+            async for recorded in _following(store, start, follow):
                 if not follow and recorded.position > head:
                     break
                 if recorded.type == "ProviderCreated":
@@ -779,6 +779,25 @@ def tail(
         return EXIT_OK
 
     run(work, interrupt_code=EXIT_OK)
+
+
+async def _following(store: Any, after: int, follow: bool) -> Any:
+    """``store.subscribe(after)``; when following, a storage failure (a server restart, a lost
+    connection) is reported on stderr and the subscription starts again after the last event
+    delivered, once a second has passed, instead of ending the follow. A damaged row, a schema
+    of another version or a closed store still end it."""
+    fatal = (err.CorruptEvent, err.SchemaVersionError, err.StoreClosed)
+    while True:
+        try:
+            async for recorded in store.subscribe(after):
+                after = recorded.position
+                yield recorded
+            return
+        except err.StorageError as exc:
+            if not follow or isinstance(exc, fatal):
+                raise
+            note(f"reading the log failed ({exc.code}: {exc.message.splitlines()[0][:200]}); trying again")
+            await asyncio.sleep(1)
 
 
 # --- maintenance: rebuild, snapshot, stats, export, import --------------------------------------

@@ -9,6 +9,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from evstore import open_store
 from tests.conftest import allocate, make_provider, new_uuid
@@ -92,3 +96,34 @@ def test_piped_tail_prints_one_line_per_event_whatever_the_width(tmp_path: Path)
         done = evstore("tail", "--after", "0", "--no-follow", "--db", str(db), env={"COLUMNS": columns})
         assert done.returncode == 0, done.stderr
         assert len(done.stdout.splitlines()) == head
+
+
+async def test_a_following_tail_outlives_a_storage_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression (helper-29): `tail --follow` ended (exit 1) at the first storage error, e.g. a
+    read while the server restarted; it now says so on stderr and subscribes again after the last
+    event it printed. Without --follow, and for a damaged row, the error still ends it."""
+    from evstore.cli import _following
+    from evstore.errors import CorruptEvent, StorageError
+
+    class Flaky:
+        def __init__(self, failure: Exception) -> None:
+            self.failure = failure
+            self.calls: list[int] = []
+
+        async def subscribe(self, after: int) -> Any:
+            self.calls.append(after)
+            for position in range(after + 1, 6):
+                if position == 3 and len(self.calls) == 1:
+                    raise self.failure
+                yield SimpleNamespace(position=position)
+
+    lost = Flaky(StorageError("Lost the connection to PostgreSQL while reading the log"))
+    assert [r.position async for r in _following(lost, 0, follow=True)] == [1, 2, 3, 4, 5]
+    assert lost.calls == [0, 2]
+    assert "trying again" in capsys.readouterr().err
+    for failure, follow in ((StorageError("lost"), False), (CorruptEvent("damaged", position=3), True)):
+        seen: list[int] = []
+        with pytest.raises(type(failure)):
+            async for r in _following(Flaky(failure), 0, follow=follow):
+                seen.append(r.position)
+        assert seen == [1, 2]
