@@ -131,6 +131,24 @@ async def test_open_does_not_hang_on_a_stuck_holder_of_the_migration_lock(pg_url
             assert await reopened.head() == 0
 
 
+async def test_a_multi_host_url_fails_over_to_the_host_that_answers(pg_url: str) -> None:
+    """Regression (helper-29): libpq's multi-host form (host1:port1,host2:port2, what failover set-ups
+    use) was refused as a malformed URL; asyncpg tries the hosts in turn."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    scheme, rest = pg_url.split("://", 1)
+    user, hostpart = rest.split("@", 1)
+    url = f"{scheme}://{user}@127.0.0.1:{dead},{hostpart}"
+    async with open_store(url) as store:
+        await make_provider(store, VCPU=1)
+        assert await store.head() == 2
+    with pytest.raises(InvalidInput, match="Malformed"):
+        make_backend(f"{scheme}://{user}@127.0.0.1:{dead},127.0.0.1:nope/db")
+
+
 async def test_a_newer_schema_is_refused(pg_url: str) -> None:
     async with open_store(pg_url) as store:
         await pg(store).tamper("UPDATE evstore_meta SET value = '99' WHERE key = 'schema_version'")

@@ -451,7 +451,10 @@ class PostgresBackend:
         self.safe_url = redact(url)
         try:
             parts = urlsplit(url)
-            parts.port  # noqa: B018 (parsing it is the check: a port that is not a number raises)
+            # (parsing the port is the check: one that is not a number raises; a libpq multi-host
+            # URL, host1:port1,host2:port2, is left to asyncpg, which tries the hosts in turn)
+            for host in parts.netloc.rsplit("@", 1)[-1].split(","):
+                urlsplit(f"//{host}").port  # noqa: B018
         except ValueError as exc:
             raise err.InvalidInput(f"Malformed PostgreSQL URL {self.safe_url}: {exc}") from None
         self.pool_size = validate_int_option(options.get("pool_size", 10), "pool_size", 1)
