@@ -1097,21 +1097,25 @@ def _scan_unindexed(
     return found
 
 
+def _table_names(path: str) -> list[str]:
+    """The tables of the existing database at ``path``, read without a write lock or creating
+    anything (raises ``sqlite3.Error`` when it cannot be opened or read)."""
+    conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        return [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    finally:
+        conn.close()
+
+
 def _no_store_reason(path: str) -> str | None:
     """Why ``path`` (for which :func:`_holds_no_store` holds) is no store; None when it has
     evstore's tables but lost its schema version (damage, not absence)."""
     if not os.path.exists(path):
         return "the file does not exist"
     try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        tables = set(_table_names(path))
     except sqlite3.Error as exc:
-        return f"the file cannot be opened ({exc})"
-    try:
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    except sqlite3.DatabaseError as exc:
         return f"the file cannot be read ({exc})"
-    finally:
-        conn.close()
     if {"meta", "events"} <= tables:
         return None
     return "the database holds no evstore tables"
@@ -1149,15 +1153,9 @@ def foreign_tables(path: str) -> list[str]:
     if path == ":memory:":
         return []
     try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        tables = _table_names(path)
     except sqlite3.Error:
         return []
-    try:
-        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-    except sqlite3.DatabaseError:
-        return []
-    finally:
-        conn.close()
     ours = _schema_objects()[0].keys()
     return sorted(t for t in tables if t not in ours and not t.startswith("sqlite_"))
 
