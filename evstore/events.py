@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import SchemaValidator, core_schema
 
 from evstore.errors import CorruptEvent, SchemaVersionError
-from evstore.schema import Inventory
+from evstore.schema import MAX_INT, RC_PATTERN, Inventory
 
 Allocs = dict[str, dict[str, int]]
 
@@ -318,7 +319,7 @@ def _maps_one_to_one(annotation: Any) -> bool:
 
 
 def _fast_payload_validator(
-    cls: type[BaseModel], also: Mapping[str, Any] | None = None
+    cls: type[BaseModel], also: Mapping[str, Any] | None = None, narrowed: Mapping[str, Any] | None = None
 ) -> Callable[[str], dict[str, Any]] | None:
     """:func:`_payload_validator` for ``extra="forbid"``, decoded by msgspec (~2x faster), or
     ``None`` when a field of ``cls`` is outside :func:`_maps_one_to_one`.
@@ -332,6 +333,9 @@ def _fast_payload_validator(
     Unknown fields are refused, never skipped: msgspec skips a value without the limits pydantic
     applies to it (nesting depth, digits of a number), so a skipped value could pass here and
     fail for pydantic.
+
+    ``narrowed``: field name -> a msgspec type that accepts a subset of what the field's own
+    type accepts (the same values come out), for :data:`CHECKED_PAYLOAD_VALIDATORS`.
     """
     fields: list[tuple[str, Any, Any]] = [(name, kind, None) for name, kind in (also or {}).items()]
     for name, info in cls.model_fields.items():
@@ -345,9 +349,13 @@ def _fast_payload_validator(
             default = info.default
         else:  # pragma: no cover - no event has one
             return None
-        fields.append((name, info.annotation, default))
+        fields.append((name, (narrowed or {}).get(name, info.annotation), default))
     struct = msgspec.defstruct(
-        f"{cls.__name__}Payload", fields, kw_only=True, forbid_unknown_fields=True, gc=False
+        f"{cls.__name__}{'Checked' if narrowed else ''}Payload",
+        fields,
+        kw_only=True,
+        forbid_unknown_fields=True,
+        gc=False,
     )
     decode, as_dict = msgspec.json.Decoder(struct).decode, msgspec.structs.asdict
 
@@ -447,6 +455,198 @@ def decode_event(
             position=position,
             reason="undecodable",
         ) from None
+
+
+# --- values no command writes (import refuses them, the audit reports them) -------------------
+
+#: the largest generation evstore writes (``schema.validate_generation``'s bound)
+MAX_GENERATION = 2**62
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class ValueCheck:
+    """Whether a decoded event's values are ones evstore's commands could have written.
+
+    Decoding checks types only (an int is an int); a log that did not come from ``decide`` (an
+    import, a row altered in place) can still hold amounts of 0 or below, or beyond the 32-bit
+    limit, generations below 1, ids that are not canonical uuids (no query can name them: the API
+    normalises to lower case), class names off the pattern, or empty project and user ids.
+    Folding such events gives states no command can reach (a negative amount hides usage and
+    lets the provider be over-committed). Import refuses them; the audit reports them.
+
+    The audit checks every event of the log with it: each type's fields are checked by a plan
+    made once, and ids and class names seen valid are remembered (a log names the same ones
+    again and again).
+    """
+
+    __slots__ = ("_classes", "_ids")
+
+    #: past this many remembered ids, start again (memory stays bounded)
+    LIMIT = 100_000
+
+    def __init__(self) -> None:
+        self._ids: set[str] = set()
+        self._classes: set[str] = set()
+
+    def problem(self, event_type: str, fields: Mapping[str, Any], numbers: bool = True) -> str | None:
+        """What is wrong with the first bad value (``None``: nothing).
+
+        ``numbers=False``: the fields were decoded by :data:`CHECKED_PAYLOAD_VALIDATORS`, which
+        checked amounts, generations and lengths; of the rest only the consumer ids (``consumer``,
+        ``instance``, ``migration``) are checked. The audit checks every event so, and what the
+        consumers hold at the end against the providers that exist (a provider key that is not
+        a canonical uuid names none); allocations no consumer holds any more change nothing.
+        """
+        if not numbers and event_type in _CONSUMER_FIELDS:
+            ids = self._ids
+            for name in _CONSUMER_FIELDS[event_type]:
+                value = fields[name]
+                if value not in ids and not self._id(value):
+                    return f"{name} {value!r:.80} is not a uuid in canonical form"
+            return None
+        for name, kind in _VALUE_PLAN[event_type]:
+            value = fields[name]
+            if kind == "id":
+                if value is not None and value not in self._ids and not self._id(value):
+                    return f"{name} {value!r:.80} is not a uuid in canonical form"
+            elif kind == "allocs":
+                if value:
+                    bad = self._allocations(value)
+                    if bad is not None:
+                        return f"{name}: {bad}"
+            elif kind == "generation":
+                if value is not None and not 1 <= value <= MAX_GENERATION:
+                    return f"{name} {value} is not between 1 and {MAX_GENERATION}"
+            elif kind == "class":
+                if value not in self._classes and not self._class(value):
+                    return f"{name} {value!r:.80} does not match ^[A-Z0-9_]+$"
+            elif kind == "owner":
+                if not 1 <= len(value) <= 255:
+                    return f"{name} {value!r:.80} is not 1..255 characters"
+            elif kind == "bumps":
+                for provider, generation in value.items():
+                    if provider not in self._ids and not self._id(provider):
+                        return f"{name} names {provider!r:.80}, not a uuid in canonical form"
+                    if not 1 <= generation <= MAX_GENERATION:
+                        return f"generation {generation} of provider {provider} is out of 1..{MAX_GENERATION}"
+            elif kind == "inventories":
+                for rc in value:
+                    if rc not in self._classes and not self._class(rc):
+                        return f"inventory class {rc!r:.80} does not match ^[A-Z0-9_]+$"
+            elif kind == "per_migration":
+                for migration, allocs in value.items():
+                    if migration not in self._ids and not self._id(migration):
+                        return f"{name} names {migration!r:.80}, not a uuid in canonical form"
+                    bad = self._allocations(allocs)
+                    if bad is not None:
+                        return f"{name} of {migration}: {bad}"
+            elif kind == "custom_class":
+                if not (value.startswith("CUSTOM_") and self._class(value)):
+                    return f"resource class {value!r:.80} is not a custom class (CUSTOM_[A-Z0-9_]+)"
+            elif kind == "provider_name":
+                if not 1 <= len(value) <= 200:
+                    return f"provider name {value!r:.80} is not 1..200 characters"
+        return None
+
+    def _id(self, value: object) -> bool:
+        if type(value) is not str or not _CANONICAL_UUID.fullmatch(value):
+            return False
+        if len(self._ids) >= self.LIMIT:
+            self._ids.clear()
+        self._ids.add(value)
+        return True
+
+    def _class(self, value: object) -> bool:
+        if type(value) is not str or len(value) > 255 or not RC_PATTERN.fullmatch(value):
+            return False
+        if len(self._classes) < self.LIMIT:
+            self._classes.add(value)
+        return True
+
+    def _allocations(self, allocs: Mapping[str, Mapping[str, int]]) -> str | None:
+        ids, classes = self._ids, self._classes
+        for provider, resources in allocs.items():
+            if provider not in ids and not self._id(provider):
+                return f"provider {provider!r:.80} is not a uuid in canonical form"
+            if not resources:
+                return f"provider {provider} with no resource class"
+            for rc, amount in resources.items():
+                if not 0 < amount <= MAX_INT:
+                    return f"{amount} of {rc} on provider {provider} is not between 1 and {MAX_INT}"
+                if rc not in classes and not self._class(rc):
+                    return f"class {rc!r:.80} on provider {provider} does not match ^[A-Z0-9_]+$"
+        return None
+
+
+#: how each field of an event is checked, by its name (``ValueCheck``); other fields are not
+_VALUE_KINDS = {
+    "consumer": "id",
+    "provider": "id",
+    "instance": "id",
+    "migration": "id",
+    "parent": "id",
+    "root": "id",
+    "allocations": "allocs",
+    "previous": "allocs",
+    "released": "allocs",
+    "replaced": "allocs",
+    "migrations_released": "per_migration",
+    "generation": "generation",
+    "instance_generation": "generation",
+    "migration_generation": "generation",
+    "provider_generations": "bumps",
+    "project_id": "owner",
+    "user_id": "owner",
+    "consumer_type": "class",
+    "instance_consumer_type": "class",
+    "migration_consumer_type": "class",
+    "inventories": "inventories",
+}
+#: the event types that name consumers (nearly every event of a log) -> those fields
+_CONSUMER_FIELDS: dict[str, tuple[str, ...]] = {
+    name: fields
+    for name, cls in EVENT_TYPES.items()
+    if (fields := tuple(f for f in ("consumer", "instance", "migration") if f in cls.model_fields))
+}
+_VALUE_PLAN: dict[str, tuple[tuple[str, str], ...]] = {
+    name: tuple((f, _VALUE_KINDS[f]) for f in cls.model_fields if f in _VALUE_KINDS)
+    + ((("name", "custom_class"),) if name == "ResourceClassCreated" else ())
+    + ((("name", "provider_name"),) if name in ("ProviderCreated", "ProviderUpdated") else ())
+    for name, cls in EVENT_TYPES.items()
+}
+
+
+_AMOUNT = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+_HELD = dict[str, Annotated[dict[str, _AMOUNT], msgspec.Meta(min_length=1)]]
+_GENERATION = Annotated[int, msgspec.Meta(ge=1, le=MAX_GENERATION)]
+_NARROWED_KINDS = {
+    "allocs": _HELD,
+    "per_migration": dict[str, _HELD],
+    "bumps": dict[str, _GENERATION],
+    "owner": Annotated[str, msgspec.Meta(min_length=1, max_length=255)],
+}
+
+
+def _narrowed(cls: type[BaseModel]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, info in cls.model_fields.items():
+        kind = _VALUE_KINDS.get(name)
+        if kind == "generation":
+            out[name] = _GENERATION | None if type(None) in typing.get_args(info.annotation) else _GENERATION
+        elif kind in _NARROWED_KINDS:
+            out[name] = _NARROWED_KINDS[kind]
+    return out
+
+
+#: event type -> a validator as in :data:`PAYLOAD_VALIDATORS` that also refuses the amounts,
+#: generations and lengths :class:`ValueCheck` refuses (in msgspec: the audit checks every event
+#: at no measurable cost); ``ValueCheck.problem(..., numbers=False)`` does the rest. Types
+#: without a msgspec validator are not here.
+CHECKED_PAYLOAD_VALIDATORS: dict[str, tuple[int, Callable[[str], dict[str, Any]]]] = {
+    name: (cls.SCHEMA_VERSION, checked)
+    for name, cls in EVENT_TYPES.items()
+    if (checked := _fast_payload_validator(cls, narrowed=_narrowed(cls))) is not None
+}
 
 
 class Metadata(BaseModel):

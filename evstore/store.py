@@ -774,7 +774,16 @@ class AllocationStore:
         Snapshots are dropped too (they are re-made on demand by the current fold)."""
         if not isinstance(full, bool):
             raise err.InvalidInput(f"full must be True or False, got {full!r:.40}", field="full")
-        folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)
+        try:
+            folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)
+        except OverflowError:
+            # (only a log no command wrote holds such numbers: an import refuses them)
+            raise err.CorruptEvent(
+                "The log holds a number too large to store in the projection (an amount or a "
+                "generation beyond 64 bits): the projection was left as it was; `evstore audit` "
+                "names the event",
+                reason="invalid_value",
+            ) from None
         from projections import snapshots
 
         if snapshots.supports_snapshots(self._backend):

@@ -20,8 +20,10 @@ from typing import Any
 from evstore.errors import CorruptEvent, ProjectionCorrupt
 from evstore.events import (
     CAPACITY_PRESSURE,
+    CHECKED_PAYLOAD_VALIDATORS,
     GENESIS_HASH,
     PAYLOAD_VALIDATORS,
+    ValueCheck,
     check_metadata,
     decode_event,
 )
@@ -139,6 +141,7 @@ class _Replay:
     prev_hash: str = GENESIS_HASH
     chain_broken: bool = False
     last_seen: int = 0
+    values: ValueCheck = field(default_factory=ValueCheck)
 
     async def run(
         self,
@@ -181,12 +184,20 @@ class _Replay:
         # validated straight into a dict of its fields; anything else goes through decode_event,
         # which upcasts or names what is wrong.
         fields: Mapping[str, Any] | None = None
-        found = PAYLOAD_VALIDATORS.get(row.type)
-        if found is not None and found[0] == row.schema_version:
-            try:
-                fields = found[1](row.data)
-            except ValueError:
-                pass
+        numbers = True  # (whether the values' numbers are still to be checked)
+        if self.checked and (found := CHECKED_PAYLOAD_VALIDATORS.get(row.type)) is not None:
+            if found[0] == row.schema_version:
+                try:
+                    fields = found[1](row.data)
+                    numbers = False
+                except ValueError:
+                    pass
+        if fields is None and (found := PAYLOAD_VALIDATORS.get(row.type)) is not None:
+            if found[0] == row.schema_version:
+                try:
+                    fields = found[1](row.data)
+                except ValueError:
+                    pass
         if fields is None:
             try:
                 fields = decode_event(row.type, row.schema_version, row.data, row.position).__dict__
@@ -197,6 +208,16 @@ class _Replay:
                     )
                 return
         self.state.position = row.position
+        if self.checked and (bad := self.values.problem(row.type, fields, numbers)) is not None:
+            self.report.findings.append(
+                Finding(
+                    "integrity",
+                    f"{row.type} at position {row.position} holds a value no evstore command writes: {bad} "
+                    "(a damaged or imported log: every fold takes it as it is)",
+                    (row.position,),
+                    {"reason": "invalid_value"},
+                )
+            )
         if self.checked and row.type in _NAMES_A_PROVIDER and fields["provider"] not in self.state.providers:
             self.report.findings.append(
                 Finding(
@@ -418,6 +439,28 @@ def leak_findings(state: State) -> list[Finding]:
     return out
 
 
+def held_on_unknown_providers(state: State) -> list[Finding]:
+    """Consumers holding allocations on providers that do not exist (only a damaged or imported
+    log gets there: the fold keeps them held but counts them nowhere). The checked pass leaves
+    allocation keys to this (see ``ValueCheck.problem``): a key that is not a canonical uuid
+    names no provider."""
+    out = []
+    providers = state.providers
+    for uuid, c in state.consumers.items():
+        missing = [p for p in c.allocations if p not in providers]
+        if missing:
+            out.append(
+                Finding(
+                    "integrity",
+                    f"Consumer {uuid} holds allocations on {', '.join(repr(p) for p in missing)[:200]}, "
+                    "which no provider of the log is (a damaged or imported log)",
+                    (c.allocated_at,) if c.allocated_at else (),
+                    {"reason": "unknown_provider", "consumer": uuid, "providers": missing},
+                )
+            )
+    return out
+
+
 def over_capacity_findings(state: State, over: _OverTracker) -> list[Finding]:
     out = []
     for (uuid, rc), since in sorted(over.since.items()):
@@ -481,6 +524,7 @@ async def audit(
         # (whole-state work: on a thread, so the event loop keeps getting turns)
         report.findings.extend(await asyncio.to_thread(compare_states, replayed, persisted_state))
     report.findings.extend(leak_findings(replayed))
+    report.findings.extend(held_on_unknown_providers(replayed))
     over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
     report.findings.extend(over_capacity_findings(replayed, over))
     return report

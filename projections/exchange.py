@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
-from evstore.events import GENESIS_HASH, Metadata, MigrationStarted, RawEvent, decode_event
+from evstore.events import GENESIS_HASH, Metadata, MigrationStarted, RawEvent, ValueCheck, decode_event
 from projections.state import State, evolve
 
 EXPORT_FORMAT = "evstore-export"
@@ -121,6 +121,7 @@ class ChainCheck:
     state: State = field(default_factory=lambda: State(usages_deferred=True))
     #: positions whose event touches providers its payload does not name (see :meth:`_fold`)
     extra_entities: dict[int, set[str]] = field(default_factory=dict)
+    values: ValueCheck = field(default_factory=ValueCheck)
 
     def check(self, row: ExportRow, line: int) -> None:
         if row.position != self.expected:
@@ -185,6 +186,14 @@ class ChainCheck:
                 reason="time_order",
             )
         if self.fold:
+            bad = self.values.problem(row.type, event.__dict__)
+            if bad is not None:
+                raise _corrupt(
+                    f"the event at position {row.position} holds a value no evstore command writes: {bad}",
+                    line,
+                    position=row.position,
+                    reason="invalid_value",
+                )
             self._fold(event, row.position, line)
             self.event_ids.add(row.event_id)
         self.last_time = recorded

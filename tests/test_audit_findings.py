@@ -12,6 +12,7 @@ import pytest
 from evstore import AllocationStore, Inventory, open_store
 from evstore.errors import CorruptEvent, ProjectionCorrupt
 from evstore.events import (
+    EVENT_TYPES,
     GENESIS_HASH,
     AllocationsReplaced,
     InventoriesReplaced,
@@ -522,3 +523,85 @@ async def test_exporting_a_row_stored_with_another_type_is_a_typed_error(sqlite_
         await (await _sqlite(store)).tamper("UPDATE events SET data = CAST(data AS BLOB) WHERE position = 2")
         with pytest.raises(CorruptEvent, match="position 2 cannot be exported"):
             _ = [line async for line in store.export()]
+
+
+def _bad_values(rp: str, c: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Events no command writes, each with one value off (decoding takes every one of them)."""
+    return {
+        "a negative amount": ("AllocationsReplaced", _held(c, {rp: {"VCPU": -20}})),
+        "a zero amount": ("AllocationsReplaced", _held(c, {rp: {"VCPU": 0}})),
+        "an amount over 2**31-1": ("AllocationsReplaced", _held(c, {rp: {"VCPU": 2**31}})),
+        "an amount over 64 bits": ("AllocationsReplaced", _held(c, {rp: {"VCPU": 2**70}})),
+        "a consumer that is no uuid": ("AllocationsReplaced", _held("legacy-42", {rp: {"VCPU": 1}})),
+        "a provider in upper case": ("AllocationsReplaced", _held(c, {rp.upper(): {"VCPU": 1}})),
+        "a negative generation": ("AllocationsReplaced", {**_held(c, {rp: {"VCPU": 1}}), "generation": -3}),
+        "an empty project id": ("AllocationsReplaced", {**_held(c, {rp: {"VCPU": 1}}), "project_id": ""}),
+        "a class off the pattern": ("AllocationsReplaced", _held(c, {rp: {"vcpu": 1}})),
+        "a provider with no class": ("AllocationsReleased", {"consumer": c, "released": {rp: {}}}),
+    }
+
+
+@pytest.mark.parametrize("what", sorted(_bad_values("p", "c")))
+async def test_imports_holding_values_no_command_writes_are_refused(tmp_path: Path, what: str) -> None:
+    """Regression: decoding checks types only, so an import took amounts of -20 or 0 (the provider
+    then over-committed, and the audit called it clean), ids no query can name ('legacy-42', upper
+    case: their usage could never be released), negative generations and empty project ids; an
+    amount over 64 bits failed it with a bare OverflowError. Each is refused whole, naming why."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, "rp", VCPU=100)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    etype, data = _bad_values(rp, new_uuid())[what]
+    bad = chained(last, etype, data, version=EVENT_TYPES[etype].SCHEMA_VERSION)
+    header = parse_header(lines[0])
+    lines[0] = ExportHeader(header.events + 1, header.head + 1, bad.hash).to_line()
+    lines.append(row_line(bad))
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        with pytest.raises(CorruptEvent, match="holds a value no evstore command writes") as caught:
+            await store.import_events(lambda: iter(lines))
+        assert caught.value.details["reason"] == "invalid_value"
+        assert caught.value.details["position"] == bad.position
+        assert await store.head() == 0
+
+
+@pytest.mark.parametrize(
+    "what", ["a negative amount", "a consumer that is no uuid", "an amount over 64 bits"]
+)
+async def test_values_no_command_writes_appended_behind_the_stores_back_are_integrity_findings(
+    sqlite_url: str, what: str
+) -> None:
+    """Regression: the audit called a log clean whose event held an amount of -20 (and the
+    provider over-committed), or a consumer id no query can name."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, "rp", VCPU=100)
+        etype, data = _bad_values(rp, new_uuid())[what]
+        bad = chained(await _tail(store), etype, data, version=EVENT_TYPES[etype].SCHEMA_VERSION)
+        await _append(await _sqlite(store), bad)
+        report = await store.audit()
+        found = [f for f in report.integrity if f.details.get("reason") == "invalid_value"]
+        assert [f.positions for f in found] == [(bad.position,)], [f.message for f in report.findings]
+        assert not report.clean
+        if what == "an amount over 64 bits":  # (was a bare OverflowError from the projection's write)
+            for full in (False, True):
+                with pytest.raises(CorruptEvent, match="too large to store in the projection"):
+                    await store.rebuild(full=full)
+            assert (await store.usage(rp)).usages == {"VCPU": 0}
+
+
+async def test_allocations_held_on_a_provider_the_log_never_created_are_integrity_findings(
+    sqlite_url: str,
+) -> None:
+    """Regression: a consumer holding allocations on a provider id no provider has (here the
+    provider's uuid in upper case: no query can name it) was clean in the audit; its usage is
+    counted nowhere."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, "rp", VCPU=100)
+        c = new_uuid()
+        bad = chained(
+            await _tail(store), "AllocationsReplaced", _held(c, {rp.upper(): {"VCPU": 1}}), version=2
+        )
+        await _append(await _sqlite(store), bad)
+        report = await store.audit()
+        [found] = [f for f in report.integrity if f.details.get("reason") == "unknown_provider"]
+        assert found.positions == (bad.position,)
+        assert found.details["consumer"] == c and found.details["providers"] == [rp.upper()]
