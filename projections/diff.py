@@ -17,7 +17,7 @@ from typing import Any, Literal
 from evstore.events import decode_event
 from projections.persisted import clone
 from projections.replay import FOLD_SLICE
-from projections.state import ConsumerState, State, evolve
+from projections.state import ConsumerState, State, evolve_noting_providers
 
 Allocs = dict[str, dict[str, int]]
 ChangeKind = Literal["created", "changed", "released", "deleted", "transient"]
@@ -112,9 +112,14 @@ def _classify(before: ConsumerState | None, after: ConsumerState | None) -> Chan
     if had and not has:
         return "released"
     if had and has:
-        same_generation = before is not None and after is not None and before.generation == after.generation
-        return None if had == has and same_generation else "changed"
+        assert before is not None and after is not None
+        return None if had == has and _labels(before) == _labels(after) else "changed"
     return "transient"  # touched in between, holding nothing at both ends
+
+
+def _labels(c: ConsumerState) -> tuple[Any, ...]:
+    """What a consumer is besides its allocations (a rewrite for another project is a change)."""
+    return (c.generation, c.project_id, c.user_id, c.consumer_type, c.on_behalf_of, c.deleted)
 
 
 async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_size: int = 5000) -> Diff:
@@ -134,9 +139,9 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
             if i % FOLD_SLICE == 0:
                 await asyncio.sleep(0)  # (other tasks run between slices of the batch)
             event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
-            evolve(state, event, raw.position)
+            changed = evolve_noting_providers(state, event, raw.position)
             counts[raw.type] = counts.get(raw.type, 0) + 1
-            for entity in event.entities():
+            for entity in event.entities() | {f"provider:{p}" for p in changed}:
                 touched.setdefault(entity, []).append(raw.position)
             after = raw.position
     return await asyncio.to_thread(_describe, before, state, touched, counts)

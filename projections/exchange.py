@@ -16,8 +16,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
-from evstore.events import GENESIS_HASH, Metadata, MigrationStarted, RawEvent, ValueCheck, decode_event
-from projections.state import State, evolve
+from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event
+from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
 EXPORT_VERSION = 1
@@ -201,17 +201,15 @@ class ChainCheck:
         self.expected = row.position + 1
 
     def _fold(self, event: Any, position: int, line: int) -> None:
-        if isinstance(event, MigrationStarted):
-            # evstore starts a migration only onto an empty consumer; an imported log may move
-            # allocations onto one that holds some, and those providers lose them here without
-            # the payload naming them: their history must still show this event.
-            held = self.state.consumers.get(event.migration)
-            if held is not None and held.allocations:
-                extra = {f"provider:{p}" for p in held.allocations} - event.entities()
-                if extra:
-                    self.extra_entities[position] = extra
+        # The history of a provider is every event that changed what is held on it. evstore's own
+        # events name all of those providers in their payload (``entities``); an imported log's
+        # need not: a version-1 AllocationsReplaced has no ``previous``, a Placement-style writer
+        # moves allocations onto a migration consumer that holds some, a revert's or a delete's
+        # payload may list other providers than the consumer held. So the providers whose
+        # holdings this event's fold changes are found from the fold itself
+        # (``evolve_noting_providers``), and those its payload does not name are indexed for it too.
         try:
-            evolve(self.state, event, position)
+            changed = evolve_noting_providers(self.state, event, position)
         except Exception as exc:  # (every fold is meant to take any decodable event)
             raise _corrupt(
                 f"the event at position {position} cannot be folded: {exc!r}",
@@ -219,6 +217,8 @@ class ChainCheck:
                 position=position,
                 reason="unfoldable",
             ) from None
+        if changed and (extra := {f"provider:{p}" for p in changed} - event.entities()):
+            self.extra_entities[position] = extra
 
 
 def _storable(data: str) -> bool:

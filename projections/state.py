@@ -298,6 +298,28 @@ def evolve(state: State, event: ev.EventBase, position: int) -> State:
     return state
 
 
+def evolve_noting_providers(state: State, event: ev.EventBase, position: int) -> set[str]:
+    """:func:`evolve`, returning the providers on which the fold changed what a consumer holds.
+
+    evstore's own events name every such provider in their payload (``entities()``); an
+    imported log's need not (a version-1 AllocationsReplaced has no ``previous``; another writer's
+    revert or delete may list other providers than the consumer held): history and diff take
+    these from the fold itself.
+    """
+    fields = event.__dict__
+    consumers = [fields[f] for f in ("consumer", "instance", "migration") if f in fields]
+    consumers += list(fields.get("migrations_released") or ())
+    held = state.consumers
+    before = {c: held[c].allocations if c in held else {} for c in consumers}
+    evolve(state, event, position)
+    changed: set[str] = set()
+    for c, was in before.items():
+        now = held[c].allocations if c in held else {}
+        if now is not was:  # (allocations are replaced, never changed in place)
+            changed.update(p for p in was.keys() | now.keys() if was.get(p) != now.get(p))
+    return changed
+
+
 def fold(events: list[tuple[int, ev.EventBase]], state: State | None = None) -> State:
     state = state if state is not None else State()
     for position, event in events:

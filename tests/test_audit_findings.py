@@ -605,3 +605,41 @@ async def test_allocations_held_on_a_provider_the_log_never_created_are_integrit
         [found] = [f for f in report.integrity if f.details.get("reason") == "unknown_provider"]
         assert found.positions == (bad.position,)
         assert found.details["consumer"] == c and found.details["providers"] == [rp.upper()]
+
+
+async def test_an_imported_version_1_allocation_write_is_in_the_history_of_the_provider_it_left(
+    tmp_path: Path,
+) -> None:
+    """Regression: a version-1 AllocationsReplaced (written before consumer types) has no
+    ``previous``, so the history keys read off its payload missed the provider the consumer left:
+    that provider's state_at slice kept the allocation, its history lacked the event, and diff
+    named no event for its usage change (whole-store answers and the audit were right)."""
+    p, q, c = new_uuid(), new_uuid(), new_uuid()
+    inv = {"VCPU": Inventory(total=8)}
+    v1 = {"project_id": "a", "user_id": "u"}
+    last: Any = RawEvent(0, "", "", 0, "", "", "", GENESIS_HASH)
+    rows = []
+    for i, (etype, version, data) in enumerate(
+        [
+            ("ProviderCreated", 1, ProviderCreated(provider=p, name="P", root=p).payload()),
+            ("ProviderCreated", 1, ProviderCreated(provider=q, name="Q", root=q).payload()),
+            ("InventoriesReplaced", 1, InventoriesReplaced(provider=p, inventories=inv, generation=1).payload()),
+            ("InventoriesReplaced", 1, InventoriesReplaced(provider=q, inventories=inv, generation=1).payload()),
+            ("AllocationsReplaced", 1, {"consumer": c, "allocations": {p: {"VCPU": 2}}, "generation": 1,
+                                        "provider_generations": {p: 2}, **v1}),
+            ("AllocationsReplaced", 1, {"consumer": c, "allocations": {q: {"VCPU": 3}}, "generation": 2,
+                                        "provider_generations": {q: 2}, **v1}),
+        ],
+        start=1,
+    ):  # fmt: skip
+        last = chained(last, etype, data, version=version, at=f"2026-01-01T00:00:{i:02d}.000000+00:00")
+        rows.append(last)
+    lines = [ExportHeader(len(rows), len(rows), last.hash).to_line(), *(row_line(r) for r in rows)]
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        assert [e.position async for e in store.history(p)] == [1, 3, 5, 6]
+        sliced = await store.state_at(position=6, provider=p)
+        assert (await sliced.usage(p)).usages == (await store.usage(p)).usages == {"VCPU": 0}
+        assert await sliced.provider_allocations(p) == {}
+        [left] = [u for u in (await store.diff(5, 6)).usage if u.provider == p]
+        assert left.positions == (6,)

@@ -88,3 +88,28 @@ async def test_diff_by_time_and_bad_bounds(store: AllocationStore) -> None:
         await store.diff(0, head + 1)
     with pytest.raises(InvalidInput):
         await store.diff(datetime.now(), head)  # naive time: ambiguous
+
+
+async def test_a_consumer_rewritten_for_another_project_is_a_change(store: AllocationStore) -> None:
+    """Regression: released and written again with the same allocations and generation, for
+    another project and user, the consumer was left out of the diff (only allocations and
+    generation were compared), though project usage moved from one project to the other."""
+    p, c = await make_provider(store, "n", VCPU=8), new_uuid()
+    await store.set_allocations(
+        c,
+        {p: {"VCPU": 2}},
+        project_id="project-A",
+        user_id="alice",
+        consumer_type="INSTANCE",
+        generation=None,
+    )
+    a = await store.head()
+    await store.release(c)
+    await store.set_allocations(
+        c, {p: {"VCPU": 2}}, project_id="project-B", user_id="bob", consumer_type="INSTANCE", generation=None
+    )
+    b = await store.head()
+    change = (await store.diff(a, b)).consumer(c)
+    assert change is not None and change.change == "changed"
+    assert change.positions == (a + 1, b)
+    assert (await store.diff(a, a + 1)).consumer(c) is not None  # (released: as before)
