@@ -615,7 +615,7 @@ async def test_an_imported_version_1_allocation_write_is_in_the_history_of_the_p
     that provider's state_at slice kept the allocation, its history lacked the event, and diff
     named no event for its usage change (whole-store answers and the audit were right)."""
     p, q, c = new_uuid(), new_uuid(), new_uuid()
-    inv = {"VCPU": Inventory(total=8)}
+    inv = {"VCPU": Inventory(total=8).model_dump()}
     v1 = {"project_id": "a", "user_id": "u"}
     last: Any = RawEvent(0, "", "", 0, "", "", "", GENESIS_HASH)
     rows = []
@@ -623,8 +623,8 @@ async def test_an_imported_version_1_allocation_write_is_in_the_history_of_the_p
         [
             ("ProviderCreated", 1, ProviderCreated(provider=p, name="P", root=p).payload()),
             ("ProviderCreated", 1, ProviderCreated(provider=q, name="Q", root=q).payload()),
-            ("InventoriesReplaced", 1, InventoriesReplaced(provider=p, inventories=inv, generation=1).payload()),
-            ("InventoriesReplaced", 1, InventoriesReplaced(provider=q, inventories=inv, generation=1).payload()),
+            ("InventoriesReplaced", 1, {"provider": p, "inventories": inv, "generation": 1}),
+            ("InventoriesReplaced", 1, {"provider": q, "inventories": inv, "generation": 1}),
             ("AllocationsReplaced", 1, {"consumer": c, "allocations": {p: {"VCPU": 2}}, "generation": 1,
                                         "provider_generations": {p: 2}, **v1}),
             ("AllocationsReplaced", 1, {"consumer": c, "allocations": {q: {"VCPU": 3}}, "generation": 2,

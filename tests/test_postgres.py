@@ -266,6 +266,11 @@ async def test_a_missing_schema_is_a_clear_error(pg_url: str) -> None:
         ("postgresql://u@127.0.0.1:1/x", {"pool_size": True}, "pool_size"),
         ("postgresql://u@127.0.0.1:abc/x", {}, "Malformed PostgreSQL URL"),  # was evstore.internal
         ("postgresql://u@[::1/x", {}, "Malformed PostgreSQL URL"),
+        ("postgresql://u@127.0.0.1:1/x?pool_size=x", {}, "pool_size in the URL must be an integer"),
+        ("postgresql://u@127.0.0.1:1/x?pool_size=0", {}, "pool_size"),
+        ("postgresql://u@127.0.0.1:1/x?connect_timeout=soon", {}, "connect_timeout"),
+        ("postgresql://u@127.0.0.1:1/x?create=maybe", {}, "create must be true or false"),
+        ("postgresql://u@127.0.0.1:1/x?pool_size=1&pool_size=2", {}, "sets pool_size more than once"),
     ],
 )
 async def test_bad_options_and_urls_are_invalid_input_before_connecting(
@@ -274,6 +279,24 @@ async def test_bad_options_and_urls_are_invalid_input_before_connecting(
     with pytest.raises(InvalidInput, match=named):
         async with open_store(url, **options):
             pass
+
+
+async def test_store_options_in_the_url_are_evstores_not_server_settings(pg_url: str) -> None:
+    """Regression: the README says the backend's options may be given as ?k=v in the URL (the
+    CLI's --url is the only way there), but they went to the server as settings, which refused
+    the connection ('unrecognized configuration parameter "pool_size"'), libpq's connect_timeout
+    included."""
+    options = "pool_size=3&min_pool_size=1&connect_timeout=5&command_timeout=30&max_retries=3"
+    options += "&statement_cache_size=0"
+    async with open_store(f"{pg_url}&{options}") as store:
+        backend = store.backend
+        assert isinstance(backend, PostgresBackend)
+        assert (backend.pool_size, backend.min_pool_size, backend.max_retries) == (3, 1, 3)
+        assert (backend.connect_timeout, backend.command_timeout, backend.statement_cache_size) == (5, 30, 0)
+        await make_provider(store, VCPU=4)
+        assert await store.head() == 2
+    async with open_store(f"{pg_url}&pool_size=3", pool_size=4) as store:  # (a keyword wins)
+        assert isinstance(store.backend, PostgresBackend) and store.backend.pool_size == 4
 
 
 async def test_unknown_options_are_refused(pg_url: str) -> None:

@@ -30,6 +30,7 @@ from evstore import (
     open_store,
 )
 from evstore.events import AllocationsReplaced, decode_event
+from evstore.log.sqlite import SqliteBackend
 from tests.conftest import allocate, make_provider, new_uuid
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -89,12 +90,20 @@ async def test_relative_and_absolute_urls_wal_and_durability(
     async with open_store(f"sqlite:///{tmp_path}/abs.db") as store:  # tmp_path is absolute: four slashes
         await make_provider(store, VCPU=1)
         backend = store.backend
-        assert backend.synchronous == "FULL"  # type: ignore[attr-defined]
+        assert isinstance(backend, SqliteBackend)
+        # (2 is FULL, on both connections: a commit is durable when it returns)
+        for on in (backend._on_writer, backend._on_reader):
+            assert await on(lambda conn: conn.execute("PRAGMA synchronous").fetchone()[0]) == 2
     conn = sqlite3.connect(tmp_path / "abs.db")
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()
     async with open_store(f"sqlite:///{tmp_path}/n.db?synchronous=NORMAL") as store:
-        assert store.backend.synchronous == "NORMAL"  # type: ignore[attr-defined]
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        assert await backend._on_writer(lambda conn: conn.execute("PRAGMA synchronous").fetchone()[0]) == 1
+    with pytest.raises(InvalidInput, match="sets synchronous more than once"):  # (the last one won)
+        async with open_store(f"sqlite:///{tmp_path}/n.db?synchronous=FULL&synchronous=OFF"):
+            pass
     with pytest.raises(InvalidInput):
         async with open_store("mysql://nope"):
             pass

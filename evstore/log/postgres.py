@@ -84,7 +84,7 @@ import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
 
@@ -333,6 +333,40 @@ OPTIONS = (
 TestHook = Callable[[Any], Awaitable[None]]
 
 
+def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
+    """evstore's own options given as ``?k=v`` in the URL (the only way the CLI's ``--url`` can set
+    them), taken out of it: asyncpg would send them to the server as settings, which refuses them.
+    ``connect_timeout`` is also libpq's parameter, in the same unit. Returns the URL without them."""
+    try:
+        parts = urlsplit(url)
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+    except ValueError as exc:
+        raise err.InvalidInput(f"Malformed PostgreSQL URL {safe_url}: {exc}") from None
+    names = [k for k, _ in pairs]
+    twice = sorted({k for k in names if names.count(k) > 1})
+    if twice:
+        raise err.InvalidInput(f"The PostgreSQL URL {safe_url} sets {', '.join(twice)} more than once")
+    ours = {k: v for k, v in pairs if k in OPTIONS}
+    if not ours:
+        return url, {}
+    rest = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in pairs if k not in OPTIONS])))
+    options: dict[str, Any] = {}
+    for name, text in ours.items():
+        if name == "create":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise err.InvalidInput(f"create must be true or false, got {text!r:.40}", field=name)
+            options[name] = text.lower() in ("true", "1")
+            continue
+        try:
+            options[name] = float(text) if name.endswith("_timeout") else int(text)
+        except ValueError:
+            kind = "a number of seconds" if name.endswith("_timeout") else "an integer"
+            raise err.InvalidInput(
+                f"{name} in the URL must be {kind}, got {text!r:.40}", field=name
+            ) from None
+    return rest, options
+
+
 def redact(url: str) -> str:
     """The URL without its password (for messages and logs)."""
     return err.redact_url(url)
@@ -437,8 +471,9 @@ class PostgresBackend:
     Options: ``pool_size`` (connections, default 10), ``min_pool_size`` (1), ``connect_timeout``
     (seconds, 10), ``command_timeout`` (seconds per statement, none), ``max_retries`` (attempts
     on deadlock/serialization failure, 10), ``statement_cache_size`` (asyncpg's, 100; 0 behind a
-    pgbouncer in transaction mode). URL query parameters other than libpq's are passed to the
-    server as settings, e.g. ``?search_path=tenant_a`` (the schema must exist).
+    pgbouncer in transaction mode). Each also as ``?k=v`` in the URL (a keyword wins). Other URL
+    query parameters than libpq's are passed to the server as settings, e.g.
+    ``?search_path=tenant_a`` (the schema must exist).
     """
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -447,8 +482,10 @@ class PostgresBackend:
             raise err.InvalidInput(
                 f"Unknown PostgreSQL store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
             )
-        self.url = url
         self.safe_url = redact(url)
+        url, from_url = _options_in_url(url, self.safe_url)
+        options = {**from_url, **options}  # (a keyword wins, as on SQLite)
+        self.url = url
         try:
             parts = urlsplit(url)
             # (parsing the port is the check: one that is not a number raises; a libpq multi-host

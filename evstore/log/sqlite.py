@@ -631,7 +631,11 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     query = ""
     if "?" in rest:
         rest, query = rest.split("?", 1)
-    options = dict(part.split("=", 1) for part in query.split("&") if "=" in part)
+    pairs = [part.split("=", 1) for part in query.split("&") if "=" in part]
+    options = dict(pairs)
+    if len(options) < len(pairs):
+        twice = sorted({k for k, _ in pairs if [n for n, _ in pairs].count(k) > 1})
+        raise err.InvalidInput(f"The SQLite URL {url!r} sets {', '.join(twice)} more than once")
     if rest in ("", "/", "/:memory:"):
         return ":memory:", options
     if not rest.startswith("/"):
