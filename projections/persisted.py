@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evstore.errors import ProjectionCorrupt
-from evstore.schema import Inventory
+from evstore.events import MAX_GENERATION
+from evstore.schema import MAX_INT, Inventory
 from projections.state import ConsumerState, ProviderState, State
 
 
@@ -140,6 +141,8 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
         used = json.loads(usages)
         if not isinstance(used, dict) or not all(type(v) is int for v in used.values()):
             raise ValueError("usages is not a mapping of amounts")
+        if type(generation) is not int or generation < 0:
+            raise ValueError(f"generation {generation!r:.40} is not a count")
         return ProviderState(uuid, name, parent, root, generation, inventories_from_json(inventories), used)
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise ProjectionCorrupt(
@@ -172,6 +175,12 @@ def consumer_from_row(row: tuple[Any, ...]) -> ConsumerState:
     uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, allocated_at = (
         row
     )
+    if deleted not in (0, 1):  # (True and False included: PostgreSQL's column is a boolean)
+        raise ProjectionCorrupt(
+            f"The projection row of consumer {uuid} has deleted = {deleted!r:.40}, neither 0 nor 1: the "
+            "projection is damaged; `evstore rebuild` refolds it from the log",
+            consumer=uuid,
+        )
     return ConsumerState(
         uuid,
         project_id,
@@ -184,6 +193,33 @@ def consumer_from_row(row: tuple[Any, ...]) -> ConsumerState:
         on_behalf_of,
         allocated_at,
     )
+
+
+def check_loaded_consumer(c: ConsumerState) -> None:
+    """Raise :class:`ProjectionCorrupt` unless a consumer loaded for a command (its row and its
+    allocation rows) holds values evstore writes: a command deciding against a generation that is
+    text, or an amount of 0 or below, would commit a decision the log then keeps (a drift a
+    rebuild cannot undo). Values of the right kind but wrong (a changed amount, a cleared
+    tombstone) only the audit finds, against the log."""
+    bad = None
+    if not (c.generation is None or (type(c.generation) is int and 1 <= c.generation <= MAX_GENERATION)):
+        bad = f"generation {c.generation!r:.40}"
+    elif not (c.deleted_at is None or type(c.deleted_at) is int):
+        bad = f"deleted_at {c.deleted_at!r:.40}"
+    elif not (c.on_behalf_of is None or type(c.on_behalf_of) is str):
+        bad = f"on_behalf_of {c.on_behalf_of!r:.40}"
+    else:
+        for provider, resources in c.allocations.items():
+            for rc, amount in resources.items():
+                if type(amount) is not int or not 1 <= amount <= MAX_INT:
+                    bad = f"an allocation of {amount!r:.40} {rc} on provider {provider}"
+                    break
+    if bad is not None:
+        raise ProjectionCorrupt(
+            f"The projection rows of consumer {c.uuid} hold {bad}, which evstore never writes: the "
+            "projection is damaged; `evstore audit` says where and `evstore rebuild` refolds it from the log",
+            consumer=c.uuid,
+        )
 
 
 def allocation_rows(c: ConsumerState) -> list[tuple[str, str, str, int]]:

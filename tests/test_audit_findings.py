@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from evstore import AllocationStore, Inventory, open_store
-from evstore.errors import CorruptEvent, ProjectionCorrupt
+from evstore.errors import CapacityExceeded, CorruptEvent, ProjectionCorrupt
 from evstore.events import (
     EVENT_TYPES,
     GENESIS_HASH,
@@ -643,3 +644,59 @@ async def test_an_imported_version_1_allocation_write_is_in_the_history_of_the_p
         assert await sliced.provider_allocations(p) == {}
         [left] = [u for u in (await store.diff(5, 6)).usage if u.provider == p]
         assert left.positions == (6,)
+
+
+@pytest.mark.parametrize(
+    ("sql", "named"),
+    [
+        ("UPDATE p_allocations SET used = -5 WHERE consumer = ?", "an allocation of -5 VCPU"),
+        ("UPDATE p_allocations SET used = 'lots' WHERE consumer = ?", "an allocation of 'lots' VCPU"),
+        ("UPDATE p_consumers SET generation = 'abc' WHERE uuid = ?", "generation 'abc'"),
+        ("UPDATE p_consumers SET generation = 0 WHERE uuid = ?", "generation 0"),
+        ("UPDATE p_consumers SET deleted = 7 WHERE uuid = ?", "deleted = 7"),
+    ],
+)
+async def test_a_consumer_row_holding_values_evstore_never_writes_fails_its_commands(
+    sqlite_url: str, sql: str, named: str
+) -> None:
+    """Regression: only the providers' JSON columns were checked when a command loaded its slice.
+    With the allocation row tampered to -5 the consumer's next write decided against it (and the
+    log kept that decision); a generation of 'abc' answered ConcurrentUpdate ('expected abc'),
+    telling the caller to retry rather than to rebuild."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, "rp", VCPU=100)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        head = await store.head()
+        await (await _sqlite(store)).tamper(sql, (c,))
+        store.backend._cache.forget()  # type: ignore[attr-defined]  # (as another process's write would)
+        with pytest.raises(ProjectionCorrupt, match=named) as caught:
+            await store.set_allocations(
+                c, {rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=1
+            )
+        assert caught.value.details["consumer"] == c
+        assert await store.head() == head
+        await store.rebuild()
+        await store.set_allocations(
+            c, {rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=1
+        )
+        assert (await store.audit()).clean
+
+
+async def test_a_projection_table_lost_from_a_store_is_refolded_from_the_log_on_open(tmp_path: Path) -> None:
+    """Regression: with p_allocations dropped, the next open created it empty: allocations(c)
+    answered {} and commands decided against nothing held (over-committing the provider)."""
+    url = f"sqlite:///{tmp_path}/lost.db"
+    async with open_store(url) as store:
+        rp = await make_provider(store, "rp", VCPU=4)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 3}})
+    conn = sqlite3.connect(tmp_path / "lost.db")
+    conn.execute("DROP TABLE p_allocations")
+    conn.commit()
+    conn.close()
+    async with open_store(url) as store:
+        assert (await store.allocations(c)).allocations == {rp: {"VCPU": 3}}
+        with pytest.raises(CapacityExceeded):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+        assert (await store.audit()).clean

@@ -1335,6 +1335,8 @@ async def lock_load(conn: Any, n: Needs, fence: int | None, keys: list[int]) -> 
             state.providers[t1] = persisted.provider_from_row((t1, t2, t3, t4, b1, t5, t6))
         else:
             state.custom_classes.add(t1)
+    for c in consumers.values():
+        persisted.check_loaded_consumer(c)
     return state
 
 
@@ -1385,6 +1387,8 @@ async def _load_consumers(conn: Any, state: State, uuids: set[str]) -> None:
         "SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer = ANY($1::text[])", keys
     ):
         state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
+    for uuid in uuids & state.consumers.keys():
+        persisted.check_loaded_consumer(state.consumers[uuid])
 
 
 def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:

@@ -187,6 +187,8 @@ def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> 
         held = f"SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer IN ({marks})"
         for consumer, provider, rc, used in conn.execute(held, found):
             state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
+        for uuid in found:
+            persisted.check_loaded_consumer(state.consumers[uuid])
 
 
 def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
@@ -1242,18 +1244,43 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         _schema_state(conn)  # (again, under the lock: another process may have changed it)
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         for statement in DDL.split(";"):
             if statement.strip():
                 conn.execute(statement)
         # A new store, or one of schema version 1, whose history index is complete: it holds the
         # rows of every event (version 1 wrote them with each event). _schema_state refused newer.
         head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
+        missing = [t for t in PROJECTION_TABLES if t not in tables]
+        if head and missing:
+            _refold_lost_projection(conn, missing, head)
         conn.execute("INSERT OR IGNORE INTO meta VALUES ('history_through', ?)", (str(head),))
         conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _refold_lost_projection(conn: sqlite3.Connection, missing: list[str], head: int) -> None:
+    """A store whose log holds events lost projection tables (dropped by hand, or a damaged
+    file): created empty, they would make every command decide against nothing held (and every
+    query answer nothing). The projection is the log folded: it is folded again, now, inside the
+    open's write transaction. A log that cannot be folded is left to the audit (which names the
+    row): the tables stay empty, as the audit then reports."""
+    log.warning("projection.tables_missing", tables=missing, head=head, action="refolding from the log")
+    state = State(usages_deferred=True)
+    cursor = conn.execute("SELECT position, type, schema_version, data FROM events ORDER BY position")
+    try:
+        with gc_paused():
+            while rows := cursor.fetchmany(5000):
+                fold_payloads(state, rows)
+    except err.CorruptEvent as exc:
+        log.error("projection.refold_failed", tables=missing, error=exc.message)
+        return
+    if state.usages_deferred:
+        state.recount_usages()
+    _replace_projection(conn, state)
 
 
 def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
