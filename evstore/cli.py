@@ -474,7 +474,7 @@ def add_event_row(table: Table, recorded: Any, names: Names) -> None:
     who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
     table.add_row(
         str(recorded.position),
-        recorded.recorded_at.isoformat(timespec="seconds"),
+        recorded.recorded_at.isoformat(timespec="microseconds"),
         recorded.type,
         escape(who),
         escape(describe(recorded.event, names, short=True)),
@@ -768,7 +768,7 @@ def tail(
                     who = recorded.metadata.request_id or recorded.metadata.actor or "-"
                     what = describe(recorded.event, names, short=True)
                     out.print(  # (never folded: one event, one line, for grep)
-                        f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='milliseconds')} "
+                        f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='microseconds')} "
                         f"{recorded.type:<20} {escape(who)}  {escape(what)}",
                         soft_wrap=True,
                     )

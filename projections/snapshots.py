@@ -38,7 +38,7 @@ class SnapshotStore(Protocol):
     async def read_raw(self, after: int, limit: int) -> list[Any]: ...
     async def save_snapshot(self, position: int, event_hash: str, fmt: int, state: str) -> None: ...
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None: ...
-    async def snapshot_positions(self) -> list[int]: ...
+    async def snapshot_positions(self, usable_in: int | None = None) -> list[int]: ...
     async def drop_snapshots(self) -> None: ...
 
 
@@ -186,9 +186,12 @@ def _decoded(decode: Callable[[str], State], found: tuple[int, str], what: str) 
     """A snapshot decoded, or None when it cannot be (a damaged row): a snapshot is only a cache,
     so the fold then starts from the beginning instead of failing."""
     try:
-        return decode(found[1])
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        log.warning("snapshot.unreadable", position=found[0], snapshot=what, error=str(exc)[:200])
+        state = decode(found[1])
+        if state.position != found[0]:
+            raise ValueError(f"it says position {state.position}")
+        return state
+    except Exception as exc:  # (any shape of damage: valid JSON of another shape raised AttributeError)
+        log.warning("snapshot.unreadable", position=found[0], snapshot=what, error=repr(exc)[:200])
         return None
 
 
@@ -242,16 +245,20 @@ async def fold_to(
     batch_size: int = 5000,
     save: bool = True,
     progress: Callable[[int], None] | None = None,
+    start_at: int | None = None,
+    taken: frozenset[int] = frozenset(),
 ) -> State:
     """The state at ``position``: the nearest snapshot at or before it, plus the events since.
 
-    On the way, a snapshot is saved at every multiple of ``every`` that has none yet (when
-    ``save``), so the next question about this part of the log is answered faster.
+    On the way, a snapshot is saved at every multiple of ``every`` past the one it starts from
+    (when ``save``), except at the positions in ``taken``, so the next question about this part
+    of the log is answered faster. ``start_at``: start from the nearest snapshot at or before
+    that position instead (to fill the snapshots missing after it).
     """
     if every < 1:
         raise InvalidInput("snapshot interval must be a positive number of events")
     with gc_paused():
-        found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
+        found = await backend.load_snapshot(position if start_at is None else start_at, SNAPSHOT_FORMAT)
         # (whole-state work runs on a thread: decoding or encoding a large store's state takes
         # a fraction of a second, which the event loop must not stall for)
         decoded = None
@@ -266,7 +273,7 @@ async def fold_to(
             rows = [(raw.position, raw.type, raw.schema_version, raw.data) for raw in batch]
             folded = 0
             for i, raw in enumerate(batch):
-                if save and raw.position % every == 0:
+                if save and raw.position % every == 0 and raw.position not in taken:
                     await fold_payloads_yielding(state, rows[folded : i + 1])
                     folded = i + 1
                     encoded = await asyncio.to_thread(encode_state, state)
@@ -289,6 +296,12 @@ async def take_snapshots(
     every: int = DEFAULT_SNAPSHOT_EVERY,
     progress: Callable[[int], None] | None = None,
 ) -> list[int]:
-    """Fold the log to its head, saving a snapshot at each multiple of ``every``; returns all positions."""
-    await fold_to(backend, await head(), every, progress=progress)
+    """Fold the log to its head, saving a snapshot at each multiple of ``every`` that has none
+    (also before the latest snapshot: a smaller ``every`` than before fills in between); returns
+    all positions."""
+    at = await head()
+    taken = frozenset(await backend.snapshot_positions(usable_in=SNAPSHOT_FORMAT))
+    missing = next((p for p in range(every, at + 1, every) if p not in taken), None)
+    if missing is not None:
+        await fold_to(backend, at, every, progress=progress, start_at=missing, taken=taken)
     return await backend.snapshot_positions()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,12 @@ def test_find_the_event_that_released_a_migrations_allocation(tmp_path: Path) ->
     # 5. the human forms of the same commands
     human = evstore("history", instance, "--db", db)
     assert human.returncode == 0 and "ConsumerDeleted" in human.stdout and "tombstone" in human.stdout
+    # the time the table shows leads back to the event (it showed whole seconds: state --at that
+    # time answered a position before it, 0 in a demo that ran within one second)
+    [shown] = [line for line in human.stdout.splitlines() if "ConsumerDeleted" in line]
+    stamp = next(word for word in shown.split() if word.startswith(released_by["recorded_at"][:10]))
+    assert datetime.fromisoformat(stamp) == datetime.fromisoformat(released_by["recorded_at"])
+    assert _json("state", "--at", stamp, "--db", db)["position"] >= p
     human_diff = evstore("diff", str(p - 1), str(p), "--db", db)
     assert human_diff.returncode == 0 and "released" in human_diff.stdout and migration in human_diff.stdout
     human_state = evstore("state", "--at", str(p - 1), "--consumer", migration, "--db", db)

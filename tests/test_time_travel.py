@@ -84,6 +84,10 @@ async def test_a_snapshot_whose_event_was_altered_is_not_used(tmp_path: Path) ->
         "not json at all",
         f'{{"format":{SNAPSHOT_FORMAT}}}',
         f'{{"format":{SNAPSHOT_FORMAT},"position":10,"providers":7}}',
+        "[]",  # (valid JSON of another shape raised AttributeError, failing state_at and diff)
+        "null",
+        # a sound document of another position: used, it answered that position's state
+        f'{{"format":{SNAPSHOT_FORMAT},"position":3,"providers":[],"consumers":[],"custom_classes":[]}}',
     ],
 )
 async def test_an_unreadable_snapshot_is_skipped_not_fatal(tmp_path: Path, damage: str) -> None:
@@ -103,6 +107,20 @@ async def test_an_unreadable_snapshot_is_skipped_not_fatal(tmp_path: Path, damag
         assert whole.state == truth
         sliced = await store.state_at(position=target, provider=provider)
         assert await sliced.usage(provider) == await whole.usage(provider)
+
+
+async def test_taking_snapshots_at_a_smaller_interval_fills_in_before_the_latest(tmp_path: Path) -> None:
+    """Regression: after snapshots every 10 events, taking them every 5 added only those after the
+    latest one (fold_to starts from the newest snapshot): the ones in between never came."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with open_store(url, snapshot_every=10) as store:
+        await random_workload(store, seed=3, commands=40)
+        head = await store.head()
+        assert await store.take_snapshots() == list(range(10, head + 1, 10))
+    async with open_store(url, snapshot_every=5) as store:
+        assert await store.take_snapshots() == list(range(5, head + 1, 5))
+        truth = await replay(store.backend.read, 15)
+        assert (await store.state_at(position=15)).state == truth
 
 
 async def test_state_at_a_time_and_the_queries_on_it(store: AllocationStore) -> None:

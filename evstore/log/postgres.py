@@ -1096,11 +1096,20 @@ class PostgresBackend:
             )
         return None if row is None else (int(row[0]), str(row[1]))
 
-    async def snapshot_positions(self) -> list[int]:
-        async with self._connection() as conn:
-            rows = await self._guard(
-                conn.fetch("SELECT position FROM snapshots ORDER BY position"), "listing snapshots"
+    async def snapshot_positions(self, usable_in: int | None = None) -> list[int]:
+        """Positions of the snapshots (``usable_in``: only those of that format whose event is
+        still the one they were taken at, as load_snapshot uses them)."""
+        sql = "SELECT position FROM snapshots ORDER BY position"
+        args: tuple[Any, ...] = ()
+        if usable_in is not None:
+            sql = (
+                "SELECT s.position FROM snapshots s JOIN events e "
+                "ON e.position = s.position AND e.hash = s.event_hash "
+                "WHERE s.format = $1 ORDER BY s.position"
             )
+            args = (usable_in,)
+        async with self._connection() as conn:
+            rows = await self._guard(conn.fetch(sql, *args), "listing snapshots")
         return [int(r[0]) for r in rows]
 
     async def drop_snapshots(self) -> None:

@@ -926,9 +926,19 @@ class SqliteBackend:
 
         return await self._on_reader(q)
 
-    async def snapshot_positions(self) -> list[int]:
+    async def snapshot_positions(self, usable_in: int | None = None) -> list[int]:
+        """Positions of the snapshots (``usable_in``: only those of that format whose event is
+        still the one they were taken at, as load_snapshot uses them)."""
+
         def q(conn: sqlite3.Connection) -> list[int]:
-            return [int(r[0]) for r in conn.execute("SELECT position FROM snapshots ORDER BY position")]
+            if usable_in is None:
+                return [int(r[0]) for r in conn.execute("SELECT position FROM snapshots ORDER BY position")]
+            sql = (
+                "SELECT s.position FROM snapshots s JOIN events e "
+                "ON e.position = s.position AND e.hash = s.event_hash "
+                "WHERE s.format = ? ORDER BY s.position"
+            )
+            return [int(r[0]) for r in conn.execute(sql, (usable_in,))]
 
         return await self._on_reader(q)
 
