@@ -47,7 +47,7 @@ from evstore.log import (
 from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
-from projections.state import ConsumerState, State, evolve
+from projections.state import ConsumerState, State, evolve, evolve_noting_providers
 
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
 #: no longer a unique index in new stores (ids are time-ordered, with 74 random bits)
@@ -282,9 +282,18 @@ def history_through(conn: sqlite3.Connection) -> int:
     """The position through which the history index (``event_entities``) is complete."""
     row = conn.execute("SELECT value FROM meta WHERE key = 'history_through'").fetchone()
     try:
-        return int(row[0]) if row is not None else 0
+        through = int(row[0]) if row is not None else 0
     except (TypeError, ValueError):
         return 0  # (damaged: reads then look at every event themselves, which is only slower)
+    if through > 0:
+        head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
+        if through > head:
+            # Damaged (evstore never indexes past the head): trusted, reads would never look at the
+            # events after the head, and the writer would never index them. Nothing is taken as
+            # indexed; the writer indexes everything again (INSERT OR IGNORE).
+            log.warning("history_index.through_past_head", history_through=through, head=head)
+            return 0
+    return through
 
 
 def _history_of(
@@ -1588,12 +1597,39 @@ def _rebuild(
                 _repair_index_definitions(conn)
             else:
                 _replace_projection(conn, state)
+            if full:
+                _reindex_history(conn, batch_size)
         count = int(conn.execute("SELECT count(*) FROM events").fetchone()[0])  # == head unless tampered
         conn.execute("COMMIT")
         return count
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _reindex_history(conn: sqlite3.Connection, batch_size: int) -> None:
+    """The history index (``event_entities``) written again from the log (``rebuild(full=True)``,
+    for an index that lost entries): each event under the entities its payload names and the
+    providers its fold changed holdings on (as an import indexes it), through the head."""
+    conn.execute("DELETE FROM event_entities")
+    state = State(usages_deferred=True)
+    head = 0
+    cursor = conn.execute("SELECT position, type, schema_version, data FROM events ORDER BY position")
+    while rows := cursor.fetchmany(batch_size):
+        out: list[tuple[str, int]] = []
+        for position, etype, version, data in rows:
+            try:
+                event = decode_event(etype, version, data, position)
+            except err.CorruptEvent:  # (as _history_of indexes a damaged row)
+                ids = set(_UUID_IN_TEXT.findall(data)) if isinstance(data, str) else set()
+                keys = {f"{kind}:{uuid}" for uuid in ids for kind in ("consumer", "provider")}
+            else:
+                changed = evolve_noting_providers(state, event, position)
+                keys = event.entities() | {f"provider:{p}" for p in changed}
+            out.extend((key, position) for key in keys)
+            head = position
+        conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", sorted(out))
+    conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(head),))
 
 
 # --- queries on the persisted projection --------------------------------------------------------
