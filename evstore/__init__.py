@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from evstore.log import Receipt
     from evstore.store import AllocationStore, command_metadata, open_store
     from projections.audit import AuditReport, Finding
+    from projections.diff import ConsumerChange, Diff, UsageDelta
+    from projections.replay import StateView
+    from projections.views import ConsumerView, ProjectUsages, ProviderUsage
 
 __version__ = "0.1.0"
 
@@ -50,6 +53,14 @@ _LAZY = {
     "Receipt": "evstore.log",
     "AuditReport": "projections.audit",
     "Finding": "projections.audit",
+    # what the queries answer (for annotations)
+    "ProviderUsage": "projections.views",
+    "ConsumerView": "projections.views",
+    "ProjectUsages": "projections.views",
+    "StateView": "projections.replay",
+    "Diff": "projections.diff",
+    "UsageDelta": "projections.diff",
+    "ConsumerChange": "projections.diff",
 }
 
 
@@ -62,6 +73,10 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 __all__ = [
     "AllocationStore",
     "AuditReport",
@@ -70,8 +85,11 @@ __all__ = [
     "ConcurrentUpdate",
     "ConstraintViolation",
     "ConsumerAllocations",
+    "ConsumerChange",
     "ConsumerDeleted",
+    "ConsumerView",
     "CorruptEvent",
+    "Diff",
     "DuplicateName",
     "EvstoreError",
     "Finding",
@@ -82,15 +100,19 @@ __all__ = [
     "InventoryInUse",
     "Metadata",
     "NotFound",
+    "ProjectUsages",
     "ProjectionCorrupt",
     "ProviderInUse",
     "ProviderNotFound",
+    "ProviderUsage",
     "Receipt",
     "RecordedEvent",
     "SchemaVersionError",
+    "StateView",
     "StorageError",
     "StoreClosed",
     "UnknownResourceClass",
+    "UsageDelta",
     "command_metadata",
     "open_store",
 ]

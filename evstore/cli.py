@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from typer._click.exceptions import ClickException
+from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
 from evstore import errors as err
 from projections.audit import AuditReport
@@ -172,11 +172,26 @@ def emit_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=False, default=str), flush=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"evstore {version('evstore')}")
+        except PackageNotFoundError:  # (run from a checkout that was never installed)
+            print("evstore (not installed)")
+        raise typer.Exit(EXIT_OK)
+
+
 @app.callback()
 def _root(
     verbose: Annotated[
         int, typer.Option("--verbose", "-v", count=True, help="Log to stderr: -v info, -vv debug.")
     ] = 0,
+    _version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
 ) -> None:
     configure_logging(verbose)
 
@@ -253,8 +268,9 @@ def demo(
 ) -> None:
     """Simulate a small cloud (builds, resizes, migrations, deletes racing reverts), then audit it.
 
-    Uses ./evstore-demo.db unless told otherwise; a database a previous demo wrote is replaced,
-    any other existing file is refused. Exit 0 only when the final audit is clean.
+    Uses ./evstore-demo.db unless told otherwise; a SQLite file a previous demo wrote is replaced,
+    any other existing file is refused (on PostgreSQL the schema must hold no events). Exit 0 only
+    when the final audit is clean.
     """
 
     async def work() -> int:
@@ -270,6 +286,12 @@ def demo(
         else:
             target = resolve_url(db, url, must_exist=False)
             where = f"--url '{shown(target)}'"
+            if target.startswith("sqlite:"):  # (a file the demo wrote is replaced, however named)
+                from evstore.log.sqlite import parse_sqlite_url
+
+                path, _ = parse_sqlite_url(target)
+                if path != ":memory:":
+                    _fresh_file(Path(path))
         async with open_store(target) as store:
             if await store.head() != 0:
                 shown_url = shown(target)
@@ -583,7 +605,7 @@ def state(
                 else:
                     view = await store.state_at(position=position)
             position = view.position
-            when = None
+            when: str | None = None
             if position:
                 [last] = await store.read(position - 1, 1)
                 when = last.recorded_at.isoformat()
@@ -656,7 +678,9 @@ def state(
         if json_out:
             emit_json({**header, **summary, "providers": usage_json(st)})
             return EXIT_OK
-        out.print(usage_table(st, f"State at position {position} of {head} ({when})"))
+        out.print(
+            usage_table(st, f"State at position {position} of {head} ({when or 'before the first event'})")
+        )
         out.print(
             f"{summary['consumers_holding_allocations']} consumers hold allocations, "
             f"{summary['migrations_in_flight']} of them migrations in flight; "
@@ -746,8 +770,10 @@ def tail(
     async def work() -> int:
 
         async with open_existing(resolve_url(db, url)) as store:
-            start = await store.head() if after is None else after
             head = await store.head()
+            start = head if after is None else after
+            if start > head:  # (as state and diff: a position the log has not reached)
+                raise err.InvalidInput(f"position {start} is beyond the head of the log ({head})")
             names = await provider_names(store)
             out = console()
             if follow:
@@ -1059,6 +1085,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``evstore`` script."""
     try:
         code = app(args=list(argv) if argv is not None else None, standalone_mode=False, prog_name="evstore")
+    except NoArgsIsHelpError as exc:  # (a bare `evstore`: the help, not an error line holding it)
+        print(exc.format_message(), file=sys.stderr)
+        _exit(EXIT_USAGE)
     except ClickException as exc:
         message = exc.format_message()
         if message:

@@ -11,6 +11,8 @@ import math
 import re
 import uuid as _uuid
 from collections.abc import Mapping
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 import os_resource_classes
@@ -93,6 +95,11 @@ def normalize_allocations(value: object, what: str = "allocations") -> dict[str,
             raise InvalidInput(f"{what} for provider {puuid} must be a mapping of class to amount")
         if not resources:
             raise InvalidInput(f"{what} for provider {puuid} names no resource class")
+        if isinstance(resources.get("resources"), Mapping):
+            raise InvalidInput(
+                f"{what} for provider {puuid} are in Placement's shape {{'resources': {{...}}}}; evstore "
+                f"takes {{provider: {{class: amount}}}}, e.g. {{'{puuid}': {{'VCPU': 2}}}}"
+            )
         if puuid in out:
             raise InvalidInput(
                 f"{what} name provider {puuid} twice (spelled {provider!r:.60} the second time)"
@@ -166,7 +173,7 @@ class Inventory(BaseModel):
     def _finite_ratio(cls, v: Any) -> Any:
         if isinstance(v, bool):
             raise ValueError("allocation_ratio must be a number")
-        if isinstance(v, int):
+        if isinstance(v, int | Decimal | Fraction):
             try:
                 v = float(v)
             except OverflowError:

@@ -39,14 +39,38 @@ def test_demo_refuses_to_replace_a_file_it_did_not_write(tmp_path: Path) -> None
         conn.execute("CREATE TABLE events (position INTEGER PRIMARY KEY, metadata TEXT)")
         conn.execute("CREATE TABLE precious (x)")
     for path in (text, store, empty):
-        done = evstore("demo", "--db", str(path), "--instances", "10")
-        assert done.returncode == 1
-        assert "evstore.invalid_input" in done.stderr and "not a database the demo wrote" in done.stderr
-        assert "Traceback" not in done.stderr
+        for how in (("--db", str(path)), ("--url", f"sqlite:///{path}")):
+            done = evstore("demo", *how, "--instances", "10")
+            assert done.returncode == 1
+            assert "evstore.invalid_input" in done.stderr and "not a database the demo wrote" in done.stderr
+            assert "Traceback" not in done.stderr
     assert text.read_text() == "not a database"
     assert store.read_bytes() == before
     with sqlite3.connect(empty) as conn:
         assert conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'precious'").fetchone() == (1,)
+
+
+def test_a_database_the_demo_wrote_is_replaced_however_it_is_named(tmp_path: Path) -> None:
+    """Regression (helper-31): the help says a database a previous demo wrote is replaced; with
+    --url sqlite:///... or EVSTORE_URL naming it, the demo refused it ('already has events')."""
+    db = demo_db(tmp_path / "cloud.db", instances=10)
+    url = f"sqlite:///{db}"
+    for done in (
+        evstore("demo", "--url", url, "--instances", "10", "--json"),
+        evstore("demo", "--instances", "10", "--json", env={"EVSTORE_URL": url}),
+    ):
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["audit"]["clean"]
+
+
+def test_version_and_a_bare_command(tmp_path: Path) -> None:
+    """Regression (helper-31): `evstore --version` was a usage error, and a bare `evstore` printed
+    the whole help as one 'error: evstore.usage: Usage: ...' message."""
+    version = evstore("--version")
+    assert version.returncode == 0 and version.stdout.startswith("evstore "), version.stderr
+    bare = evstore()
+    assert bare.returncode == 2
+    assert bare.stderr.startswith("Usage: evstore") and "error:" not in bare.stderr
 
 
 def test_read_only_commands_never_turn_a_file_into_a_store(tmp_path: Path) -> None:

@@ -85,6 +85,11 @@ def test_tail_from_the_start_without_following(tmp_path: Path) -> None:
     assert [json.loads(line)["position"] for line in done.stdout.splitlines()] == list(range(1, head + 1))
     human = evstore("tail", "--db", str(db), "--after", str(head - 1), "--no-follow")
     assert human.returncode == 0 and str(head) in human.stdout
+    # (regression, helper-31: a position past the head was taken, and followed it waited silently)
+    for follow in ("--no-follow", "--follow"):
+        beyond = evstore("tail", "--db", str(db), "--after", str(head + 1), follow)
+        assert beyond.returncode == 1
+        assert beyond.stderr.strip().endswith(f"position {head + 1} is beyond the head of the log ({head})")
 
 
 def test_piped_tail_prints_one_line_per_event_whatever_the_width(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import uuid
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 
@@ -501,6 +503,12 @@ def test_inventory_rejects_insane_values() -> None:
         make_inventory(total=4, allocation_ratio=0.0)
     with pytest.raises(err.InvalidInput):
         make_inventory(total=4, allocation_ratio=float("nan"))
+    # (regression: a Decimal NaN or infinity was refused as 'less than or equal to 3.4e38')
+    for ratio in (Decimal("NaN"), Decimal("Infinity"), Decimal("-Infinity")):
+        with pytest.raises(err.InvalidInput, match="must be finite"):
+            make_inventory(total=4, allocation_ratio=ratio)
+    assert make_inventory(total=4, allocation_ratio=Decimal("1.5")).allocation_ratio == 1.5
+    assert make_inventory(total=4, allocation_ratio=Fraction(3, 2)).allocation_ratio == 1.5
 
 
 def test_inventory_generation_is_checked_before_classes_in_use() -> None:

@@ -850,3 +850,30 @@ def test_ids_do_not_repeat_across_random_seed_or_fork() -> None:
     os.close(read)
     os.waitpid(pid, 0)
     assert random_bits(128) != theirs
+
+
+async def test_placements_allocation_shape_is_refused_with_the_shape_evstore_takes(
+    store: AllocationStore,
+) -> None:
+    """Regression: {rp: {"resources": {...}}} (Placement's body) was refused as 'Invalid resource
+    class 'resources'', which does not say what evstore expects instead."""
+    rp = await make_provider(store, VCPU=8)
+    with pytest.raises(
+        InvalidInput, match=r"Placement's shape .*evstore takes \{provider: \{class: amount\}\}"
+    ):
+        await _put(store, {rp: {"resources": {"VCPU": 1}}})
+    assert await store.head() == 2
+
+
+def test_every_public_name_is_listed_and_importable() -> None:
+    """Regression (helper-31): dir(evstore) did not list the names loaded on first use
+    (open_store, AllocationStore, Receipt...), and what the queries answer (ProviderUsage, StateView,
+    Diff...) could not be imported from evstore for annotations."""
+    import evstore
+
+    listed = dir(evstore)
+    for name in evstore.__all__:
+        assert name in listed
+        assert getattr(evstore, name) is not None
+    for name in ("open_store", "AllocationStore", "ProviderUsage", "ConsumerView", "StateView", "Diff"):
+        assert name in evstore.__all__
