@@ -756,7 +756,11 @@ class AllocationStore:
 
     async def audit(self) -> AuditReport:
         """Replay the log, check its integrity and compare with the persisted projection."""
-        return await _audit.audit(self._backend.read_raw, self._backend.load_state)
+        return await _audit.audit(
+            self._backend.read_raw,
+            self._backend.load_state,
+            last_positions=getattr(self._backend, "last_positions", None),
+        )
 
     async def rebuild(
         self,

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from evstore.errors import CorruptEvent, ProjectionCorrupt
+from evstore.errors import CorruptEvent, EvstoreError, ProjectionCorrupt
 from evstore.events import (
     CAPACITY_PRESSURE,
     CHECKED_PAYLOAD_VALIDATORS,
@@ -338,8 +339,13 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
     for key in sorted(replayed.providers.keys() | persisted.providers.keys(), key=_label):
         uuid = _label(key)
         want, have = replayed.providers.get(key), persisted.providers.get(key)
-        if want == have:
-            continue
+        if want == have or (
+            want is not None
+            and have is not None
+            and {k: v for k, v in have.usages.items() if v} == want.usages
+            and dataclasses.replace(have, usages=want.usages) == want
+        ):
+            continue  # (a usage of 0 stored for a class means what no entry means)
         if want is None or have is None:
             add(
                 f"Provider {uuid} is {'missing from' if have is None else 'extra in'} the projection",
@@ -482,11 +488,16 @@ def over_capacity_findings(state: State, over: _OverTracker) -> list[Finding]:
     return out
 
 
+#: the last position at or before a head naming each of some entities (``provider:<u>``)
+LastPositions = Callable[[list[str], int], Awaitable[dict[str, int]]]
+
+
 async def audit(
     read: ReadRows,
     load_persisted: Callable[[], Awaitable[State]],
     batch_size: int = 5000,
     progress: Callable[[int], None] | None = None,
+    last_positions: LastPositions | None = None,
 ) -> AuditReport:
     """Run the full audit: a checked replay of every stored row against the persisted projection.
 
@@ -522,12 +533,36 @@ async def audit(
         report.findings.append(Finding("drift", unreadable.message, (), dict(unreadable.details)))
     else:
         # (whole-state work: on a thread, so the event loop keeps getting turns)
-        report.findings.extend(await asyncio.to_thread(compare_states, replayed, persisted_state))
+        drift = await asyncio.to_thread(compare_states, replayed, persisted_state)
+        if last_positions is not None:
+            drift = await _cite_last_events(drift, last_positions, report.head)
+        report.findings.extend(drift)
     report.findings.extend(leak_findings(replayed))
     report.findings.extend(held_on_unknown_providers(replayed))
     over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
     report.findings.extend(over_capacity_findings(replayed, over))
     return report
+
+
+async def _cite_last_events(
+    findings: list[Finding], last_positions: LastPositions, head: int
+) -> list[Finding]:
+    """A provider's drift names the last event that changed the provider (the projection row should
+    show its outcome); the replay does not keep it per provider, the history index does."""
+    wanted = sorted(
+        {f"provider:{f.details['provider']}" for f in findings if not f.positions and "provider" in f.details}
+    )
+    if not wanted:
+        return findings
+    try:
+        last = await last_positions(wanted, head)
+    except EvstoreError:  # (the findings stand without the positions)
+        return findings
+    out = []
+    for f in findings:
+        position = last.get(f"provider:{f.details.get('provider')}") if not f.positions else None
+        out.append(dataclasses.replace(f, positions=(position,)) if position else f)
+    return out
 
 
 def providers_over_capacity(state: State) -> set[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import evstore.log.sqlite as sqlite_backend
 from evstore import AllocationStore, Inventory, open_store
 from evstore.errors import CapacityExceeded, CorruptEvent, ProjectionCorrupt
 from evstore.events import (
@@ -700,3 +701,27 @@ async def test_a_projection_table_lost_from_a_store_is_refolded_from_the_log_on_
         with pytest.raises(CapacityExceeded):
             await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
         assert (await store.audit()).clean
+
+
+@pytest.mark.parametrize("lag", [1, 1000])  # (the history index holds the events, or not yet)
+async def test_a_providers_drift_names_the_last_event_that_changed_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lag: int
+) -> None:
+    """Regression (helper-32): every provider drift (usage, generation, inventories) came with no
+    position (SPEC: each finding names the events that produced it); and a usage of 0 stored for
+    a class was reported as a vague 'differs from its replay', though it means what no entry means."""
+    monkeypatch.setattr(sqlite_backend, "HISTORY_LAG", lag)
+    async with open_store(f"sqlite:///{tmp_path}/d.db") as store:
+        rp, other = await make_provider(store, "rp", VCPU=8), await make_provider(store, "other", VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+        last = await store.head()
+        await allocate(store, new_uuid(), {other: {"VCPU": 1}})
+        backend = await _sqlite(store)
+        await backend.tamper('UPDATE p_providers SET usages = \'{"VCPU":2,"PCPU":0}\' WHERE uuid = ?', (rp,))
+        assert (await store.audit()).clean
+        await backend.tamper(
+            "UPDATE p_providers SET usages = '{\"VCPU\":5}', generation = 9 WHERE uuid = ?", (rp,)
+        )
+        drift = (await store.audit()).drift
+        assert {f.details.get("field", "usage") for f in drift} == {"generation", "usage"}
+        assert all(f.positions == (last,) and f.details["provider"] == rp for f in drift), drift

@@ -983,6 +983,22 @@ class PostgresBackend:
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
         return [decode_raw(r) for r in await self.read_raw(after, limit)]
 
+    async def last_positions(self, entities: Sequence[str], upto: int) -> dict[str, int]:
+        """The position of the last event at or before ``upto`` naming each entity (``provider:<u>``,
+        ``consumer:<u>``), for those some event names (what the audit cites for a drift)."""
+        async with self._connection() as conn:
+            rows = await self._guard(
+                conn.fetch(
+                    "SELECT ee.entity, max(e.position) AS last FROM event_entities ee "
+                    "JOIN events e ON e.seq = ee.seq WHERE ee.entity = ANY($1::text[]) "
+                    "AND e.position IS NOT NULL AND e.position <= $2 GROUP BY ee.entity",
+                    list(entities),
+                    upto,
+                ),
+                "finding the last events of entities",
+            )
+        return {str(r["entity"]): int(r["last"]) for r in rows}
+
     async def read_entities(
         self, entities: Sequence[str], after: int, limit: int, until: int | None = None
     ) -> list[RecordedEvent]:

@@ -876,6 +876,37 @@ class SqliteBackend:
 
         return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
 
+    async def last_positions(self, entities: Sequence[str], upto: int) -> dict[str, int]:
+        """The position of the last event at or before ``upto`` naming each entity (``provider:<u>``,
+        ``consumer:<u>``), for those some event names (what the audit cites for a drift)."""
+        keys = list(entities)
+
+        def q(conn: sqlite3.Connection) -> dict[str, int]:
+            through = min(history_through(conn), upto)
+            found: dict[str, int] = {}
+            for chunk in _chunks(keys):
+                sql = (
+                    "SELECT entity, max(position) FROM event_entities "
+                    f"WHERE entity IN ({_in_clause(len(chunk))}) AND position <= ? GROUP BY entity"
+                )
+                found.update((k, int(p)) for k, p in conn.execute(sql, (*chunk, through)) if p is not None)
+            if upto > through and keys:  # (the newest events, not indexed yet: as _scan_unindexed)
+                wanted = set(keys)
+                names = [key.split(":", 1)[-1] for key in keys]
+                sql = (
+                    "SELECT position, type, schema_version, data FROM events WHERE position > ? "
+                    "AND position <= ? AND (" + " OR ".join("instr(data, ?) > 0" for _ in names) + ")"
+                )
+                for position, etype, version, data in conn.execute(sql, (through, upto, *names)):
+                    try:
+                        named = decode_event(etype, version, data, position).entities() & wanted
+                    except err.CorruptEvent:
+                        continue  # (the audit reports the row itself)
+                    found.update(dict.fromkeys(named, position))
+            return found
+
+        return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
+
     async def position_at(self, at: datetime) -> int:
         stamp = at.astimezone(UTC).isoformat(timespec="microseconds")
 
