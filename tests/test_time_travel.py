@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,10 @@ from hypothesis import strategies as st
 
 from evstore import AllocationStore, InvalidInput, open_store
 from evstore.log.sqlite import SqliteBackend
+from projections import snapshots
 from projections.replay import replay
 from projections.snapshots import SNAPSHOT_FORMAT, decode_state, encode_state
+from projections.state import ConsumerState, State
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_projections_support import random_workload
 
@@ -57,6 +58,24 @@ async def test_snapshot_round_trip_keeps_every_tombstone(store: AllocationStore)
     assert decode_state(encode_state(state)) == state
 
 
+def test_a_large_state_is_coded_in_chunks_of_consumers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pydantic-core holds the GIL for a whole encode or parse: one call for a 200,000-consumer
+    state stalled the event loop ~0.5 s even on a thread. The snapshot is lines, each a chunk of
+    consumers coded by its own call (the loop gets its turns between them)."""
+    monkeypatch.setattr(snapshots, "CHUNK", 3)
+    state = State(position=7, custom_classes={"CUSTOM_X"})
+    for i in range(8):
+        uuid = new_uuid()
+        state.consumers[uuid] = ConsumerState(uuid, "p", "u", "INSTANCE", 1, {"rp": {"VCPU": i + 1}})
+    calls: list[int] = []
+    loads = snapshots._loads
+    monkeypatch.setattr(snapshots, "_loads", lambda text: calls.append(len(text)) or loads(text))
+    text = encode_state(state)
+    assert len(text.splitlines()) == 2 + 3  # header, providers, 3 + 3 + 2 consumers
+    assert decode_state(text) == state
+    assert len(calls) == 5
+
+
 async def test_a_snapshot_whose_event_was_altered_is_not_used(tmp_path: Path) -> None:
     async with open_store(f"sqlite:///{tmp_path}/s.db", snapshot_every=5) as store:
         await random_workload(store, seed=8, commands=30)
@@ -68,8 +87,7 @@ async def test_a_snapshot_whose_event_was_altered_is_not_used(tmp_path: Path) ->
         target = min(12, head)
         truth = await replay(store.backend.read, target)
         # poison the snapshot at 10: while its event is intact, time travel trusts it (proof it is used)
-        nothing: dict[str, object] = {"consumers": [], "custom_classes": [], "providers": []}
-        empty = json.dumps({**nothing, "format": SNAPSHOT_FORMAT, "position": 10})
+        empty = encode_state(State(position=10))
         await backend.tamper("UPDATE snapshots SET state = ? WHERE position = 10", (empty,))
         await backend.tamper("DELETE FROM snapshots WHERE position <> 10")
         assert (await store.state_at(position=target)).state != truth
