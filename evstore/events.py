@@ -13,7 +13,7 @@ import json
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
@@ -459,7 +459,9 @@ def decode_event(
 
 # --- values no command writes (import refuses them, the audit reports them) -------------------
 
-#: the largest generation evstore writes (``schema.validate_generation``'s bound)
+#: the largest generation evstore writes (``schema.validate_generation``'s bound); the smallest is
+#: 0, not 1: evstore's own start at 1, but Placement gives the consumers it creates for allocations
+#: written without one generation 0, and their logs come here by import
 MAX_GENERATION = 2**62
 _CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -479,7 +481,7 @@ class ValueCheck:
     again and again).
     """
 
-    __slots__ = ("_classes", "_ids")
+    __slots__ = ("_classes", "_ids", "refused", "sound")
 
     #: past this many remembered ids, start again (memory stays bounded)
     LIMIT = 100_000
@@ -487,23 +489,24 @@ class ValueCheck:
     def __init__(self) -> None:
         self._ids: set[str] = set()
         self._classes: set[str] = set()
+        #: ids found not to be uuids (each reported once)
+        self.refused: set[str] = set()
+        #: event type -> whether its provider ids and class names are sound (the fast part of
+        #: ``problem(..., numbers=False)``, for a caller that runs it per event; consumer ids are
+        #: not looked at: see _sound_check)
+        self.sound: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+            name: make(self._ids, self._classes, self) for name, make in _SOUND.items()
+        }
 
     def problem(self, event_type: str, fields: Mapping[str, Any], numbers: bool = True) -> str | None:
         """What is wrong with the first bad value (``None``: nothing).
 
         ``numbers=False``: the fields were decoded by :data:`CHECKED_PAYLOAD_VALIDATORS`, which
-        checked amounts, generations and lengths; of the rest only the consumer ids (``consumer``,
-        ``instance``, ``migration``) are checked. The audit checks every event so, and what the
-        consumers hold at the end against the providers that exist (a provider key that is not
-        a canonical uuid names none); allocations no consumer holds any more change nothing.
+        checked amounts, generations and lengths: only provider ids and class names are left,
+        mostly known already (see ``sound``).
         """
-        if not numbers and event_type in _CONSUMER_FIELDS:
-            ids = self._ids
-            for name in _CONSUMER_FIELDS[event_type]:
-                value = fields[name]
-                if value not in ids and not self._id(value):
-                    return f"{name} {value!r:.80} is not a uuid in canonical form"
-            return None
+        if not numbers and self.sound[event_type](fields):
+            return None  # (else the whole check below says what is wrong)
         for name, kind in _VALUE_PLAN[event_type]:
             value = fields[name]
             if kind == "id":
@@ -515,8 +518,8 @@ class ValueCheck:
                     if bad is not None:
                         return f"{name}: {bad}"
             elif kind == "generation":
-                if value is not None and not 1 <= value <= MAX_GENERATION:
-                    return f"{name} {value} is not between 1 and {MAX_GENERATION}"
+                if value is not None and not 0 <= value <= MAX_GENERATION:
+                    return f"{name} {value} is not between 0 and {MAX_GENERATION}"
             elif kind == "class":
                 if value not in self._classes and not self._class(value):
                     return f"{name} {value!r:.80} does not match ^[A-Z0-9_]+$"
@@ -527,8 +530,8 @@ class ValueCheck:
                 for provider, generation in value.items():
                     if provider not in self._ids and not self._id(provider):
                         return f"{name} names {provider!r:.80}, not a uuid in canonical form"
-                    if not 1 <= generation <= MAX_GENERATION:
-                        return f"generation {generation} of provider {provider} is out of 1..{MAX_GENERATION}"
+                    if not 0 <= generation <= MAX_GENERATION:
+                        return f"generation {generation} of provider {provider} is out of 0..{MAX_GENERATION}"
             elif kind == "inventories":
                 for rc in value:
                     if rc not in self._classes and not self._class(rc):
@@ -548,8 +551,22 @@ class ValueCheck:
                     return f"provider name {value!r:.80} is not 1..200 characters"
         return None
 
+    def _ids_sound(self, values: Iterable[str]) -> bool:
+        return all(self._id(v) for v in values)
+
+    def _classes_sound(self, values: Iterable[str]) -> bool:
+        return all(self._class(v) for v in values)
+
+    def consumer_id_problem(self, uuid: object) -> str | None:
+        """What is wrong with a consumer id not refused before (``None``: nothing, or refused)."""
+        if uuid in self.refused or self._id(uuid):
+            return None
+        return f"consumer id {uuid!r:.80} is not a uuid in canonical form"
+
     def _id(self, value: object) -> bool:
         if type(value) is not str or not _CANONICAL_UUID.fullmatch(value):
+            if type(value) is str and len(self.refused) < self.LIMIT:
+                self.refused.add(value)
             return False
         if len(self._ids) >= self.LIMIT:
             self._ids.clear()
@@ -557,7 +574,11 @@ class ValueCheck:
         return True
 
     def _class(self, value: object) -> bool:
-        if type(value) is not str or len(value) > 255 or not RC_PATTERN.fullmatch(value):
+        if type(value) is not str or len(value) > 255:
+            return False
+        # (evstore before 6da287b matched ^[A-Z0-9_]+$ with re.match, which takes a final newline:
+        # its logs may hold such names, and old events stay readable - and importable - forever)
+        if not RC_PATTERN.fullmatch(value[:-1] if value.endswith("\n") else value):
             return False
         if len(self._classes) < self.LIMIT:
             self._classes.add(value)
@@ -602,12 +623,6 @@ _VALUE_KINDS = {
     "migration_consumer_type": "class",
     "inventories": "inventories",
 }
-#: the event types that name consumers (nearly every event of a log) -> those fields
-_CONSUMER_FIELDS: dict[str, tuple[str, ...]] = {
-    name: fields
-    for name, cls in EVENT_TYPES.items()
-    if (fields := tuple(f for f in ("consumer", "instance", "migration") if f in cls.model_fields))
-}
 _VALUE_PLAN: dict[str, tuple[tuple[str, str], ...]] = {
     name: tuple((f, _VALUE_KINDS[f]) for f in cls.model_fields if f in _VALUE_KINDS)
     + ((("name", "custom_class"),) if name == "ResourceClassCreated" else ())
@@ -616,9 +631,55 @@ _VALUE_PLAN: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def _sound_check(plan: tuple[tuple[str, str], ...]) -> Callable[..., Callable[[Mapping[str, Any]], bool]]:
+    """``ValueCheck.sound`` for one event type, written out field by field (the audit runs it for
+    every event: a loop dispatching on each field's kind cost twice as much). Consumer ids are
+    not checked: nearly every event names a new one (a regex each, the cost of decoding the
+    event); the audit checks the ids of the consumers the fold keeps, once, at the end (one that
+    is forgotten again holds nothing)."""
+    lines = ["def make(ids, classes, check):", " def sound(f):"]
+    for name, kind in plan:
+        v = f"f[{name!r}]"
+        if kind == "id" and name in ("consumer", "instance", "migration"):
+            pass  # (nearly every event names a new one: left to the audit's look at the end state)
+        elif kind == "id":
+            lines.append(f"     v = {v}")
+            lines.append("     if v is not None and v not in ids and not check._id(v): return False")
+        elif kind == "class":
+            lines.append(f"     v = {v}")
+            lines.append("     if v not in classes and not check._class(v): return False")
+        elif kind == "allocs":
+            lines.append(f"     v = {v}")
+            lines.append("     if not ids.issuperset(v) and not check._ids_sound(v): return False")
+            lines.append("     for r in v.values():")
+            lines.append(
+                "         if not classes.issuperset(r) and not check._classes_sound(r): return False"
+            )
+        elif kind == "bumps":
+            lines.append(f"     v = {v}")
+            lines.append("     if not ids.issuperset(v) and not check._ids_sound(v): return False")
+        elif kind == "inventories":
+            lines.append(f"     v = {v}")
+            lines.append("     if not classes.issuperset(v) and not check._classes_sound(v): return False")
+        elif kind in ("per_migration", "custom_class", "provider_name"):
+            lines.append(f"     if {v}: return False")  # (rare: the whole check says)
+        # (owner and generation: the checked decoder's)
+    lines.append("     return True")
+    lines.append(" return sound")
+    scope: dict[str, Any] = {}
+    exec("\n".join(lines), scope)  # (code written here, from the fixed field plans)
+    make: Callable[..., Callable[[Mapping[str, Any]], bool]] = scope["make"]
+    return make
+
+
+_SOUND: dict[str, Callable[..., Callable[[Mapping[str, Any]], bool]]] = {
+    name: _sound_check(plan) for name, plan in _VALUE_PLAN.items()
+}
+
+
 _AMOUNT = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
 _HELD = dict[str, Annotated[dict[str, _AMOUNT], msgspec.Meta(min_length=1)]]
-_GENERATION = Annotated[int, msgspec.Meta(ge=1, le=MAX_GENERATION)]
+_GENERATION = Annotated[int, msgspec.Meta(ge=0, le=MAX_GENERATION)]
 _NARROWED_KINDS = {
     "allocs": _HELD,
     "per_migration": dict[str, _HELD],

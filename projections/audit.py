@@ -209,7 +209,11 @@ class _Replay:
                     )
                 return
         self.state.position = row.position
-        if self.checked and (bad := self.values.problem(row.type, fields, numbers)) is not None:
+        if (
+            self.checked
+            and (numbers or not self.values.sound[row.type](fields))
+            and (bad := self.values.problem(row.type, fields)) is not None
+        ):
             self.report.findings.append(
                 Finding(
                     "integrity",
@@ -445,6 +449,26 @@ def leak_findings(state: State) -> list[Finding]:
     return out
 
 
+def consumer_id_findings(state: State, values: ValueCheck) -> list[Finding]:
+    """Consumers the fold keeps (holding something, tombstoned, or a migration's link) whose id
+    is not a canonical uuid: no query can name them (the API normalises ids). The checked pass
+    leaves consumer ids to this (see ``ValueCheck.sound``): one forgotten again holds nothing."""
+    out = []
+    for uuid, c in state.consumers.items():
+        for what, value in (("consumer", uuid), ("instance", c.on_behalf_of)):
+            if value is not None and (bad := values.consumer_id_problem(value)) is not None:
+                at = c.allocated_at or c.deleted_at
+                out.append(
+                    Finding(
+                        "integrity",
+                        f"{bad} ({what} of a consumer the log keeps; a damaged or imported log)",
+                        (at,) if at else (),
+                        {"reason": "invalid_value", "consumer": uuid},
+                    )
+                )
+    return out
+
+
 def held_on_unknown_providers(state: State) -> list[Finding]:
     """Consumers holding allocations on providers that do not exist (only a damaged or imported
     log gets there: the fold keeps them held but counts them nowhere). The checked pass leaves
@@ -539,6 +563,7 @@ async def audit(
         report.findings.extend(drift)
     report.findings.extend(leak_findings(replayed))
     report.findings.extend(held_on_unknown_providers(replayed))
+    report.findings.extend(consumer_id_findings(replayed, replay.values))
     over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
     report.findings.extend(over_capacity_findings(replayed, over))
     return report

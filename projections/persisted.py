@@ -202,7 +202,8 @@ def check_loaded_consumer(c: ConsumerState) -> None:
     rebuild cannot undo). Values of the right kind but wrong (a changed amount, a cleared
     tombstone) only the audit finds, against the log."""
     bad = None
-    if not (c.generation is None or (type(c.generation) is int and 1 <= c.generation <= MAX_GENERATION)):
+    # (0 is Placement's generation for the consumers it makes: imported logs hold it)
+    if not (c.generation is None or (type(c.generation) is int and 0 <= c.generation <= MAX_GENERATION)):
         bad = f"generation {c.generation!r:.40}"
     elif not (c.deleted_at is None or type(c.deleted_at) is int):
         bad = f"deleted_at {c.deleted_at!r:.40}"
@@ -217,7 +218,8 @@ def check_loaded_consumer(c: ConsumerState) -> None:
     if bad is not None:
         raise ProjectionCorrupt(
             f"The projection rows of consumer {c.uuid} hold {bad}, which evstore never writes: the "
-            "projection is damaged; `evstore audit` says where and `evstore rebuild` refolds it from the log",
+            "projection is damaged (`evstore rebuild` refolds it from the log), or the log holds it "
+            "(imported from another writer; `evstore audit` names the event)",
             consumer=c.uuid,
         )
 

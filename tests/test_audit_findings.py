@@ -540,6 +540,18 @@ def _bad_values(rp: str, c: str) -> dict[str, tuple[str, dict[str, Any]]]:
         "an empty project id": ("AllocationsReplaced", {**_held(c, {rp: {"VCPU": 1}}), "project_id": ""}),
         "a class off the pattern": ("AllocationsReplaced", _held(c, {rp: {"vcpu": 1}})),
         "a provider with no class": ("AllocationsReleased", {"consumer": c, "released": {rp: {}}}),
+        "a consumer type off the pattern": (
+            "AllocationsReplaced",
+            {**_held(c, {rp: {"VCPU": 1}}), "consumer_type": "instance"},
+        ),
+        "a released migration that is no uuid": (
+            "ConsumerDeleted",
+            {"consumer": c, "released": {}, "migrations_released": {"legacy-mig": {rp: {"VCPU": 1}}}},
+        ),
+        "previous allocations on an id that is no uuid": (
+            "AllocationsReplaced",
+            {**_held(c, {rp: {"VCPU": 1}}), "previous": {"node-7": {"VCPU": 1}}},
+        ),
     }
 
 
@@ -566,9 +578,7 @@ async def test_imports_holding_values_no_command_writes_are_refused(tmp_path: Pa
         assert await store.head() == 0
 
 
-@pytest.mark.parametrize(
-    "what", ["a negative amount", "a consumer that is no uuid", "an amount over 64 bits"]
-)
+@pytest.mark.parametrize("what", sorted(_bad_values("p", "c")))
 async def test_values_no_command_writes_appended_behind_the_stores_back_are_integrity_findings(
     sqlite_url: str, what: str
 ) -> None:
@@ -588,6 +598,41 @@ async def test_values_no_command_writes_appended_behind_the_stores_back_are_inte
                 with pytest.raises(CorruptEvent, match="too large to store in the projection"):
                     await store.rebuild(full=full)
             assert (await store.usage(rp)).usages == {"VCPU": 0}
+
+
+async def test_placements_generation_0_and_an_older_evstores_class_names_are_imported(tmp_path: Path) -> None:
+    """Regression (helper-34): Placement gives the consumers it creates for allocations written
+    without one generation 0, and evstore before 6da287b took class names with a final newline
+    (its pattern used $ with re.match); both were refused by the import's value check, though
+    such logs are sound (SPEC: old events stay readable forever)."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, "rp", VCPU=100)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    c = new_uuid()
+    rows = [
+        last := chained(
+            last, "AllocationsReplaced", {**_held(c, {rp: {"VCPU": 1}}), "generation": 0}, version=2
+        ),
+        last := chained(last, "ResourceClassCreated", {"name": "CUSTOM_GPU\n"}),
+        last := chained(
+            last,
+            "AllocationsReplaced",
+            {**_held(new_uuid(), {rp: {"VCPU": 2}}), "consumer_type": "INSTANCE\n"},
+            version=2,
+        ),
+    ]
+    header = parse_header(lines[0])
+    lines[0] = ExportHeader(header.events + 3, header.head + 3, last.hash).to_line()
+    lines += [row_line(r) for r in rows]
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        assert (await store.audit()).clean
+        assert (await store.allocations(c)).generation == 0
+        await store.set_allocations(  # (Placement's next write to it sends generation 0)
+            c, {rp: {"VCPU": 3}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=0
+        )
+        assert (await store.allocations(c)).generation == 1
 
 
 async def test_allocations_held_on_a_provider_the_log_never_created_are_integrity_findings(
@@ -653,7 +698,7 @@ async def test_an_imported_version_1_allocation_write_is_in_the_history_of_the_p
         ("UPDATE p_allocations SET used = -5 WHERE consumer = ?", "an allocation of -5 VCPU"),
         ("UPDATE p_allocations SET used = 'lots' WHERE consumer = ?", "an allocation of 'lots' VCPU"),
         ("UPDATE p_consumers SET generation = 'abc' WHERE uuid = ?", "generation 'abc'"),
-        ("UPDATE p_consumers SET generation = 0 WHERE uuid = ?", "generation 0"),
+        ("UPDATE p_consumers SET generation = -1 WHERE uuid = ?", "generation -1"),
         ("UPDATE p_consumers SET deleted = 7 WHERE uuid = ?", "deleted = 7"),
     ],
 )
