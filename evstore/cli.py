@@ -373,7 +373,7 @@ def _fresh_file(path: Path) -> Path:
         fail(
             "evstore.invalid_input",
             f"{path} exists and is not a database the demo wrote: the demo replaces only its own "
-            "files. Give another --db, or remove it yourself.",
+            "files. Give another --db (or --url), or remove it yourself.",
         )
     removed = []
     for suffix in ("", "-wal", "-shm"):

@@ -700,6 +700,13 @@ async def test_an_imported_version_1_allocation_write_is_in_the_history_of_the_p
         ("UPDATE p_consumers SET generation = 'abc' WHERE uuid = ?", "generation 'abc'"),
         ("UPDATE p_consumers SET generation = -1 WHERE uuid = ?", "generation -1"),
         ("UPDATE p_consumers SET deleted = 7 WHERE uuid = ?", "deleted = 7"),
+        ("UPDATE p_consumers SET deleted_at = 'soon' WHERE uuid = ?", "deleted_at 'soon'"),
+        ("UPDATE p_consumers SET on_behalf_of = X'0102' WHERE uuid = ?", "on_behalf_of b'"),
+        (
+            "UPDATE p_providers SET generation = 'x' "
+            "WHERE uuid IN (SELECT provider FROM p_allocations WHERE consumer = ?)",
+            "generation 'x' is not a count",
+        ),
     ],
 )
 async def test_a_consumer_row_holding_values_evstore_never_writes_fails_its_commands(
@@ -720,7 +727,7 @@ async def test_a_consumer_row_holding_values_evstore_never_writes_fails_its_comm
             await store.set_allocations(
                 c, {rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=1
             )
-        assert caught.value.details["consumer"] == c
+        assert caught.value.details.get("consumer", c) == c  # (the provider's row: its uuid)
         assert await store.head() == head
         await store.rebuild()
         await store.set_allocations(
@@ -746,6 +753,28 @@ async def test_a_projection_table_lost_from_a_store_is_refolded_from_the_log_on_
         with pytest.raises(CapacityExceeded):
             await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
         assert (await store.audit()).clean
+
+
+async def test_a_lost_projection_table_that_cannot_be_refolded_still_opens(tmp_path: Path) -> None:
+    """Regression (helper-34): with p_allocations lost and an amount beyond 64 bits in the log,
+    every open - the audit's included - failed with a bare OverflowError: nothing could name the
+    event. The open leaves the tables as they were (the lost one empty) and the audit names it."""
+    url = f"sqlite:///{tmp_path}/lost.db"
+    async with open_store(url) as store:
+        rp = await make_provider(store, "rp", VCPU=4)
+        etype, data = _bad_values(rp, new_uuid())["an amount over 64 bits"]
+        bad = chained(await _tail(store), etype, data, version=2)
+        await _append(await _sqlite(store), bad)
+    conn = sqlite3.connect(tmp_path / "lost.db")
+    conn.execute("DROP TABLE p_allocations")
+    conn.commit()
+    conn.close()
+    async with open_store(url) as store:
+        assert (await store.usage(rp)).generation == 1  # (the providers' rows are still there)
+        report = await store.audit()
+        assert [f.positions for f in report.integrity if f.details.get("reason") == "invalid_value"] == [
+            (bad.position,)
+        ]
 
 
 @pytest.mark.parametrize("lag", [1, 1000])  # (the history index holds the events, or not yet)

@@ -25,6 +25,7 @@ from evstore import (
     InvalidInput,
     Inventory,
     NotFound,
+    ProjectionCorrupt,
     StorageError,
     open_store,
 )
@@ -1061,3 +1062,31 @@ async def test_a_free_connection_slot_goes_to_the_oldest_waiting_command() -> No
     slots.release()  # (no one waits: the slot is free again)
     await asyncio.wait_for(slots.acquire(10), timeout=1)
     assert got == [7, 8, 9]
+
+
+async def test_damaged_projection_rows_fail_typed_and_a_providers_drift_names_its_last_event(
+    pg_url: str,
+) -> None:
+    """Regression (helper-33, helper-34): an allocation row tampered to -5 let the consumer's next
+    command decide against it; both PostgreSQL load paths (a command's lock-and-load, a query's
+    load) now refuse it. A provider's drift came with no position; it names its last event."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        last = await store.head()
+        await allocate(store, new_uuid(), {await make_provider(store, VCPU=8): {"VCPU": 1}})
+        backend = pg(store)
+        await backend.tamper("UPDATE p_allocations SET used = -5 WHERE consumer = $1", (c,))
+        with pytest.raises(ProjectionCorrupt, match="an allocation of -5 VCPU"):
+            await store.allocations(c)
+        head = await store.head()
+        with pytest.raises(ProjectionCorrupt, match="an allocation of -5 VCPU"):
+            await store.set_allocations(
+                c, {rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=1
+            )
+        assert await store.head() == head
+        await store.rebuild()
+        await backend.tamper("UPDATE p_providers SET generation = 9 WHERE uuid = $1", (rp,))
+        [drift] = (await store.audit()).drift
+        assert drift.details == {"provider": rp, "field": "generation"} and drift.positions == (last,)

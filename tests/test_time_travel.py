@@ -105,7 +105,7 @@ async def test_a_snapshot_whose_event_was_altered_is_not_used(tmp_path: Path) ->
         "[]",  # (valid JSON of another shape raised AttributeError, failing state_at and diff)
         "null",
         # a sound document of another position: used, it answered that position's state
-        f'{{"format":{SNAPSHOT_FORMAT},"position":3,"providers":[],"consumers":[],"custom_classes":[]}}',
+        encode_state(State(position=3)),
     ],
 )
 async def test_an_unreadable_snapshot_is_skipped_not_fatal(tmp_path: Path, damage: str) -> None:

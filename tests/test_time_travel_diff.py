@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -113,3 +114,10 @@ async def test_a_consumer_rewritten_for_another_project_is_a_change(store: Alloc
     assert change is not None and change.change == "changed"
     assert change.positions == (a + 1, b)
     assert (await store.diff(a, a + 1)).consumer(c) is not None  # (released: as before)
+    for rewrite in ({"user_id": "carol"}, {"consumer_type": "MIGRATION"}):
+        start = await store.head()
+        await store.release(c)
+        fields: dict[str, Any] = {"project_id": "project-B", "user_id": "bob", "consumer_type": "INSTANCE"}
+        await store.set_allocations(c, {p: {"VCPU": 2}}, **{**fields, **rewrite}, generation=None)
+        other = (await store.diff(start, await store.head())).consumer(c)
+        assert other is not None and other.change == "changed", rewrite
