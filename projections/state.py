@@ -307,11 +307,22 @@ def evolve_noting_providers(state: State, event: ev.EventBase, position: int) ->
     these from the fold itself.
     """
     fields = event.__dict__
+    fold_one = FOLDS.get(fields.get("type", ""))
+    if fold_one is None:
+        raise TypeError(f"evolve does not know {type(event).__name__}")
+    return fold_noting_providers(state, fold_one, fields, position)
+
+
+def fold_noting_providers(
+    state: State, fold_one: Callable[[State, Payload, int], None], fields: Payload, position: int
+) -> set[str]:
+    """:func:`evolve_noting_providers` on an event's fields (as a replay decodes them)."""
     consumers = [fields[f] for f in ("consumer", "instance", "migration") if f in fields]
     consumers += list(fields.get("migrations_released") or ())
     held = state.consumers
     before = {c: held[c].allocations if c in held else {} for c in consumers}
-    evolve(state, event, position)
+    state.position = position
+    fold_one(state, fields, position)
     changed: set[str] = set()
     for c, was in before.items():
         now = held[c].allocations if c in held else {}
