@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import SchemaValidator, core_schema
 
 from evstore.errors import CorruptEvent, SchemaVersionError
-from evstore.schema import MAX_INT, RC_PATTERN, Inventory
+from evstore.schema import CANONICAL_UUID, MAX_INT, RC_PATTERN, Inventory
 
 Allocs = dict[str, dict[str, int]]
 
@@ -463,7 +462,6 @@ def decode_event(
 #: 0, not 1: evstore's own start at 1, but Placement gives the consumers it creates for allocations
 #: written without one generation 0, and their logs come here by import
 MAX_GENERATION = 2**62
-_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 class ValueCheck:
@@ -471,14 +469,14 @@ class ValueCheck:
 
     Decoding checks types only (an int is an int); a log that did not come from ``decide`` (an
     import, a row altered in place) can still hold amounts of 0 or below, or beyond the 32-bit
-    limit, generations below 1, ids that are not canonical uuids (no query can name them: the API
-    normalises to lower case), class names off the pattern, or empty project and user ids.
+    limit, negative generations, ids that are not canonical uuids (no query can name them: the
+    API normalises to lower case), class names off the pattern, or empty project and user ids.
     Folding such events gives states no command can reach (a negative amount hides usage and
-    lets the provider be over-committed). Import refuses them; the audit reports them.
-
-    The audit checks every event of the log with it: each type's fields are checked by a plan
-    made once, and ids and class names seen valid are remembered (a log names the same ones
-    again and again).
+    lets the provider be over-committed). Import refuses them (:meth:`problem`); the audit
+    reports them, checking every event of the log: numbers and lengths in the decoder
+    (:data:`CHECKED_PAYLOAD_VALIDATORS`), ids and class names with :attr:`sound`, against the
+    ones seen valid before (a log names the same ones again and again), and consumer ids at the
+    end (``projections.audit.consumer_id_findings``).
     """
 
     __slots__ = ("_classes", "_ids", "refused", "sound")
@@ -491,22 +489,15 @@ class ValueCheck:
         self._classes: set[str] = set()
         #: ids found not to be uuids (each reported once)
         self.refused: set[str] = set()
-        #: event type -> whether its provider ids and class names are sound (the fast part of
-        #: ``problem(..., numbers=False)``, for a caller that runs it per event; consumer ids are
-        #: not looked at: see _sound_check)
+        #: event type -> whether the provider ids and class names of such an event's fields are
+        #: sound (fast: for a caller that checks numbers otherwise; consumer ids are not looked
+        #: at, see _sound_check); when not, :meth:`problem` says what is wrong
         self.sound: dict[str, Callable[[Mapping[str, Any]], bool]] = {
             name: make(self._ids, self._classes, self) for name, make in _SOUND.items()
         }
 
-    def problem(self, event_type: str, fields: Mapping[str, Any], numbers: bool = True) -> str | None:
-        """What is wrong with the first bad value (``None``: nothing).
-
-        ``numbers=False``: the fields were decoded by :data:`CHECKED_PAYLOAD_VALIDATORS`, which
-        checked amounts, generations and lengths: only provider ids and class names are left,
-        mostly known already (see ``sound``).
-        """
-        if not numbers and self.sound[event_type](fields):
-            return None  # (else the whole check below says what is wrong)
+    def problem(self, event_type: str, fields: Mapping[str, Any]) -> str | None:
+        """What is wrong with the first bad value of the event (``None``: nothing)."""
         for name, kind in _VALUE_PLAN[event_type]:
             value = fields[name]
             if kind == "id":
@@ -564,7 +555,7 @@ class ValueCheck:
         return f"consumer id {uuid!r:.80} is not a uuid in canonical form"
 
     def _id(self, value: object) -> bool:
-        if type(value) is not str or not _CANONICAL_UUID.fullmatch(value):
+        if type(value) is not str or not CANONICAL_UUID.match(value):
             if type(value) is str and len(self.refused) < self.LIMIT:
                 self.refused.add(value)
             return False
@@ -631,41 +622,37 @@ _VALUE_PLAN: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+#: ValueCheck.sound's test of a field ``v`` of each kind (see _sound_check); kinds not here are
+#: the checked decoder's (numbers, lengths) or left out (consumer ids)
+_SOUND_CODE = {
+    "id": ["if v is not None and v not in ids and not check._id(v): return False"],
+    "class": ["if v not in classes and not check._class(v): return False"],
+    "allocs": [
+        "if not ids.issuperset(v) and not check._ids_sound(v): return False",
+        "for r in v.values():",
+        "    if not classes.issuperset(r) and not check._classes_sound(r): return False",
+    ],
+    "bumps": ["if not ids.issuperset(v) and not check._ids_sound(v): return False"],
+    "inventories": ["if not classes.issuperset(v) and not check._classes_sound(v): return False"],
+    # (rare: the whole check says)
+    "per_migration": ["if v: return False"],
+    "custom_class": ["return False"],
+    "provider_name": ["return False"],
+}
+
+
 def _sound_check(plan: tuple[tuple[str, str], ...]) -> Callable[..., Callable[[Mapping[str, Any]], bool]]:
     """``ValueCheck.sound`` for one event type, written out field by field (the audit runs it for
     every event: a loop dispatching on each field's kind cost twice as much). Consumer ids are
     not checked: nearly every event names a new one (a regex each, the cost of decoding the
     event); the audit checks the ids of the consumers the fold keeps, once, at the end (one that
     is forgotten again holds nothing)."""
-    lines = ["def make(ids, classes, check):", " def sound(f):"]
+    lines = ["def make(ids, classes, check):", "  def sound(f):"]
     for name, kind in plan:
-        v = f"f[{name!r}]"
-        if kind == "id" and name in ("consumer", "instance", "migration"):
-            pass  # (nearly every event names a new one: left to the audit's look at the end state)
-        elif kind == "id":
-            lines.append(f"     v = {v}")
-            lines.append("     if v is not None and v not in ids and not check._id(v): return False")
-        elif kind == "class":
-            lines.append(f"     v = {v}")
-            lines.append("     if v not in classes and not check._class(v): return False")
-        elif kind == "allocs":
-            lines.append(f"     v = {v}")
-            lines.append("     if not ids.issuperset(v) and not check._ids_sound(v): return False")
-            lines.append("     for r in v.values():")
-            lines.append(
-                "         if not classes.issuperset(r) and not check._classes_sound(r): return False"
-            )
-        elif kind == "bumps":
-            lines.append(f"     v = {v}")
-            lines.append("     if not ids.issuperset(v) and not check._ids_sound(v): return False")
-        elif kind == "inventories":
-            lines.append(f"     v = {v}")
-            lines.append("     if not classes.issuperset(v) and not check._classes_sound(v): return False")
-        elif kind in ("per_migration", "custom_class", "provider_name"):
-            lines.append(f"     if {v}: return False")  # (rare: the whole check says)
-        # (owner and generation: the checked decoder's)
-    lines.append("     return True")
-    lines.append(" return sound")
+        if kind in _SOUND_CODE and not (kind == "id" and name in ("consumer", "instance", "migration")):
+            lines.append(f"    v = f[{name!r}]")
+            lines.extend(f"    {code}" for code in _SOUND_CODE[kind])
+    lines += ["    return True", "  return sound"]
     scope: dict[str, Any] = {}
     exec("\n".join(lines), scope)  # (code written here, from the fixed field plans)
     make: Callable[..., Callable[[Mapping[str, Any]], bool]] = scope["make"]
@@ -700,9 +687,8 @@ def _narrowed(cls: type[BaseModel]) -> dict[str, Any]:
 
 
 #: event type -> a validator as in :data:`PAYLOAD_VALIDATORS` that also refuses the amounts,
-#: generations and lengths :class:`ValueCheck` refuses (in msgspec: the audit checks every event
-#: at no measurable cost); ``ValueCheck.problem(..., numbers=False)`` does the rest. Types
-#: without a msgspec validator are not here.
+#: generations and lengths :class:`ValueCheck` refuses (in msgspec, at no measurable cost);
+#: ``ValueCheck.sound`` does the rest. Types without a msgspec validator are not here.
 CHECKED_PAYLOAD_VALIDATORS: dict[str, tuple[int, Callable[[str], dict[str, Any]]]] = {
     name: (cls.SCHEMA_VERSION, checked)
     for name, cls in EVENT_TYPES.items()

@@ -39,7 +39,7 @@ UuidLike = str | _uuid.UUID
 
 
 #: a uuid already in the form normalize_uuid returns (the common case: checked without parsing)
-_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 #: the other spellings accepted (any case): dashed, 32 hex digits, in braces, or as a urn:uuid: URN.
 #: (uuid.UUID alone also takes whitespace, signs, underscores, other scripts' digits and dashes
 #: anywhere, and turns a truncated uuid into another one.)
@@ -52,7 +52,7 @@ _UUID_SPELLINGS = re.compile(
 
 def normalize_uuid(value: object, what: str = "uuid") -> str:
     """Return the lowercase dashed form of a uuid given as ``str`` or ``UUID``."""
-    if type(value) is str and _CANONICAL_UUID.match(value):
+    if type(value) is str and CANONICAL_UUID.match(value):
         return value
     if isinstance(value, _uuid.UUID):
         return str(value)

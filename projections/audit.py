@@ -185,7 +185,7 @@ class _Replay:
         # validated straight into a dict of its fields; anything else goes through decode_event,
         # which upcasts or names what is wrong.
         fields: Mapping[str, Any] | None = None
-        numbers = True  # (whether the values' numbers are still to be checked)
+        numbers = True  # (whether the values' numbers are still to be checked: see ValueCheck)
         if self.checked and (found := CHECKED_PAYLOAD_VALIDATORS.get(row.type)) is not None:
             if found[0] == row.schema_version:
                 try:
@@ -471,9 +471,7 @@ def consumer_id_findings(state: State, values: ValueCheck) -> list[Finding]:
 
 def held_on_unknown_providers(state: State) -> list[Finding]:
     """Consumers holding allocations on providers that do not exist (only a damaged or imported
-    log gets there: the fold keeps them held but counts them nowhere). The checked pass leaves
-    allocation keys to this (see ``ValueCheck.problem``): a key that is not a canonical uuid
-    names no provider."""
+    log gets there: the fold keeps them held but counts them nowhere)."""
     out = []
     providers = state.providers
     for uuid, c in state.consumers.items():

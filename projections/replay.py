@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from evstore.errors import InvalidInput, ProviderNotFound
@@ -99,6 +99,17 @@ async def replay(
             with contextlib.suppress(BaseException):
                 await pending
     return state
+
+
+def payload_fields(etype: str, version: int, data: str, position: int) -> Mapping[str, Any]:
+    """One stored payload's fields, as :func:`fold_payloads` decodes them (which inlines this)."""
+    found = PAYLOAD_VALIDATORS.get(etype)
+    if found is not None and found[0] == version:
+        try:
+            return found[1](data)
+        except ValueError:
+            pass
+    return decode_event(etype, version, data, position).__dict__
 
 
 def fold_payloads(state: State, rows: list[PayloadRow]) -> None:

@@ -32,7 +32,7 @@ import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
-from evstore.events import EVENT_TYPES, PAYLOAD_VALIDATORS, EventBase, Metadata, RecordedEvent, decode_event
+from evstore.events import EVENT_TYPES, EventBase, Metadata, RecordedEvent, decode_event
 from evstore.log import (
     GENESIS_HASH,
     MAX_POSITION,
@@ -47,7 +47,7 @@ from evstore.log import (
 )
 from projections import persisted
 from projections.gcpause import gc_paused
-from projections.replay import fold_payloads, replay
+from projections.replay import fold_payloads, payload_fields, replay
 from projections.state import FOLDS, ConsumerState, State, evolve, fold_noting_providers
 
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
@@ -316,10 +316,16 @@ def _history_of(
         try:
             keys = decode_event(etype, version, data, position).entities()
         except err.CorruptEvent:
-            ids = set(_UUID_IN_TEXT.findall(data)) if isinstance(data, str) else set()
-            keys = {f"{kind}:{uuid}" for uuid in ids for kind in ("consumer", "provider")}
+            keys = _damaged_row_keys(data)
         out.extend((entity, position) for entity in keys)
     return out
+
+
+def _damaged_row_keys(data: object) -> set[str]:
+    """The history keys of a row that cannot be decoded: every id its text still holds, as
+    consumer and provider (see _history_of)."""
+    ids = set(_UUID_IN_TEXT.findall(data)) if isinstance(data, str) else set()
+    return {f"{kind}:{uuid}" for uuid in ids for kind in ("consumer", "provider")}
 
 
 def index_history(conn: sqlite3.Connection, cache: _WriterCache, tail: _Tail, force: bool = False) -> None:
@@ -893,12 +899,8 @@ class SqliteBackend:
                 found.update((k, int(p)) for k, p in conn.execute(sql, (*chunk, through)) if p is not None)
             if upto > through and keys:  # (the newest events, not indexed yet: as _scan_unindexed)
                 wanted = set(keys)
-                names = [key.split(":", 1)[-1] for key in keys]
-                sql = (
-                    "SELECT position, type, schema_version, data FROM events WHERE position > ? "
-                    "AND position <= ? AND (" + " OR ".join("instr(data, ?) > 0" for _ in names) + ")"
-                )
-                for position, etype, version, data in conn.execute(sql, (through, upto, *names)):
+                columns = "position, type, schema_version, data"
+                for position, etype, version, data in _rows_naming(conn, columns, keys, through, upto):
                     try:
                         named = decode_event(etype, version, data, position).entities() & wanted
                     except err.CorruptEvent:
@@ -1137,21 +1139,29 @@ def _scan_unindexed(
     (the newest events, which it does not hold yet: fewer than :data:`HISTORY_LAG`). An event
     names an entity only through its payload, so the entity's id is in its stored text: only
     those rows are decoded (a damaged one fails the read with CorruptEvent, as through the index)."""
-    names = [key.split(":", 1)[-1] for key in keys]
     wanted = set(keys)
-    sql = (
-        f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? AND position <= ? AND ("
-        + " OR ".join("instr(data, ?) > 0" for _ in names)
-        + ") ORDER BY position"
-    )
     found: list[RecordedEvent] = []
-    for row in conn.execute(sql, (after, last, *names)):
+    for row in _rows_naming(conn, EVENT_COLUMNS, keys, after, last):
         recorded = decode_raw(RawEvent._make(row))
         if recorded.event.entities() & wanted:
             found.append(recorded)
             if len(found) == limit:
                 break
     return found
+
+
+def _rows_naming(
+    conn: sqlite3.Connection, columns: str, keys: Sequence[str], after: int, last: int
+) -> sqlite3.Cursor:
+    """``columns`` of the events in ``(after, last]`` whose stored text holds the id of one of
+    ``keys`` (``provider:<u>``...), in position order: the candidates that may name them."""
+    names = [key.split(":", 1)[-1] for key in keys]
+    sql = (
+        f"SELECT {columns} FROM events WHERE position > ? AND position <= ? AND ("
+        + " OR ".join("instr(data, ?) > 0" for _ in names)
+        + ") ORDER BY position"
+    )
+    return conn.execute(sql, (after, last, *names))
 
 
 def _table_names(path: str) -> list[str]:
@@ -1679,7 +1689,7 @@ class _StagedHistory:
         conn.execute("DROP TABLE temp.staged_entities")
 
     def _add(self, conn: sqlite3.Connection, batch_size: int) -> None:
-        state, validators = self.state, PAYLOAD_VALIDATORS
+        state = self.state
         cursor = conn.execute(
             "SELECT position, type, schema_version, data FROM events WHERE position > ? ORDER BY position",
             (self.through,),
@@ -1689,18 +1699,11 @@ class _StagedHistory:
                 out: list[tuple[str, int]] = []
                 for position, etype, version, data in rows:
                     try:
-                        # (the fast decoder's fields, as a replay decodes: pydantic's validation of
-                        # every event took twice as long as the rest of the rebuild)
-                        found = validators.get(etype)
-                        fields: Mapping[str, Any] | None = None
-                        if found is not None and found[0] == version:
-                            with contextlib.suppress(ValueError):
-                                fields = found[1](data)
-                        if fields is None:
-                            fields = decode_event(etype, version, data, position).__dict__
-                    except err.CorruptEvent:  # (as _history_of indexes a damaged row)
-                        ids = set(_UUID_IN_TEXT.findall(data)) if isinstance(data, str) else set()
-                        keys = {f"{kind}:{uuid}" for uuid in ids for kind in ("consumer", "provider")}
+                        # (as a replay decodes: pydantic's validation of every event took twice as
+                        # long as the rest of the rebuild)
+                        fields = payload_fields(etype, version, data, position)
+                    except err.CorruptEvent:
+                        keys = _damaged_row_keys(data)
                     else:
                         changed = fold_noting_providers(state, FOLDS[etype], fields, position)
                         # (entities() reads attributes only: the fields stand in for the model)
