@@ -584,3 +584,69 @@ async def test_a_backend_with_only_run_jobs_gets_group_commits_all_or_nothing(st
         assert (await store.audit()).clean
     finally:
         await store.close()
+
+
+_KEY_WORKER = """
+import asyncio, json, sys
+from evstore import EvstoreError, open_store
+
+async def main(url, rp, consumer, vcpu, start):
+    async with open_store(url) as store:
+        while not __import__("os").path.exists(start):  # all processes open first, then race
+            await asyncio.sleep(0.005)
+        try:
+            r = await store.set_allocations(
+                consumer, {rp: {"VCPU": vcpu}}, project_id="p", user_id="u",
+                consumer_type="INSTANCE", generation=None, idempotency_key="one-request",
+            )
+            print(json.dumps({"positions": list(r.positions), "replayed": r.replayed}))
+        except EvstoreError as exc:
+            print(json.dumps({"code": exc.code}))
+
+asyncio.run(main(*sys.argv[1:4], int(sys.argv[4]), sys.argv[5]))
+"""
+
+
+@pytest.mark.parametrize("same_command", [True, False], ids=["same-command", "different-commands"])
+async def test_one_idempotency_key_from_several_processes(
+    store_url: str, tmp_path: Path, same_command: bool
+) -> None:
+    """Six OS processes send one idempotency key at once: with the same command, one appends and
+    the others get its receipt; with different commands (other consumers, other amounts), exactly
+    one runs and every other is refused as a conflict, leaving nothing in the log."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=100)
+        head = await store.head()
+    start = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    shared = new_uuid()
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _KEY_WORKER,
+            store_url,
+            rp,
+            shared if same_command else new_uuid(),
+            "1" if same_command else str(i + 1),
+            str(start),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for i in range(6)
+    ]
+    await asyncio.sleep(1.0)  # (opening the store; a late one still races the others' commits)
+    start.touch()
+    # (the last line: evstore's info logs go to stdout too)
+    outputs = [json.loads((await p.communicate())[0].splitlines()[-1]) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6
+    accepted = [o for o in outputs if "positions" in o and not o["replayed"]]
+    assert len(accepted) == 1, outputs
+    if same_command:
+        assert all(o.get("positions") == accepted[0]["positions"] for o in outputs), outputs
+    else:
+        assert sorted(o.get("code", "") for o in outputs) == [""] + ["evstore.idempotency.conflict"] * 5
+    async with open_store(store_url) as store:
+        assert await store.head() == head + 1, "one command appended, once"
+        assert (await store.usage(rp)).usages["VCPU"] in range(1, 7)
+        assert (await store.audit()).clean
