@@ -36,7 +36,13 @@ from evstore.schema import ConsumerAllocations, Inventory
 
 if TYPE_CHECKING:
     from evstore.log import Receipt
-    from evstore.store import AllocationStore, command_metadata, open_store
+    from evstore.store import (
+        AllocationsByConsumer,
+        AllocationStore,
+        ProviderAllocations,
+        command_metadata,
+        open_store,
+    )
     from projections.audit import AuditReport, Finding
     from projections.diff import ConsumerChange, Diff, UsageDelta
     from projections.replay import StateView
@@ -50,6 +56,9 @@ _LAZY = {
     "open_store": "evstore.store",
     "AllocationStore": "evstore.store",
     "command_metadata": "evstore.store",
+    # the allocation bodies' types (for annotations)
+    "ProviderAllocations": "evstore.store",
+    "AllocationsByConsumer": "evstore.store",
     "Receipt": "evstore.log",
     "AuditReport": "projections.audit",
     "Finding": "projections.audit",
@@ -79,6 +88,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AllocationStore",
+    "AllocationsByConsumer",
     "AuditReport",
     "CannotDeleteParent",
     "CapacityExceeded",
@@ -102,6 +112,7 @@ __all__ = [
     "NotFound",
     "ProjectUsages",
     "ProjectionCorrupt",
+    "ProviderAllocations",
     "ProviderInUse",
     "ProviderNotFound",
     "ProviderUsage",

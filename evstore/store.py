@@ -21,7 +21,7 @@ import uuid as _uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 import structlog
 from pydantic import BaseModel, ValidationError
@@ -55,6 +55,21 @@ from projections.views import (
     ProjectUsages,
     ProviderUsage,
     reserved_type_usages,
+)
+
+#: ``set_allocations``' body: resources by provider uuid. Keys may be ``str`` or ``UUID``; a mapping is
+#: invariant in its key type, so each kind of dict is named (a ``dict[str, dict[str, int]]`` type-checks).
+ProviderAllocations: TypeAlias = (
+    Mapping[str, Mapping[str, int]]
+    | Mapping[_uuid.UUID, Mapping[str, int]]
+    | Mapping[str | _uuid.UUID, Mapping[str, int]]
+)
+_ConsumerBody: TypeAlias = ConsumerAllocations | Mapping[str, Any]
+#: ``write_allocations``' body: each consumer's ``ConsumerAllocations`` (or a mapping of its fields)
+AllocationsByConsumer: TypeAlias = (
+    Mapping[str, _ConsumerBody]
+    | Mapping[_uuid.UUID, _ConsumerBody]
+    | Mapping[str | _uuid.UUID, _ConsumerBody]
 )
 
 _command_metadata: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
@@ -449,7 +464,11 @@ class AllocationStore:
     # --- commands -------------------------------------------------------------------------
 
     async def create_resource_class(
-        self, name: str, *, idempotency_key: str | None = None, metadata: Mapping[str, Any] | None = None
+        self,
+        name: str,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         return await self._submit(
             cmd.CreateResourceClass(validate_resource_class_name(name)), idempotency_key, metadata
@@ -462,7 +481,7 @@ class AllocationStore:
         parent: str | _uuid.UUID | None = None,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         command = cmd.CreateProvider(
             normalize_uuid(uuid, "provider uuid"),
@@ -477,7 +496,7 @@ class AllocationStore:
         name: str,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         command = cmd.RenameProvider(
             normalize_uuid(uuid, "provider uuid"), validate_name(name, "provider name", 200)
@@ -489,7 +508,7 @@ class AllocationStore:
         uuid: str | _uuid.UUID,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         return await self._submit(
             cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid")), idempotency_key, metadata
@@ -502,7 +521,7 @@ class AllocationStore:
         generation: int,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> int:
         """Replace the provider's whole inventory; returns the new provider generation."""
         puuid = normalize_uuid(provider, "provider uuid")
@@ -524,7 +543,7 @@ class AllocationStore:
         generation: int,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> int:
         """Add or update one class of the provider's inventory; returns the new generation."""
         puuid = normalize_uuid(provider, "provider uuid")
@@ -541,7 +560,7 @@ class AllocationStore:
         resource_class: str,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> int:
         puuid = normalize_uuid(provider, "provider uuid")
         command = cmd.DeleteInventory(puuid, validate_resource_class_name(resource_class))
@@ -550,10 +569,10 @@ class AllocationStore:
 
     async def write_allocations(
         self,
-        allocations: Mapping[str | _uuid.UUID, ConsumerAllocations | Mapping[str, Any]],
+        allocations: AllocationsByConsumer,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         """Replace the allocations of one or more consumers atomically (Placement's POST /allocations)."""
         if not isinstance(allocations, Mapping) or not allocations:
@@ -574,14 +593,14 @@ class AllocationStore:
     async def set_allocations(
         self,
         consumer: str | _uuid.UUID,
-        allocations: Mapping[str | _uuid.UUID, Mapping[str, int]],
+        allocations: ProviderAllocations,
         *,
         project_id: str,
         user_id: str,
         consumer_type: str,
         generation: int | None,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         """Replace one consumer's allocations (Placement's PUT /allocations/{consumer}).
 
@@ -602,7 +621,7 @@ class AllocationStore:
         consumer: str | _uuid.UUID,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         """Remove all of a consumer's allocations (Placement's DELETE /allocations/{consumer})."""
         return await self._submit(
@@ -615,7 +634,7 @@ class AllocationStore:
         migration: str | _uuid.UUID,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         command = cmd.StartMigration(
             normalize_uuid(instance, "instance uuid"), normalize_uuid(migration, "migration uuid")
@@ -627,7 +646,7 @@ class AllocationStore:
         migration: str | _uuid.UUID,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         return await self._submit(
             cmd.RevertMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
@@ -638,7 +657,7 @@ class AllocationStore:
         migration: str | _uuid.UUID,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         return await self._submit(
             cmd.ConfirmMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
@@ -649,7 +668,7 @@ class AllocationStore:
         consumer: str | _uuid.UUID,
         *,
         idempotency_key: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
         """Tombstone a consumer: release its allocations and its migrations', forever."""
         return await self._submit(

@@ -1,0 +1,99 @@
+"""The public API type-checks as users write it: ``mypy --strict`` on typical service code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+USER_CODE = """
+from __future__ import annotations
+
+import uuid
+
+from evstore import (
+    AllocationsByConsumer, AllocationStore, ConsumerAllocations, Metadata, ProviderAllocations, Receipt,
+)
+
+
+async def claim(store: AllocationStore, server: str, allocs: dict[str, dict[str, int]]) -> Receipt:
+    return await store.set_allocations(
+        server, allocs, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None,
+        metadata=Metadata(request_id="req-1"),
+    )
+
+
+async def claim_by_uuid(
+    store: AllocationStore, server: uuid.UUID, allocs: dict[uuid.UUID, dict[str, int]]
+) -> Receipt:
+    return await store.set_allocations(
+        server, allocs, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+    )
+
+
+async def post(store: AllocationStore, body: dict[str, ConsumerAllocations]) -> Receipt:
+    return await store.write_allocations(body, metadata={"request_id": "req-2"})
+
+
+async def post_raw(store: AllocationStore, body: dict[str, dict[str, object]]) -> Receipt:
+    return await store.write_allocations(body)
+
+
+async def aliases(store: AllocationStore, a: ProviderAllocations, b: AllocationsByConsumer) -> int:
+    r = await store.set_allocations(
+        "c", a, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+    )
+    return len((await store.write_allocations(b)).positions) + len(r.positions)
+"""
+
+#: the same calls with mistakes mypy must report (so the check above is not vacuous)
+WRONG = """
+from evstore import AllocationStore, Receipt
+
+
+async def wrong(store: AllocationStore, allocs: dict[str, dict[str, str]]) -> Receipt:
+    return await store.set_allocations(
+        "c", allocs, project_id="p", user_id="u", consumer_type="INSTANCE", generation="0"
+    )
+"""
+
+
+def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    pytest.importorskip("mypy")
+    path = tmp_path / "service.py"
+    path.write_text(source)
+    env = {**os.environ, "MYPYPATH": str(ROOT)}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / ".mypy_cache"),
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+
+
+def test_allocation_bodies_type_check_with_ordinary_dicts(tmp_path: Path) -> None:
+    result = _mypy(tmp_path, USER_CODE)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mistakes_in_the_same_calls_are_reported(tmp_path: Path) -> None:
+    result = _mypy(tmp_path, WRONG)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "set_allocations" in result.stdout and "generation" in result.stdout, result.stdout
