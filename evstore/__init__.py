@@ -30,6 +30,7 @@ from evstore.errors import (
     StorageError,
     StoreClosed,
     UnknownResourceClass,
+    WrongEventLoop,
 )
 from evstore.events import Metadata, RecordedEvent
 from evstore.schema import ConsumerAllocations, Inventory
@@ -124,6 +125,7 @@ __all__ = [
     "StoreClosed",
     "UnknownResourceClass",
     "UsageDelta",
+    "WrongEventLoop",
     "command_metadata",
     "open_store",
 ]

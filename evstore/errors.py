@@ -138,6 +138,13 @@ class StoreClosed(EvstoreError):
     code = "evstore.store.closed"
 
 
+class WrongEventLoop(EvstoreError):
+    """A store was used from an event loop other than the one that opened it (its queue, futures
+    and connections belong to that loop)."""
+
+    code = "evstore.store.wrong_loop"
+
+
 _USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):.*@")
 _KEYWORD_PASSWORD = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)('[^']*'|[^&\s]*)")
 

@@ -223,7 +223,9 @@ class AllocationStore:
     def __init__(self, backend: Backend, *, max_batch: int = 256, poll_interval: float = 0.2) -> None:
         validate_int_option(max_batch, "max_batch", 1, 100_000)
         validate_seconds_option(poll_interval, "poll_interval", 3600)
-        self._backend = backend
+        self._impl = backend
+        #: the loop that opened the store: its queue, futures and connections belong to it
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._max_batch = max_batch
         self._poll_interval = poll_interval
         self._queue: collections.deque[tuple[Job, asyncio.Future[Receipt]]] = collections.deque()
@@ -242,13 +244,51 @@ class AllocationStore:
 
     @property
     def backend(self) -> Backend:
-        return self._backend
+        return self._impl
+
+    @property
+    def _backend(self) -> Backend:
+        self._check_loop()
+        return self._impl
+
+    def _check_loop(self) -> None:
+        """Refuse use from a loop other than the one that opened the store (a command queued
+        from another loop would commit and its caller never hear of it)."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # (not in a coroutine: a property read from plain code)
+            return
+        if running is not loop:
+            raise err.WrongEventLoop(
+                "This store was opened on another event loop and can only be used there (its queue, "
+                "futures and connections belong to that loop): open one store per event loop, or run "
+                "the call on the store's loop, e.g. with asyncio.run_coroutine_threadsafe"
+            )
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def open(self) -> AllocationStore:
-        await self._backend.open()
-        self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="evstore-writer")
+        """Open the connections and start the writer (``open_store`` does this). Opening an
+        open store again does nothing; a closed store cannot be reopened: open a new one."""
+        if self._closed is not None or self._closing:
+            raise err.StoreClosed(
+                "This store was closed and cannot be reopened: open a new one, e.g. with open_store(url)"
+            )
+        if self._loop is not None:
+            self._check_loop()
+            if self._writer is None:
+                raise err.StoreClosed("This store is being opened by another task: wait for that open()")
+            return self
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._impl.open()
+        except BaseException:
+            self._loop = None
+            raise
+        self._writer = self._loop.create_task(self._write_loop(), name="evstore-writer")
         return self
 
     async def close(self) -> None:
@@ -257,6 +297,7 @@ class AllocationStore:
         Cancelling ``close()`` (a shutdown deadline) does not cut that short: the closing goes
         on in the background, and a second ``close()`` waits for it.
         """
+        self._check_loop()
         if self._closed is None:
             self._closed = asyncio.ensure_future(self._close())
         await asyncio.shield(self._closed)
@@ -418,6 +459,7 @@ class AllocationStore:
     ) -> Receipt:
         if self._closing or self._writer is None:
             raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
+        self._check_loop()
         if self._writer.done():
             raise err.StoreClosed("The store's writer task was cancelled: close the store and open it again")
         key = _validate_key(idempotency_key)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import sqlite3
+import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -31,6 +33,7 @@ from evstore import (
 )
 from evstore.events import AllocationsReplaced, decode_event
 from evstore.log.sqlite import SqliteBackend
+from evstore.store import make_backend
 from tests.conftest import allocate, make_provider, new_uuid
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -591,6 +594,63 @@ async def test_closed_store_refuses_commands(tmp_path: Path) -> None:
     with pytest.raises(evstore.StoreClosed):
         await store.create_provider(new_uuid(), "late")
     assert os.path.exists(tmp_path / "c.db")
+
+
+async def test_a_closed_store_is_not_reopened_and_an_open_one_opens_once(store_url: str) -> None:
+    """helper-37: open() after close() opened new connections for a store that refused every
+    command (and that close() never closed again); a second open() leaked a connection."""
+    store = AllocationStore(make_backend(store_url))
+    assert await store.open() is store
+    writer = store._writer
+    assert await store.open() is store and store._writer is writer  # (nothing opened twice)
+    await store.create_provider(new_uuid(), "once")
+    await store.close()
+    with pytest.raises(evstore.StoreClosed, match="cannot be reopened"):
+        await store.open()
+    with pytest.raises(evstore.StoreClosed):
+        await store.head()
+
+
+def test_a_store_refuses_calls_from_another_event_loop(tmp_path: Path) -> None:
+    """helper-37: a command awaited from a second event loop was committed and its caller never
+    answered (SQLite), or failed with a bare RuntimeError (PostgreSQL). Now a typed error, before
+    anything is written, and the store goes on working on its own loop."""
+    url = f"sqlite:///{tmp_path}/loops.db"
+    opened: dict[str, AllocationStore] = {}
+    ready, done = threading.Event(), threading.Event()
+
+    async def owner() -> int:
+        async with open_store(url) as store:
+            opened["store"] = store
+            ready.set()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+            await store.create_provider(new_uuid(), "from-the-owner")
+            return await store.head()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        head = pool.submit(asyncio.run, owner())
+        assert ready.wait(10)
+        store = opened["store"]
+
+        async def elsewhere() -> list[str]:
+            codes = []
+            for call in (
+                lambda: store.create_provider(new_uuid(), "from-another-loop"),
+                lambda: store.head(),
+                lambda: store.usage(new_uuid()),
+                lambda: store.close(),
+            ):
+                with pytest.raises(evstore.WrongEventLoop) as info:
+                    await asyncio.wait_for(call(), 5)
+                codes.append(info.value.code)
+            return codes
+
+        try:
+            assert asyncio.run(elsewhere()) == ["evstore.store.wrong_loop"] * 4
+        finally:
+            done.set()
+        assert head.result(10) == 1, "only the owner's command was written"
 
 
 async def test_a_file_that_is_not_a_database_is_a_clear_error(tmp_path: Path) -> None:
