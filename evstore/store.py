@@ -18,10 +18,10 @@ import functools
 import hashlib
 import json
 import uuid as _uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any, TypeAlias
+from typing import Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import structlog
 from pydantic import BaseModel, ValidationError
@@ -100,6 +100,43 @@ class _BoundOnce:
 
 
 _command_log = _BoundOnce("evstore")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Method: TypeAlias = Callable[Concatenate[Any, _P], Coroutine[Any, Any, _R]]
+
+
+def _logs_rejections(command: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
+    """A command method whose every rejection is logged as ``command.rejected``: those the
+    writer decides (logged by ``_submit``, with the command's entities) and those refused
+    before the command is queued (a malformed argument, metadata or key; a closed store)."""
+
+    def wrap(method: _Method[_P, _R]) -> _Method[_P, _R]:
+        @functools.wraps(method)
+        async def logged(self: Any, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return await method(self, *args, **kwargs)
+            except err.EvstoreError as exc:
+                if exc.__dict__.pop("_evstore_logged", False):
+                    raise
+                meta: Any = kwargs.get("metadata")
+                request_id = (
+                    meta.get("request_id") if isinstance(meta, Mapping) else getattr(meta, "request_id", None)
+                )
+                if request_id is None:
+                    request_id = (_command_metadata.get() or {}).get("request_id")
+                _command_log.get().info(
+                    "command.rejected",
+                    command=command,
+                    code=exc.code,
+                    error=exc.message,
+                    request_id=request_id,
+                )
+                raise
+
+        return logged
+
+    return wrap
 
 
 @contextlib.contextmanager
@@ -493,7 +530,10 @@ class AllocationStore:
             receipt = await fut
         except err.EvstoreError as exc:
             _command_log.get().info("command.rejected", code=exc.code, error=exc.message, **context)
+            exc.__dict__["_evstore_logged"] = True  # (not again by the method: _logs_rejections)
             raise
+        if context["provider"] is None:  # (a command naming consumers: the providers it changed)
+            context["provider"] = sorted(receipt.provider_generations) or None
         _command_log.get().info(
             "command.accepted",
             positions=list(receipt.positions),
@@ -505,6 +545,7 @@ class AllocationStore:
 
     # --- commands -------------------------------------------------------------------------
 
+    @_logs_rejections("CreateResourceClass")
     async def create_resource_class(
         self,
         name: str,
@@ -516,6 +557,7 @@ class AllocationStore:
             cmd.CreateResourceClass(validate_resource_class_name(name)), idempotency_key, metadata
         )
 
+    @_logs_rejections("CreateProvider")
     async def create_provider(
         self,
         uuid: str | _uuid.UUID,
@@ -532,6 +574,7 @@ class AllocationStore:
         )
         return await self._submit(command, idempotency_key, metadata)
 
+    @_logs_rejections("RenameProvider")
     async def rename_provider(
         self,
         uuid: str | _uuid.UUID,
@@ -545,6 +588,7 @@ class AllocationStore:
         )
         return await self._submit(command, idempotency_key, metadata)
 
+    @_logs_rejections("DeleteProvider")
     async def delete_provider(
         self,
         uuid: str | _uuid.UUID,
@@ -556,6 +600,7 @@ class AllocationStore:
             cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid")), idempotency_key, metadata
         )
 
+    @_logs_rejections("SetInventories")
     async def set_inventories(
         self,
         provider: str | _uuid.UUID,
@@ -577,6 +622,7 @@ class AllocationStore:
         receipt = await self._submit(cmd.SetInventories(puuid, invs, gen), idempotency_key, metadata)
         return receipt.provider_generations[puuid]
 
+    @_logs_rejections("SetInventory")
     async def set_inventory(
         self,
         provider: str | _uuid.UUID,
@@ -596,6 +642,7 @@ class AllocationStore:
         receipt = await self._submit(command, idempotency_key, metadata)
         return receipt.provider_generations[puuid]
 
+    @_logs_rejections("DeleteInventory")
     async def delete_inventory(
         self,
         provider: str | _uuid.UUID,
@@ -609,6 +656,7 @@ class AllocationStore:
         receipt = await self._submit(command, idempotency_key, metadata)
         return receipt.provider_generations[puuid]
 
+    @_logs_rejections("WriteAllocations")
     async def write_allocations(
         self,
         allocations: AllocationsByConsumer,
@@ -632,6 +680,7 @@ class AllocationStore:
             )
         return await self._submit(cmd.WriteAllocations(tuple(writes)), idempotency_key, metadata)
 
+    @_logs_rejections("WriteAllocations")
     async def set_allocations(
         self,
         consumer: str | _uuid.UUID,
@@ -658,6 +707,7 @@ class AllocationStore:
         )
         return await self._submit(cmd.WriteAllocations((write,)), idempotency_key, metadata)
 
+    @_logs_rejections("Release")
     async def release(
         self,
         consumer: str | _uuid.UUID,
@@ -670,6 +720,7 @@ class AllocationStore:
             cmd.Release(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
         )
 
+    @_logs_rejections("StartMigration")
     async def start_migration(
         self,
         instance: str | _uuid.UUID,
@@ -683,6 +734,7 @@ class AllocationStore:
         )
         return await self._submit(command, idempotency_key, metadata)
 
+    @_logs_rejections("RevertMigration")
     async def revert_migration(
         self,
         migration: str | _uuid.UUID,
@@ -694,6 +746,7 @@ class AllocationStore:
             cmd.RevertMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
         )
 
+    @_logs_rejections("ConfirmMigration")
     async def confirm_migration(
         self,
         migration: str | _uuid.UUID,
@@ -705,6 +758,7 @@ class AllocationStore:
             cmd.ConfirmMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
         )
 
+    @_logs_rejections("DeleteConsumer")
     async def delete_consumer(
         self,
         consumer: str | _uuid.UUID,

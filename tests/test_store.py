@@ -328,6 +328,42 @@ async def test_each_outcome_is_logged_with_context(store: AllocationStore) -> No
     assert rejected["request_id"] == "req-9"
 
 
+async def test_rejections_before_the_queue_are_logged_too(store: AllocationStore) -> None:
+    """helper-37: a command refused while its arguments were checked (a zero amount, metadata
+    that is not JSON, a malformed uuid) logged nothing, although every command logs its outcome;
+    an accepted migration or delete logged provider=None though it changed providers' usage."""
+    rp = await make_provider(store, VCPU=4)
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {rp: {"VCPU": 1}})
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            with pytest.raises(InvalidInput):
+                await store.set_allocations(
+                    new_uuid(),
+                    {rp: {"VCPU": 0}},
+                    project_id="p",
+                    user_id="u",
+                    consumer_type="INSTANCE",
+                    generation=None,
+                    metadata={"request_id": "req-amount"},
+                )
+            with pytest.raises(InvalidInput):
+                await store.release(instance, metadata={"request_id": "req-meta", "x": float("nan")})
+            with command_metadata(request_id="req-uuid"), pytest.raises(InvalidInput):
+                await store.delete_consumer("not-a-uuid")
+            await store.start_migration(instance, migration, metadata={"request_id": "req-ok"})
+    finally:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    assert [(e["event"], e["command"], e.get("code"), e["request_id"]) for e in logs] == [
+        ("command.rejected", "WriteAllocations", "evstore.invalid_input", "req-amount"),
+        ("command.rejected", "Release", "evstore.invalid_input", "req-meta"),
+        ("command.rejected", "DeleteConsumer", "evstore.invalid_input", "req-uuid"),
+        ("command.accepted", "StartMigration", None, "req-ok"),
+    ]
+    assert logs[-1]["provider"] == [rp]
+
+
 async def _log_two_outcomes(store: AllocationStore, rp: str) -> None:
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
     with pytest.raises(evstore.CapacityExceeded):
