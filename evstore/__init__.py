@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from projections.audit import AuditReport, Finding
     from projections.diff import ConsumerChange, Diff, UsageDelta
     from projections.replay import StateView
+    from projections.state import State
     from projections.views import ConsumerView, ProjectUsages, ProviderUsage
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ _LAZY = {
     "ConsumerView": "projections.views",
     "ProjectUsages": "projections.views",
     "StateView": "projections.replay",
+    "State": "projections.state",
     "Diff": "projections.diff",
     "UsageDelta": "projections.diff",
     "ConsumerChange": "projections.diff",
@@ -120,6 +122,7 @@ __all__ = [
     "Receipt",
     "RecordedEvent",
     "SchemaVersionError",
+    "State",
     "StateView",
     "StorageError",
     "StoreClosed",

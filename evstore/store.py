@@ -217,6 +217,13 @@ def _fingerprint(command: cmd.Command) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def _callback(value: object, signature: str) -> None:
+    if value is not None and not callable(value):
+        raise err.InvalidInput(
+            f"progress must be None or a callable {signature}, got {type(value).__name__}", field="progress"
+        )
+
+
 def _position(value: object, what: str = "position") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POSITION:
         raise err.InvalidInput(
@@ -277,10 +284,12 @@ class AllocationStore:
 
     @property
     def url(self) -> str:
-        return self._backend.url
+        """The URL the store was opened with."""
+        return self._impl.url
 
     @property
     def backend(self) -> Backend:
+        """The storage backend (SQLite or PostgreSQL) under the store."""
         return self._impl
 
     @property
@@ -553,6 +562,9 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
+        """Create a custom resource class ``CUSTOM_*`` (Placement's PUT /resource_classes/{name};
+        creating one that exists changes nothing). Raises ``InvalidInput`` for a name off the
+        pattern or a standard class."""
         return await self._submit(
             cmd.CreateResourceClass(validate_resource_class_name(name)), idempotency_key, metadata
         )
@@ -567,6 +579,10 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
+        """Create a resource provider (generation 0), optionally in ``parent``'s tree.
+
+        Raises ``DuplicateName`` (name or uuid taken), ``ProviderNotFound`` (parent),
+        ``InvalidInput`` (malformed uuid, empty or over-long name)."""
         command = cmd.CreateProvider(
             normalize_uuid(uuid, "provider uuid"),
             validate_name(name, "provider name", 200),
@@ -583,6 +599,8 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
+        """Give a provider a new (unique) name; bumps its generation. Raises ``ProviderNotFound``,
+        ``DuplicateName``."""
         command = cmd.RenameProvider(
             normalize_uuid(uuid, "provider uuid"), validate_name(name, "provider name", 200)
         )
@@ -596,6 +614,8 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
+        """Delete a provider. Raises ``ProviderNotFound``, ``ProviderInUse`` (it holds allocations)
+        and ``CannotDeleteParent`` (it has children), as Placement does."""
         return await self._submit(
             cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid")), idempotency_key, metadata
         )
@@ -651,6 +671,8 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> int:
+        """Remove one class from the provider's inventory; returns the new provider generation.
+        Raises ``InventoryInUse`` while allocations hold that class, ``NotFound`` if it has none."""
         puuid = normalize_uuid(provider, "provider uuid")
         command = cmd.DeleteInventory(puuid, validate_resource_class_name(resource_class))
         receipt = await self._submit(command, idempotency_key, metadata)
@@ -729,6 +751,11 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
+        """Move every allocation of ``instance`` to the empty consumer ``migration``, held on the
+        instance's behalf (Nova's resize/migration start). Raises ``NotFound`` (the instance holds
+        nothing), ``ConsumerDeleted`` (either is tombstoned), ``ConcurrentUpdate`` (the migration
+        already holds allocations), ``InvalidInput`` (same uuid twice, or the instance is itself a
+        migration)."""
         command = cmd.StartMigration(
             normalize_uuid(instance, "instance uuid"), normalize_uuid(migration, "migration uuid")
         )
@@ -742,6 +769,11 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
+        """Give the migration's allocations back to its instance and empty the migration (a failed
+        resize). Raises ``ConsumerDeleted`` when the instance was deleted meanwhile (nothing is
+        written: the leak of Placement bug 1848343 cannot happen), ``NotFound`` when ``migration``
+        holds nothing for a migration in progress, ``CapacityExceeded`` when the source no longer
+        has room."""
         return await self._submit(
             cmd.RevertMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
         )
@@ -754,6 +786,9 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
+        """Release what the migration holds (the resize succeeded; the instance keeps its claim on
+        the destination). Raises ``NotFound`` when ``migration`` holds nothing for a migration in
+        progress, ``ConsumerDeleted`` when its instance was deleted and nothing is left to release."""
         return await self._submit(
             cmd.ConfirmMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
         )
@@ -774,6 +809,8 @@ class AllocationStore:
     # --- queries --------------------------------------------------------------------------
 
     async def usage(self, provider: str | _uuid.UUID) -> ProviderUsage:
+        """A provider's usage per class (a read-only mapping, 0 for stocked classes nobody holds),
+        with ``.generation``, ``.name`` and ``.inventories``. Raises ``ProviderNotFound``."""
         uuid = normalize_uuid(provider, "provider uuid")
         prov = await self._backend.query("provider", uuid)
         if prov is None:
@@ -781,10 +818,15 @@ class AllocationStore:
         return ProviderUsage.of(prov)
 
     async def allocations(self, consumer: str | _uuid.UUID) -> ConsumerView:
+        """A consumer's allocations ``{provider: {class: amount}}`` (empty for an unknown or absent
+        consumer), with ``.generation``, ``.project_id``, ``.user_id``, ``.consumer_type``,
+        ``.on_behalf_of`` (a migration's instance) and ``.deleted`` (tombstoned)."""
         uuid = normalize_uuid(consumer, "consumer uuid")
         return ConsumerView.of(uuid, await self._backend.query("consumer", uuid))
 
     async def provider_allocations(self, provider: str | _uuid.UUID) -> dict[str, dict[str, int]]:
+        """``{consumer: {class: amount}}`` of every consumer holding resources of the provider
+        (Placement's GET /resource_providers/{uuid}/allocations). Raises ``ProviderNotFound``."""
         uuid = normalize_uuid(provider, "provider uuid")
         found: dict[str, dict[str, int]] | None = await self._backend.query("provider_allocations", uuid)
         if found is None:
@@ -814,6 +856,7 @@ class AllocationStore:
         return [(u, n) for u, n in result]
 
     async def head(self) -> int:
+        """The position of the last recorded event (0 for an empty log)."""
         return await self._backend.head()
 
     async def read(self, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
@@ -893,6 +936,7 @@ class AllocationStore:
         Snapshots are dropped too (they are re-made on demand by the current fold)."""
         if not isinstance(full, bool):
             raise err.InvalidInput(f"full must be True or False, got {full!r:.40}", field="full")
+        _callback(progress, "progress(events_folded, head)")
         try:
             folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)
         except OverflowError:
@@ -956,6 +1000,8 @@ class AllocationStore:
         return StateView(await self._fold_to(position))
 
     async def stats(self) -> dict[str, Any]:
+        """Counts for operators (``evstore stats``): ``head``, ``events_by_type`` and, per backend,
+        the database's size."""
         return await self._backend.stats()
 
     # --- snapshots, diff, export and import (time travel and debugging) ---------------------
@@ -973,12 +1019,14 @@ class AllocationStore:
         """Fold the log to its head, saving a snapshot every ``snapshot_every`` events; their positions."""
         from projections import snapshots
 
+        _callback(progress, "progress(position)")
         if not snapshots.supports_snapshots(self._backend):
             raise err.InvalidInput("this backend does not keep snapshots")
         backend: Any = self._backend
         return await snapshots.take_snapshots(backend, self.head, self.snapshot_every, progress)
 
     async def snapshot_positions(self) -> list[int]:
+        """Positions of the whole-state time-travel snapshots kept (none on a backend without them)."""
         from projections import snapshots
 
         if not snapshots.supports_snapshots(self._backend):
@@ -1046,6 +1094,7 @@ class AllocationStore:
         from projections.exchange import ChainCheck, read_export
 
         _count(batch_size, "batch_size")
+        _callback(progress, "progress(phase, events)")
         if not callable(open_lines):
             raise err.InvalidInput(
                 "open_lines must be a callable returning the export's lines (it is called twice)"
@@ -1104,8 +1153,16 @@ def make_backend(url: str, **options: Any) -> Backend:
 async def open_store(url: str, **options: Any) -> AsyncIterator[AllocationStore]:
     """Open a store: ``async with open_store("sqlite:///evstore.db") as store: ...``.
 
-    Options: ``synchronous`` (SQLite: FULL by default, NORMAL trades the last commits on power
-    loss for speed), ``busy_timeout`` (seconds), ``max_batch`` (commands per group commit).
+    ``url``: ``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (in memory) or
+    ``postgresql://user@host/db``. Options of every store (keywords only): ``max_batch`` (commands
+    per group commit, 256), ``poll_interval`` (seconds between a subscriber's polls for other
+    processes' appends, 0.2), ``snapshot_every`` (events between time-travel snapshots, 10,000).
+    The backend's own (keywords, or ``?k=v`` in the URL): SQLite ``synchronous`` (FULL by default;
+    NORMAL trades the last commits on power loss for speed), ``busy_timeout`` (seconds, 30),
+    ``create`` (false: refuse a file holding no store); PostgreSQL ``pool_size``, ``min_pool_size``,
+    ``connect_timeout``, ``command_timeout``, ``max_retries``, ``statement_cache_size``,
+    ``create`` (see the README). Unknown options are refused.
+    The store belongs to the running event loop.
     """
     snapshot_every = options.pop("snapshot_every", None)
     store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from uuid import UUID
 
 from evstore.errors import InvalidInput, ProviderNotFound
 from evstore.events import PAYLOAD_VALIDATORS, RecordedEvent, decode_event
@@ -152,7 +153,7 @@ class StateView:
     def position(self) -> int:
         return self.state.position
 
-    async def usage(self, provider: str) -> ProviderUsage:
+    async def usage(self, provider: str | UUID) -> ProviderUsage:
         from evstore.schema import normalize_uuid
 
         uuid = normalize_uuid(provider, "provider uuid")
@@ -162,14 +163,14 @@ class StateView:
             raise ProviderNotFound(f"No resource provider with uuid {uuid} found at position {self.position}")
         return ProviderUsage.of(prov)
 
-    async def allocations(self, consumer: str) -> ConsumerView:
+    async def allocations(self, consumer: str | UUID) -> ConsumerView:
         from evstore.schema import normalize_uuid
 
         uuid = normalize_uuid(consumer, "consumer uuid")
         self._in_scope("consumer", uuid)
         return ConsumerView.of(uuid, self.state.consumers.get(uuid))
 
-    async def provider_allocations(self, provider: str) -> dict[str, dict[str, int]]:
+    async def provider_allocations(self, provider: str | UUID) -> dict[str, dict[str, int]]:
         from evstore.schema import normalize_uuid
 
         uuid = normalize_uuid(provider, "provider uuid")
@@ -196,4 +197,5 @@ class StateView:
         return ProjectUsages.from_rows(project_usage_rows(self.state, project_id, user_id, consumer_type))
 
     def providers(self) -> list[str]:
+        """The uuids of the providers in this state, sorted (``store.providers()`` also gives names)."""
         return sorted(self.state.providers)

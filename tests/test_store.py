@@ -971,5 +971,38 @@ def test_every_public_name_is_listed_and_importable() -> None:
     for name in evstore.__all__:
         assert name in listed
         assert getattr(evstore, name) is not None
-    for name in ("open_store", "AllocationStore", "ProviderUsage", "ConsumerView", "StateView", "Diff"):
+    for name in (
+        "open_store",
+        "AllocationStore",
+        "ProviderUsage",
+        "ConsumerView",
+        "StateView",
+        "Diff",
+        "State",
+    ):
         assert name in evstore.__all__
+
+
+async def test_awkward_arguments_of_the_debugging_calls_are_typed_errors(store: AllocationStore) -> None:
+    """helper-37: rebuild(progress="x") failed with a bare TypeError deep in the backend; a
+    state_at() view took UUID objects at runtime but was annotated str-only."""
+    rp = await make_provider(store, VCPU=2)
+    for call in (
+        lambda: store.rebuild(progress="x"),  # type: ignore[arg-type]
+        lambda: store.import_events(lambda: [], progress=5),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidInput, match="progress must be None or a callable"):
+            await call()
+    view = await store.state_at(position=await store.head())
+    assert (await view.usage(uuid.UUID(rp))).usages == {"VCPU": 0}
+
+
+@pytest.mark.parametrize("option", ["max_batch=5", "poll_interval=1", "snapshot_every=10"])
+async def test_a_store_keyword_in_the_url_says_where_it_goes(store_url: str, option: str) -> None:
+    """The SQLite message listed max_batch as a known option while refusing it in the URL;
+    PostgreSQL sent it to the server, which failed the connection with "unrecognized
+    configuration parameter"."""
+    name = option.split("=")[0]
+    with pytest.raises(InvalidInput, match=f"{name}: a keyword of open_store"):
+        async with open_store(f"{store_url}{'&' if '?' in store_url else '?'}{option}"):
+            pass

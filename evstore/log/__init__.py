@@ -128,3 +128,15 @@ def imported_entities(
         event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
         names.append(event.entities() | extra.get(raw.position, set()))
     return names
+
+
+#: options of every store, keywords of ``open_store`` (not in the URL: the store's, not the backend's)
+STORE_KEYWORDS = ("max_batch", "poll_interval", "snapshot_every")
+
+
+def store_keyword_hint(unknown: list[str]) -> str:
+    """What to say when a URL names a store keyword as a backend option."""
+    named = [k for k in unknown if k in STORE_KEYWORDS]
+    if not named:
+        return ""
+    return f" ({', '.join(named)}: a keyword of open_store(url, ...), not a URL option)"

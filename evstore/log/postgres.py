@@ -91,7 +91,17 @@ import asyncpg  # type: ignore[import-untyped,unused-ignore]
 from evstore import errors as err
 from evstore.commands import Needs, decide
 from evstore.events import EventBase, RecordedEvent
-from evstore.log import MAX_POSITION, Job, Outcome, PayloadRow, RawEvent, Receipt, imported_entities
+from evstore.log import (
+    MAX_POSITION,
+    STORE_KEYWORDS,
+    Job,
+    Outcome,
+    PayloadRow,
+    RawEvent,
+    Receipt,
+    imported_entities,
+    store_keyword_hint,
+)
 from evstore.log.sqlite import decode_raw
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
@@ -346,6 +356,12 @@ def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
     twice = sorted({k for k in names if names.count(k) > 1})
     if twice:
         raise err.InvalidInput(f"The PostgreSQL URL {safe_url} sets {', '.join(twice)} more than once")
+    keywords = [k for k in names if k in STORE_KEYWORDS]
+    if keywords:
+        raise err.InvalidInput(
+            f"Unknown PostgreSQL store option(s) {', '.join(keywords)} in {safe_url}"
+            + store_keyword_hint(keywords)
+        )
     ours = {k: v for k, v in pairs if k in OPTIONS}
     if not ours:
         return url, {}
@@ -481,6 +497,7 @@ class PostgresBackend:
         if unknown:
             raise err.InvalidInput(
                 f"Unknown PostgreSQL store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
+                + store_keyword_hint(unknown)
             )
         self.safe_url = redact(url)
         url, from_url = _options_in_url(url, self.safe_url)

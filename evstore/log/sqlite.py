@@ -44,6 +44,7 @@ from evstore.log import (
     event_hash,
     imported_entities,
     random_bits,
+    store_keyword_hint,
 )
 from projections import persisted
 from projections.gcpause import gc_paused
@@ -677,8 +678,8 @@ class SqliteBackend:
         unknown = sorted(set(merged) - set(OPTIONS))
         if unknown:
             raise err.InvalidInput(
-                f"Unknown SQLite store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)} "
-                "(and max_batch, poll_interval, snapshot_every for any store)"
+                f"Unknown SQLite store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
+                + store_keyword_hint(unknown)
             )
         self.path = path
         self._parent_dir = os.path.dirname(os.path.abspath(path))
