@@ -226,3 +226,12 @@ def check_loaded_consumer(c: ConsumerState) -> None:
 
 def allocation_rows(c: ConsumerState) -> list[tuple[str, str, str, int]]:
     return [(c.uuid, p, rc, amt) for p, res in c.allocations.items() for rc, amt in res.items()]
+
+
+def orphan_allocations(consumer: str) -> ProjectionCorrupt:
+    """The error for allocation rows whose consumer has no row (the projection lost it)."""
+    return ProjectionCorrupt(
+        f"The projection holds allocations of consumer {consumer} but no row for that consumer: it is "
+        "damaged (`evstore audit` says where; `evstore rebuild` refolds it from the log)",
+        consumer=consumer,
+    )

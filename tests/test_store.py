@@ -1006,3 +1006,30 @@ async def test_a_store_keyword_in_the_url_says_where_it_goes(store_url: str, opt
     with pytest.raises(InvalidInput, match=f"{name}: a keyword of open_store"):
         async with open_store(f"{store_url}{'&' if '?' in store_url else '?'}{option}"):
             pass
+
+
+async def test_allocation_rows_without_their_consumer_row_are_a_corrupt_projection(
+    store: AllocationStore,
+) -> None:
+    """helper-36: with a consumer's row gone but its allocation rows left, PostgreSQL answered
+    allocations() and commands with a bare KeyError, SQLite's command failed with "UNIQUE
+    constraint failed"; both are a damaged projection, which rebuild repairs."""
+    rp = await make_provider(store, VCPU=4)
+    c = new_uuid()
+    await allocate(store, c, {rp: {"VCPU": 1}})
+    await store.backend.tamper("DELETE FROM p_consumers WHERE uuid = ?", (c,))  # type: ignore[attr-defined]
+    head = await store.head()
+    with pytest.raises(evstore.ProjectionCorrupt, match="rebuild"):
+        await allocate(store, c, {rp: {"VCPU": 2}})
+    assert await store.head() == head, "nothing written"
+    try:
+        view = await store.allocations(c)
+    except evstore.ProjectionCorrupt:
+        pass  # (PostgreSQL loads the rows together; SQLite reads no row as no consumer)
+    else:
+        assert view.allocations == {}
+    assert not (await store.audit()).clean
+    await store.rebuild()
+    assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
+    await allocate(store, c, {rp: {"VCPU": 2}}, generation=1)
+    assert (await store.audit()).clean

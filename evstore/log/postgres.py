@@ -1372,7 +1372,10 @@ async def lock_load(conn: Any, n: Needs, fence: int | None, keys: list[int]) -> 
         if kind == 1:
             consumers[t1] = persisted.consumer_from_row((t1, t2, t3, t4, b1, b2, b3, t5, b4))
         elif kind == 2:
-            consumers[t1].allocations.setdefault(t2, {})[t3] = b1
+            held = consumers.get(t1)
+            if held is None:
+                raise persisted.orphan_allocations(t1)
+            held.allocations.setdefault(t2, {})[t3] = b1
         elif kind == 3:
             state.providers[t1] = persisted.provider_from_row((t1, t2, t3, t4, b1, t5, t6))
         else:
@@ -1428,7 +1431,10 @@ async def _load_consumers(conn: Any, state: State, uuids: set[str]) -> None:
     for consumer, provider, rc, used in await conn.fetch(
         "SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer = ANY($1::text[])", keys
     ):
-        state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
+        held = state.consumers.get(consumer)
+        if held is None:
+            raise persisted.orphan_allocations(consumer)
+        held.allocations.setdefault(provider, {})[rc] = used
     for uuid in uuids & state.consumers.keys():
         persisted.check_loaded_consumer(state.consumers[uuid])
 

@@ -627,7 +627,13 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
         insert_appended(conn, tail)
         if tail.position > start:
             index_history(conn, cache, tail)
-        cache.flush(conn)
+        try:
+            cache.flush(conn)
+        except sqlite3.IntegrityError as exc:
+            raise err.ProjectionCorrupt(
+                f"Writing the projection failed ({exc}): it holds rows the store did not expect, so it is "
+                "damaged (`evstore audit` says where; `evstore rebuild` refolds it from the log)"
+            ) from None
         conn.execute("COMMIT")
     except BaseException:
         cache.forget()  # (it holds what was rolled back)
