@@ -21,6 +21,7 @@ import pytest
 
 from evstore import (
     AllocationStore,
+    CapacityExceeded,
     EvstoreError,
     InvalidInput,
     Inventory,
@@ -1090,3 +1091,53 @@ async def test_damaged_projection_rows_fail_typed_and_a_providers_drift_names_it
         await backend.tamper("UPDATE p_providers SET generation = 9 WHERE uuid = $1", (rp,))
         [drift] = (await store.audit()).drift
         assert drift.details == {"provider": rp, "field": "generation"} and drift.positions == (last,)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "DROP TABLE p_allocations",
+        "DROP TABLE p_consumers CASCADE",
+        "DROP TABLE p_classes",
+        "DROP TABLE snapshots",
+    ],
+)
+async def test_a_lost_projection_table_is_refolded_from_the_log_on_open(pg_url: str, damage: str) -> None:
+    """helper-36: with a projection table dropped, every later command, query, audit and even
+    rebuild failed with "relation ... does not exist", and nothing in evstore could repair it
+    (SQLite refolds it on open). Now the open re-creates what is lost and refolds the log into
+    it, holding writers back."""
+    async with open_store(pg_url) as store:
+        await store.create_resource_class("CUSTOM_GPU")
+        rp = await make_provider(store, VCPU=4, CUSTOM_GPU=1)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 3, "CUSTOM_GPU": 1}})
+        await store.take_snapshots()
+        await pg(store).tamper(damage)
+    async with open_store(pg_url) as store:
+        assert (await store.allocations(c)).allocations == {rp: {"VCPU": 3, "CUSTOM_GPU": 1}}
+        with pytest.raises(CapacityExceeded):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert (await store.usage(rp)).usages == {"VCPU": 4, "CUSTOM_GPU": 1}
+        assert (await store.state_at(position=3)).state.consumers == {}
+        assert (await store.audit()).clean
+
+
+async def test_rebuild_repairs_lost_tables_and_indexes_of_an_open_store(pg_url: str) -> None:
+    """helper-36: rebuild failed on a dropped table, and rebuild(full=True) did not restore a
+    dropped index although it "rewrites every row and index"."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=4)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        await pg(store).tamper("DROP INDEX p_allocations_provider")
+        await pg(store).tamper("DROP TABLE p_classes")
+        await store.rebuild(full=True)
+        rows = await admin_fetch(
+            pg_url,
+            "SELECT to_regclass('p_allocations_provider') IS NOT NULL, to_regclass('p_classes') IS NOT NULL",
+        )
+        assert tuple(rows[0]) == (True, True)
+        assert (await store.provider_allocations(rp)) == {c: {"VCPU": 2}}
+        assert (await store.audit()).clean

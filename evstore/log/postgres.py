@@ -87,6 +87,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
+import structlog
 
 from evstore import errors as err
 from evstore.commands import Needs, decide
@@ -108,6 +109,8 @@ from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
+
+log = structlog.get_logger("evstore.postgres")
 
 SCHEMA_VERSION = 4
 
@@ -324,6 +327,75 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 PROJECTION_TABLES = ("p_allocations", "p_consumers", "p_providers", "p_classes")
+
+#: The projection's objects as the current schema defines them (the migrations above made them),
+#: to re-create any that were lost (dropped by hand): each before what depends on it.
+PROJECTION_OBJECTS: tuple[tuple[str, str], ...] = (
+    (
+        "p_providers",
+        """CREATE TABLE p_providers (
+            uuid text PRIMARY KEY, name text NOT NULL, parent text, root text NOT NULL,
+            generation bigint NOT NULL, inventories text NOT NULL, usages text NOT NULL
+        )""",
+    ),
+    (
+        "p_consumers",
+        """CREATE TABLE p_consumers (
+            uuid text PRIMARY KEY, project_id text, user_id text, consumer_type text, generation bigint,
+            deleted integer NOT NULL, deleted_at bigint, on_behalf_of text, allocated_at bigint
+        )""",
+    ),
+    (
+        "p_allocations",
+        """CREATE TABLE p_allocations (
+            consumer text NOT NULL, provider text NOT NULL, rc text NOT NULL, used bigint NOT NULL,
+            PRIMARY KEY (consumer, provider, rc)
+        )""",
+    ),
+    ("p_classes", "CREATE TABLE p_classes (name text PRIMARY KEY)"),
+    ("p_providers_name", "CREATE INDEX p_providers_name ON p_providers (name)"),
+    ("p_providers_parent", "CREATE INDEX p_providers_parent ON p_providers (parent)"),
+    ("p_consumers_behalf", "CREATE INDEX p_consumers_behalf ON p_consumers (on_behalf_of)"),
+    ("p_consumers_project", "CREATE INDEX p_consumers_project ON p_consumers (project_id, user_id)"),
+    ("p_allocations_provider", "CREATE INDEX p_allocations_provider ON p_allocations (provider)"),
+    (
+        "p_consumers_resolved",
+        """CREATE VIEW p_consumers_resolved AS
+        SELECT c.uuid, c.project_id, c.user_id, c.consumer_type, c.generation, c.deleted,
+               CASE WHEN c.deleted_at < 0
+                    THEN coalesce((SELECT e.position FROM events e WHERE e.seq = -c.deleted_at), c.deleted_at)
+                    ELSE c.deleted_at END AS deleted_at,
+               c.on_behalf_of,
+               CASE WHEN c.allocated_at < 0
+                    THEN coalesce((SELECT e.position FROM events e WHERE e.seq = -c.allocated_at),
+                                  c.allocated_at)
+                    ELSE c.allocated_at END AS allocated_at
+        FROM p_consumers c""",
+    ),
+    (
+        "snapshots",
+        """CREATE TABLE snapshots (
+            position bigint PRIMARY KEY, event_hash text NOT NULL, format integer NOT NULL,
+            state text NOT NULL
+        )""",
+    ),
+)
+
+
+async def _missing_objects(conn: Any) -> list[str]:
+    """The projection's tables, indexes and view that this schema lacks."""
+    names = [name for name, _ in PROJECTION_OBJECTS]
+    found = await conn.fetch("SELECT n, to_regclass(n) IS NOT NULL FROM unnest($1::text[]) AS n", names)
+    return [name for name, present in found if not present]
+
+
+async def _recreate(conn: Any, missing: list[str]) -> None:
+    """Create the lost projection objects (empty: the caller refolds), in dependency order."""
+    for name, ddl in PROJECTION_OBJECTS:
+        if name in missing:
+            await conn.execute(ddl)
+
+
 EVENT_COLUMNS = "position, event_id, type, schema_version, data, metadata, recorded_at, hash"
 PROVIDER_COLUMNS = "uuid, name, parent, root, generation, inventories, usages"
 CONSUMER_COLUMNS = (
@@ -567,9 +639,39 @@ class PostgresBackend:
             ) from None
         try:
             await self._migrate()
+            await self._repair_projection()
         except BaseException:
             await self.close()
             raise
+
+    async def _repair_projection(self) -> None:
+        """Re-create projection tables, indexes or the view lost from the schema (dropped by hand):
+        a lost table, left missing, failed every command and query (and rebuild); made empty, it
+        would have every command decide against nothing held. So a lost table is made and the log
+        folded into the projection at once, holding writers back. A log that cannot be folded is
+        left to the audit (which names the row): the tables stay empty, as it then reports."""
+        async with self._connection() as conn:
+            try:
+                if not await _missing_objects(conn):
+                    return
+                async with conn.transaction():
+                    await self._fenced(conn)
+                    missing = await _missing_objects(conn)  # (another process may have repaired it)
+                    await _recreate(conn, missing)
+                    if not set(missing) & set(PROJECTION_TABLES):
+                        return
+                    log.warning("projection.tables_missing", tables=missing, action="refolding from the log")
+                    try:
+                        async with conn.transaction():  # (a savepoint)
+                            await _rebuild(conn, State(usages_deferred=True), 5000, None)
+                    except (err.CorruptEvent, OverflowError, ValueError, TypeError) as exc:
+                        log.error("projection.refold_failed", tables=missing, error=repr(exc)[:200])
+            except DB_ERRORS as exc:
+                raise err.StorageError(
+                    f"Cannot repair the projection at {self.safe_url}: "
+                    f"{_storage_error(exc, 'repairing the projection')}",
+                    url=self.safe_url,
+                ) from None
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
@@ -1205,7 +1307,7 @@ class PostgresBackend:
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
     ) -> int:
-        # (``full`` changes nothing here: this backend always rewrites the whole projection, by COPY)
+        # (this backend always rewrites the whole projection, by COPY; ``full`` also reindexes it)
         # The long part, folding the whole log, runs before the fence (paged reads of positioned
         # events): writers are held back only while the events positioned meanwhile are folded
         # and the projection is rewritten.
@@ -1219,7 +1321,12 @@ class PostgresBackend:
             try:
                 async with conn.transaction():
                     await self._fenced(conn)
-                    return await _rebuild(conn, state, batch_size, progress)
+                    await _recreate(conn, await _missing_objects(conn))  # (lost tables, indexes)
+                    folded = await _rebuild(conn, state, batch_size, progress)
+                    if full:  # (storage-level damage: an index that lost entries)
+                        for table in PROJECTION_TABLES:
+                            await conn.execute(f"REINDEX TABLE {table}")
+                    return folded
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "rebuilding the projection") from None
 
