@@ -1033,3 +1033,18 @@ async def test_allocation_rows_without_their_consumer_row_are_a_corrupt_projecti
     assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
     await allocate(store, c, {rp: {"VCPU": 2}}, generation=1)
     assert (await store.audit()).clean
+
+
+async def test_providers_are_listed_by_name_in_code_point_order(store: AllocationStore) -> None:
+    """helper-36: PostgreSQL sorted by the database's collation (in an ICU 'en' database
+    '_x', '10', '9', 'a', 'A', ...), SQLite by code point; both now by code point."""
+    names = ["b", "A", "a", "_x", "10", "9", "Z", "é"]
+    if store.url.startswith("postgresql"):  # (the test cluster is C: make the names' collation ICU's)
+        await store.backend.tamper(  # type: ignore[attr-defined]
+            'ALTER TABLE p_providers ALTER COLUMN name TYPE text COLLATE "en-x-icu"'
+        )
+    for name in names:
+        await store.create_provider(new_uuid(), name)
+    assert [n for _, n in await store.providers()] == sorted(names)
+    stats = await store.stats()
+    assert list(stats["events_by_type"]) == sorted(stats["events_by_type"])

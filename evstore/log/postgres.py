@@ -596,7 +596,7 @@ class PostgresBackend:
         #: False: refuse to open a database (schema) that holds no store instead of creating one
         self.create = options.get("create", True)
         if not isinstance(self.create, bool):
-            raise err.InvalidInput(f"create must be True or False, got {self.create!r}")
+            raise err.InvalidInput(f"create must be true or false, got {self.create!r}")
         if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None
@@ -1336,7 +1336,8 @@ class PostgresBackend:
                 counts = {
                     r["type"]: r["count"]
                     for r in await conn.fetch(
-                        "SELECT type, count(*) AS count FROM events WHERE position IS NOT NULL GROUP BY type"
+                        "SELECT type, count(*) AS count FROM events WHERE position IS NOT NULL "
+                        'GROUP BY type ORDER BY type COLLATE "C"'
                     )
                 }
                 head = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
@@ -1662,7 +1663,12 @@ async def _q_project_usages(
 
 
 async def _q_providers(conn: Any) -> list[tuple[str, str]]:
-    return [tuple(r) for r in await conn.fetch("SELECT uuid, name FROM p_providers ORDER BY name")]
+    return [
+        tuple(r)
+        for r in await conn.fetch(
+            'SELECT uuid, name FROM p_providers ORDER BY name COLLATE "C", uuid'  # (code points, as SQLite)
+        )
+    ]
 
 
 QUERIES: dict[str, Callable[..., Awaitable[Any]]] = {
