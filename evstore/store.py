@@ -217,7 +217,7 @@ def _fingerprint(command: cmd.Command) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _callback(value: object, signature: str) -> None:
+def _check_progress(value: object, signature: str) -> None:
     if value is not None and not callable(value):
         raise err.InvalidInput(
             f"progress must be None or a callable {signature}, got {type(value).__name__}", field="progress"
@@ -936,7 +936,7 @@ class AllocationStore:
         Snapshots are dropped too (they are re-made on demand by the current fold)."""
         if not isinstance(full, bool):
             raise err.InvalidInput(f"full must be True or False, got {full!r:.40}", field="full")
-        _callback(progress, "progress(events_folded, head)")
+        _check_progress(progress, "progress(events_folded, head)")
         try:
             folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)
         except OverflowError:
@@ -1019,7 +1019,7 @@ class AllocationStore:
         """Fold the log to its head, saving a snapshot every ``snapshot_every`` events; their positions."""
         from projections import snapshots
 
-        _callback(progress, "progress(position)")
+        _check_progress(progress, "progress(position)")
         if not snapshots.supports_snapshots(self._backend):
             raise err.InvalidInput("this backend does not keep snapshots")
         backend: Any = self._backend
@@ -1094,7 +1094,7 @@ class AllocationStore:
         from projections.exchange import ChainCheck, read_export
 
         _count(batch_size, "batch_size")
-        _callback(progress, "progress(phase, events)")
+        _check_progress(progress, "progress(phase, events)")
         if not callable(open_lines):
             raise err.InvalidInput(
                 "open_lines must be a callable returning the export's lines (it is called twice)"
