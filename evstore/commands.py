@@ -546,7 +546,7 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
     named = _check_and_plan(state, changes)
     assert mig.project_id and mig.user_id
     # An absent instance's remembered attributes are leftovers, not facts: the migration
-    # carries the owner it took over from the instance.
+    # carries the owner and the consumer type it took over from the instance.
     holding = bool(inst.allocations)
     return [
         ev.MigrationReverted(
@@ -556,7 +556,7 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
             replaced=inst.allocations,
             project_id=(inst.project_id if holding else None) or mig.project_id,
             user_id=(inst.user_id if holding else None) or mig.user_id,
-            instance_consumer_type=(inst.consumer_type if holding else None) or "INSTANCE",
+            instance_consumer_type=(inst.consumer_type if holding else mig.instance_type) or "INSTANCE",
             instance_generation=(inst.generation or 0) + 1,
             provider_generations=_bumps(state, named, set()),
         )

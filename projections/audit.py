@@ -402,6 +402,7 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
             "user_id",
             "consumer_type",
             "on_behalf_of",
+            "instance_type",
             "deleted_at",
             "allocated_at",
         ):

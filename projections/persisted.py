@@ -35,6 +35,7 @@ def clone_consumer(c: ConsumerState) -> ConsumerState:
         c.deleted_at,
         c.on_behalf_of,
         c.allocated_at,
+        c.instance_type,
     )
 
 
@@ -168,13 +169,23 @@ def consumer_row(c: ConsumerState) -> tuple[Any, ...]:
         c.deleted_at,
         c.on_behalf_of,
         c.allocated_at,
+        c.instance_type,
     )
 
 
 def consumer_from_row(row: tuple[Any, ...]) -> ConsumerState:
-    uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, allocated_at = (
-        row
-    )
+    (
+        uuid,
+        project_id,
+        user_id,
+        consumer_type,
+        generation,
+        deleted,
+        deleted_at,
+        on_behalf_of,
+        allocated_at,
+        instance_type,
+    ) = row
     if deleted not in (0, 1):  # (True and False included: PostgreSQL's column is a boolean)
         raise ProjectionCorrupt(
             f"The projection row of consumer {uuid} has deleted = {deleted!r:.40}, neither 0 nor 1: the "
@@ -192,6 +203,7 @@ def consumer_from_row(row: tuple[Any, ...]) -> ConsumerState:
         deleted_at,
         on_behalf_of,
         allocated_at,
+        instance_type,
     )
 
 
@@ -209,6 +221,8 @@ def check_loaded_consumer(c: ConsumerState) -> None:
         bad = f"deleted_at {c.deleted_at!r:.40}"
     elif not (c.on_behalf_of is None or type(c.on_behalf_of) is str):
         bad = f"on_behalf_of {c.on_behalf_of!r:.40}"
+    elif not (c.instance_type is None or type(c.instance_type) is str):
+        bad = f"instance_type {c.instance_type!r:.40}"
     else:
         for provider, resources in c.allocations.items():
             for rc, amount in resources.items():

@@ -29,7 +29,8 @@ log = structlog.get_logger("evstore.snapshots")
 #: snapshots and provider slices share it: slices are re-made only where whole-store snapshots are.
 #: 2: provider slices keep each holder's project, user, type and generation with its resources.
 #: 3: a whole-store snapshot is lines (header, providers, chunks of consumers): see encode_state.
-SNAPSHOT_FORMAT = 3
+#: 4: a consumer row ends with a migration's instance type.
+SNAPSHOT_FORMAT = 4
 DEFAULT_SNAPSHOT_EVERY = 10_000
 
 
@@ -120,6 +121,7 @@ def encode_state(state: State) -> str:
                 c.deleted_at,
                 c.on_behalf_of,
                 c.allocated_at,
+                c.instance_type,
             ]
             for c in consumers[at : at + CHUNK]
         ]
@@ -139,9 +141,19 @@ def decode_state(text: str) -> State:
         state.providers[provider.uuid] = provider
     for line in lines[2:]:
         for row in _loads(line):
-            uuid, project, user, ctype, generation, allocations, deleted, deleted_at, behalf, allocated_at = (
-                row
-            )
+            (
+                uuid,
+                project,
+                user,
+                ctype,
+                generation,
+                allocations,
+                deleted,
+                deleted_at,
+                behalf,
+                allocated_at,
+                itype,
+            ) = row
             state.consumers[uuid] = ConsumerState(
                 uuid,
                 project,
@@ -153,6 +165,7 @@ def decode_state(text: str) -> State:
                 deleted_at,
                 behalf,
                 allocated_at,
+                itype,
             )
     return state
 

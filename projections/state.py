@@ -53,6 +53,9 @@ class ConsumerState:
     on_behalf_of: str | None = None
     #: position of the event that last changed this consumer's allocations.
     allocated_at: int | None = None
+    #: for a migration consumer: the consumer type its instance had when the migration started
+    #: (a revert gives it back to an instance that is absent by then, and so forgotten).
+    instance_type: str | None = None
 
     @property
     def absent(self) -> bool:
@@ -177,14 +180,14 @@ def _allocations_replaced(state: State, e: Payload, position: int) -> None:
         # emptied by a plain write (e.g. Nova's move_allocations): no longer holding
         # anything for anyone
         c.generation = None
-        c.on_behalf_of = None
+        c.on_behalf_of = c.instance_type = None
         _forget_if_empty(state, c)
 
 
 def _allocations_released(state: State, e: Payload, position: int) -> None:
     c = _set_allocations(state, e["consumer"], {}, position)
     c.generation = None
-    c.on_behalf_of = None
+    c.on_behalf_of = c.instance_type = None
     _forget_if_empty(state, c)
 
 
@@ -198,6 +201,7 @@ def _migration_started(state: State, e: Payload, position: int) -> None:
     mig.consumer_type = _label(e["migration_consumer_type"])
     mig.generation = e["migration_generation"]
     mig.on_behalf_of = e["instance"]
+    mig.instance_type = inst.consumer_type
     _bump(state, e["provider_generations"])
     _forget_if_empty(state, inst)
 
@@ -205,7 +209,7 @@ def _migration_started(state: State, e: Payload, position: int) -> None:
 def _migration_reverted(state: State, e: Payload, position: int) -> None:
     mig = _set_allocations(state, e["migration"], {}, position)
     mig.generation = None
-    mig.on_behalf_of = None
+    mig.on_behalf_of = mig.instance_type = None
     inst = _set_allocations(state, e["instance"], e["allocations"], position)
     inst.project_id, inst.user_id = _label(e["project_id"]), _label(e["user_id"])
     inst.consumer_type = _label(e["instance_consumer_type"])
@@ -218,7 +222,7 @@ def _migration_reverted(state: State, e: Payload, position: int) -> None:
 def _migration_confirmed(state: State, e: Payload, position: int) -> None:
     mig = _set_allocations(state, e["migration"], {}, position)
     mig.generation = None
-    mig.on_behalf_of = None
+    mig.on_behalf_of = mig.instance_type = None
     _forget_if_empty(state, mig)
 
 

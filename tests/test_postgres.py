@@ -1141,3 +1141,35 @@ async def test_rebuild_repairs_lost_tables_and_indexes_of_an_open_store(pg_url: 
         assert tuple(rows[0]) == (True, True)
         assert (await store.provider_allocations(rp)) == {c: {"VCPU": 2}}
         assert (await store.audit()).clean
+
+
+async def test_a_version_4_store_learns_its_migrations_instance_types_on_open(pg_url: str) -> None:
+    """Migration 5 adds p_consumers.instance_type (and the functions that write and load it); the
+    open then refolds the projection, so a migration started before the upgrade still reverts to
+    its instance's type."""
+    from evstore.log.postgres import MIGRATIONS
+
+    async with open_store(pg_url) as store:
+        src = await make_provider(store, VCPU=8)
+        inst, mig = new_uuid(), new_uuid()
+        await allocate(store, inst, {src: {"VCPU": 2}}, consumer_type="BAREMETAL")
+        await store.start_migration(inst, mig)
+        # what version 4 had: the column, the view and the write-path functions of migrations 1-4
+        await pg(store).tamper(
+            "DROP VIEW p_consumers_resolved; ALTER TABLE p_consumers DROP COLUMN instance_type; "
+            "DROP FUNCTION evstore_write; DROP FUNCTION evstore_lock_load"
+        )
+        first = MIGRATIONS[0]
+        view = first[first.index("CREATE VIEW") : first.index("CREATE FUNCTION evstore_lock(")]
+        await pg(store).tamper(view)
+        await pg(store).tamper(MIGRATIONS[2])
+        await pg(store).tamper(MIGRATIONS[3])
+        await pg(store).tamper("UPDATE evstore_meta SET value = '4' WHERE key = 'schema_version'")
+    assert SCHEMA_VERSION == 5
+    async with open_store(pg_url) as store:
+        assert (await store.audit()).clean
+        await store.revert_migration(mig)
+        assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
+        assert (await store.audit()).clean
+    rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
+    assert rows[0]["value"] == "5"

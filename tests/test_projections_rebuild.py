@@ -133,9 +133,8 @@ async def test_rebuild_repairs_small_damage_row_by_row(sqlite_url: str) -> None:
         await tamper("DELETE FROM p_consumers WHERE uuid = (SELECT min(uuid) FROM p_consumers)")
         # rows the log never made, sorting before, between and after the real ones
         for stray in ("0" * 8 + new_uuid()[8:], new_uuid(), "f" * 8 + new_uuid()[8:]):
-            await tamper(
-                "INSERT INTO p_consumers VALUES (?, 'p', 'u', 'INSTANCE', 1, 0, NULL, NULL, 1)", (stray,)
-            )
+            row = "(?, 'p', 'u', 'INSTANCE', 1, 0, NULL, NULL, 1, NULL)"
+            await tamper(f"INSERT INTO p_consumers VALUES {row}", (stray,))
             await tamper("INSERT INTO p_allocations VALUES (?, ?, 'VCPU', 1)", (stray, new_uuid()))
         await tamper(
             "UPDATE p_providers SET generation = generation + 3"
@@ -179,7 +178,7 @@ async def test_rebuild_repairs_rows_whose_keys_are_not_text(sqlite_url: str) -> 
         await random_workload(store, seed=14, commands=100)
         live = await store.backend.load_state()
         tamper = store.backend.tamper  # type: ignore[attr-defined]
-        await tamper("INSERT INTO p_consumers VALUES (42, 'p', 'u', 'INSTANCE', 1, 0, NULL, NULL, 1)")
+        await tamper("INSERT INTO p_consumers VALUES (42, 'p', 'u', 'INSTANCE', 1, 0, NULL, NULL, 1, NULL)")
         await tamper("INSERT INTO p_allocations VALUES (X'00ff', 'rp', 'VCPU', 1)")
         await tamper("INSERT INTO p_providers VALUES (7, 'n', NULL, 7, 0, '{}', '{}')")
         report = await store.audit()  # reports such rows (it used to fail sorting them)

@@ -32,6 +32,7 @@ from evstore import (
     open_store,
 )
 from evstore.events import AllocationsReplaced, decode_event
+from evstore.log.sqlite import SCHEMA_VERSION as SQLITE_SCHEMA_VERSION
 from evstore.log.sqlite import SqliteBackend
 from evstore.store import make_backend
 from tests.conftest import allocate, make_provider, new_uuid
@@ -1048,3 +1049,80 @@ async def test_providers_are_listed_by_name_in_code_point_order(store: Allocatio
     assert [n for _, n in await store.providers()] == sorted(names)
     stats = await store.stats()
     assert list(stats["events_by_type"]) == sorted(stats["events_by_type"])
+
+
+async def test_a_revert_gives_an_absent_instance_back_its_own_consumer_type(store: AllocationStore) -> None:
+    """Regression: a revert to an instance its migration left absent (no destination claim yet:
+    the scheduler found no host) restored it as INSTANCE whatever its type was - the fold forgets
+    an absent consumer and the migration did not keep the type. Both ways to start a migration,
+    and time travel, rebuild and the audit agree."""
+    src = await make_provider(store, VCPU=16)
+    started = []
+    for ctype in ("BAREMETAL", "INSTANCE"):
+        inst, mig = new_uuid(), new_uuid()
+        await allocate(store, inst, {src: {"VCPU": 2}}, consumer_type=ctype)
+        await store.start_migration(inst, mig)
+        started.append((inst, mig, ctype))
+    # Nova's way: move_allocations, a plain write recognised as a move
+    inst, mig = new_uuid(), new_uuid()
+    await allocate(store, inst, {src: {"VCPU": 1}}, consumer_type="CUSTOM_VM")
+    owner = {"project_id": "project", "user_id": "user"}
+    await store.write_allocations(
+        {
+            inst: {"allocations": {}, "consumer_type": "CUSTOM_VM", "consumer_generation": 1, **owner},
+            mig: {"allocations": {src: {"VCPU": 1}}, "consumer_type": "MIGRATION", **owner},
+        }
+    )
+    started.append((inst, mig, "CUSTOM_VM"))
+    assert (await store.allocations(mig)).on_behalf_of == inst
+    mid = await store.head()
+    await store.take_snapshots()  # (a snapshot taken while the migrations hold the source)
+    for _, mig, _ in started:
+        await store.revert_migration(mig)
+    for inst, _, ctype in started:
+        restored = await store.allocations(inst)
+        assert (restored.consumer_type, restored.generation) == (ctype, 1), inst
+        now = await store.state_at(await store.head())
+        assert (await now.allocations(inst)).consumer_type == ctype
+    # the instance types travel with the migrations in every fold
+    before = await store.state_at(mid)
+    for inst, mig, _ in started:
+        assert (await before.allocations(inst)).consumer_type is None  # absent then
+        assert (await before.allocations(mig)).on_behalf_of == inst
+    assert (await store.audit()).clean
+    await store.rebuild()
+    assert (await store.audit()).clean
+    assert [(await store.allocations(i)).consumer_type for i, _, _ in started] == [c for _, _, c in started]
+
+
+async def test_an_older_sqlite_store_learns_its_migrations_instance_types_on_open(tmp_path: Path) -> None:
+    """A store of schema version 2 has no instance_type column: the open adds it and refolds the
+    projection, so a migration started before the upgrade still reverts to the right type."""
+    path = tmp_path / "v2.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        src = await make_provider(store, VCPU=8)
+        inst, mig = new_uuid(), new_uuid()
+        await allocate(store, inst, {src: {"VCPU": 2}}, consumer_type="BAREMETAL")
+        await store.start_migration(inst, mig)
+    conn = sqlite3.connect(path)
+    with conn:  # what version 2 wrote
+        conn.execute("ALTER TABLE p_consumers DROP COLUMN instance_type")
+        conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    conn.close()
+    async with open_store(f"sqlite:///{path}") as store:
+        assert (await store.audit()).clean
+        await store.revert_migration(mig)
+        assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
+    conn = sqlite3.connect(path)
+    version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    columns = [r[1] for r in conn.execute("PRAGMA table_info(p_consumers)")]
+    conn.close()
+    assert version == str(SQLITE_SCHEMA_VERSION) and columns[-1] == "instance_type"
+    # a store that says it is current but lacks the column was damaged: refused, not altered
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("ALTER TABLE p_consumers DROP COLUMN instance_type")
+    conn.close()
+    with pytest.raises(evstore.StorageError, match="tables are of an older one"):
+        async with open_store(f"sqlite:///{path}"):
+            pass

@@ -112,7 +112,7 @@ from projections.state import ConsumerState, State, evolve
 
 log = structlog.get_logger("evstore.postgres")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -324,6 +324,118 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER FUNCTION evstore_sequence(bigint, boolean, bigint[]) SET lock_timeout = 0;
     """,
+    # 5: a migration consumer keeps its instance's consumer type (a revert gives it back to the
+    # instance, absent by then); the open then refolds the projection to fill it (see open)
+    r"""
+    ALTER TABLE p_consumers ADD COLUMN IF NOT EXISTS instance_type text;
+    CREATE OR REPLACE VIEW p_consumers_resolved AS
+    SELECT c.uuid, c.project_id, c.user_id, c.consumer_type, c.generation, c.deleted,
+           CASE WHEN c.deleted_at < 0
+                THEN coalesce((SELECT e.position FROM events e WHERE e.seq = -c.deleted_at), c.deleted_at)
+                ELSE c.deleted_at END AS deleted_at,
+           c.on_behalf_of,
+           CASE WHEN c.allocated_at < 0
+                THEN coalesce((SELECT e.position FROM events e WHERE e.seq = -c.allocated_at), c.allocated_at)
+                ELSE c.allocated_at END AS allocated_at,
+           c.instance_type
+    FROM p_consumers c;
+    DROP FUNCTION IF EXISTS evstore_write(
+        text[], text[], integer[], text[], text, text[], integer[], text[], text[], text[], text[], text[],
+        bigint[], text[], text[], text[], text[], text[], text[], text[], text[], bigint[], integer[],
+        bigint[], text[], bigint[], text[], text[], text[], bigint[], text[]
+    );
+    CREATE OR REPLACE FUNCTION evstore_lock_load(
+        fence bigint, keys bigint[], want_consumers text[], migrations_of text[], provider_names text[],
+        children_of text[], want_providers text[], custom_classes text[]
+    ) RETURNS TABLE (
+        kind smallint, t1 text, t2 text, t3 text, t4 text, t5 text, t6 text,
+        b1 bigint, b2 bigint, b3 bigint, b4 bigint
+    ) LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+    DECLARE cs text[]; ps text[];
+    BEGIN
+        PERFORM evstore_lock(fence, keys);
+        cs := ARRAY(SELECT unnest(want_consumers)
+                    UNION SELECT c.uuid FROM p_consumers c WHERE c.on_behalf_of = ANY(migrations_of));
+        cs := cs || ARRAY(SELECT DISTINCT c.on_behalf_of FROM p_consumers c
+                          WHERE c.uuid = ANY(cs) AND c.on_behalf_of IS NOT NULL
+                            AND NOT c.on_behalf_of = ANY(cs));
+        ps := ARRAY(SELECT unnest(want_providers)
+                    UNION SELECT a.provider FROM p_allocations a WHERE a.consumer = ANY(cs)
+                    UNION SELECT p.uuid FROM p_providers p WHERE p.name = ANY(provider_names)
+                    UNION SELECT p.uuid FROM p_providers p WHERE p.parent = ANY(children_of));
+        RETURN QUERY
+            SELECT 1::smallint, c.uuid, c.project_id, c.user_id, c.consumer_type, c.on_behalf_of,
+                   c.instance_type, c.generation, c.deleted::bigint, c.deleted_at, c.allocated_at
+            FROM p_consumers_resolved c WHERE c.uuid = ANY(cs)
+            UNION ALL
+            SELECT 2::smallint, a.consumer, a.provider, a.rc, NULL, NULL, NULL, a.used, NULL, NULL, NULL
+            FROM p_allocations a WHERE a.consumer = ANY(cs)
+            UNION ALL
+            SELECT 3::smallint, p.uuid, p.name, p.parent, p.root, p.inventories, p.usages,
+                   p.generation, NULL, NULL, NULL
+            FROM p_providers p WHERE p.uuid = ANY(ps)
+            UNION ALL
+            SELECT 4::smallint, n.name, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+            FROM p_classes n WHERE n.name = ANY(custom_classes)
+            ORDER BY 1, 2, 3, 4;
+    END $$;
+
+    CREATE OR REPLACE FUNCTION evstore_write(
+        e_ids text[], e_types text[], e_versions integer[], e_data text[], e_metadata text,
+        entity_names text[], entity_events integer[],
+        del_providers text[],
+        p_uuid text[], p_name text[], p_parent text[], p_root text[], p_generation bigint[],
+        p_inventories text[], p_usages text[],
+        del_consumers text[], del_allocations text[],
+        c_uuid text[], c_project text[], c_user text[], c_type text[], c_generation bigint[],
+        c_deleted integer[], c_deleted_at bigint[], c_behalf text[], c_allocated_at bigint[],
+        a_consumer text[], a_provider text[], a_rc text[], a_used bigint[],
+        new_classes text[], c_instance_type text[]
+    ) RETURNS bigint[] LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+    DECLARE seqs bigint[] := '{}'; s bigint; k integer;
+    BEGIN
+        -- one INSERT per event, in order: seqs follow the command's event order
+        FOR k IN 1 .. coalesce(array_length(e_ids, 1), 0) LOOP
+            INSERT INTO events (event_id, type, schema_version, data, metadata)
+            VALUES (e_ids[k], e_types[k], e_versions[k], e_data[k], e_metadata) RETURNING seq INTO s;
+            seqs := seqs || s;
+        END LOOP;
+        INSERT INTO event_entities SELECT u.n, seqs[u.e] FROM unnest(entity_names, entity_events) AS u(n, e)
+        ON CONFLICT DO NOTHING;
+        DELETE FROM p_providers WHERE uuid = ANY(del_providers);
+        INSERT INTO p_providers
+        SELECT * FROM unnest(p_uuid, p_name, p_parent, p_root, p_generation, p_inventories, p_usages)
+        ON CONFLICT (uuid) DO UPDATE SET
+            name = EXCLUDED.name, parent = EXCLUDED.parent, root = EXCLUDED.root,
+            generation = EXCLUDED.generation, inventories = EXCLUDED.inventories, usages = EXCLUDED.usages;
+        DELETE FROM p_allocations WHERE consumer = ANY(del_allocations);
+        DELETE FROM p_consumers WHERE uuid = ANY(del_consumers);
+        -- positions of this command's own events were folded as -(2^62 + index): the events'
+        -- -seq, like every position written before the sequencer runs (see p_consumers_resolved)
+        INSERT INTO p_consumers
+        SELECT u.uuid, u.project, u.usr, u.ctype, u.gen, u.deleted,
+               CASE WHEN u.deleted_at <= -4611686018427387904
+                    THEN -seqs[(-u.deleted_at - 4611686018427387904)::integer + 1] ELSE u.deleted_at END,
+               u.behalf,
+               CASE WHEN u.allocated_at <= -4611686018427387904
+                    THEN -seqs[(-u.allocated_at - 4611686018427387904)::integer + 1] ELSE u.allocated_at END,
+               u.itype
+        FROM unnest(c_uuid, c_project, c_user, c_type, c_generation, c_deleted, c_deleted_at, c_behalf,
+                    c_allocated_at, c_instance_type)
+             AS u(uuid, project, usr, ctype, gen, deleted, deleted_at, behalf, allocated_at, itype)
+        ON CONFLICT (uuid) DO UPDATE SET
+            project_id = EXCLUDED.project_id, user_id = EXCLUDED.user_id,
+            consumer_type = EXCLUDED.consumer_type, generation = EXCLUDED.generation,
+            deleted = EXCLUDED.deleted, deleted_at = EXCLUDED.deleted_at,
+            on_behalf_of = EXCLUDED.on_behalf_of, allocated_at = EXCLUDED.allocated_at,
+            instance_type = EXCLUDED.instance_type;
+        INSERT INTO p_allocations SELECT * FROM unnest(a_consumer, a_provider, a_rc, a_used);
+        INSERT INTO p_classes SELECT * FROM unnest(new_classes) ON CONFLICT DO NOTHING;
+        RETURN seqs;
+    END $$;
+    """,
 )
 
 PROJECTION_TABLES = ("p_allocations", "p_consumers", "p_providers", "p_classes")
@@ -342,7 +454,8 @@ PROJECTION_OBJECTS: tuple[tuple[str, str], ...] = (
         "p_consumers",
         """CREATE TABLE p_consumers (
             uuid text PRIMARY KEY, project_id text, user_id text, consumer_type text, generation bigint,
-            deleted integer NOT NULL, deleted_at bigint, on_behalf_of text, allocated_at bigint
+            deleted integer NOT NULL, deleted_at bigint, on_behalf_of text, allocated_at bigint,
+            instance_type text
         )""",
     ),
     (
@@ -369,7 +482,8 @@ PROJECTION_OBJECTS: tuple[tuple[str, str], ...] = (
                CASE WHEN c.allocated_at < 0
                     THEN coalesce((SELECT e.position FROM events e WHERE e.seq = -c.allocated_at),
                                   c.allocated_at)
-                    ELSE c.allocated_at END AS allocated_at
+                    ELSE c.allocated_at END AS allocated_at,
+               c.instance_type
         FROM p_consumers c""",
     ),
     (
@@ -399,7 +513,8 @@ async def _recreate(conn: Any, missing: list[str]) -> None:
 EVENT_COLUMNS = "position, event_id, type, schema_version, data, metadata, recorded_at, hash"
 PROVIDER_COLUMNS = "uuid, name, parent, root, generation, inventories, usages"
 CONSUMER_COLUMNS = (
-    "uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, allocated_at"
+    "uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, allocated_at, "
+    "instance_type"
 )
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
 OPTIONS = (
@@ -601,6 +716,8 @@ class PostgresBackend:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None
         self._namespace = ""
+        #: set by _migrate when it upgraded a store whose projection lacks what the fold now keeps
+        self._refold_on_open = False
         # Commands use at most all but one connection: waiting for a lock another process holds
         # (its rebuild's fence, a hot entity), they must not take every connection from the reads
         # (head, queries, history, audit), which take no lock and would wait for a connection.
@@ -652,15 +769,21 @@ class PostgresBackend:
         left to the audit (which names the row): the tables stay empty, as it then reports."""
         async with self._connection() as conn:
             try:
-                if not await _missing_objects(conn):
+                if not await _missing_objects(conn) and not self._refold_on_open:
                     return
                 async with conn.transaction():
                     await self._fenced(conn)
                     missing = await _missing_objects(conn)  # (another process may have repaired it)
                     await _recreate(conn, missing)
-                    if not set(missing) & set(PROJECTION_TABLES):
+                    if self._refold_on_open:
+                        self._refold_on_open = False
+                        log.warning("projection.columns_added", action="refolding from the log")
+                    elif not set(missing) & set(PROJECTION_TABLES):
                         return
-                    log.warning("projection.tables_missing", tables=missing, action="refolding from the log")
+                    else:
+                        log.warning(
+                            "projection.tables_missing", tables=missing, action="refolding from the log"
+                        )
                     try:
                         async with conn.transaction():  # (a savepoint)
                             await _rebuild(conn, State(usages_deferred=True), 5000, None)
@@ -770,6 +893,8 @@ class PostgresBackend:
                         )
                     for version in range(found, SCHEMA_VERSION):
                         await conn.execute(MIGRATIONS[version])
+                    # (5 added a column the fold fills: an older store's projection is refolded)
+                    self._refold_on_open = 0 < found < 5
                     if found < SCHEMA_VERSION:
                         await conn.execute(
                             "INSERT INTO evstore_meta VALUES ('schema_version', $1) "
@@ -1478,7 +1603,7 @@ async def lock_load(conn: Any, n: Needs, fence: int | None, keys: list[int]) -> 
     consumers = state.consumers
     for kind, t1, t2, t3, t4, t5, t6, b1, b2, b3, b4 in rows:
         if kind == 1:
-            consumers[t1] = persisted.consumer_from_row((t1, t2, t3, t4, b1, b2, b3, t5, b4))
+            consumers[t1] = persisted.consumer_from_row((t1, t2, t3, t4, b1, b2, b3, t5, b4, t6))
         elif kind == 2:
             held = consumers.get(t1)
             if held is None:
@@ -1504,11 +1629,11 @@ async def write(conn: Any, events: list[EventBase], metadata_json: str, cs: pers
             entity_names.append(entity)
             entity_events.append(index)
     providers = [persisted.provider_row(p) for p in cs.upsert_providers]
-    consumers = [persisted.consumer_row(c) for c in cs.upsert_consumers]
+    consumers = _columns([persisted.consumer_row(c) for c in cs.upsert_consumers], 10)
     allocations = [r for c in cs.replace_allocations for r in persisted.allocation_rows(c)]
     seqs: list[int] = await conn.fetchval(
         "SELECT evstore_write($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, "
-        "$18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31)",
+        "$18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32)",
         ids,
         [e.event_type for e in events],
         [e.SCHEMA_VERSION for e in events],
@@ -1520,9 +1645,10 @@ async def write(conn: Any, events: list[EventBase], metadata_json: str, cs: pers
         *_columns(providers, 7),
         cs.delete_consumers,
         cs.delete_consumers + [c.uuid for c in cs.replace_allocations],
-        *_columns(consumers, 9),
+        *consumers[:9],
         *_columns(allocations, 4),
         cs.add_classes,
+        consumers[9],  # (instance_type: added last, by migration 5)
     )
     return list(seqs)
 

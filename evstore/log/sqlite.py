@@ -53,7 +53,7 @@ from projections.state import FOLDS, ConsumerState, State, evolve, fold_noting_p
 
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
 #: no longer a unique index in new stores (ids are time-ordered, with 74 random bits)
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 log = structlog.get_logger("evstore.sqlite")
 #: the history index (``event_entities``) is brought up to date once it lags this many events
 #: behind the log; reads look at the (at most this many) newest events themselves
@@ -90,7 +90,8 @@ CREATE INDEX IF NOT EXISTS p_providers_name ON p_providers (name);
 CREATE INDEX IF NOT EXISTS p_providers_parent ON p_providers (parent);
 CREATE TABLE IF NOT EXISTS p_consumers (
     uuid TEXT PRIMARY KEY, project_id TEXT, user_id TEXT, consumer_type TEXT, generation INTEGER,
-    deleted INTEGER NOT NULL, deleted_at INTEGER, on_behalf_of TEXT, allocated_at INTEGER
+    deleted INTEGER NOT NULL, deleted_at INTEGER, on_behalf_of TEXT, allocated_at INTEGER,
+    instance_type TEXT
 ) WITHOUT ROWID;
 DROP INDEX IF EXISTS p_consumers_behalf;
 CREATE INDEX IF NOT EXISTS p_consumers_migrations ON p_consumers (on_behalf_of)
@@ -112,6 +113,10 @@ CREATE TABLE IF NOT EXISTS provider_snapshots (
 """
 
 PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes")
+#: Columns later schema versions added to a table, last in it (an older store gets them on open,
+#: and its projection is refolded to fill them): 3 added a migration's instance type.
+ADDED_COLUMNS: dict[str, tuple[str, ...]] = {"p_consumers": ("instance_type",)}
+ADDED_COLUMN_TYPES = {"instance_type": "TEXT"}
 PROJECTION_INDEXES = {
     name: sql
     for sql in (s.strip() for s in DDL.split(";"))
@@ -177,7 +182,7 @@ def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> 
         found = []
         for row in conn.execute(
             "SELECT uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, "
-            f"allocated_at FROM p_consumers WHERE uuid IN ({marks})",
+            f"allocated_at, instance_type FROM p_consumers WHERE uuid IN ({marks})",
             chunk,
         ):
             c = persisted.consumer_from_row(row)
@@ -219,7 +224,7 @@ def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
     # every row at once).
     if cs.upsert_consumers:
         conn.executemany(
-            "INSERT OR REPLACE INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)",
             sorted(persisted.consumer_row(c) for c in cs.upsert_consumers),
         )
     rows = sorted(r for c in cs.replace_allocations for r in persisted.allocation_rows(c))
@@ -1254,10 +1259,13 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
     to be created or migrated."""
     columns, indexes = _schema_objects()
     found = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
+    outdated = False
     for table, want in columns.items():
         if found.get(table) == "table":
             have = tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
-            if have != want:
+            if have != want and have + ADDED_COLUMNS.get(table, ()) == want:
+                outdated = True  # (a store of an older version: the open adds the columns)
+            elif have != want:
                 raise err.StorageError(
                     f"Not an evstore database: its table {table!r} has the columns ({', '.join(have)}), "
                     f"evstore's has ({', '.join(want)}). Use another file for the store.",
@@ -1297,9 +1305,16 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
                 found=version,
                 supported=SCHEMA_VERSION,
             )
+    if outdated and version is not None and version >= 3:
+        raise err.StorageError(
+            f"This store says schema version {version} but its tables are of an older one: it was "
+            "damaged, or written by another program",
+            found=version,
+        )
     retired = {"events_recorded_at", "p_consumers_behalf"}  # (dropped by the DDL: a migration)
     return (
-        version == SCHEMA_VERSION
+        not outdated
+        and version == SCHEMA_VERSION
         and columns.keys() <= found.keys()
         and indexes <= found.keys()
         and not retired & found.keys()
@@ -1313,6 +1328,14 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
     try:
         _schema_state(conn)  # (again, under the lock: another process may have changed it)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        added = []
+        for table, names in ADDED_COLUMNS.items():
+            if table in tables:
+                have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+                for name in names:
+                    if name not in have:
+                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {ADDED_COLUMN_TYPES[name]}")
+                        added.append(f"{table}.{name}")
         for statement in DDL.split(";"):
             if statement.strip():
                 conn.execute(statement)
@@ -1322,6 +1345,9 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         missing = [t for t in PROJECTION_TABLES if t not in tables]
         if head and missing:
             _refold_lost_projection(conn, missing, head)
+        elif head and added:
+            # (the new columns hold what the fold knows and older versions did not keep)
+            _refold_lost_projection(conn, added, head, why="projection.columns_added")
         conn.execute("INSERT OR IGNORE INTO meta VALUES ('history_through', ?)", (str(head),))
         conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.execute("COMMIT")
@@ -1330,13 +1356,16 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         raise
 
 
-def _refold_lost_projection(conn: sqlite3.Connection, missing: list[str], head: int) -> None:
+def _refold_lost_projection(
+    conn: sqlite3.Connection, missing: list[str], head: int, why: str = "projection.tables_missing"
+) -> None:
     """A store whose log holds events lost projection tables (dropped by hand, or a damaged
     file): created empty, they would make every command decide against nothing held (and every
     query answer nothing). The projection is the log folded: it is folded again, now, inside the
-    open's write transaction. A log that cannot be folded is left to the audit (which names the
-    row): the tables stay empty, as the audit then reports."""
-    log.warning("projection.tables_missing", tables=missing, head=head, action="refolding from the log")
+    open's write transaction. So is the projection of an older store given new columns. A log
+    that cannot be folded is left to the audit (which names the row): the tables stay as they
+    were (lost ones empty), as the audit then reports."""
+    log.warning(why, tables=missing, head=head, action="refolding from the log")
     state = State(usages_deferred=True)
     cursor = conn.execute("SELECT position, type, schema_version, data FROM events ORDER BY position")
     conn.execute("SAVEPOINT refold")
@@ -1382,7 +1411,7 @@ def _load_all(conn: sqlite3.Connection) -> State:
         state.providers[p.uuid] = p
     for crow in conn.execute(
         "SELECT uuid, project_id, user_id, consumer_type, generation, deleted, deleted_at, on_behalf_of, "
-        "allocated_at FROM p_consumers"
+        "allocated_at, instance_type FROM p_consumers"
     ):
         c = persisted.consumer_from_row(crow)
         state.consumers[c.uuid] = c
@@ -1474,6 +1503,7 @@ _CONSUMER_COLUMNS = (
     "deleted_at",
     "on_behalf_of",
     "allocated_at",
+    "instance_type",
 )
 _CONSUMER_ROW = operator.attrgetter(*_CONSUMER_COLUMNS)
 
@@ -1501,7 +1531,7 @@ def _write_projection(conn: sqlite3.Connection, state: State) -> None:
     """
     uuids = sorted(state.consumers)
     conn.executemany("INSERT INTO p_providers VALUES (?,?,?,?,?,?,?)", _provider_rows(state))
-    conn.executemany("INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?)", _consumer_rows(state, uuids))
+    conn.executemany("INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)", _consumer_rows(state, uuids))
     conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", _allocation_rows(state))
     conn.executemany("INSERT INTO p_classes VALUES (?)", ((n,) for n in sorted(state.custom_classes)))
 
