@@ -197,5 +197,12 @@ class StateView:
         return ProjectUsages.from_rows(project_usage_rows(self.state, project_id, user_id, consumer_type))
 
     def providers(self) -> list[str]:
-        """The uuids of the providers in this state, sorted (``store.providers()`` also gives names)."""
+        """The uuids of the providers in this state, sorted (``store.providers()`` also gives names).
+
+        Raises :class:`InvalidInput` on a view folded for one entity: the providers a slice holds
+        depend on how it was folded (from a snapshot or not), not on what the store held."""
+        if self.scope is not None:
+            raise InvalidInput(
+                f"This view was folded for {self.scope} only; providers() needs the whole state"
+            )
         return sorted(self.state.providers)
