@@ -417,10 +417,12 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
         if len(findings) == before:
             add(f"Consumer {uuid} differs from its replay: {_short(ch)}", positions, consumer=uuid)
     if replayed.custom_classes != persisted.custom_classes:
+        differing = sorted(replayed.custom_classes ^ persisted.custom_classes, key=_label)
         add(
             "Custom resource classes differ: projection has "
             f"{sorted(persisted.custom_classes, key=_label)}, replay gives {sorted(replayed.custom_classes)}",
             (),
+            resource_classes=[_label(name) for name in differing],
         )
     return findings
 
@@ -571,11 +573,21 @@ async def audit(
 async def _cite_last_events(
     findings: list[Finding], last_positions: LastPositions, head: int
 ) -> list[Finding]:
-    """A provider's drift names the last event that changed the provider (the projection row should
-    show its outcome); the replay does not keep it per provider, the history index does."""
-    wanted = sorted(
-        {f"provider:{f.details['provider']}" for f in findings if not f.positions and "provider" in f.details}
-    )
+    """A drift finding the replay cannot place names the last events of what it is about (the
+    projection row should show their outcome): a provider's, a consumer's (one the replay
+    forgot: released, then its row put back), the resource classes'. The replay does not keep
+    those per entity; the history index does."""
+
+    def keys(f: Finding) -> list[str]:
+        if f.positions:
+            return []
+        if "provider" in f.details:
+            return [f"provider:{f.details['provider']}"]
+        if "consumer" in f.details:
+            return [f"consumer:{f.details['consumer']}"]
+        return [f"resource_class:{name}" for name in f.details.get("resource_classes", ())]
+
+    wanted = sorted({k for f in findings for k in keys(f)})
     if not wanted:
         return findings
     try:
@@ -584,8 +596,8 @@ async def _cite_last_events(
         return findings
     out = []
     for f in findings:
-        position = last.get(f"provider:{f.details.get('provider')}") if not f.positions else None
-        out.append(dataclasses.replace(f, positions=(position,)) if position else f)
+        positions = tuple(sorted({p for k in keys(f) if (p := last.get(k))}))
+        out.append(dataclasses.replace(f, positions=positions) if positions else f)
     return out
 
 

@@ -799,3 +799,24 @@ async def test_a_providers_drift_names_the_last_event_that_changed_it(
         drift = (await store.audit()).drift
         assert {f.details.get("field", "usage") for f in drift} == {"generation", "usage"}
         assert all(f.positions == (last,) and f.details["provider"] == rp for f in drift), drift
+
+
+async def test_every_drift_finding_names_an_event(tmp_path: Path) -> None:
+    """Regression (helper-39): a consumer the replay forgot (released) whose rows were put back,
+    and lost custom classes, were reported with no position: SPEC's audit names the events."""
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        rp = await make_provider(store, VCPU=8)
+        gone = new_uuid()
+        await allocate(store, gone, {rp: {"VCPU": 2}})
+        released_at = (await store.release(gone)).position
+        created_at = (await store.create_resource_class("CUSTOM_Z")).position
+        tamper = store.backend.tamper  # type: ignore[attr-defined]
+        row = (gone, "p", "u", "INSTANCE", 1, 0, None, None, 3, None)
+        await tamper("INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)", row)
+        await tamper("INSERT INTO p_allocations VALUES (?,?,?,?)", (gone, rp, "VCPU", 2))
+        await tamper("DELETE FROM p_classes")
+        report = await store.audit()
+        positions = {f.message.split(" ")[0]: f.positions for f in report.drift}
+        assert positions["Consumer"] == (released_at,)
+        assert positions["Custom"] == (created_at,)
+        assert all(f.positions for f in report.drift), report.drift
