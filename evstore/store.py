@@ -932,7 +932,9 @@ class AllocationStore:
 
         On SQLite only the rows that differ are written (a sound projection: none) and missing or
         altered projection indexes are recreated; ``full=True`` rewrites every row and rebuilds
-        every index regardless (for storage-level damage, e.g. an index that lost entries).
+        every index regardless (for storage-level damage, e.g. an index that lost entries), on
+        both backends writing the history index (what ``history`` and the entity slices of
+        ``state_at`` read) again from the log.
         Snapshots are dropped too (they are re-made on demand by the current fold)."""
         if not isinstance(full, bool):
             raise err.InvalidInput(f"full must be True or False, got {full!r:.40}", field="full")

@@ -1173,3 +1173,26 @@ async def test_a_version_4_store_learns_its_migrations_instance_types_on_open(pg
         assert (await store.audit()).clean
     rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
     assert rows[0]["value"] == "5"
+
+
+async def test_a_full_rebuild_writes_the_history_index_again(pg_url: str) -> None:
+    """Regression (helper-39): rebuild(full=True) on PostgreSQL only reindexed the projection: a
+    history index that lost rows kept giving history() and the entity slices wrong answers
+    (SQLite's full rebuild writes the index again from the log)."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        at = await store.head()
+        await allocate(store, c, {rp: {"VCPU": 3}}, generation=1)
+        stray = "INSERT INTO event_entities SELECT 'consumer:' || $1, seq FROM events WHERE position = 1"
+        await pg(store).tamper(stray, (c,))  # (a row naming the consumer for the provider's creation)
+        lost = "DELETE FROM event_entities WHERE seq = (SELECT seq FROM events WHERE position = $1)"
+        await pg(store).tamper(lost, (at + 1,))
+        assert [r.position async for r in store.history(c)] == [1, at]  # (the damage, shown)
+        await store.rebuild(full=True)
+        assert [r.position async for r in store.history(c)] == [at, at + 1]
+        assert await (await store.state_at(position=at + 1, consumer=c)).allocations(c) == {rp: {"VCPU": 3}}
+        assert (await (await store.state_at(position=at + 1, provider=rp)).usage(rp)).usages == {"VCPU": 3}
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # the index goes on being written
+        assert [r.position async for r in store.history(rp)][-1] == await store.head()

@@ -103,7 +103,7 @@ from evstore.log import (
     imported_entities,
     store_keyword_hint,
 )
-from evstore.log.sqlite import decode_raw
+from evstore.log.sqlite import decode_raw, history_keys
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.gcpause import gc_paused
@@ -1432,10 +1432,11 @@ class PostgresBackend:
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
     ) -> int:
-        # (this backend always rewrites the whole projection, by COPY; ``full`` also reindexes it)
-        # The long part, folding the whole log, runs before the fence (paged reads of positioned
-        # events): writers are held back only while the events positioned meanwhile are folded
-        # and the projection is rewritten.
+        # (this backend always rewrites the whole projection, by COPY; ``full`` also reindexes it
+        # and writes the history index again from the log)
+        # The long parts, folding the whole log (and staging the history index's rows), run
+        # before the fence (paged reads of positioned events): writers are held back only while
+        # the events positioned meanwhile are folded and the projection is rewritten.
         head = await self.head()
         state = await replay(
             self.read_payloads,
@@ -1444,11 +1445,15 @@ class PostgresBackend:
         )
         async with self._connection() as conn:
             try:
+                history = _StagedHistory() if full else None
+                if history is not None:
+                    await history.stage(conn, batch_size)
                 async with conn.transaction():
                     await self._fenced(conn)
                     await _recreate(conn, await _missing_objects(conn))  # (lost tables, indexes)
                     folded = await _rebuild(conn, state, batch_size, progress)
-                    if full:  # (storage-level damage: an index that lost entries)
+                    if history is not None:  # (storage-level damage: an index that lost entries)
+                        await history.swap(conn, batch_size)
                         for table in PROJECTION_TABLES:
                             await conn.execute(f"REINDEX TABLE {table}")
                     return folded
@@ -1741,6 +1746,47 @@ async def _rebuild(
     )
     await _copy(conn, "p_classes", [(n,) for n in cs.add_classes])
     return int(await conn.fetchval("SELECT count(*) FROM events WHERE position IS NOT NULL"))
+
+
+class _StagedHistory:
+    """The history index rows of the log (``rebuild(full=True)``, for an index that lost or
+    gained entries), as the SQLite backend makes them: each event under the entities its payload
+    names and the providers its fold changed holdings on. :meth:`stage` writes them to a TEMP
+    table before the fence; :meth:`swap`, inside it, adds the events positioned since and
+    replaces the index."""
+
+    def __init__(self) -> None:
+        self.state = State(usages_deferred=True)
+        self.through = 0
+
+    async def stage(self, conn: Any, batch_size: int) -> None:
+        await conn.execute("CREATE TEMP TABLE IF NOT EXISTS staged_entities (entity text, seq bigint)")
+        await conn.execute("TRUNCATE staged_entities")  # (one left by a rebuild that failed)
+        await self._add(conn, batch_size)
+
+    async def swap(self, conn: Any, batch_size: int) -> None:
+        await self._add(conn, batch_size)
+        await conn.execute("DELETE FROM event_entities")
+        await conn.execute(
+            "INSERT INTO event_entities SELECT DISTINCT entity, seq FROM staged_entities ORDER BY 1, 2"
+        )
+        await conn.execute("DROP TABLE staged_entities")
+
+    async def _add(self, conn: Any, batch_size: int) -> None:
+        with gc_paused():
+            while rows := await conn.fetch(
+                "SELECT seq, position, type, schema_version, data FROM events "
+                "WHERE position > $1 ORDER BY position LIMIT $2",
+                self.through,
+                batch_size,
+            ):
+                out: list[tuple[str, int]] = []
+                for seq, position, etype, version, data in rows:
+                    keys = history_keys(self.state, etype, version, data, position)
+                    out.extend((key, seq) for key in keys)
+                    self.through = position
+                if out:
+                    await conn.copy_records_to_table("staged_entities", records=out)
 
 
 async def _copy(conn: Any, table: str, rows: list[tuple[Any, ...]]) -> None:

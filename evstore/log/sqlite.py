@@ -1735,20 +1735,26 @@ class _StagedHistory:
             while rows := cursor.fetchmany(batch_size):
                 out: list[tuple[str, int]] = []
                 for position, etype, version, data in rows:
-                    try:
-                        # (as a replay decodes: pydantic's validation of every event took twice as
-                        # long as the rest of the rebuild)
-                        fields = payload_fields(etype, version, data, position)
-                    except err.CorruptEvent:
-                        keys = _damaged_row_keys(data)
-                    else:
-                        changed = fold_noting_providers(state, FOLDS[etype], fields, position)
-                        # (entities() reads attributes only: the fields stand in for the model)
-                        keys = EVENT_TYPES[etype].entities(SimpleNamespace(**fields))  # type: ignore[arg-type]
-                        keys |= {f"provider:{p}" for p in changed}
-                    out.extend((key, position) for key in keys)
+                    out.extend((key, position) for key in history_keys(state, etype, version, data, position))
                     self.through = position
                 conn.executemany("INSERT INTO temp.staged_entities VALUES (?,?)", out)
+
+
+def history_keys(state: State, etype: str, version: int, data: str, position: int) -> set[str]:
+    """The history index keys of one event of a log folded in order into ``state`` (which this
+    folds it into): the entities its payload names and the providers its fold changed holdings on
+    (as an import indexes it); a row that cannot be decoded, every id its text holds."""
+    try:
+        # (as a replay decodes: pydantic's validation of every event took twice as long as the
+        # rest of the rebuild)
+        fields = payload_fields(etype, version, data, position)
+    except err.CorruptEvent:
+        return _damaged_row_keys(data)
+    changed = fold_noting_providers(state, FOLDS[etype], fields, position)
+    # (entities() reads attributes only: the fields stand in for the model)
+    keys = EVENT_TYPES[etype].entities(SimpleNamespace(**fields))  # type: ignore[arg-type]
+    keys |= {f"provider:{p}" for p in changed}
+    return keys
 
 
 # --- queries on the persisted projection --------------------------------------------------------
