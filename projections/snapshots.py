@@ -10,6 +10,7 @@ snapshot can never make a deleted consumer come back.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -29,7 +30,8 @@ log = structlog.get_logger("evstore.snapshots")
 #: snapshots and provider slices share it: slices are re-made only where whole-store snapshots are.
 #: 2: provider slices keep each holder's project, user, type and generation with its resources.
 #: 3: a whole-store snapshot is lines (header, providers, chunks of consumers): see encode_state.
-#: 4: a consumer row ends with a migration's instance type.
+#: 4: a consumer row ends with a migration's instance type; a snapshot's first line (its header)
+#: holds the SHA-256 of the rest, checked before it is used.
 SNAPSHOT_FORMAT = 4
 DEFAULT_SNAPSHOT_EVERY = 10_000
 
@@ -92,20 +94,16 @@ CHUNK = 5000
 
 
 def encode_state(state: State) -> str:
-    """The whole state as lines of compact JSON: a header (format, position, custom classes), the
-    providers (uuid order), then the consumers in chunks of :data:`CHUNK` (every one kept).
+    """The whole state as lines of compact JSON: a header (format, position, custom classes, the
+    digest of the lines after it), the providers (uuid order), then the consumers in chunks of
+    :data:`CHUNK` (every one kept).
 
     In lines because pydantic-core's encoder and parser hold the GIL for a whole call: one call for
     a 200,000-consumer state (32 MB) stalled the event loop half a second even on a thread; a
     chunk's call takes milliseconds, and the loop gets its turns between them.
     """
     providers = [_provider_row(p) for p in sorted(state.providers.values(), key=lambda p: p.uuid)]
-    header = {
-        "format": SNAPSHOT_FORMAT,
-        "position": state.position,
-        "custom_classes": sorted(state.custom_classes),
-    }
-    lines = [_dumps(header), _dumps(providers)]
+    lines = [_dumps(providers)]
     # (in the state's order, which the fold fixes: sorting 200,000 uuids is one C call of ~0.1 s)
     consumers = list(state.consumers.values())
     for at in range(0, len(consumers), CHUNK):
@@ -126,20 +124,43 @@ def encode_state(state: State) -> str:
             for c in consumers[at : at + CHUNK]
         ]
         lines.append(_dumps(rows))  # (JSON text has no raw newline: one line each)
-    return "\n".join(lines)
+    body = "\n".join(lines)
+    header = {
+        "format": SNAPSHOT_FORMAT,
+        "position": state.position,
+        "custom_classes": sorted(state.custom_classes),
+        "digest": _digest(body),
+    }
+    return f"{_dumps(header)}\n{body}"
+
+
+def _digest(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _checked_body(text: str, what: str) -> tuple[dict[str, Any], str]:
+    """A snapshot's header and the text after it, once the header's digest matches that text: a
+    snapshot altered or damaged since it was taken must not answer (the caller then folds the
+    log instead). A snapshot is a cache; the log is the truth."""
+    first, _, body = text.partition("\n")
+    header = _loads(first)
+    if not isinstance(header, dict) or header.get("format") != SNAPSHOT_FORMAT:
+        found = header.get("format") if isinstance(header, dict) else None
+        raise InvalidInput(f"Unsupported {what} format {found!r}")
+    if header.get("digest") != _digest(body):
+        raise ValueError(f"the {what}'s text does not match its digest: altered or damaged since taken")
+    return header, body
 
 
 def decode_state(text: str) -> State:
     """The inverse of :func:`encode_state`."""
-    lines = text.split("\n")
-    header = _loads(lines[0])
-    if header.get("format") != SNAPSHOT_FORMAT:
-        raise InvalidInput(f"Unsupported snapshot format {header.get('format')!r}")
+    header, body = _checked_body(text, "snapshot")
+    lines = body.split("\n")
     state = State(position=int(header["position"]), custom_classes=set(header["custom_classes"]))
-    for row in _loads(lines[1]):
+    for row in _loads(lines[0]):
         provider = _provider_from_row(row)
         state.providers[provider.uuid] = provider
-    for line in lines[2:]:
+    for line in lines[1:]:
         for row in _loads(line):
             (
                 uuid,
@@ -187,24 +208,19 @@ def provider_slices(state: State) -> dict[str, str]:
                 holders[provider][c.uuid] = holder
     out = {}
     for uuid, p in state.providers.items():
-        row = _provider_row(p)
-        doc = {
-            "format": SNAPSHOT_FORMAT,
-            "position": state.position,
-            "provider": row,
-            "holders": holders[uuid],
-        }
-        out[uuid] = _dumps(doc)
+        # (as a whole-store snapshot: a header with the digest of the line after it)
+        body = _dumps({"provider": _provider_row(p), "holders": holders[uuid]})
+        header = {"format": SNAPSHOT_FORMAT, "position": state.position, "digest": _digest(body)}
+        out[uuid] = f"{_dumps(header)}\n{body}"
     return out
 
 
 def decode_provider_slice(text: str) -> State:
-    raw = _loads(text)
-    if raw.get("format") != SNAPSHOT_FORMAT:
-        raise InvalidInput(f"Unsupported provider slice format {raw.get('format')!r}")
+    header, body = _checked_body(text, "provider slice")
+    raw = _loads(body)
     provider = _provider_from_row(raw["provider"])
     uuid = provider.uuid
-    state = State(position=int(raw["position"]))
+    state = State(position=int(header["position"]))
     state.providers[uuid] = provider
     for consumer, (resources, project, user, ctype, generation) in raw["holders"].items():
         state.consumers[consumer] = ConsumerState(

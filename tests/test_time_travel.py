@@ -198,3 +198,37 @@ async def test_snapshots_of_an_older_format_are_made_again(tmp_path: Path) -> No
         for table in ("snapshots", "provider_snapshots"):
             formats = {f for (f,) in conn.execute(f"SELECT DISTINCT format FROM {table}")}
             assert formats == {SNAPSHOT_FORMAT}, table
+
+
+async def test_a_snapshot_whose_text_was_altered_is_not_believed(store_url: str) -> None:
+    """Regression (helper-39): a snapshot's content was believed as stored - an edited usage (or
+    allocation) in a whole-store snapshot or a provider's slice made state_at and diff answer
+    with it, the audit clean. Its header now holds the digest of the rest, checked on use: an
+    altered snapshot is skipped (logged) and the log folded instead."""
+    async with open_store(store_url, snapshot_every=5) as store:
+        rp = await make_provider(store, VCPU=8)
+        for _ in range(8):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        await store.take_snapshots()
+        assert 5 in await store.snapshot_positions()
+        truth = await replay(store.backend.read, 6)
+        tamper = store.backend.tamper  # type: ignore[attr-defined]
+        edit = "replace(state, '{\"VCPU\":3}', '{\"VCPU\":7}')"
+        await tamper(f"UPDATE snapshots SET state = {edit}")
+        if isinstance(store.backend, SqliteBackend):
+            await tamper(f"UPDATE provider_snapshots SET state = {edit}")
+        whole = await store.state_at(position=6)
+        assert whole.state == truth
+        sliced = await store.state_at(position=6, provider=rp)
+        assert await sliced.usage(rp) == await whole.usage(rp) == {"VCPU": 4}
+        assert [u.after for u in (await store.diff(5, 6)).usage] == [4]
+
+
+def test_a_snapshot_is_checked_against_its_digest() -> None:
+    state = State(position=4, custom_classes={"CUSTOM_X"})
+    uuid = new_uuid()
+    state.consumers[uuid] = ConsumerState(uuid, "p", "u", "INSTANCE", 1, {"rp": {"VCPU": 2}})
+    text = encode_state(state)
+    assert decode_state(text) == state
+    with pytest.raises(ValueError, match="does not match its digest"):
+        decode_state(text.replace('{"VCPU":2}', '{"VCPU":3}'))
