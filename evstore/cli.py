@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sqlite3
 import stat
 import sys
@@ -100,6 +101,23 @@ def console() -> Console:
     return _Console(highlight=False, soft_wrap=False, width=width)
 
 
+#: C0 and C1 control characters and DEL: never sent to the terminal as they are
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def safe(text: object) -> str:
+    """Text from the log or the store (names, request ids, messages) as printed in tables and
+    lines: rich markup escaped, and control characters (ESC, BEL, a newline...) shown as ``\\xNN``,
+    so that a stored string can neither restyle nor drive the operator's terminal, nor split a
+    ``tail`` line in two. (``--json`` output carries the strings as they are, JSON-escaped.)"""
+    return escape(visible(str(text)))
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters shown as ``\\xNN`` (see :func:`safe`)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def shown(url: str) -> str:
     """A store URL as printed: without its password."""
     return err.redact_url(url)
@@ -112,7 +130,7 @@ def note(message: str) -> None:
 
 def fail(code: str, message: str, exit_code: int = EXIT_ERROR) -> NoReturn:
     first_line = message.strip().splitlines()[0] if message.strip() else "(no message)"
-    print(f"error: {code}: {first_line}", file=sys.stderr, flush=True)
+    print(f"error: {code}: {visible(first_line)}", file=sys.stderr, flush=True)
     raise typer.Exit(exit_code)
 
 
@@ -128,14 +146,22 @@ def resolve_url(db: Path | None, url: str | None, *, must_exist: bool = True) ->
         if must_exist and not db.exists():
             raise err.NotFound(f"no database at {db} (check the path, or create one with `evstore demo`)")
         return sqlite_url(db)
+    if url is not None and not url.strip():  # (`--url "$UNSET"`: not a silent fallback)
+        fail(
+            "evstore.usage",
+            "--url is empty: give a store URL, or leave --url out to use EVSTORE_URL",
+            EXIT_USAGE,
+        )
     chosen = url or os.environ.get("EVSTORE_URL")
     if not chosen:
         fail("evstore.usage", "no store given: use --db PATH, --url URL or set EVSTORE_URL", EXIT_USAGE)
-    if must_exist and chosen.startswith("sqlite:"):
+    if chosen.startswith("sqlite:"):
         from evstore.log.sqlite import parse_sqlite_url
 
         path, _ = parse_sqlite_url(chosen)
-        if path != ":memory:" and not Path(path).exists():
+        if path != ":memory:" and Path(path).is_dir():
+            raise err.InvalidInput(f"{path} is a directory, not a database file")
+        if must_exist and path != ":memory:" and not Path(path).exists():
             raise err.NotFound(f"no database at {path}")
     return chosen
 
@@ -218,7 +244,7 @@ def usage_table(state: State, title: str) -> Table:
                 continue
             text = f"{used}/{inv.capacity:g}"
             cells.append(f"[red]{text}[/red]" if used > inv.capacity else text)
-        table.add_row(escape(prov.name), prov.uuid, str(prov.generation), *cells)
+        table.add_row(safe(prov.name), prov.uuid, str(prov.generation), *cells)
     return table
 
 
@@ -240,7 +266,7 @@ def usage_json(state: State) -> list[dict[str, Any]]:
 def print_audit(out: Console, report: AuditReport, url: str) -> None:
     verdict = "[green]clean[/green]" if report.clean else f"[red]{len(report.findings)} finding(s)[/red]"
     head, checked = report.head, report.events_checked
-    out.print(f"Audit of {escape(shown(url))}: head {head}, {checked} events checked: {verdict}")
+    out.print(f"Audit of {safe(shown(url))}: head {head}, {checked} events checked: {verdict}")
     if report.clean:
         return
     table = Table()
@@ -248,7 +274,7 @@ def print_audit(out: Console, report: AuditReport, url: str) -> None:
     table.add_column("positions", no_wrap=True)
     table.add_column("finding")
     for f in report.findings:
-        table.add_row(f.kind, ", ".join(map(str, f.positions)) or "-", escape(f.message))
+        table.add_row(f.kind, ", ".join(map(str, f.positions)) or "-", safe(f.message))
     out.print(table)
 
 
@@ -340,7 +366,7 @@ def demo(
             print_audit(out, audit, target)
             if report.rejected_reverts:
                 inst, _ = report.rejected_reverts[0]
-                out.print(f"Try: evstore history {inst} {escape(where)}")
+                out.print(f"Try: evstore history {inst} {safe(where)}")
         return EXIT_OK if audit.clean else EXIT_FINDINGS
 
     run(work)
@@ -369,6 +395,13 @@ def _fresh_file(path: Path) -> Path:
 
     Anything else at ``path`` (another store, any other file) is left alone: the demo refuses.
     """
+    if path.exists() and not os.access(path.absolute().parent, os.W_OK):
+        # (_is_demo_database cannot read a WAL database there either: not a reason to call it foreign)
+        fail(
+            "evstore.storage",
+            f"cannot write in {path.absolute().parent}: the demo (re)creates its database and WAL "
+            "files there. Give another --db.",
+        )
     if path.exists() and not _is_demo_database(path):
         fail(
             "evstore.invalid_input",
@@ -498,8 +531,8 @@ def add_event_row(table: Table, recorded: Any, names: Names) -> None:
         str(recorded.position),
         recorded.recorded_at.isoformat(timespec="microseconds"),
         recorded.type,
-        escape(who),
-        escape(describe(recorded.event, names, short=True)),
+        safe(who),
+        safe(describe(recorded.event, names, short=True)),
     )
 
 
@@ -545,7 +578,7 @@ def history(
         if json_out:
             emit_json({"uuid": key, "events": [event_json(r, names) for r in found]})
             return EXIT_OK
-        table = events_table(f"History of {names.get(key, key)}")
+        table = events_table(f"History of {safe(names.get(key, key))}")
         for recorded in found:
             add_event_row(table, recorded, names)
         console().print(table)
@@ -622,7 +655,7 @@ def state(
                 emit_json({**header, "provider": usage_json(_only(st, puuid))[0], "allocations": holders})
                 return EXIT_OK
             out.print(
-                f"Provider {escape(prov.name)} at position {position} ({when}), generation {usage.generation}"
+                f"Provider {safe(prov.name)} at position {position} ({when}), generation {usage.generation}"
             )
             out.print(usage_table(_only(st, puuid), "usage"))
             table = Table(title="allocations on it")
@@ -632,7 +665,9 @@ def state(
             for cuuid, resources in holders.items():
                 c = st.consumers.get(cuuid)
                 table.add_row(
-                    cuuid, (c.consumer_type if c else None) or "-", fmt_allocs({puuid: resources}, names)
+                    cuuid,
+                    (c.consumer_type if c else None) or "-",
+                    safe(fmt_allocs({puuid: resources}, names)),
                 )
             out.print(table)
             return EXIT_OK
@@ -666,7 +701,7 @@ def state(
                 ("migrations holding for it", ", ".join(migrations) or "-"),
                 ("last allocation change at", known.allocated_at if known else None),
             ):
-                table.add_row(label, escape("-" if value is None else str(value)))
+                table.add_row(label, safe("-" if value is None else str(value)))
             out.print(table)
             return EXIT_OK
         holding = [c for c in st.consumers.values() if c.allocations]
@@ -728,12 +763,12 @@ def diff(
         ):
             if uuids:
                 listed = ", ".join(f"{names[u]} ({u})" if u in names else u for u in uuids)
-                out.print(f"{label} ({len(uuids)}): {escape(listed)}")
+                out.print(f"{label} ({len(uuids)}): {safe(listed)}")
         usage = Table(title="usage deltas")
         for col in ("provider", "class", "before", "after", "delta", "events"):
             usage.add_column(col, justify="right" if col in ("before", "after", "delta") else "left")
         for u in result.usage:
-            usage.add_row(escape(u.name), u.resource_class, str(u.before), str(u.after), f"{u.delta:+d}",
+            usage.add_row(safe(u.name), u.resource_class, str(u.before), str(u.after), f"{u.delta:+d}",
                           _positions(u.positions))  # fmt: skip
         out.print(usage)
         consumers = Table(title="consumers")
@@ -744,8 +779,8 @@ def diff(
                 c.consumer,
                 c.change,
                 c.consumer_type or "-",
-                escape(fmt_allocs(c.before, names)),
-                escape(fmt_allocs(c.after, names)),
+                safe(fmt_allocs(c.before, names)),
+                safe(fmt_allocs(c.after, names)),
                 _positions(c.positions),
             )
         out.print(consumers)
@@ -795,7 +830,7 @@ def tail(
                     what = describe(recorded.event, names, short=True)
                     out.print(  # (never folded: one event, one line, for grep)
                         f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='microseconds')} "
-                        f"{recorded.type:<20} {escape(who)}  {escape(what)}",
+                        f"{recorded.type:<20} {safe(who)}  {safe(what)}",
                         soft_wrap=True,
                     )
                     sys.stdout.flush()
@@ -921,14 +956,14 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
         out = console()
         size = found.get("db_bytes")
         out.print(
-            f"{escape(shown(target))}: head {found.get('head', 0)}"
+            f"{safe(shown(target))}: head {found.get('head', 0)}"
             + (f", {size:,} bytes" if size is not None else "")
         )
         table = Table(title="events by type")
         table.add_column("type")
         table.add_column("count", justify="right")
         for etype, count in sorted(found.get("events_by_type", {}).items()):
-            table.add_row(etype, str(count))
+            table.add_row(safe(etype), str(count))
         out.print(table)
         snaps = found["snapshot_positions"]
         out.print(f"snapshots at positions: {', '.join(map(str, snaps)) or 'none'}")
@@ -1040,13 +1075,33 @@ def import_(
                 f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); import into a new file",
             )
 
+    imported: list[int] = []  # (set once the import committed)
+    source = file
+    spooled: Path | None = None
+    if not file.is_file():
+        # a pipe (`evstore export ... | evstore import /dev/stdin`), FIFO or `<(...)`: the import
+        # reads its input twice (validating, then writing), and a pipe is empty the second time
+        import shutil
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(
+            "wb", prefix="evstore-import-", suffix=".jsonl", delete=False
+        ) as copy:
+            spooled = source = Path(copy.name)
+            try:
+                with file.open("rb") as stream:
+                    shutil.copyfileobj(stream, copy)
+            except OSError as exc:
+                spooled.unlink(missing_ok=True)
+                fail("evstore.io", f"cannot read {file}: {exc}")
+
     async def work() -> int:
         from evstore.store import open_store
 
         def lines() -> Any:
-            with file.open(encoding="utf-8") as source:
+            with source.open(encoding="utf-8") as stream:
                 try:
-                    yield from source
+                    yield from stream
                 except UnicodeDecodeError:
                     raise err.InvalidInput(f"{file} is not UTF-8 text: not an evstore export") from None
 
@@ -1062,6 +1117,7 @@ def import_(
                     bar.update(tasks[phase], completed=done)
 
                 count = await store.import_events(lines, progress=on_progress)
+            imported.append(count)
             report = await store.audit()
             head = await store.head()
         if json_out:
@@ -1075,14 +1131,38 @@ def import_(
     try:
         run(work)
     except typer.Exit as exc:
-        if exc.exit_code == EXIT_ERROR and created is not None:
+        if exc.exit_code == 130:  # (Ctrl-C: say whether anything was imported)
+            if imported:
+                note(f"interrupted after {imported[0]} events were imported (`evstore audit` checks them)")
+            else:
+                note("interrupted: nothing was imported")
+        if exc.exit_code in (EXIT_ERROR, 130) and created is not None and _holds_no_events(created):
             for suffix in ("", "-wal", "-shm"):  # leave nothing behind from a refused import
                 Path(str(created) + suffix).unlink(missing_ok=True)
         raise
+    finally:
+        if spooled is not None:
+            spooled.unlink(missing_ok=True)
+
+
+def _holds_no_events(path: Path) -> bool:
+    """Whether the SQLite file an import created holds no event (so removing it loses nothing:
+    the import was refused or interrupted before it committed)."""
+    if not path.exists():
+        return False
+    try:
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        try:
+            return int(conn.execute("SELECT count(*) FROM events").fetchone()[0]) == 0
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return "no such table" in str(exc)  # (created, not yet a store)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``evstore`` script."""
+    _open_closed_streams()
     try:
         code = app(args=list(argv) if argv is not None else None, standalone_mode=False, prog_name="evstore")
     except NoArgsIsHelpError as exc:  # (a bare `evstore`: the help, not an error line holding it)
@@ -1098,6 +1178,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     _exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def _open_closed_streams() -> None:
+    """Started with stdout or stderr closed (``>&-``, a daemon without them), Python has ``None``
+    for it: output then goes to /dev/null instead of failing the command (after its work, for a
+    rebuild) or sending error lines to stdout."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # (for the process's life)
 
 
 def _exit(code: int) -> NoReturn:
