@@ -129,6 +129,9 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
     before = await asyncio.to_thread(clone, start)
     state = start
     touched: dict[str, list[int]] = {}
+    #: (provider, class) -> the events that changed its usage
+    moved: dict[tuple[str, str], list[int]] = {}
+    recreated: set[str] = set()  # providers deleted in between that exist at the end
     counts: dict[str, int] = {}
     after = start.position
     while after < to_position:
@@ -139,23 +142,67 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
             if i % FOLD_SLICE == 0:
                 await asyncio.sleep(0)  # (other tasks run between slices of the batch)
             event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
+            named = event.entities()
+            # (a consumer's allocations are replaced, never changed in place: kept by reference)
+            held = {k[9:]: _allocations(state, k[9:]) for k in named if k.startswith("consumer:")}
             changed = evolve_noting_providers(state, event, raw.position)
             counts[raw.type] = counts.get(raw.type, 0) + 1
-            for entity in event.entities() | {f"provider:{p}" for p in changed}:
+            for entity in named | {f"provider:{p}" for p in changed}:
                 touched.setdefault(entity, []).append(raw.position)
+            for key in _moved(state, held, changed):
+                moved.setdefault(key, []).append(raw.position)
+            if raw.type == "ProviderDeleted":
+                recreated.add(event.provider)  # type: ignore[attr-defined]
             after = raw.position
-    return await asyncio.to_thread(_describe, before, state, touched, counts)
+    recreated &= state.providers.keys()
+    return await asyncio.to_thread(_describe, before, state, touched, moved, recreated, counts)
 
 
-def _describe(before: State, state: State, touched: dict[str, list[int]], counts: dict[str, int]) -> Diff:
+def _allocations(state: State, consumer: str) -> Allocs:
+    c = state.consumers.get(consumer)
+    return c.allocations if c is not None else {}
+
+
+def _moved(state: State, held: dict[str, Allocs], changed: set[str]) -> set[tuple[str, str]]:
+    """The (provider, class) pairs of which an event changed what some consumer holds: the
+    events a usage delta names (not those that only named its provider: another class's
+    allocation, a rename, an inventory change). ``held``: the named consumers' allocations
+    before the event; a provider the fold changed beyond them (an imported log's event that
+    does not name every consumer it moves) counts with every class."""
+    out: set[tuple[str, str]] = set()
+    covered: set[str] = set()
+    for consumer, was in held.items():
+        now = _allocations(state, consumer)
+        if now is was:
+            continue
+        for provider in was.keys() | now.keys():
+            before, after = was.get(provider, {}), now.get(provider, {})
+            covered.add(provider)
+            out.update(
+                (provider, rc) for rc in before.keys() | after.keys() if before.get(rc) != after.get(rc)
+            )
+    for provider in changed - covered:
+        prov = state.providers.get(provider)
+        out.update((provider, rc) for rc in (prov.usages if prov is not None else ()))
+    return out
+
+
+def _describe(
+    before: State,
+    state: State,
+    touched: dict[str, list[int]],
+    moved: dict[tuple[str, str], list[int]],
+    recreated: set[str],
+    counts: dict[str, int],
+) -> Diff:
     """What changed from ``before`` to ``state`` (whole-state work: run on a thread)."""
     result = Diff(before.position, state.position, events_by_type=counts)
     for uuid in sorted(before.providers.keys() | state.providers.keys()):
         old, new = before.providers.get(uuid), state.providers.get(uuid)
-        if old is None:
+        if old is None or (new is not None and uuid in recreated):
             result.providers_created.append(uuid)
-        elif new is None:
-            result.providers_deleted.append(uuid)
+        if new is None or (old is not None and uuid in recreated):
+            result.providers_deleted.append(uuid)  # (deleted, and created again in between)
         known_provider = new if new is not None else old
         name = known_provider.name if known_provider is not None else uuid
         old_usage = old.usages if old is not None else {}
@@ -169,7 +216,7 @@ def _describe(before: State, state: State, touched: dict[str, list[int]], counts
                         rc,
                         old_usage.get(rc, 0),
                         new_usage.get(rc, 0),
-                        tuple(touched.get(f"provider:{uuid}", ())),
+                        tuple(moved.get((uuid, rc), ())),
                     )
                 )
     result.usage.sort(key=lambda u: (u.name, u.resource_class))

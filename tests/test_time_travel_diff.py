@@ -121,3 +121,52 @@ async def test_a_consumer_rewritten_for_another_project_is_a_change(store: Alloc
         await store.set_allocations(c, {p: {"VCPU": 2}}, **{**fields, **rewrite}, generation=None)
         other = (await store.diff(start, await store.head())).consumer(c)
         assert other is not None and other.change == "changed", rewrite
+
+
+async def test_a_usage_delta_names_only_the_events_that_moved_that_class(store: AllocationStore) -> None:
+    """Regression (helper-39): a usage delta listed every event that named its provider (another
+    class's allocation, a rename, an inventory change, a child's creation) as responsible."""
+    from evstore import Inventory
+
+    a = new_uuid()
+    await store.create_provider(a, "a")
+    await store.set_inventories(
+        a, {"VCPU": Inventory(total=8), "MEMORY_MB": Inventory(total=8)}, generation=0
+    )
+    start = await store.head()
+    vcpu_holder = new_uuid()
+    await allocate(store, vcpu_holder, {a: {"VCPU": 1}})
+    vcpu_at = await store.head()
+    await allocate(store, new_uuid(), {a: {"MEMORY_MB": 2}})
+    memory_at = await store.head()
+    await store.rename_provider(a, "a-renamed")
+    await store.set_inventories(
+        a, {"VCPU": Inventory(total=9), "MEMORY_MB": Inventory(total=8)}, generation=3
+    )
+    await store.create_provider(new_uuid(), "child", parent=a)
+    await allocate(store, vcpu_holder, {a: {"VCPU": 1, "MEMORY_MB": 1}}, generation=1)  # VCPU unchanged
+    both_at = await store.head()
+    await store.release(vcpu_holder)  # (names only the consumer)
+    released_at = await store.head()
+    d = await store.diff(start, await store.head())
+    by_class = {u.resource_class: u.positions for u in d.usage}
+    assert by_class == {"MEMORY_MB": (memory_at, both_at, released_at)}  # VCPU is back to 0
+    d = await store.diff(start, both_at)
+    by_class = {u.resource_class: u.positions for u in d.usage}
+    assert by_class == {"VCPU": (vcpu_at,), "MEMORY_MB": (memory_at, both_at)}
+
+
+async def test_a_provider_deleted_and_created_again_in_between_is_in_both_lists(
+    store: AllocationStore,
+) -> None:
+    a, b = new_uuid(), new_uuid()
+    await store.create_provider(a, "a")
+    await store.create_provider(b, "b")
+    start = await store.head()
+    await store.delete_provider(b)
+    await store.create_provider(b, "b-again", parent=a)
+    d = await store.diff(start, await store.head())
+    assert d.events_by_type == {"ProviderDeleted": 1, "ProviderCreated": 1}
+    assert (d.providers_deleted, d.providers_created) == ([b], [b])
+    d = await store.diff(start, start + 1)  # deleted only
+    assert (d.providers_deleted, d.providers_created) == ([b], [])
