@@ -420,14 +420,26 @@ def _fresh_file(path: Path) -> Path:
 
 
 @app.command()
-def audit(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = False) -> None:
+def audit(
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: JsonOption = False,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history",
+            help="Also check the history index (what history and state --provider/--consumer read) "
+            "against the log: a second pass, about as long as rebuild --full's.",
+        ),
+    ] = False,
+) -> None:
     """Replay the log and check it: drift, leaks, over-capacity, integrity. Exit 3 on findings."""
 
     async def work() -> int:
 
         target = resolve_url(db, url)
         async with open_existing(target) as store:
-            report = await store.audit()
+            report = await store.audit(history=history)
         if json_out:
             emit_json(report.to_dict())
         else:

@@ -912,12 +912,20 @@ class AllocationStore:
                     async with asyncio.timeout(self._poll_interval):
                         await signal.wait()
 
-    async def audit(self) -> AuditReport:
-        """Replay the log, check its integrity and compare with the persisted projection."""
+    async def audit(self, *, history: bool = False) -> AuditReport:
+        """Replay the log, check its integrity and compare with the persisted projection.
+
+        ``history=True`` also checks the history index (what ``history`` and the entity slices
+        of ``state_at`` read) against the log: a second pass over it, about as long as
+        ``rebuild(full=True)``'s; a damaged index is an ``integrity`` finding."""
+        if not isinstance(history, bool):
+            raise err.InvalidInput(f"history must be True or False, got {history!r:.40}", field="history")
+        check = getattr(self._backend, "check_history", None) if history else None
         return await _audit.audit(
             self._backend.read_raw,
             self._backend.load_state,
             last_positions=getattr(self._backend, "last_positions", None),
+            check_history=None if check is None else functools.partial(check, 5000),
         )
 
     async def rebuild(

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evstore.errors import CorruptEvent, EvstoreError, ProjectionCorrupt
 from evstore.events import (
@@ -32,6 +32,9 @@ from projections.gcpause import gc_paused
 from projections.invariants import find_leaks, over_capacity
 from projections.replay import FOLD_SLICE
 from projections.state import FOLDS, State
+
+if TYPE_CHECKING:
+    from evstore.log import HistoryCheck
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,11 +526,13 @@ async def audit(
     batch_size: int = 5000,
     progress: Callable[[int], None] | None = None,
     last_positions: LastPositions | None = None,
+    check_history: Callable[[], Awaitable[HistoryCheck]] | None = None,
 ) -> AuditReport:
     """Run the full audit: a checked replay of every stored row against the persisted projection.
 
     Writers may go on while the audit runs: the replay catches up to the position the persisted
-    projection was read at, so both sides describe the same point of the log.
+    projection was read at, so both sides describe the same point of the log. ``check_history``
+    (opt-in, a second pass over the log): the history index against the log as well.
     """
     report = AuditReport()
     replay = _Replay(report)
@@ -567,7 +572,32 @@ async def audit(
     report.findings.extend(consumer_id_findings(replayed, replay.values))
     over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
     report.findings.extend(over_capacity_findings(replayed, over))
+    if check_history is not None:
+        report.findings.extend(history_findings(await check_history()))
     return report
+
+
+def history_findings(check: HistoryCheck) -> list[Finding]:
+    """What a damaged history index means for the answers that read it."""
+    out = []
+    for count, examples, what in (
+        (check.missing, check.missing_examples, "lacks {n} rows the log implies"),
+        (check.extra, check.extra_examples, "holds {n} rows the log does not imply"),
+    ):
+        if not count:
+            continue
+        shown = ", ".join(f"{entity} at {position}" for entity, position in examples)
+        out.append(
+            Finding(
+                "integrity",
+                f"The history index {what.format(n=count)} (up to position {check.through}; e.g. {shown}): "
+                "history() and state_at(provider=/consumer=) answer wrongly there; `evstore rebuild --full` "
+                "writes the index again from the log",
+                tuple(sorted({position for _, position in examples})),
+                {"reason": "history_index", "missing": check.missing, "extra": check.extra},
+            )
+        )
+    return out
 
 
 async def _cite_last_events(

@@ -820,3 +820,35 @@ async def test_every_drift_finding_names_an_event(tmp_path: Path) -> None:
         assert positions["Consumer"] == (released_at,)
         assert positions["Custom"] == (created_at,)
         assert all(f.positions for f in report.drift), report.drift
+
+
+async def test_an_audit_with_history_finds_a_damaged_history_index(store_url: str) -> None:
+    """Regression (helper-39): index rows lost (or added) made history() and the entity slices
+    of state_at answer wrongly while the audit was clean. audit(history=True) checks the index
+    against the log; `rebuild(full=True)` repairs it (both backends)."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        await allocate(store, c, {rp: {"VCPU": 3}}, generation=1)
+        head = await store.head()
+        assert (await store.audit(history=True)).clean
+    async with open_store(store_url) as store:  # (closing indexed SQLite's newest events)
+        tamper = store.backend.tamper  # type: ignore[attr-defined]
+        if isinstance(store.backend, SqliteBackend):
+            await tamper("DELETE FROM event_entities WHERE position = ?", (head,))
+            await tamper("INSERT INTO event_entities VALUES (?, ?)", (f"consumer:{c}", 1))
+        else:
+            seq = "(SELECT seq FROM events WHERE position = {})"
+            await tamper(f"DELETE FROM event_entities WHERE seq = {seq.format('$1')}", (head,))
+            await tamper(f"INSERT INTO event_entities VALUES ($1, {seq.format('$2')})", (f"consumer:{c}", 1))
+        assert [r.position async for r in store.history(c)] == [1, head - 1]  # (the damage)
+        assert (await store.audit()).clean  # (not checked by default: a second pass)
+        report = await store.audit(history=True)
+        [missing, extra] = report.integrity
+        assert missing.details == {"reason": "history_index", "missing": 2, "extra": 1}
+        assert missing.positions == (head,) and extra.positions == (1,)
+        assert f"consumer:{c} at {head}" in missing.message and "rebuild --full" in missing.message
+        await store.rebuild(full=True)
+        assert [r.position async for r in store.history(c)] == [head - 1, head]
+        assert (await store.audit(history=True)).clean

@@ -224,3 +224,20 @@ def test_the_readmes_walkthrough_holds_on_every_run(tmp_path: Path) -> None:
     [leak] = audit["findings"]
     assert leak["kind"] == "leak" and leak["positions"] == [432, 567]
     assert "#  leak │ 432, 567 │" in readme
+
+
+def test_audit_history_checks_the_history_index(tmp_path: Path) -> None:
+    db = demo_db(tmp_path / "demo.db", instances=20)
+    done = evstore("audit", "--history", "--json", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["clean"] is True
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("DELETE FROM event_entities WHERE position = 5")
+    conn.close()
+    assert evstore("audit", "--db", str(db)).returncode == 0  # (not checked by default)
+    done = evstore("audit", "--history", "--json", "--db", str(db))
+    assert done.returncode == 3, done.stderr
+    [finding] = json.loads(done.stdout)["findings"]
+    assert finding["kind"] == "integrity" and finding["details"]["reason"] == "history_index"
+    assert finding["positions"] == [5]

@@ -36,6 +36,23 @@ random_bits = _IDS.getrandbits
 
 
 @dataclass(frozen=True, slots=True)
+class HistoryCheck:
+    """The history index (``history``, the entity slices of ``state_at``) against the log, up
+    to ``through``: rows the log implies and the index lacks, rows it holds the log does not
+    imply, and a few of each as ``(entity, position)``."""
+
+    through: int
+    missing: int = 0
+    extra: int = 0
+    missing_examples: tuple[tuple[str, int], ...] = ()
+    extra_examples: tuple[tuple[str, int], ...] = ()
+
+
+#: examples of index rows missing or extra that a history check reports
+HISTORY_EXAMPLES = 10
+
+
+@dataclass(frozen=True, slots=True)
 class Job:
     command: Command
     metadata: dict[str, Any]

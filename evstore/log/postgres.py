@@ -93,8 +93,10 @@ from evstore import errors as err
 from evstore.commands import Needs, decide
 from evstore.events import EventBase, RecordedEvent
 from evstore.log import (
+    HISTORY_EXAMPLES,
     MAX_POSITION,
     STORE_KEYWORDS,
+    HistoryCheck,
     Job,
     Outcome,
     PayloadRow,
@@ -1459,6 +1461,38 @@ class PostgresBackend:
                     return folded
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "rebuilding the projection") from None
+
+    async def check_history(self, batch_size: int) -> HistoryCheck:
+        """The history index against the log (see :class:`HistoryCheck`): the expected rows are
+        made as ``rebuild(full=True)`` makes them, into a TEMP table, then compared by the server
+        for the events positioned when they were made."""
+        async with self._connection() as conn:
+            try:
+                staged = _StagedHistory()
+                await staged.stage(conn, batch_size)
+                try:
+                    upto = staged.through
+                    expected = (
+                        "SELECT s.entity, e.position FROM staged_entities s JOIN events e ON e.seq = s.seq "
+                        "WHERE e.position <= $1"
+                    )
+                    stored = (
+                        "SELECT x.entity, e.position FROM event_entities x JOIN events e ON e.seq = x.seq "
+                        "WHERE e.position <= $1"
+                    )
+                    counts, examples = [], []
+                    for first, second in ((expected, stored), (stored, expected)):
+                        difference = f"{first} EXCEPT {second}"
+                        counts.append(
+                            int(await conn.fetchval(f"SELECT count(*) FROM ({difference}) d", upto))
+                        )
+                        rows = await conn.fetch(f"{difference} ORDER BY 2, 1 LIMIT {HISTORY_EXAMPLES}", upto)
+                        examples.append(tuple((str(r[0]), int(r[1])) for r in rows))
+                    return HistoryCheck(upto, counts[0], counts[1], examples[0], examples[1])
+                finally:
+                    await conn.execute("DROP TABLE IF EXISTS staged_entities")
+            except DB_ERRORS as exc:
+                raise _storage_error(exc, "checking the history index") from None
 
     async def stats(self) -> dict[str, Any]:
         async with self._connection() as conn:

@@ -35,7 +35,9 @@ from evstore.commands import CreateResourceClass, Needs, decide
 from evstore.events import EVENT_TYPES, EventBase, Metadata, RecordedEvent, decode_event
 from evstore.log import (
     GENESIS_HASH,
+    HISTORY_EXAMPLES,
     MAX_POSITION,
+    HistoryCheck,
     Job,
     Outcome,
     PayloadRow,
@@ -1088,6 +1090,26 @@ class SqliteBackend:
             lambda conn: _retry_busy(lambda: _rebuild(conn, state, batch_size, progress, full))
         )
 
+    async def check_history(self, batch_size: int) -> HistoryCheck:
+        """The history index against the log (see :class:`HistoryCheck`), up to the position it
+        is complete to (newer events are found by reads in their text, by design). The expected
+        rows are made as ``rebuild(full=True)`` makes them, into a TEMP table of a connection of
+        its own (the reader stays free for queries), then compared by SQLite."""
+        conn = await self._connect()
+        try:
+
+            def work(c: sqlite3.Connection) -> HistoryCheck:
+                staged = _StagedHistory()
+                staged.stage(c, batch_size)
+                try:
+                    return _snapshot(c, lambda: _compare_history(c, min(staged.through, history_through(c))))
+                finally:
+                    c.execute("DROP TABLE temp.staged_entities")
+
+            return await _on_thread(conn, work)
+        finally:
+            await conn.close()
+
     async def stats(self) -> dict[str, Any]:
         def q(conn: sqlite3.Connection) -> dict[str, Any]:
             counts = dict(conn.execute("SELECT type, count(*) FROM events GROUP BY type").fetchall())
@@ -1755,6 +1777,18 @@ def history_keys(state: State, etype: str, version: int, data: str, position: in
     keys = EVENT_TYPES[etype].entities(SimpleNamespace(**fields))  # type: ignore[arg-type]
     keys |= {f"provider:{p}" for p in changed}
     return keys
+
+
+def _compare_history(conn: sqlite3.Connection, upto: int) -> HistoryCheck:
+    staged = "SELECT entity, position FROM temp.staged_entities WHERE position <= ?"
+    stored = "SELECT entity, position FROM event_entities WHERE position <= ?"
+    counts, examples = [], []
+    for first, second in ((staged, stored), (stored, staged)):
+        difference = f"{first} EXCEPT {second}"
+        counts.append(conn.execute(f"SELECT count(*) FROM ({difference})", (upto, upto)).fetchone()[0])
+        rows = conn.execute(f"{difference} ORDER BY 2, 1 LIMIT {HISTORY_EXAMPLES}", (upto, upto))
+        examples.append(tuple((str(e), int(p)) for e, p in rows))
+    return HistoryCheck(upto, counts[0], counts[1], examples[0], examples[1])
 
 
 # --- queries on the persisted projection --------------------------------------------------------
