@@ -441,7 +441,7 @@ def audit(
         async with open_existing(target) as store:
             report = await store.audit(history=history)
         if json_out:
-            emit_json(report.to_dict())
+            emit_json({"url": shown(target), **report.to_dict()})  # (as stats and demo say it)
         else:
             print_audit(console(), report, target)
         return EXIT_OK if report.clean else EXIT_FINDINGS

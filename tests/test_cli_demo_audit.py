@@ -107,6 +107,7 @@ def test_audit_exit_codes_clean_findings_error(tmp_path: Path) -> None:
     assert clean.returncode == 0, clean.stderr
     report = json.loads(clean.stdout)
     assert report["clean"] is True and report["head"] > 0
+    assert report["url"] == f"sqlite:///{db.absolute()}"  # (as stats and demo name the store)
 
     # EVSTORE_URL works in place of --db
     via_env = evstore("audit", env={"EVSTORE_URL": f"sqlite:///{db}"})
