@@ -129,7 +129,7 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
     before = await asyncio.to_thread(clone, start)
     state = start
     touched: dict[str, list[int]] = {}
-    #: (provider, class) -> the events that changed its usage
+    #: (provider, class) -> the events that changed what some consumer holds of it (see _moved)
     moved: dict[tuple[str, str], list[int]] = {}
     recreated: set[str] = set()  # providers deleted in between that exist at the end
     counts: dict[str, int] = {}
