@@ -1095,17 +1095,19 @@ class SqliteBackend:
         is complete to (newer events are found by reads in their text, by design). The expected
         rows are made as ``rebuild(full=True)`` makes them, into a TEMP table of a connection of
         its own (the reader stays free for queries), then compared by SQLite."""
+
+        def work(c: sqlite3.Connection) -> HistoryCheck:
+            staged = _StagedHistory()
+            staged.stage(c, batch_size)
+            try:
+                return _snapshot(c, lambda: _compare_history(c, min(staged.through, history_through(c))))
+            finally:
+                c.execute("DROP TABLE temp.staged_entities")
+
+        if self.memory:  # (another connection would open another, empty, database)
+            return await self._on_writer(work)
         conn = await self._connect()
         try:
-
-            def work(c: sqlite3.Connection) -> HistoryCheck:
-                staged = _StagedHistory()
-                staged.stage(c, batch_size)
-                try:
-                    return _snapshot(c, lambda: _compare_history(c, min(staged.through, history_through(c))))
-                finally:
-                    c.execute("DROP TABLE temp.staged_entities")
-
             return await _on_thread(conn, work)
         finally:
             await conn.close()
