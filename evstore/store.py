@@ -1151,6 +1151,12 @@ def make_backend(url: str, **options: Any) -> Backend:
         try:
             from evstore.log.postgres import PostgresBackend  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
+            if exc.name != "asyncpg" and not str(exc.name or "").startswith("asyncpg."):
+                # (not a missing asyncpg: saying so would send the reader the wrong way)
+                raise err.InvalidInput(
+                    f"The PostgreSQL backend cannot be imported ({exc}): the evstore installation is "
+                    "broken or mixes two versions; reinstall it"
+                ) from None
             raise err.InvalidInput(
                 f"The PostgreSQL backend needs asyncpg ({exc}): pip install 'evstore[postgres]'"
             ) from None

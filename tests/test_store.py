@@ -1126,3 +1126,19 @@ async def test_an_older_sqlite_store_learns_its_migrations_instance_types_on_ope
     with pytest.raises(evstore.StorageError, match="tables are of an older one"):
         async with open_store(f"sqlite:///{path}"):
             pass
+
+
+def test_a_missing_asyncpg_and_a_broken_installation_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ImportError of evstore's own PostgreSQL module said 'needs asyncpg' whatever its cause
+    (a mixed installation's missing name sent the reader to pip install asyncpg)."""
+    import sys
+
+    url = "postgresql://u@localhost:1/db"
+    monkeypatch.delitem(sys.modules, "evstore.log.postgres", raising=False)
+    monkeypatch.setitem(sys.modules, "asyncpg", None)  # (import asyncpg fails, as when not installed)
+    with pytest.raises(evstore.InvalidInput, match="needs asyncpg"):
+        make_backend(url)
+    monkeypatch.setitem(sys.modules, "evstore.log.postgres", None)  # (evstore's own module fails)
+    with pytest.raises(evstore.InvalidInput, match="cannot be imported") as info:
+        make_backend(url)
+    assert "asyncpg" not in str(info.value).split("(")[0]
