@@ -364,7 +364,8 @@ def demo(
                 summary.add_row(f"rejected: {code}", str(n))
             out.print(summary)
             print_audit(out, audit, target)
-            if report.rejected_reverts:
+            if report.rejected_reverts and target not in ("sqlite://", "sqlite:///:memory:"):
+                # (an in-memory store is gone once the demo ends: nothing to try it on)
                 inst, _ = report.rejected_reverts[0]
                 out.print(f"Try: evstore history {inst} {safe(where)}")
         return EXIT_OK if audit.clean else EXIT_FINDINGS

@@ -238,3 +238,15 @@ def test_a_url_naming_a_directory_says_so(tmp_path: Path) -> None:
     done = evstore("audit", "--url", f"sqlite:///{tmp_path}/adir.db")
     assert done.returncode in (1, 2)
     assert "is a directory" in done.stderr, done.stderr  # (the tmp path itself says "directory")
+
+
+def test_an_in_memory_url_says_what_it_is() -> None:
+    # `audit --url sqlite://` said "No evstore store in :memory:: the file does not exist", and
+    # `demo --url sqlite://` ended with a "Try: evstore history ... --url 'sqlite://'" that cannot
+    # work (the store is gone with the demo's process)
+    done = evstore("audit", "--url", "sqlite://")
+    assert done.returncode == 1
+    assert "in-memory store starts empty" in done.stderr and "file does not exist" not in done.stderr
+    done = evstore("demo", "--url", "sqlite://")
+    assert done.returncode == 0, done.stderr
+    assert "clean" in done.stdout and "Try: evstore history" not in done.stdout

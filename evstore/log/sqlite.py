@@ -744,6 +744,11 @@ class SqliteBackend:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
                 raise err.StorageError(f"Cannot open {self.url}: directory {parent} does not exist")
+        if not self.create and self.memory:
+            raise err.NotFound(
+                f"No evstore store in {self.url}: an in-memory store starts empty, so there is nothing "
+                "to open (give a database file, e.g. sqlite:///path.db)"
+            )
         if not self.create and await asyncio.to_thread(_holds_no_store, self.path):
             # checked read-only first: opening for writing would already turn the file into a database
             reason = await asyncio.to_thread(_no_store_reason, self.path)
