@@ -278,6 +278,8 @@ class AllocationStore:
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
+        #: done once open() has connected (or failed to): close() waits for it
+        self._opening: asyncio.Future[None] | None = None
         #: batches or jobs running (PostgreSQL): kept alive until they end, even if the writer is
         #: cancelled, and waited for by close()
         self._running: set[asyncio.Future[Any]] = set()
@@ -329,11 +331,18 @@ class AllocationStore:
                 raise err.StoreClosed("This store is being opened by another task: wait for that open()")
             return self
         self._loop = asyncio.get_running_loop()
+        self._opening = self._loop.create_future()
         try:
             await self._impl.open()
         except BaseException:
             self._loop = None
             raise
+        finally:
+            self._opening.set_result(None)  # (a close() waiting for this open goes on)
+        if self._closing:
+            # close() was called while this connected: it waited for the connections to be
+            # made and closes them now; nothing may use them
+            raise err.StoreClosed("The store was closed while it was being opened")
         self._writer = self._loop.create_task(self._write_loop(), name="evstore-writer")
         return self
 
@@ -352,6 +361,8 @@ class AllocationStore:
         self._closing = True
         self._appended.set()  # subscribers waiting for appends learn of it now, not at their next poll
         try:
+            if self._opening is not None:  # (an open() in progress: let it make what is to be closed)
+                await asyncio.shield(self._opening)
             if self._writer is not None:
                 # The writer finishes the batch in its transaction and everything queued, then
                 # stops: every caller gets its answer before the connections close.

@@ -1145,6 +1145,12 @@ async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Co
 
     try:
         return await conn._execute(call)  # type: ignore[no-any-return,no-untyped-call]
+    except sqlite3.ProgrammingError as exc:
+        if "closed database" in str(exc):
+            # (queued on the connection's thread just behind its close: aiosqlite forgets the
+            # connection only after closing it)
+            raise err.StoreClosed("The store is closed") from None
+        raise _storage_error(exc) from None
     except sqlite3.DatabaseError as exc:
         raise _storage_error(exc) from None
     except ValueError as exc:
