@@ -586,6 +586,10 @@ class Sequence:
                 if mig.on_behalf_of is None or not mig.allocations:
                     return None
                 inst = await store.allocations(mig.on_behalf_of)
+                # Nova sends the instance's own type; evstore's migration kept it (an absent
+                # instance is gone from the state): the MigrationStarted that made it a migration
+                started = [r async for r in store.history(mig.consumer) if r.type == "MigrationStarted"]
+                instance_type = started[-1].event["instance_consumer_type"] if started else "INSTANCE"
                 body = {
                     mig.consumer: {
                         "allocations": {},
@@ -598,7 +602,7 @@ class Sequence:
                         "allocations": self.placement_allocs(mig.allocations),
                         "project_id": inst.project_id or mig.project_id,
                         "user_id": inst.user_id or mig.user_id,
-                        "consumer_type": inst.consumer_type or "INSTANCE",
+                        "consumer_type": inst.consumer_type or instance_type,
                         "consumer_generation": inst.generation,
                     },
                 }
@@ -828,6 +832,24 @@ def test_nova_swap_scenario(placement_peer: PlacementPeer) -> None:
             Swap(3, 0, "current", "null"),
             DeleteInventory(0, "VCPU"),
             ConfirmMigration(2),
+        ],
+    )
+
+
+def test_revert_of_an_absent_instance_of_another_type(placement_peer: PlacementPeer) -> None:
+    """The campaign's case once evstore kept a migration's instance type: the instance (written
+    as MIGRATION-typed here) migrates away, is absent, and the revert gives it back its type, as
+    Nova, which knows its instance, sends it to Placement."""
+    check_program(
+        placement_peer,
+        [
+            Write((ConsumerSpec(1, ((1, (("VCPU", 1),)),), "null", PROJECTS[1], "INSTANCE"),), post=True),
+            Write(
+                (ConsumerSpec(1, ((0, (("MEMORY_MB", 2),)),), "current", PROJECTS[0], "MIGRATION"),),
+                post=False,
+            ),
+            StartMigration(1, 2),
+            RevertMigration(0),
         ],
     )
 
