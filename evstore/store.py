@@ -18,7 +18,7 @@ import functools
 import hashlib
 import json
 import uuid as _uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any, Concatenate, ParamSpec, TypeAlias, TypeVar
@@ -874,12 +874,17 @@ class AllocationStore:
         """Recorded events after ``after``, in order (at most ``limit``)."""
         return await self._backend.read(_position(after, "after"), _count(limit, "limit"))
 
-    async def history(
+    def history(
         self, uuid: str | _uuid.UUID, *, batch_size: int = 1000
-    ) -> AsyncIterator[RecordedEvent]:
-        """Every recorded event touching the consumer or provider ``uuid``, oldest first."""
+    ) -> AsyncGenerator[RecordedEvent, None]:
+        """Every recorded event touching the consumer or provider ``uuid``, oldest first.
+
+        The arguments are checked at the call (``InvalidInput``), not at the first iteration."""
         key = normalize_uuid(uuid)
         _count(batch_size, "batch_size")
+        return self._history(key, batch_size)
+
+    async def _history(self, key: str, batch_size: int) -> AsyncGenerator[RecordedEvent, None]:
         entities = [f"consumer:{key}", f"provider:{key}"]
         after = 0
         while True:
@@ -890,13 +895,26 @@ class AllocationStore:
                 return
             after = batch[-1].position
 
-    async def subscribe(self, after: int = 0, *, batch_size: int = 500) -> AsyncIterator[RecordedEvent]:
+    def subscribe(self, after: int = 0, *, batch_size: int = 500) -> AsyncGenerator[RecordedEvent, None]:
         """Every recorded event after ``after``: catch up, then follow new appends live.
 
-        Wakes on this process's commits at once and polls for other processes' commits.
+        Wakes on this process's commits at once and polls for other processes' commits. The
+        arguments are checked at the call (``InvalidInput``); an ``after`` beyond the head of the
+        log (a checkpoint from another store, or from before a restore) is refused at the first
+        iteration, as ``state_at`` refuses it: followed, it would skip the events appended until
+        the log reached it.
         """
         _position(after, "after")
         _count(batch_size, "batch_size")
+        return self._subscribe(after, batch_size)
+
+    async def _subscribe(self, after: int, batch_size: int) -> AsyncGenerator[RecordedEvent, None]:
+        if after and after > (head := await self._backend.head()):
+            raise err.InvalidInput(
+                f"position {after} is beyond the head of the log ({head}): not a position of this "
+                "store (a checkpoint from another store, or from before a restore?)",
+                field="after",
+            )
         while True:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
@@ -1080,11 +1098,15 @@ class AllocationStore:
             raise err.InvalidInput(f"position {end} is beyond the head of the log ({head})")
         return await diff_states(await self._fold_to(start), self._backend.read_raw, end)
 
-    async def export(self, batch_size: int = 1000) -> AsyncIterator[str]:
-        """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py)."""
+    def export(self, batch_size: int = 1000) -> AsyncGenerator[str, None]:
+        """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py).
+        The argument is checked at the call."""
+        _count(batch_size, "batch_size")
+        return self._export(batch_size)
+
+    async def _export(self, batch_size: int) -> AsyncGenerator[str, None]:
         from projections.exchange import ExportHeader, row_line
 
-        _count(batch_size, "batch_size")
         head = await self.head()
         last = await self._backend.read_raw(head - 1, 1) if head else []
         yield ExportHeader(head, head, last[0].hash if last else GENESIS_HASH).to_line()

@@ -1142,3 +1142,29 @@ def test_a_missing_asyncpg_and_a_broken_installation_are_told_apart(monkeypatch:
     with pytest.raises(evstore.InvalidInput, match="cannot be imported") as info:
         make_backend(url)
     assert "asyncpg" not in str(info.value).split("(")[0]
+
+
+async def test_reader_arguments_are_checked_at_the_call_and_after_beyond_the_head_is_refused(
+    store: AllocationStore,
+) -> None:
+    """history(), subscribe() and export() were async generators: a bad argument raised only at the
+    first iteration, away from the call that passed it. And subscribe(after=N) past the head
+    waited silently, then delivered only what came after N (helper-40): a checkpoint of another
+    store, or from before a restore, skipped the events appended meanwhile."""
+    rp = await make_provider(store, VCPU=4)
+    head = await store.head()
+    for call in (
+        lambda: store.history("not-a-uuid"),
+        lambda: store.history(rp, batch_size=0),
+        lambda: store.subscribe(after=-1),
+        lambda: store.subscribe(after="3"),  # type: ignore[arg-type]
+        lambda: store.export(batch_size=0),
+    ):
+        with pytest.raises(evstore.InvalidInput):
+            call()
+    following = store.subscribe(after=head + 5)
+    with pytest.raises(evstore.InvalidInput, match="beyond the head"):
+        await anext(following)
+    caught_up = store.subscribe(after=head - 1)  # (at or before the head: followed as before)
+    assert (await anext(caught_up)).position == head
+    await caught_up.aclose()
