@@ -1227,7 +1227,11 @@ class PostgresBackend:
         return list(rows)
 
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
-        return [decode_raw(r) for r in await self.read_raw(after, limit)]
+        raws = await self.read_raw(after, limit)
+        if len(raws) <= 500:
+            return [decode_raw(r) for r in raws]
+        # (a large page decoded on the event loop stalls it: on a thread, the loop gets turns)
+        return await asyncio.to_thread(lambda: [decode_raw(r) for r in raws])
 
     async def last_positions(self, entities: Sequence[str], upto: int) -> dict[str, int]:
         """The position of the last event at or before ``upto`` naming each entity (``provider:<u>``,
