@@ -327,8 +327,12 @@ class AllocationStore:
             )
         if self._loop is not None:
             self._check_loop()
-            if self._writer is None:
-                raise err.StoreClosed("This store is being opened by another task: wait for that open()")
+            if self._writer is None and self._opening is not None:
+                await asyncio.shield(self._opening)  # (another task is opening it: its outcome)
+                if self._closing:
+                    raise err.StoreClosed("The store was closed while it was being opened")
+                if self._writer is None:
+                    raise err.StorageError("The store could not be opened (another task's open() failed)")
             return self
         self._loop = asyncio.get_running_loop()
         self._opening = self._loop.create_future()

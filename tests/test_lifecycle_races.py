@@ -142,3 +142,15 @@ async def test_export_racing_close_raises_store_closed(tmp_path: Path) -> None:
             except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
     assert not errors, f"export racing close() failed otherwise than StoreClosed: {errors[:2]}"
+
+
+async def test_two_tasks_opening_one_store_both_get_it(tmp_path: Path) -> None:
+    """A second open() while the first connects waits for it (it raised StoreClosed, 'being
+    opened by another task', an odd answer for a store about to be open)."""
+    store = AllocationStore(make_backend(f"sqlite:///{tmp_path}/s.db"))
+    first, second = await asyncio.gather(store.open(), store.open())
+    assert first is second is store
+    assert await store.head() == 0
+    await store.close()
+    with pytest.raises(StoreClosed):
+        await store.open()
