@@ -1106,7 +1106,11 @@ def import_(
                     shutil.copyfileobj(stream, copy)
             except OSError as exc:
                 spooled.unlink(missing_ok=True)
-                fail("evstore.io", f"cannot read {file}: {exc}")
+                fail("evstore.io", f"cannot copy {file} to a temporary file ({copy.name}): {exc}")
+            except KeyboardInterrupt:
+                spooled.unlink(missing_ok=True)
+                note("interrupted: nothing was imported")
+                raise typer.Exit(130) from None
 
     async def work() -> int:
         from evstore.store import open_store

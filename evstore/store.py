@@ -332,7 +332,7 @@ class AllocationStore:
                 if self._closing:
                     raise err.StoreClosed("The store was closed while it was being opened")
                 if self._writer is None:
-                    raise err.StorageError("The store could not be opened (another task's open() failed)")
+                    return await self.open()  # (that open failed or was cancelled: this one tries)
             return self
         self._loop = asyncio.get_running_loop()
         self._opening = self._loop.create_future()

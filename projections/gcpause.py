@@ -23,23 +23,29 @@ from contextlib import contextmanager
 _lock = threading.Lock()
 _pausers = 0
 _was_enabled = False
+_promote = False  # (some pauser of the current pause wants the promotion at its end)
 
 
 @contextmanager
-def gc_paused() -> Iterator[None]:
-    global _pausers, _was_enabled
+def gc_paused(promote: bool = True) -> Iterator[None]:
+    """``promote=False``: for short pauses that run often (a page of a read): moving everything to
+    the oldest generation each time would keep the application's cyclic garbage from ever being
+    collected (objects moved there uncounted never trigger the full collection)."""
+    global _pausers, _was_enabled, _promote
     with _lock:
         if _pausers == 0:
             _was_enabled = gc.isenabled()
+            _promote = False
             gc.disable()
         _pausers += 1
+        _promote = _promote or promote
     try:
         yield
     finally:
         with _lock:
             _pausers -= 1
             if _pausers == 0:
-                if gc.get_freeze_count() == 0:
+                if _promote and gc.get_freeze_count() == 0:
                     # What the fold allocated sits in the youngest generation; the first
                     # collection after resuming would scan all of it. freeze + unfreeze moves every
                     # tracked object to the oldest generation without scanning (skipped when the

@@ -250,3 +250,35 @@ def test_an_in_memory_url_says_what_it_is() -> None:
     done = evstore("demo", "--url", "sqlite://")
     assert done.returncode == 0, done.stderr
     assert "clean" in done.stdout and "Try: evstore history" not in done.stdout
+
+
+def test_an_import_interrupted_while_spooling_a_pipe_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """Regression (helper-41): Ctrl-C while a pipe was spooled to a temporary file (a slow
+    `evstore export ... |`) left the partial copy in $TMPDIR, and said nothing."""
+    src = demo_db(tmp_path / "src.db", instances=5)
+    export = tmp_path / "e.jsonl"
+    assert evstore("export", "--db", str(src), "-o", str(export)).returncode == 0
+    spool_dir = tmp_path / "tmp"
+    spool_dir.mkdir()
+    script = textwrap.dedent(
+        """
+        import shutil, sys
+        def interrupted(source, target, *args, **kwargs):
+            target.write(source.read(100))  # (part of the pipe copied, then Ctrl-C)
+            raise KeyboardInterrupt
+        shutil.copyfileobj = interrupted
+        from evstore.cli import main
+        main(sys.argv[1:])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    env["TMPDIR"] = str(spool_dir)
+    # (stdin must be a pipe, not the file: cat it in)
+    done = subprocess.run(
+        ["bash", "-c", f'cat "$1" | "{sys.executable}" -c "$2" import /dev/stdin --db "$3"', "_",
+         str(export), script, str(tmp_path / "new.db")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert done.returncode == 130, done.stderr
+    assert list(spool_dir.iterdir()) == [], "the spooled copy of the pipe is left behind"
+    assert "interrupted" in done.stderr

@@ -1196,3 +1196,54 @@ async def test_a_full_rebuild_writes_the_history_index_again(pg_url: str) -> Non
         assert (await (await store.state_at(position=at + 1, provider=rp)).usage(rp)).usages == {"VCPU": 3}
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # the index goes on being written
         assert [r.position async for r in store.history(rp)][-1] == await store.head()
+
+
+def _downgrade_to_v4_sql() -> list[str]:
+    """What a version-4 PostgreSQL store has (as test_postgres's upgrade test builds it)."""
+    from evstore.log.postgres import MIGRATIONS
+
+    first = MIGRATIONS[0]
+    view = first[first.index("CREATE VIEW") : first.index("CREATE FUNCTION evstore_lock(")]
+    return [
+        "DROP VIEW p_consumers_resolved; ALTER TABLE p_consumers DROP COLUMN instance_type; "
+        "DROP FUNCTION evstore_write; DROP FUNCTION evstore_lock_load",
+        view,
+        MIGRATIONS[2],
+        MIGRATIONS[3],
+        "UPDATE evstore_meta SET value = '4' WHERE key = 'schema_version'",
+    ]
+
+
+async def test_pg_upgrade_refold_is_not_lost_when_the_first_open_fails_after_migrating(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (helper-41): migration 5 committed schema_version = 5, and the refold that fills
+    p_consumers.instance_type ran later, keyed on an in-memory flag: an open that failed between
+    the two (statement_timeout on a large store's refold, a kill) left a v5 store never refolded,
+    and a revert of a migration started before the upgrade restored its instance as INSTANCE.
+    The pending refold is now a row of evstore_meta, written with the migration."""
+    import asyncpg
+
+    from evstore.log import postgres
+
+    async with open_store(pg_url) as store:
+        src = await make_provider(store, VCPU=8)
+        inst, mig = new_uuid(), new_uuid()
+        await allocate(store, inst, {src: {"VCPU": 2}}, consumer_type="BAREMETAL")
+        await store.start_migration(inst, mig)
+        for sql in _downgrade_to_v4_sql():
+            await store.backend.tamper(sql)  # type: ignore[attr-defined]
+
+    async def interrupted(*args: object, **kwargs: object) -> int:
+        raise asyncpg.QueryCanceledError("canceling statement due to statement timeout")
+
+    with monkeypatch.context() as m:
+        m.setattr(postgres, "_rebuild", interrupted)
+        with pytest.raises(Exception):  # noqa: B017 (the first open fails: fine)
+            async with open_store(pg_url):
+                pass
+    async with open_store(pg_url) as store:
+        report = await store.audit()
+        assert report.clean, [f.message for f in report.findings]
+        await store.revert_migration(mig)
+        assert (await store.allocations(inst)).consumer_type == "BAREMETAL"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -1168,3 +1169,42 @@ async def test_reader_arguments_are_checked_at_the_call_and_after_beyond_the_hea
     caught_up = store.subscribe(after=head - 1)  # (at or before the head: followed as before)
     assert (await anext(caught_up)).position == head
     await caught_up.aclose()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+async def test_large_reads_do_not_keep_the_applications_cyclic_garbage_alive(sqlite_url: str) -> None:
+    """Regression (helper-41): read() of a large page paused the collector with gc_paused(), whose
+    end moved every object allocated since the last collection to the oldest generation uncounted:
+    a follower polling read(head, 5000) kept every cycle the application made from ever being
+    collected. A read's pause no longer promotes."""
+    async with open_store(sqlite_url) as store:
+        await make_provider(store, VCPU=1)
+        head = await store.head()
+        assert gc.isenabled()
+        for _ in range(2000):
+            await store.read(head, 5000)
+            for _ in range(50):
+                _Cycle()
+        alive = sum(1 for o in gc.get_objects() if type(o) is _Cycle)
+    assert alive < 20_000, f"{alive} of 100000 unreachable cycles never collected"
+
+
+async def test_a_newer_store_with_columns_this_version_lacks_is_a_version_error(tmp_path: Path) -> None:
+    """A store a newer evstore wrote (a column added) was refused as 'Not an evstore database: use
+    another file' - the column check ran before the version's (helper-41)."""
+    path = tmp_path / "newer.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=1)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("ALTER TABLE p_consumers ADD COLUMN from_the_future TEXT")
+        newer = str(SQLITE_SCHEMA_VERSION + 1)
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (newer,))
+    conn.close()
+    with pytest.raises(evstore.SchemaVersionError, match="Upgrade evstore"):
+        async with open_store(f"sqlite:///{path}"):
+            pass

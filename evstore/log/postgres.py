@@ -505,6 +505,11 @@ async def _missing_objects(conn: Any) -> list[str]:
     return [name for name, present in found if not present]
 
 
+async def _refold_pending(conn: Any) -> bool:
+    """Whether a migration left the projection to be refolded (see _migrate)."""
+    return bool(await conn.fetchval("SELECT count(*) FROM evstore_meta WHERE key = 'refold_pending'"))
+
+
 async def _recreate(conn: Any, missing: list[str]) -> None:
     """Create the lost projection objects (empty: the caller refolds), in dependency order."""
     for name, ddl in PROJECTION_OBJECTS:
@@ -718,8 +723,6 @@ class PostgresBackend:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None
         self._namespace = ""
-        #: set by _migrate when it upgraded a store whose projection lacks what the fold now keeps
-        self._refold_on_open = False
         # Commands use at most all but one connection: waiting for a lock another process holds
         # (its rebuild's fence, a hot entity), they must not take every connection from the reads
         # (head, queries, history, audit), which take no lock and would wait for a connection.
@@ -771,14 +774,15 @@ class PostgresBackend:
         left to the audit (which names the row): the tables stay empty, as it then reports."""
         async with self._connection() as conn:
             try:
-                if not await _missing_objects(conn) and not self._refold_on_open:
+                if not await _missing_objects(conn) and not await _refold_pending(conn):
                     return
                 async with conn.transaction():
                     await self._fenced(conn)
                     missing = await _missing_objects(conn)  # (another process may have repaired it)
                     await _recreate(conn, missing)
-                    if self._refold_on_open:
-                        self._refold_on_open = False
+                    if await _refold_pending(conn):
+                        # (done in this transaction: a failed refold leaves it pending)
+                        await conn.execute("DELETE FROM evstore_meta WHERE key = 'refold_pending'")
                         log.warning("projection.columns_added", action="refolding from the log")
                     elif not set(missing) & set(PROJECTION_TABLES):
                         return
@@ -895,8 +899,13 @@ class PostgresBackend:
                         )
                     for version in range(found, SCHEMA_VERSION):
                         await conn.execute(MIGRATIONS[version])
-                    # (5 added a column the fold fills: an older store's projection is refolded)
-                    self._refold_on_open = 0 < found < 5
+                    if 0 < found < 5:
+                        # 5 added a column the fold fills: the projection is to be refolded. Said
+                        # in the store, in this transaction, so that an open that fails before the
+                        # refold (a statement_timeout, a kill) leaves it to the next open
+                        await conn.execute(
+                            "INSERT INTO evstore_meta VALUES ('refold_pending', '5') ON CONFLICT DO NOTHING"
+                        )
                     if found < SCHEMA_VERSION:
                         await conn.execute(
                             "INSERT INTO evstore_meta VALUES ('schema_version', $1) "

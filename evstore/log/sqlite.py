@@ -885,7 +885,7 @@ class SqliteBackend:
             out: list[RecordedEvent] = []
             # (fetchall holds the GIL for the whole page; and decoding a large page triggers full
             # collections that stall every thread - 130 ms of a 1 s read of 50k events)
-            with gc_paused() if limit > 2000 else contextlib.nullcontext():
+            with gc_paused(promote=False) if limit > 2000 else contextlib.nullcontext():
                 while rows := cursor.fetchmany(1000):
                     out.extend(decode_raw(RawEvent._make(row)) for row in rows)
             return out
@@ -1309,6 +1309,7 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
     to be created or migrated."""
     columns, indexes = _schema_objects()
     found = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
+    _refuse_newer(conn, found)  # (first: a newer evstore's tables differ, and that is why)
     outdated = False
     for table, want in columns.items():
         if found.get(table) == "table":
@@ -1369,6 +1370,24 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
         and indexes <= found.keys()
         and not retired & found.keys()
     )
+
+
+def _refuse_newer(conn: sqlite3.Connection, found: dict[str, str]) -> None:
+    """SchemaVersionError for a store a newer evstore wrote (its tables may have columns this one
+    does not know: "not an evstore database" would send the reader the wrong way)."""
+    if found.get("meta") != "table":
+        return
+    if tuple(r[1] for r in conn.execute("PRAGMA table_info(meta)")) != ("key", "value"):
+        return  # (another application's meta table: the column checks say so)
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    version = row[0] if row is not None else None
+    if isinstance(version, str) and version.isascii() and version.isdigit() and int(version) > SCHEMA_VERSION:
+        raise err.SchemaVersionError(
+            f"This database has schema version {version}; this evstore understands up to "
+            f"{SCHEMA_VERSION}. Upgrade evstore to open it.",
+            found=int(version),
+            supported=SCHEMA_VERSION,
+        )
 
 
 def _ensure_schema(conn: sqlite3.Connection) -> None:
