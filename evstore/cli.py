@@ -839,7 +839,8 @@ def tail(
                 if json_out:
                     print(json.dumps(event_json(recorded, names), default=str), flush=True)
                 else:
-                    who = recorded.metadata.request_id or recorded.metadata.actor or "-"
+                    meta = recorded.metadata  # (as history shows it: request / actor)
+                    who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
                     what = describe(recorded.event, names, short=True)
                     out.print(  # (never folded: one event, one line, for grep)
                         f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='microseconds')} "

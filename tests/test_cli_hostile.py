@@ -282,3 +282,16 @@ def test_an_import_interrupted_while_spooling_a_pipe_leaves_no_temporary_file(tm
     assert done.returncode == 130, done.stderr
     assert list(spool_dir.iterdir()) == [], "the spooled copy of the pipe is left behind"
     assert "interrupted" in done.stderr
+
+
+def test_tail_shows_request_and_actor_as_history_does(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+
+    async def build() -> None:
+        async with open_store(f"sqlite:///{db}") as s:
+            await s.create_provider(P1, "rp", metadata={"request_id": "req-7", "actor": "conductor"})
+
+    asyncio.run(build())
+    done = evstore("tail", "--after", "0", "--no-follow", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert "req-7 / conductor" in done.stdout
