@@ -117,14 +117,15 @@ CREATE TABLE IF NOT EXISTS provider_snapshots (
 PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes")
 #: Columns later schema versions added to a table, last in it (an older store gets them on open,
 #: and its projection is refolded to fill them): 3 added a migration's instance type.
-ADDED_COLUMNS: dict[str, tuple[str, ...]] = {"p_consumers": ("instance_type",)}
-ADDED_COLUMN_TYPES = {"instance_type": "TEXT"}
+ADDED_COLUMNS: dict[str, dict[str, str]] = {"p_consumers": {"instance_type": "TEXT"}}
 PROJECTION_INDEXES = {
     name: sql
     for sql in (s.strip() for s in DDL.split(";"))
     if sql.startswith("CREATE INDEX") and (name := sql.split()[5]).startswith("p_")
 }
 EVENT_COLUMNS = "position, event_id, type, schema_version, data, metadata, recorded_at, hash"
+#: a page of the log after a position (read_raw, read)
+READ_PAGE = f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?"
 
 
 def now_iso() -> str:
@@ -856,11 +857,7 @@ class SqliteBackend:
 
     async def read_raw(self, after: int, limit: int) -> list[RawEvent]:
         def q(conn: sqlite3.Connection) -> list[RawEvent]:
-            rows = conn.execute(
-                f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?",
-                (after, limit),
-            ).fetchall()
-            return list(map(RawEvent._make, rows))
+            return list(map(RawEvent._make, conn.execute(READ_PAGE, (after, limit)).fetchall()))
 
         return await self._on_reader(q)
 
@@ -878,10 +875,7 @@ class SqliteBackend:
         def q(conn: sqlite3.Connection) -> list[RecordedEvent]:
             # (decoded on the reader's thread, as history is: a large page decoded on the event
             # loop stalled it, e.g. 183 ms for read(0, 10**9) on 50k events)
-            cursor = conn.execute(
-                f"SELECT {EVENT_COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?",
-                (after, limit),
-            )
+            cursor = conn.execute(READ_PAGE, (after, limit))
             out: list[RecordedEvent] = []
             # (fetchall holds the GIL for the whole page; and decoding a large page triggers full
             # collections that stall every thread - 130 ms of a 1 s read of 50k events)
@@ -1314,7 +1308,7 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
     for table, want in columns.items():
         if found.get(table) == "table":
             have = tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
-            if have != want and have + ADDED_COLUMNS.get(table, ()) == want:
+            if have != want and have + tuple(ADDED_COLUMNS.get(table, ())) == want:
                 outdated = True  # (a store of an older version: the open adds the columns)
             elif have != want:
                 raise err.StorageError(
@@ -1398,12 +1392,12 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         _schema_state(conn)  # (again, under the lock: another process may have changed it)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         added = []
-        for table, names in ADDED_COLUMNS.items():
+        for table, added_columns in ADDED_COLUMNS.items():
             if table in tables:
                 have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
-                for name in names:
+                for name, kind in added_columns.items():
                     if name not in have:
-                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {ADDED_COLUMN_TYPES[name]}")
+                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
                         added.append(f"{table}.{name}")
         for statement in DDL.split(";"):
             if statement.strip():
