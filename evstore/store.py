@@ -996,8 +996,16 @@ class AllocationStore:
             await self._backend.drop_snapshots()  # type: ignore[attr-defined]
         return folded
 
-    async def replay(self, to_position: int | None = None) -> State:
-        """The state folded from the log up to ``to_position`` (all of it by default)."""
+    async def replay(self, to_position: int | None = None, *, at: datetime | None = None) -> State:
+        """The state folded from the log from its first event, up to ``to_position`` or to the
+        last event recorded at or before ``at`` (a timezone-aware time); all of it by default.
+        (``state_at`` answers the same question from the nearest snapshot.)"""
+        if at is not None:
+            if to_position is not None:
+                raise err.InvalidInput("replay takes at most one of to_position or at=")
+            if not isinstance(at, datetime):
+                raise err.InvalidInput(f"at must be a timezone-aware datetime, got {type(at).__name__}")
+            to_position = await self.position_of(at)
         if to_position is not None:
             _position(to_position, "to_position")
             head = await self._backend.head()

@@ -166,6 +166,30 @@ async def test_state_at_a_time_and_the_queries_on_it(store: AllocationStore) -> 
     assert await store.position_of(datetime.max.replace(tzinfo=west)) == await store.head()
 
 
+async def test_replay_to_a_time(store: AllocationStore) -> None:
+    """replay(at=) folds up to the last event recorded at or before the time, as state_at does."""
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    await allocate(store, c, {rp: {"VCPU": 3}})
+    allocated = await store.head()
+    await asyncio.sleep(0.01)
+    between = datetime.now(UTC)
+    await asyncio.sleep(0.01)
+    await store.delete_consumer(c)
+    then = await store.replay(at=between)
+    assert then.position == allocated
+    assert then == await store.replay(allocated) == (await store.state_at(at=between)).state
+    assert then.providers[rp].usages == {"VCPU": 3}
+    assert (await store.replay(at=datetime.now(UTC) + timedelta(seconds=5))).consumers[c].deleted
+    assert (await store.replay(at=between - timedelta(days=1))).position == 0
+    with pytest.raises(InvalidInput, match="timezone-aware"):
+        await store.replay(at=datetime.now())  # naive time
+    with pytest.raises(InvalidInput, match="at most one"):
+        await store.replay(allocated, at=between)
+    with pytest.raises(InvalidInput, match="datetime"):
+        await store.replay(at=allocated)  # type: ignore[arg-type]
+
+
 async def test_snapshots_of_an_older_format_are_made_again(tmp_path: Path) -> None:
     # Provider slices are re-made only where whole-store snapshots are: when the encoding of
     # either changes, both must be taken again, or old slices would be ignored forever.
