@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import inspect
 import json
 import uuid as _uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
@@ -106,12 +107,30 @@ _R = TypeVar("_R")
 _Method: TypeAlias = Callable[Concatenate[Any, _P], Coroutine[Any, Any, _R]]
 
 
-def _logs_rejections(command: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
+def _named(value: Any) -> list[str] | None:
+    """Entities as a caller named them, for a log line about a command refused before it was
+    queued (possibly malformed, so as text, cut short): the ones given as a mapping's keys too."""
+    values = list(value) if isinstance(value, Mapping) else [value]
+    if not values or value is None:
+        return None
+    try:
+        return [str(v)[:100] for v in values[:20]]
+    except Exception:  # (a caller's object whose str() fails: the log line must not)
+        return [type(v).__name__ for v in values[:20]]
+
+
+def _logs_rejections(
+    command: str, **entities: tuple[str, ...]
+) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
     """A command method whose every rejection is logged as ``command.rejected``: those the
     writer decides (logged by ``_submit``, with the command's entities) and those refused
-    before the command is queued (a malformed argument, metadata or key; a closed store)."""
+    before the command is queued (a malformed argument, metadata or key; a closed store), with
+    the consumers or providers the arguments name (``entities``: parameter names by kind)."""
 
     def wrap(method: _Method[_P, _R]) -> _Method[_P, _R]:
+        params = list(inspect.signature(method).parameters)[1:]  # (after self)
+        where = {kind: [(params.index(name), name) for name in names] for kind, names in entities.items()}
+
         @functools.wraps(method)
         async def logged(self: Any, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
             try:
@@ -119,6 +138,12 @@ def _logs_rejections(command: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R
             except err.EvstoreError as exc:
                 if exc.__dict__.pop("_evstore_logged", False):
                     raise
+                named: dict[str, list[str]] = {}
+                for kind, places in where.items():
+                    for index, name in places:
+                        found = _named(args[index] if len(args) > index else kwargs.get(name))
+                        if found:
+                            named.setdefault(kind, []).extend(found)
                 meta: Any = kwargs.get("metadata")
                 request_id = (
                     meta.get("request_id") if isinstance(meta, Mapping) else getattr(meta, "request_id", None)
@@ -131,6 +156,7 @@ def _logs_rejections(command: str) -> Callable[[_Method[_P, _R]], _Method[_P, _R
                     code=exc.code,
                     error=exc.message,
                     request_id=request_id,
+                    **named,
                 )
                 raise
 
@@ -584,7 +610,7 @@ class AllocationStore:
             cmd.CreateResourceClass(validate_resource_class_name(name)), idempotency_key, metadata
         )
 
-    @_logs_rejections("CreateProvider")
+    @_logs_rejections("CreateProvider", provider=("uuid",))
     async def create_provider(
         self,
         uuid: str | _uuid.UUID,
@@ -605,7 +631,7 @@ class AllocationStore:
         )
         return await self._submit(command, idempotency_key, metadata)
 
-    @_logs_rejections("RenameProvider")
+    @_logs_rejections("RenameProvider", provider=("uuid",))
     async def rename_provider(
         self,
         uuid: str | _uuid.UUID,
@@ -621,7 +647,7 @@ class AllocationStore:
         )
         return await self._submit(command, idempotency_key, metadata)
 
-    @_logs_rejections("DeleteProvider")
+    @_logs_rejections("DeleteProvider", provider=("uuid",))
     async def delete_provider(
         self,
         uuid: str | _uuid.UUID,
@@ -635,7 +661,7 @@ class AllocationStore:
             cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid")), idempotency_key, metadata
         )
 
-    @_logs_rejections("SetInventories")
+    @_logs_rejections("SetInventories", provider=("provider",))
     async def set_inventories(
         self,
         provider: str | _uuid.UUID,
@@ -657,7 +683,7 @@ class AllocationStore:
         receipt = await self._submit(cmd.SetInventories(puuid, invs, gen), idempotency_key, metadata)
         return receipt.provider_generations[puuid]
 
-    @_logs_rejections("SetInventory")
+    @_logs_rejections("SetInventory", provider=("provider",))
     async def set_inventory(
         self,
         provider: str | _uuid.UUID,
@@ -677,7 +703,7 @@ class AllocationStore:
         receipt = await self._submit(command, idempotency_key, metadata)
         return receipt.provider_generations[puuid]
 
-    @_logs_rejections("DeleteInventory")
+    @_logs_rejections("DeleteInventory", provider=("provider",))
     async def delete_inventory(
         self,
         provider: str | _uuid.UUID,
@@ -693,7 +719,7 @@ class AllocationStore:
         receipt = await self._submit(command, idempotency_key, metadata)
         return receipt.provider_generations[puuid]
 
-    @_logs_rejections("WriteAllocations")
+    @_logs_rejections("WriteAllocations", consumer=("allocations",))
     async def write_allocations(
         self,
         allocations: AllocationsByConsumer,
@@ -717,7 +743,7 @@ class AllocationStore:
             )
         return await self._submit(cmd.WriteAllocations(tuple(writes)), idempotency_key, metadata)
 
-    @_logs_rejections("WriteAllocations")
+    @_logs_rejections("WriteAllocations", consumer=("consumer",))
     async def set_allocations(
         self,
         consumer: str | _uuid.UUID,
@@ -744,7 +770,7 @@ class AllocationStore:
         )
         return await self._submit(cmd.WriteAllocations((write,)), idempotency_key, metadata)
 
-    @_logs_rejections("Release")
+    @_logs_rejections("Release", consumer=("consumer",))
     async def release(
         self,
         consumer: str | _uuid.UUID,
@@ -757,7 +783,7 @@ class AllocationStore:
             cmd.Release(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
         )
 
-    @_logs_rejections("StartMigration")
+    @_logs_rejections("StartMigration", consumer=("instance", "migration"))
     async def start_migration(
         self,
         instance: str | _uuid.UUID,
@@ -776,7 +802,7 @@ class AllocationStore:
         )
         return await self._submit(command, idempotency_key, metadata)
 
-    @_logs_rejections("RevertMigration")
+    @_logs_rejections("RevertMigration", consumer=("migration",))
     async def revert_migration(
         self,
         migration: str | _uuid.UUID,
@@ -793,7 +819,7 @@ class AllocationStore:
             cmd.RevertMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
         )
 
-    @_logs_rejections("ConfirmMigration")
+    @_logs_rejections("ConfirmMigration", consumer=("migration",))
     async def confirm_migration(
         self,
         migration: str | _uuid.UUID,
@@ -808,7 +834,7 @@ class AllocationStore:
             cmd.ConfirmMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
         )
 
-    @_logs_rejections("DeleteConsumer")
+    @_logs_rejections("DeleteConsumer", consumer=("consumer",))
     async def delete_consumer(
         self,
         consumer: str | _uuid.UUID,

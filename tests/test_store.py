@@ -335,14 +335,14 @@ async def test_rejections_before_the_queue_are_logged_too(store: AllocationStore
     that is not JSON, a malformed uuid) logged nothing, although every command logs its outcome;
     an accepted migration or delete logged provider=None though it changed providers' usage."""
     rp = await make_provider(store, VCPU=4)
-    instance, migration = new_uuid(), new_uuid()
+    instance, migration, fresh = new_uuid(), new_uuid(), new_uuid()
     await allocate(store, instance, {rp: {"VCPU": 1}})
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     try:
         with structlog.testing.capture_logs() as logs:
             with pytest.raises(InvalidInput):
                 await store.set_allocations(
-                    new_uuid(),
+                    fresh,
                     {rp: {"VCPU": 0}},
                     project_id="p",
                     user_id="u",
@@ -354,6 +354,12 @@ async def test_rejections_before_the_queue_are_logged_too(store: AllocationStore
                 await store.release(instance, metadata={"request_id": "req-meta", "x": float("nan")})
             with command_metadata(request_id="req-uuid"), pytest.raises(InvalidInput):
                 await store.delete_consumer("not-a-uuid")
+            with pytest.raises(InvalidInput):
+                await store.set_inventory(
+                    provider="rp-1", resource_class="VCPU", inventory=Inventory(total=1), generation=0
+                )
+            with pytest.raises(InvalidInput):
+                await store.start_migration(instance, "m-1")
             await store.start_migration(instance, migration, metadata={"request_id": "req-ok"})
     finally:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -361,9 +367,20 @@ async def test_rejections_before_the_queue_are_logged_too(store: AllocationStore
         ("command.rejected", "WriteAllocations", "evstore.invalid_input", "req-amount"),
         ("command.rejected", "Release", "evstore.invalid_input", "req-meta"),
         ("command.rejected", "DeleteConsumer", "evstore.invalid_input", "req-uuid"),
+        ("command.rejected", "SetInventory", "evstore.invalid_input", None),
+        ("command.rejected", "StartMigration", "evstore.invalid_input", None),
         ("command.accepted", "StartMigration", None, "req-ok"),
     ]
     assert logs[-1]["provider"] == [rp]
+    # a refused command's line names the consumer or provider its arguments gave, as given (the
+    # line of an accepted or decided command names them as the writer saw them)
+    assert [(e.get("consumer"), e.get("provider")) for e in logs[:5]] == [
+        ([fresh], None),
+        ([instance], None),
+        (["not-a-uuid"], None),
+        (None, ["rp-1"]),
+        ([instance, "m-1"], None),
+    ]
 
 
 async def _log_two_outcomes(store: AllocationStore, rp: str) -> None:
