@@ -1165,14 +1165,50 @@ async def test_a_version_4_store_learns_its_migrations_instance_types_on_open(pg
         await pg(store).tamper(MIGRATIONS[2])
         await pg(store).tamper(MIGRATIONS[3])
         await pg(store).tamper("UPDATE evstore_meta SET value = '4' WHERE key = 'schema_version'")
-    assert SCHEMA_VERSION == 5
     async with open_store(pg_url) as store:
         assert (await store.audit()).clean
         await store.revert_migration(mig)
         assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
         assert (await store.audit()).clean
     rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
-    assert rows[0]["value"] == "5"
+    assert rows[0]["value"] == str(SCHEMA_VERSION)
+
+
+async def test_a_version_5_store_gets_the_sequencer_that_plans_its_lookups_once(pg_url: str) -> None:
+    """Migration 6 replaces evstore_sequence (its position lookups in its own statements, not
+    through evstore_positions, which was planned anew at each call) and keeps what migration 4
+    gave it: waiting for its lock whatever the URL's lock_timeout."""
+    from evstore.log.postgres import MIGRATIONS
+
+    sequencer = "SELECT prosrc, proconfig FROM pg_proc WHERE proname = 'evstore_sequence'"
+    sequencer += " AND pg_function_is_visible(oid)"
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+        # version 5's sequencer: as migrations 3 and 4 made it
+        sql = MIGRATIONS[2]
+        await pg(store).tamper(sql[sql.index("CREATE OR REPLACE FUNCTION evstore_sequence") :])
+        await pg(store).tamper(MIGRATIONS[3])
+        await pg(store).tamper("UPDATE evstore_meta SET value = '5' WHERE key = 'schema_version'")
+    rows = await admin_fetch(pg_url, sequencer)
+    assert len(rows) == 1 and "evstore_positions(want)" in rows[0]["prosrc"]
+    async with open_store(pg_url) as store:
+        receipt = await store.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": 3}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        )
+        assert receipt.positions == (await store.head(),)
+        assert (await store.usage(rp)).usages == {"VCPU": 5}
+        assert (await store.audit()).clean
+    rows = await admin_fetch(pg_url, sequencer)
+    assert len(rows) == 1 and "evstore_positions" not in rows[0]["prosrc"]
+    assert "lock_timeout=0" in rows[0]["proconfig"]
+    rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
+    assert rows[0]["value"] == str(SCHEMA_VERSION) == "6"
 
 
 async def test_a_full_rebuild_writes_the_history_index_again(pg_url: str) -> None:

@@ -114,7 +114,7 @@ from projections.state import ConsumerState, State, evolve
 
 log = structlog.get_logger("evstore.postgres")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -436,6 +436,58 @@ MIGRATIONS: tuple[str, ...] = (
         INSERT INTO p_allocations SELECT * FROM unnest(a_consumer, a_provider, a_rc, a_used);
         INSERT INTO p_classes SELECT * FROM unnest(new_classes) ON CONFLICT DO NOTHING;
         RETURN seqs;
+    END $$;
+    """,
+    # 6: the sequencer looks its positions up in its own statements (planned once per session, as
+    # plpgsql caches them) rather than through evstore_positions, a SQL function planned anew at
+    # each of its three calls per run: 0.44-0.52 -> 0.31-0.35 ms of the server's time per run
+    # (pg_stat_user_functions over 2,000 sequential commands). Functions only.
+    r"""
+    CREATE OR REPLACE FUNCTION evstore_sequence(lock_key bigint, wait boolean, want bigint[],
+                                     OUT positioned bigint, OUT positions bigint[])
+    LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET lock_timeout = 0 AS $$
+    DECLARE pos bigint; prev text; last_at text; stamp text; r record;
+    BEGIN
+        positioned := 0;
+        positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
+                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
+        IF cardinality(want) > 0 AND array_position(positions, NULL) IS NULL THEN
+            RETURN;  -- positioned already (by another process's run): nothing to wait for
+        END IF;
+        IF wait THEN
+            PERFORM pg_advisory_xact_lock(lock_key);
+        ELSIF NOT pg_try_advisory_xact_lock(lock_key) THEN
+            RETURN;  -- another run holds it: that run (or the writer's own next one) positions them
+        END IF;
+        IF cardinality(want) > 0 THEN  -- the run we waited for may have positioned them
+            positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
+                               FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
+            IF array_position(positions, NULL) IS NULL THEN
+                RETURN;
+            END IF;
+        END IF;
+        SELECT e.position, e.hash, e.recorded_at INTO pos, prev, last_at
+        FROM events e WHERE e.position IS NOT NULL ORDER BY e.position DESC LIMIT 1;
+        IF NOT FOUND THEN
+            pos := 0; prev := repeat('0', 64); last_at := '';
+        ELSIF prev IS NULL OR last_at IS NULL THEN
+            RAISE EXCEPTION 'the event at position % has no hash or time: the log is damaged', pos;
+        END IF;
+        stamp := to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US') || '+00:00';
+        IF stamp < last_at THEN
+            stamp := last_at;  -- never goes backwards
+        END IF;
+        FOR r IN SELECT e.seq, e.event_id, e.type, e.schema_version, e.data, e.metadata FROM events e
+                 WHERE e.position IS NULL ORDER BY e.transaction_id, e.seq LOOP
+            pos := pos + 1;
+            prev := encode(sha256(convert_to(concat_ws(chr(31), prev, pos::text, r.event_id, r.type,
+                    r.schema_version::text, r.data, r.metadata, stamp), 'UTF8')), 'hex');
+            UPDATE events SET position = pos, hash = prev, recorded_at = stamp WHERE seq = r.seq;
+            positioned := positioned + 1;
+        END LOOP;
+        positions := ARRAY(SELECT (SELECT e.position FROM events e WHERE e.seq = w.s)
+                           FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
     END $$;
     """,
 )
