@@ -33,6 +33,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
 from evstore import errors as err
 from projections.audit import AuditReport
+from projections.invariants import format_amount
 from projections.state import State
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ def usage_table(state: State, title: str) -> Table:
             if inv is None:
                 cells.append(f"{used}/-" if used else "-")
                 continue
-            text = f"{used}/{inv.capacity:g}"
+            text = f"{used}/{format_amount(inv.capacity)}"
             cells.append(f"[red]{text}[/red]" if used > inv.capacity else text)
         table.add_row(safe(prov.name), prov.uuid, str(prov.generation), *cells)
     return table

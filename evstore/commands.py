@@ -14,7 +14,7 @@ from typing import NoReturn
 from evstore import errors as err
 from evstore import events as ev
 from evstore.schema import CUSTOM_PREFIX, STANDARD_CLASSES, Inventory, is_known_class
-from projections.invariants import allocation_fits
+from projections.invariants import allocation_fits, format_amount
 from projections.state import ConsumerState, ProviderState, State
 
 Allocs = dict[str, dict[str, int]]
@@ -371,7 +371,7 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
             raise err.CapacityExceeded(
                 f"Unable to create allocation for '{rc}' on resource provider '{p}'. "
                 f"The requested amount would exceed the capacity. "
-                f"(capacity {capacity:g}, used {used[key]}, requested {running[key]})",
+                f"(capacity {format_amount(capacity)}, used {used[key]}, requested {running[key]})",
                 provider=p,
                 resource_class=rc,
                 capacity=capacity,

@@ -29,7 +29,7 @@ from evstore.events import (
     decode_event,
 )
 from projections.gcpause import gc_paused
-from projections.invariants import find_leaks, over_capacity
+from projections.invariants import find_leaks, format_amount, over_capacity
 from projections.replay import FOLD_SLICE
 from projections.state import FOLDS, State
 
@@ -507,7 +507,8 @@ def over_capacity_findings(state: State, over: _OverTracker) -> list[Finding]:
         out.append(
             Finding(
                 "over_capacity",
-                f"Provider {uuid} uses {used} {rc} with capacity {cap:g} (over by {used - cap:g}) "
+                f"Provider {uuid} uses {used} {rc} with capacity {format_amount(cap)} "
+                f"(over by {format_amount(used - cap)}) "
                 f"since position {since}",
                 (since,),
                 {"provider": uuid, "resource_class": rc, "used": used, "capacity": cap, "since": since},

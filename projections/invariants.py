@@ -59,6 +59,15 @@ def over_capacity(provider: ProviderState) -> list[OverCapacity]:
     return found
 
 
+def format_amount(value: float | int) -> str:
+    """An amount or a capacity for a message, exactly as it is compared: a whole number without a
+    fraction (``12``, ``2147483646``), any other value with every digit it has (``7.700000000000001``),
+    never rounded (``:g`` turned a capacity of 2147483646 into ``2.14748e+09``)."""
+    if float(value).is_integer() and abs(value) < 2**53:  # (beyond, a float's repr is exact and shorter)
+        return str(int(value))
+    return repr(value)
+
+
 def allocation_fits(capacity: float, used_after: int, prev_used: int | None) -> bool:
     """Placement's capacity rule with its over-capacity tolerance.
 

@@ -198,6 +198,18 @@ async def test_inventory_shrunk_below_usage_is_over_capacity_since_the_shrink(st
     assert "since position" in over.message
 
 
+async def test_an_over_capacity_finding_states_its_amounts_exactly(store: AllocationStore) -> None:
+    """Regression (rev22, found by a black-box probe of SPEC's audit rule "over capacity ... with
+    amounts"): the finding printed capacity and overrun with ``:g`` (six significant digits), so a
+    provider of 2147483647 MB over by one read "capacity 2.14748e+09 (over by 1)"."""
+    rp = await make_provider(store, MEMORY_MB=2147483647)
+    await allocate(store, new_uuid(), {rp: {"MEMORY_MB": 2147483647}})
+    gen = (await store.usage(rp)).generation
+    await store.set_inventories(rp, {"MEMORY_MB": Inventory(total=2147483647, reserved=1)}, gen)
+    [over] = (await store.audit()).over_capacity
+    assert "uses 2147483647 MEMORY_MB with capacity 2147483646 (over by 1)" in over.message
+
+
 async def test_over_capacity_since_is_the_start_of_the_current_overrun(store: AllocationStore) -> None:
     """Over, back under, over again: the finding dates from the second shrink. A provider that was
     over and no longer is, and one that never was, have no finding."""

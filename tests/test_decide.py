@@ -181,6 +181,22 @@ def test_capacity_formula_is_a_float_not_truncated() -> None:
         when(state, one(write(C2, {RP1: {"VCPU": 1}})))
 
 
+def test_a_capacity_error_states_the_capacity_exactly() -> None:
+    """Regression (rev22, found by a black-box probe of SPEC's capacity rule): the message printed
+    the capacity with ``:g``, six significant digits - "capacity 2.14748e+09" for a provider of
+    2147483647 MB - so a person could not see by how much the request missed."""
+    state = cloud(MEMORY_MB=Inventory(total=2147483647))
+    when(state, one(write(C1, {RP1: {"MEMORY_MB": 2147483000}})))
+    with pytest.raises(err.CapacityExceeded) as caught:
+        when(state, one(write(C2, {RP1: {"MEMORY_MB": 1000}})))
+    assert "(capacity 2147483647, used 2147483000, requested 1000)" in caught.value.message
+    # a capacity that is not a whole number is shown as it is compared: not rounded
+    state = cloud(VCPU=Inventory(total=7, allocation_ratio=1.1))  # 7.700000000000001
+    with pytest.raises(err.CapacityExceeded) as caught:
+        when(state, one(write(C1, {RP1: {"VCPU": 8}})))
+    assert f"(capacity {7 * 1.1!r}, used 0, requested 8)" in caught.value.message
+
+
 def test_reserved_reduces_capacity() -> None:
     state = cloud(VCPU=Inventory(total=8, reserved=6))
     when(state, one(write(C1, {RP1: {"VCPU": 2}})))
