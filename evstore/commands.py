@@ -368,15 +368,26 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
         # Placement refuses when capacity < used + amount or < used + running sum; the running
         # sum includes this row, so the second test implies the first.
         if not allocation_fits(capacity, used[key] + running[key], prev_used[key] or None):
+            before = prev_used[key]
+            # (over capacity already, e.g. after an inventory shrink: Placement's tolerance accepts a
+            # change that leaves the usage no higher than before; say so, or 10 looks as hopeless as 12)
+            tolerance = (
+                f"; the provider is already over capacity, so only a change that leaves its {rc} "
+                f"usage at or below {before}, its usage before this command, is accepted"
+                if before > capacity
+                else ""
+            )
             raise err.CapacityExceeded(
                 f"Unable to create allocation for '{rc}' on resource provider '{p}'. "
                 f"The requested amount would exceed the capacity. "
-                f"(capacity {format_amount(capacity)}, used {used[key]}, requested {running[key]})",
+                f"(capacity {format_amount(capacity)}, used {used[key]}, requested {running[key]}"
+                f"{tolerance})",
                 provider=p,
                 resource_class=rc,
                 capacity=capacity,
                 used=used[key],
                 requested=running[key],
+                used_before=before,
             )
     return named
 

@@ -284,6 +284,27 @@ def test_over_capacity_tolerance_no_worse_is_accepted() -> None:
     assert state.consumers[C1].generation == 3
 
 
+def test_a_refusal_on_a_provider_already_over_capacity_says_what_would_be_accepted() -> None:
+    """Regression (rev22, found by a black-box probe of the over-capacity tolerance): on a provider
+    left over capacity by an inventory shrink, a refusal said only "(capacity 6, used 0, requested
+    12)", though a change that leaves the usage no higher than before is accepted - the caller could
+    not tell that 10 would go through."""
+    state = cloud(VCPU=Inventory(total=16))
+    when(state, one(write(C1, {RP1: {"VCPU": 10}})))
+    when(state, SetInventories(RP1, {"VCPU": Inventory(total=6)}, state.providers[RP1].generation))
+    with pytest.raises(err.CapacityExceeded) as caught:
+        when(state, one(write(C1, {RP1: {"VCPU": 12}}, generation=1)))
+    assert "(capacity 6, used 0, requested 12;" in caught.value.message
+    assert "already over capacity" in caught.value.message
+    assert "at or below 10" in caught.value.message
+    assert caught.value.details["used_before"] == 10
+    # not said where the tolerance cannot help (the provider was within its capacity)
+    state = cloud(VCPU=Inventory(total=4))
+    with pytest.raises(err.CapacityExceeded) as caught:
+        when(state, one(write(C1, {RP1: {"VCPU": 5}})))
+    assert "over capacity" not in caught.value.message
+
+
 def test_rewrite_onto_another_provider_bumps_only_the_provider_named() -> None:
     state = given(
         *provider(RP1, "rp1", VCPU=Inventory(total=8)), *provider(RP2, "rp2", VCPU=Inventory(total=8))
