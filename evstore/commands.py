@@ -235,11 +235,14 @@ def _provider(state: State, uuid: str) -> ProviderState:
     return prov
 
 
-def _generation_conflict(expected: int | None, got: int | None, consumer: str) -> err.ConcurrentUpdate:
-    # Placement's wording: "expected" is the stored generation, "got" what the caller sent.
+def _generation_conflict(
+    expected: int | None, got: int | None, consumer: str, why: str = ""
+) -> err.ConcurrentUpdate:
+    # Placement's wording: "expected" is the stored generation, "got" what the caller sent;
+    # ``why`` follows it where the caller sent no generation (a command that takes none).
     exp = "null" if expected is None else str(expected)
     return err.ConcurrentUpdate(
-        f"consumer generation conflict - expected {exp} but got {got}",
+        f"consumer generation conflict - expected {exp} but got {got}{why}",
         consumer=consumer,
         expected=expected,
         got=got,
@@ -490,7 +493,13 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
             f"Instance {inst.uuid} holds no allocations to move to migration {mig.uuid}", consumer=inst.uuid
         )
     if mig.allocations:
-        raise _generation_conflict(mig.generation, None, mig.uuid)
+        raise _generation_conflict(
+            mig.generation,
+            None,
+            mig.uuid,
+            f": the migration consumer {mig.uuid} already holds allocations; start_migration needs "
+            "one that holds nothing",
+        )
     if inst.on_behalf_of is not None:
         raise err.InvalidInput(f"Consumer {inst.uuid} is itself a migration; it cannot be migrated")
     changes = [_Change(inst.uuid, {}, False), _Change(mig.uuid, inst.allocations, False)]

@@ -521,6 +521,20 @@ def test_start_migration_preconditions() -> None:
         when(state, StartMigration(C1, C1))
 
 
+def test_start_migration_into_a_consumer_holding_allocations_says_so() -> None:
+    """Regression (rev22, found by a black-box probe of start_migration's preconditions): the
+    refusal was only Placement's "consumer generation conflict - expected 1 but got None", about a
+    generation the caller of start_migration never sends; it now names the migration consumer and
+    why it must be absent (the code and Placement's words stay first)."""
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}}), write(C2, {RP1: {"VCPU": 1}})))
+    with pytest.raises(err.ConcurrentUpdate) as caught:
+        when(state, StartMigration(C1, C2))
+    assert caught.value.message.startswith("consumer generation conflict - expected 1 but got None")
+    assert f"migration consumer {C2} already holds allocations" in caught.value.message
+    assert caught.value.details["consumer"] == C2
+
+
 def test_revert_after_delete_order_ends_with_zero_usage() -> None:
     state = migrated()
     when(state, RevertMigration(MIG))
