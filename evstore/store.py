@@ -640,7 +640,8 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
-        """Give a provider a new (unique) name; bumps its generation. Raises ``ProviderNotFound``,
+        """Give a provider a new (unique) name; its generation stays (as in Placement, only
+        inventory changes and allocation writes bump it). Raises ``ProviderNotFound``,
         ``DuplicateName``."""
         command = cmd.RenameProvider(
             normalize_uuid(uuid, "provider uuid"), validate_name(name, "provider name", 200)

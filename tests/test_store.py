@@ -1054,6 +1054,19 @@ async def test_allocation_rows_without_their_consumer_row_are_a_corrupt_projecti
     assert (await store.audit()).clean
 
 
+async def test_a_rename_leaves_the_provider_generation_alone(store: AllocationStore) -> None:
+    """SPEC's generation rules are Placement's: a rename does not bump the provider generation
+    (only inventory changes and allocation writes naming it do). No test held this, and
+    rename_provider's docstring said the opposite (rev22 conformance audit)."""
+    rp = await make_provider(store, VCPU=4)
+    before = (await store.usage(rp)).generation
+    receipt = await store.rename_provider(rp, "renamed")
+    assert receipt.provider_generations == {rp: before}  # (the generation after the command)
+    assert (await store.usage(rp)).generation == before
+    # and the generation a caller holds still works for the next inventory change
+    assert await store.set_inventories(rp, {"VCPU": Inventory(total=8)}, before) == before + 1
+
+
 async def test_providers_are_listed_by_name_in_code_point_order(store: AllocationStore) -> None:
     """helper-36: PostgreSQL sorted by the database's collation (in an ICU 'en' database
     '_x', '10', '9', 'a', 'A', ...), SQLite by code point; both now by code point."""
