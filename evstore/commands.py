@@ -488,6 +488,10 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
         _check_consumer_generation(inst, inst.generation)
     if mig.deleted:
         _check_consumer_generation(mig, None)
+    if mig.on_behalf_of is not None and mig.on_behalf_of != inst.uuid:
+        # the migration of an instance deleted since: refused as a write to it is (a late revert
+        # of that instance's migration must not find it holding another instance's allocations)
+        _check_instance_alive(state, mig)
     if not inst.allocations:
         raise err.NotFound(
             f"Instance {inst.uuid} holds no allocations to move to migration {mig.uuid}", consumer=inst.uuid

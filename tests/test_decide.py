@@ -521,6 +521,25 @@ def test_start_migration_preconditions() -> None:
         when(state, StartMigration(C1, C1))
 
 
+def test_the_migration_of_a_deleted_instance_cannot_be_started_again_for_another() -> None:
+    """Regression (rev22 conformance probe): once its instance was deleted, a migration consumer
+    refused a plain write (ConsumerDeleted) but start_migration(other, it) took it, linking it to
+    the other instance: a late revert of the deleted instance's migration would then have moved
+    the other instance's allocations. Both refuse now, and nothing is written."""
+    state = migrated()
+    when(state, DeleteConsumer(C1))
+    when(state, one(write(C2, {RP2: {"VCPU": 1}})))
+    with pytest.raises(err.ConsumerDeleted, match="was deleted") as caught:
+        when(state, StartMigration(C2, MIG))
+    assert caught.value.details["migration"] == MIG and caught.value.details["consumer"] == C1
+    with pytest.raises(err.ConsumerDeleted):
+        when(state, one(write(MIG, {RP2: {"VCPU": 1}}, ctype="MIGRATION")))
+    assert state.consumers[C2].allocations == {RP2: {"VCPU": 1}}
+    # a migration consumer that was never linked, or whose instance lives, is unaffected
+    when(state, StartMigration(C2, C3))
+    assert state.consumers[C3].on_behalf_of == C2
+
+
 def test_start_migration_into_a_consumer_holding_allocations_says_so() -> None:
     """Regression (rev22, found by a black-box probe of start_migration's preconditions): the
     refusal was only Placement's "consumer generation conflict - expected 1 but got None", about a

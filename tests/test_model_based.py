@@ -238,6 +238,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert got == "InvalidInput"
         elif i.deleted or m.deleted:
             assert got == "ConsumerDeleted"
+        elif m.behalf is not None and m.behalf != inst and self.model.c(m.behalf).deleted:
+            assert got == "ConsumerDeleted"  # the migration of an instance deleted since
         elif not i.allocs:
             assert got == "NotFound"
         elif m.allocs:

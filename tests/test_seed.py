@@ -170,6 +170,15 @@ async def test_a_plain_write_to_the_migration_of_a_deleted_instance_is_rejected(
     assert set((await store.usage(src)).usages.values()) == {0}
     with pytest.raises(ConsumerDeleted):  # and there is nothing to confirm either
         await store.confirm_migration(migration)
+    # nor can it become another instance's migration (a late revert of the deleted instance's
+    # migration would then move that instance's allocations)
+    other = new_uuid()
+    await allocate(store, other, {src: FLAVOR})
+    head = await store.head()
+    with pytest.raises(ConsumerDeleted):
+        await store.start_migration(other, migration)
+    assert await store.head() == head
+    assert (await store.allocations(other)).allocations == {src: FLAVOR}
     report = await store.audit()
     assert report.clean, report.findings
 
