@@ -201,6 +201,16 @@ def test_a_url_evstore_refuses_is_named_without_its_password(url: str) -> None:
     assert "***" in info.value.message
 
 
+@pytest.mark.parametrize("query", ["port=5432/x", "port=abc", "host=/tmp&port=1,x"])
+async def test_a_malformed_port_in_the_urls_query_is_invalid_input(query: str) -> None:
+    """Regression (rev22): a port given in the query (libpq's ``?host=/socket/dir&port=N`` form,
+    for a Unix socket) that is not a number escaped open_store as asyncpg's bare ValueError."""
+    with pytest.raises(InvalidInput, match="Malformed PostgreSQL URL") as info:
+        async with open_store(f"postgresql://app:TopSecret1@/evstore?{query}", connect_timeout=2):
+            pass
+    assert "Secret1" not in str(info.value) and info.value.code == "evstore.invalid_input"
+
+
 async def test_a_lock_timeout_in_the_url_does_not_fail_a_committed_command(pg_url: str) -> None:
     """Regression (helper-29): the sequencer, which positions a command's events after its
     COMMIT, waited for its lock under the URL's lock_timeout: when another process's run held it

@@ -811,6 +811,17 @@ class PostgresBackend:
             raise err.StorageError(
                 f"Cannot connect to PostgreSQL at {self.safe_url}: {text}", url=self.safe_url
             ) from None
+        except ValueError as exc:
+            # asyncpg parsing the URL's query (``?port=5432/x``, ``?port=a``): the URL is wrong,
+            # not the server (its text names the value; the password is never in it, but is cut
+            # out should a parser ever quote the whole URL)
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            password = urlsplit(self.url).password
+            if password:
+                text = text.replace(password, "***")
+            raise err.InvalidInput(
+                f"Malformed PostgreSQL URL {self.safe_url}: {text}", url=self.safe_url
+            ) from None
         try:
             await self._migrate()
             await self._repair_projection()
