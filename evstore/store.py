@@ -110,13 +110,13 @@ _Method: TypeAlias = Callable[Concatenate[Any, _P], Coroutine[Any, Any, _R]]
 def _named(value: Any) -> list[str] | None:
     """Entities as a caller named them, for a log line about a command refused before it was
     queued (possibly malformed, so as text, cut short): the ones given as a mapping's keys too."""
-    values = list(value) if isinstance(value, Mapping) else [value]
-    if not values or value is None:
+    if value is None:
         return None
     try:
-        return [str(v)[:100] for v in values[:20]]
-    except Exception:  # (a caller's object whose str() fails: the log line must not)
-        return [type(v).__name__ for v in values[:20]]
+        values = list(value) if isinstance(value, Mapping) else [value]
+        return [str(v)[:100] for v in values[:20]] or None
+    except Exception:  # (a caller's object whose str() or iteration fails: the log line must not)
+        return [type(value).__name__]
 
 
 def _logs_rejections(
