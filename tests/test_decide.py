@@ -130,6 +130,17 @@ def test_provider_without_inventory_for_any_requested_class() -> None:
         when(state, one(write(C1, {RP1: {"DISK_GB": 10}})))
 
 
+def test_a_provider_with_none_of_the_classes_is_refused_before_any_row_is_checked() -> None:
+    # Placement's order: "no inventory of any class of the command" is checked for every provider
+    # named before the rows' constraints and capacity, so RP1's over-capacity row does not win.
+    state = given(
+        *provider(RP1, "rp1", VCPU=Inventory(total=1)), *provider(RP2, "rp2", DISK_GB=Inventory(total=8))
+    )
+    with pytest.raises(err.InvalidInventory) as info:
+        when(state, one(write(C1, {RP1: {"VCPU": 5}, RP2: {"VCPU": 1}})))
+    assert info.value.details["providers"] == [RP2]
+
+
 def test_missing_class_on_a_provider_that_has_some_other_requested_class() -> None:
     state = given(
         *provider(RP1, "rp1", VCPU=Inventory(total=8)), *provider(RP2, "rp2", DISK_GB=Inventory(total=8))
@@ -143,6 +154,7 @@ def test_unknown_custom_class_is_rejected_until_created() -> None:
     with pytest.raises(err.UnknownResourceClass):
         when(state, one(write(C1, {RP1: {"CUSTOM_GOLD": 1}})))
     assert when(state, CreateResourceClass("CUSTOM_GOLD")) == [ev.ResourceClassCreated(name="CUSTOM_GOLD")]
+    assert when(state, CreateResourceClass("CUSTOM_GOLD")) == []  # again: nothing new to record
     when(state, SetInventories(RP1, {"VCPU": Inventory(total=8), "CUSTOM_GOLD": Inventory(total=2)}, 1))
     when(state, one(write(C1, {RP1: {"CUSTOM_GOLD": 2}})))
     assert state.providers[RP1].usages == {"CUSTOM_GOLD": 2}
@@ -163,6 +175,21 @@ def test_min_max_step_per_row(amount: int) -> None:
     state = cloud(DISK_GB=Inventory(total=2048, min_unit=10, max_unit=1000, step_size=10))
     with pytest.raises(err.ConstraintViolation, match="violate inventory constraints"):
         when(state, one(write(C1, {RP1: {"DISK_GB": amount}})))
+
+
+@pytest.mark.parametrize(
+    ("inventory", "amount"),
+    [
+        (Inventory(total=100, min_unit=20, step_size=10), 10),  # a whole step, below min_unit
+        (Inventory(total=100, max_unit=20, step_size=10), 30),  # a whole step, above max_unit
+        (Inventory(total=100, min_unit=4, step_size=4), 6),  # between min and max, off the step
+    ],
+)
+def test_each_of_min_max_and_step_refuses_on_its_own(inventory: Inventory, amount: int) -> None:
+    state = cloud(DISK_GB=inventory)
+    with pytest.raises(err.ConstraintViolation, match="violate inventory constraints"):
+        when(state, one(write(C1, {RP1: {"DISK_GB": amount}})))
+    assert C1 not in state.consumers
 
 
 def test_constraints_are_checked_per_row_not_on_the_sum() -> None:
