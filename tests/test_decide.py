@@ -298,6 +298,26 @@ def test_a_plain_write_that_moves_every_allocation_is_recorded_as_a_migration() 
         assert all(isinstance(e, ev.AllocationsReplaced) for e in when(trial, one(*writes)))
 
 
+def test_a_move_out_of_a_migration_or_onto_a_holding_consumer_stays_a_plain_write() -> None:
+    # A migration's allocations given to another consumer: the target does not become a migration
+    # of the migration (SPEC: a source that is itself a migration stays a plain write).
+    state = migrated()
+    events = when(state, one(write(MIG, {}, generation=1), write(C2, {RP1: {"VCPU": 4}})))
+    assert [type(e) for e in events] == [ev.AllocationsReplaced, ev.AllocationsReplaced]
+    assert MIG not in state.consumers
+    assert state.consumers[C2].on_behalf_of is None
+    with pytest.raises(err.NotFound):
+        when(state, RevertMigration(C2))
+    # A target that already holds something is replaced, not started as a migration: its
+    # generation goes on from its own.
+    when(state, one(write(C3, {RP2: {"VCPU": 1}})))
+    events = when(state, one(write(C2, {}, generation=1), write(C3, {RP1: {"VCPU": 4}}, generation=1)))
+    assert [type(e) for e in events] == [ev.AllocationsReplaced, ev.AllocationsReplaced]
+    assert state.consumers[C3].generation == 2
+    assert state.consumers[C3].on_behalf_of is None
+    assert state.providers[RP2].usages == {}
+
+
 def test_over_capacity_tolerance_no_worse_is_accepted() -> None:
     # capacity 6, usage 12 (after a shrink): 12 -> 10 accepted, 10 -> 12 refused, 10 -> 10 accepted.
     state = cloud(VCPU=Inventory(total=16))
