@@ -537,6 +537,29 @@ def test_revert_to_a_tombstoned_instance_is_rejected() -> None:
     assert info.value.code == "evstore.consumer.deleted"
 
 
+def test_a_deleted_migration_consumer_cannot_be_reverted_or_confirmed() -> None:
+    state = migrated()
+    [e] = when(state, DeleteConsumer(MIG))
+    assert e.released == {RP1: {"VCPU": 4}}  # type: ignore[attr-defined]
+    for command in (RevertMigration(MIG), ConfirmMigration(MIG)):
+        with pytest.raises(err.ConsumerDeleted):
+            when(state, command)
+    assert state.providers[RP1].usages == {}
+
+
+def test_a_revert_to_a_deleted_instance_is_refused_even_if_its_migration_still_holds() -> None:
+    # A log written before delete released migrations (or imported): the instance is tombstoned
+    # while its migration still holds. A revert would give the allocations to the tombstone (a
+    # leak); a confirm releases them.
+    state = migrated()
+    evolve(state, ev.ConsumerDeleted(consumer=C1, released={}, migrations_released={}), state.position + 1)
+    with pytest.raises(err.ConsumerDeleted):
+        when(state, RevertMigration(MIG))
+    [e] = when(state, ConfirmMigration(MIG))
+    assert e == ev.MigrationConfirmed(migration=MIG, instance=C1, released={RP1: {"VCPU": 4}})
+    assert state.providers[RP1].usages == {}
+
+
 @pytest.mark.parametrize("generation", [None, 0, 1, 5])
 def test_no_write_can_resurrect_a_tombstoned_consumer(generation: int | None) -> None:
     state = cloud(VCPU=Inventory(total=8))
@@ -566,6 +589,16 @@ def test_start_migration_preconditions() -> None:
         when(state, StartMigration(C1, C2))  # the migration consumer must be absent
     with pytest.raises(err.InvalidInput):
         when(state, StartMigration(C1, C1))
+    # a migration is not migrated again
+    when(state, one(write(C2, {}, generation=1)))
+    when(state, StartMigration(C1, MIG))
+    with pytest.raises(err.InvalidInput, match="itself a migration"):
+        when(state, StartMigration(MIG, C2))
+    # a deleted instance: ConsumerDeleted (not "holds nothing")
+    when(state, one(write(C3, {RP1: {"VCPU": 1}})))
+    when(state, DeleteConsumer(C3))
+    with pytest.raises(err.ConsumerDeleted):
+        when(state, StartMigration(C3, C4))
 
 
 def test_the_migration_of_a_deleted_instance_cannot_be_started_again_for_another() -> None:
