@@ -516,6 +516,21 @@ def test_confirm_releases_the_source() -> None:
     assert state.consumers[C1].allocations == {RP2: {"VCPU": 4}}
     with pytest.raises(err.NotFound):
         when(state, RevertMigration(MIG))
+    # the migration consumer is done with: deleting the instance later does not reach it
+    assert MIG not in state.consumers
+    when(state, DeleteConsumer(C1))
+    when(state, one(write(MIG, {RP1: {"VCPU": 1}})))
+    assert state.consumers[MIG].generation == 1
+
+
+def test_emptying_a_migration_by_a_plain_write_ends_its_link_to_the_instance() -> None:
+    # (Nova's move_allocations back: the migration no longer holds anything for anyone)
+    state = migrated()
+    when(state, one(write(MIG, {}, generation=1)))
+    assert MIG not in state.consumers
+    when(state, DeleteConsumer(C1))
+    [e] = when(state, one(write(MIG, {RP1: {"VCPU": 1}})))
+    assert isinstance(e, ev.AllocationsReplaced) and state.consumers[MIG].on_behalf_of is None
 
 
 def test_delete_releases_the_instance_and_its_migrations_in_one_event() -> None:
