@@ -37,6 +37,7 @@ from projections.state import State, evolve
 
 RP1 = "00000000-0000-0000-0000-0000000000a1"
 RP2 = "00000000-0000-0000-0000-0000000000a2"
+RP3 = "00000000-0000-0000-0000-0000000000a3"
 C1 = "00000000-0000-0000-0000-0000000000c1"
 C2 = "00000000-0000-0000-0000-0000000000c2"
 C3 = "00000000-0000-0000-0000-0000000000c3"
@@ -424,6 +425,19 @@ def test_shrinking_below_usage_is_allowed_but_removing_a_used_class_is_not() -> 
     when(state, DeleteInventory(RP1, "DISK_GB"))
     assert set(state.providers[RP1].inventories) == {"VCPU"}
     assert state.providers[RP1].generation == gen + 2
+    # ... also by a replace that leaves it out
+    when(state, SetInventory(RP1, "DISK_GB", Inventory(total=100), gen + 2))
+    when(state, SetInventories(RP1, {"VCPU": Inventory(total=2)}, gen + 3))
+    assert set(state.providers[RP1].inventories) == {"VCPU"}
+
+
+def test_reserved_may_equal_total_leaving_no_capacity() -> None:
+    # Placement refuses reserved > total only: reserved == total is a provider taken out of use.
+    state = cloud(VCPU=Inventory(total=8))
+    [e] = when(state, SetInventories(RP1, {"VCPU": Inventory(total=4, reserved=4)}, 1))
+    assert e.inventories["VCPU"].capacity == 0  # type: ignore[attr-defined]
+    with pytest.raises(err.CapacityExceeded):
+        when(state, one(write(C1, {RP1: {"VCPU": 1}})))
 
 
 def test_set_single_inventory_and_delete_missing() -> None:
@@ -455,6 +469,9 @@ def test_provider_rules() -> None:
         when(state, CreateProvider(RP1, "rp1", parent=RP1))
     [created] = when(state, CreateProvider(RP2, "child", parent=RP1))
     assert created == ev.ProviderCreated(provider=RP2, name="child", parent=RP1, root=RP1)
+    [grandchild] = when(state, CreateProvider(RP3, "grandchild", parent=RP2))
+    assert grandchild == ev.ProviderCreated(provider=RP3, name="grandchild", parent=RP2, root=RP1)
+    when(state, DeleteProvider(RP3))
     with pytest.raises(err.CannotDeleteParent):
         when(state, DeleteProvider(RP1))
     with pytest.raises(err.DuplicateName):
