@@ -179,6 +179,36 @@ async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_
         assert not report.integrity and not report.drift
 
 
+async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_path: Path) -> None:
+    """An older writer's delete released the instance but not its migration's allocations."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8)
+        dst = await make_provider(source, "dst", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        started = (await source.start_migration(instance, migration)).position
+        await allocate(source, instance, {dst: {"VCPU": 2}})
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    delete = chained(
+        last,
+        "ConsumerDeleted",
+        {"consumer": instance, "released": {dst: {"VCPU": 2}}, "migrations_released": {}},
+    )
+    header = parse_header(lines[0])
+    lines[0] = ExportHeader(header.events + 1, header.head + 1, delete.hash).to_line()
+    lines.append(row_line(delete))
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        report = await store.audit()
+        [leak] = report.leaks
+        assert leak.details["consumer"] == migration
+        assert leak.details["allocations"] == {src: {"VCPU": 2}}
+        assert f"deleted instance {instance}" in leak.details["reason"]
+        assert leak.positions == (started, delete.position)
+        assert not report.integrity and not report.drift
+
+
 async def test_inventory_shrunk_below_usage_is_over_capacity_since_the_shrink(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=8)
     await allocate(store, new_uuid(), {rp: {"VCPU": 6}})
