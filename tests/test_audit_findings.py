@@ -78,6 +78,18 @@ async def test_tampered_projection_row_is_drift(sqlite_url: str) -> None:
         assert finding.positions == (allocated_at,)
 
 
+async def test_a_consumer_generation_that_drifts_is_named(sqlite_url: str) -> None:
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        backend = await _sqlite(store)
+        await backend.tamper("UPDATE p_consumers SET generation = 7 WHERE uuid = ?", (c,))
+        [finding] = (await store.audit()).drift
+        assert finding.details == {"consumer": c, "field": "generation"}
+        assert "projection has 7, replay gives 1" in finding.message
+
+
 async def test_corrupt_event_rows_are_integrity_findings_with_positions(sqlite_url: str) -> None:
     async with open_store(sqlite_url) as store:
         rp = await make_provider(store, VCPU=8)
