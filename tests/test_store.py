@@ -501,6 +501,13 @@ async def test_subscribe_catches_up_then_follows(store: AllocationStore) -> None
         ),
         lambda s, rp: s.write_allocations({}),
         lambda s, rp: s.write_allocations({new_uuid(): {"allocations": {}}}),
+        # (each was accepted by a mutant of evstore.schema no other case here caught)
+        lambda s, rp: _put(s, {rp: {"VCPU": True}}),  # a bool is not an amount
+        lambda s, rp: _put(s, {rp: {}}),  # a provider named with no class
+        lambda s, rp: s.create_resource_class("CUSTOM_" + "A" * 249),  # a name of 256 characters
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "reserved": -1}}, 1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "step_size": 0}}, 1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "allocation_ratio": True}}, 1),
         lambda s, rp: s.release(12),
         lambda s, rp: s.state_at(),
         lambda s, rp: s.read(after=-1),
@@ -605,6 +612,15 @@ async def test_input_that_slipped_through_is_refused_with_no_trace(store: Alloca
     assert await store.head() == head
     assert await store.usage(rp) == usage
     assert (await store.audit()).clean
+
+
+async def test_the_largest_amount_and_inventory_are_accepted(store: AllocationStore) -> None:
+    most = 2**31 - 1  # (Placement's limit: an amount or inventory field above it is refused)
+    rp = await make_provider(store, VCPU=Inventory(total=most, max_unit=most))
+    c = new_uuid()
+    await allocate(store, c, {rp: {"VCPU": most}})
+    assert (await store.usage(rp))["VCPU"] == most
+    assert (await store.allocations(c)).allocations == {rp: {"VCPU": most}}
 
 
 async def test_release_of_nothing_is_not_found(store: AllocationStore) -> None:
