@@ -205,8 +205,9 @@ def test_capacity_formula_is_a_float_not_truncated() -> None:
     # (3 - 0) * 1.5 = 4.5: 4 fits, 5 does not.
     state = cloud(VCPU=Inventory(total=3, allocation_ratio=1.5))
     when(state, one(write(C1, {RP1: {"VCPU": 4}})))
-    with pytest.raises(err.CapacityExceeded, match="exceed the capacity"):
+    with pytest.raises(err.CapacityExceeded, match="exceed the capacity") as info:
         when(state, one(write(C2, {RP1: {"VCPU": 1}})))
+    assert info.value.details["capacity"] == 4.5  # (reported as Placement computes it)
 
 
 def test_a_capacity_error_states_the_capacity_exactly() -> None:
