@@ -123,6 +123,9 @@ def test_unknown_provider_before_inventory_and_capacity() -> None:
     state = cloud(VCPU=Inventory(total=1))
     with pytest.raises(err.ProviderNotFound, match="that does not exist"):
         when(state, one(write(C1, {RP1: {"VCPU": 99}, RP2: {"VCPU": 1}})))
+    # ... and before unknown classes (Placement checks the providers first)
+    with pytest.raises(err.ProviderNotFound, match="that does not exist"):
+        when(state, one(write(C1, {RP1: {"CUSTOM_NOPE": 1}, RP2: {"VCPU": 1}})))
 
 
 def test_provider_without_inventory_for_any_requested_class() -> None:
@@ -470,7 +473,10 @@ def test_provider_rules() -> None:
         when(state, CreateProvider(RP1, "rp1", parent=RP1))
     [created] = when(state, CreateProvider(RP2, "child", parent=RP1))
     assert created == ev.ProviderCreated(provider=RP2, name="child", parent=RP1, root=RP1)
+    with pytest.raises(err.DuplicateName):  # a child's name is unique too
+        when(state, CreateProvider(RP3, "rp1", parent=RP1))
     [grandchild] = when(state, CreateProvider(RP3, "grandchild", parent=RP2))
+    assert when(state, RenameProvider(RP3, "grandchild")) == []  # its own name: nothing changes
     assert grandchild == ev.ProviderCreated(provider=RP3, name="grandchild", parent=RP2, root=RP1)
     when(state, DeleteProvider(RP3))
     with pytest.raises(err.CannotDeleteParent):
@@ -622,6 +628,8 @@ def test_start_migration_preconditions() -> None:
         when(state, StartMigration(C1, C2))  # the migration consumer must be absent
     with pytest.raises(err.InvalidInput):
         when(state, StartMigration(C1, C1))
+    with pytest.raises(err.NotFound):  # an instance holding nothing, before a target holding
+        when(state, StartMigration(C3, C2))
     # a migration is not migrated again
     when(state, one(write(C2, {}, generation=1)))
     when(state, StartMigration(C1, MIG))
