@@ -90,6 +90,29 @@ async def test_a_consumer_generation_that_drifts_is_named(sqlite_url: str) -> No
         assert "projection has 7, replay gives 1" in finding.message
 
 
+async def test_an_audit_catches_up_with_a_write_made_while_it_replayed(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers go on during an audit: the projection it reads may be ahead of its replay, which
+    must catch up to the same position rather than call the new event drift."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        backend = await _sqlite(store)
+        load_state = backend.load_state
+        late = new_uuid()
+
+        async def load_after_a_write() -> Any:
+            if late not in (await store.replay()).consumers:
+                await allocate(store, late, {rp: {"VCPU": 2}})  # after the replay's first pass
+            return await load_state()
+
+        monkeypatch.setattr(backend, "load_state", load_after_a_write)
+        report = await store.audit()
+        assert report.clean, report.findings
+        assert report.head == await store.head() == 4
+
+
 async def test_corrupt_event_rows_are_integrity_findings_with_positions(sqlite_url: str) -> None:
     async with open_store(sqlite_url) as store:
         rp = await make_provider(store, VCPU=8)
