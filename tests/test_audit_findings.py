@@ -300,6 +300,31 @@ async def test_over_capacity_since_is_the_start_of_the_current_overrun(store: Al
     assert [(f.details["provider"], f.details["since"]) for f in report.over_capacity] == [(again, second)]
 
 
+async def test_usage_of_a_class_the_provider_no_longer_stocks_is_over_capacity(tmp_path: Path) -> None:
+    """An imported log (no command can do it) removes a class still in use: capacity 0."""
+    rp, c = new_uuid(), new_uuid()
+    events = [
+        ProviderCreated(provider=rp, name="node", root=rp),
+        InventoriesReplaced(provider=rp, inventories={"VCPU": Inventory(total=8)}, generation=1),
+        AllocationsReplaced(
+            consumer=c, allocations={rp: {"VCPU": 2}}, project_id="p", user_id="u",
+            consumer_type="INSTANCE", generation=1, provider_generations={rp: 2},
+        ),
+        InventoriesReplaced(provider=rp, inventories={}, generation=3),
+    ]  # fmt: skip
+    lines = _export(events)
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        [over] = (await store.audit()).over_capacity
+        assert over.details == {
+            "provider": rp,
+            "resource_class": "VCPU",
+            "used": 2,
+            "capacity": 0.0,
+            "since": 4,
+        }
+
+
 async def test_over_capacity_findings_equal_watching_every_event(tmp_path: Path) -> None:
     """The audit watches capacity only in a second pass over the providers over capacity at the
     end; its findings must equal those of one exact pass watching every provider at every event
