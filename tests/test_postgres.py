@@ -201,12 +201,16 @@ def test_a_url_evstore_refuses_is_named_without_its_password(url: str) -> None:
     assert "***" in info.value.message
 
 
+@pytest.mark.parametrize("min_pool_size", [1, 0])
 @pytest.mark.parametrize("query", ["port=5432/x", "port=abc", "host=/tmp&port=1,x"])
-async def test_a_malformed_port_in_the_urls_query_is_invalid_input(query: str) -> None:
+async def test_a_malformed_port_in_the_urls_query_is_invalid_input(query: str, min_pool_size: int) -> None:
     """Regression (rev22): a port given in the query (libpq's ``?host=/socket/dir&port=N`` form,
-    for a Unix socket) that is not a number escaped open_store as asyncpg's bare ValueError."""
+    for a Unix socket) that is not a number escaped open_store as asyncpg's bare ValueError.
+    With ``min_pool_size=0`` the pool connects (and asyncpg parses the URL) only at the first
+    acquire, after create_pool: that path let the bare ValueError through (review of rev22)."""
+    url = f"postgresql://app:TopSecret1@/evstore?{query}"
     with pytest.raises(InvalidInput, match="Malformed PostgreSQL URL") as info:
-        async with open_store(f"postgresql://app:TopSecret1@/evstore?{query}", connect_timeout=2):
+        async with open_store(url, connect_timeout=2, min_pool_size=min_pool_size):
             pass
     assert "Secret1" not in str(info.value) and info.value.code == "evstore.invalid_input"
 

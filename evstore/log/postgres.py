@@ -812,22 +812,24 @@ class PostgresBackend:
                 f"Cannot connect to PostgreSQL at {self.safe_url}: {text}", url=self.safe_url
             ) from None
         except ValueError as exc:
-            # asyncpg parsing the URL's query (``?port=5432/x``, ``?port=a``): the URL is wrong,
-            # not the server (its text names the value; the password is never in it, but is cut
-            # out should a parser ever quote the whole URL)
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            password = urlsplit(self.url).password
-            if password:
-                text = text.replace(password, "***")
-            raise err.InvalidInput(
-                f"Malformed PostgreSQL URL {self.safe_url}: {text}", url=self.safe_url
-            ) from None
+            raise self._malformed(exc) from None
         try:
             await self._migrate()
             await self._repair_projection()
         except BaseException:
             await self.close()
             raise
+
+    def _malformed(self, exc: ValueError) -> err.InvalidInput:
+        """asyncpg's ValueError parsing the URL's query (``?port=5432/x``, ``?port=a``) as it
+        connects: the URL is wrong, not the server. Raised by the pool's first connection, made in
+        ``open`` - or, with ``min_pool_size=0``, by the first acquire. (Its text names the value;
+        the password is never in it, but is cut out should a parser ever quote the whole URL.)"""
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        password = urlsplit(self.url).password
+        if password:
+            text = text.replace(password, "***")
+        return err.InvalidInput(f"Malformed PostgreSQL URL {self.safe_url}: {text}", url=self.safe_url)
 
     async def _repair_projection(self) -> None:
         """Re-create projection tables, indexes or the view lost from the schema (dropped by hand):
@@ -887,6 +889,8 @@ class PostgresBackend:
         except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
             # (nothing was sent on it: no claim about a transaction, which the caller knows better)
             raise _storage_error(exc, f"connecting to {self.safe_url}", None) from None
+        except ValueError as exc:  # (min_pool_size=0: the URL is first parsed here; see _malformed)
+            raise self._malformed(exc) from None
         try:
             yield conn
         finally:
