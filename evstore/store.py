@@ -119,6 +119,15 @@ def _named(value: Any) -> list[str] | None:
         return [type(value).__name__]
 
 
+def _request_id(meta: Any) -> Any:
+    """The request id of a refused command's metadata, for its log line (the metadata may be what
+    was refused: a caller's object whose attribute or ``get`` raises must not replace the error)."""
+    try:
+        return meta.get("request_id") if isinstance(meta, Mapping) else getattr(meta, "request_id", None)
+    except Exception:
+        return None
+
+
 def _logs_rejections(
     command: str, **entities: tuple[str, ...]
 ) -> Callable[[_Method[_P, _R]], _Method[_P, _R]]:
@@ -144,10 +153,7 @@ def _logs_rejections(
                         found = _named(args[index] if len(args) > index else kwargs.get(name))
                         if found:
                             named.setdefault(kind, []).extend(found)
-                meta: Any = kwargs.get("metadata")
-                request_id = (
-                    meta.get("request_id") if isinstance(meta, Mapping) else getattr(meta, "request_id", None)
-                )
+                request_id = _request_id(kwargs.get("metadata"))
                 if request_id is None:
                     request_id = (_command_metadata.get() or {}).get("request_id")
                 _command_log.get().info(

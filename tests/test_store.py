@@ -383,6 +383,37 @@ async def test_rejections_before_the_queue_are_logged_too(store: AllocationStore
     ]
 
 
+async def test_a_rejection_log_line_cannot_replace_the_rejection(store: AllocationStore) -> None:
+    """Review of rev22: the rejection log's entity names were guarded against a caller's odd
+    arguments, but the request id it reads from ``metadata`` was not - a metadata object whose
+    ``request_id`` (or a mapping whose ``get``) raises turned the command's InvalidInput into that
+    exception, raised from the logging."""
+    from collections.abc import Iterator, Mapping
+
+    class OddMapping(Mapping[str, Any]):
+        def __getitem__(self, key: str) -> Any:
+            return {"actor": "a"}[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(["actor"])
+
+        def __len__(self) -> int:
+            return 1
+
+        def get(self, key: str, default: Any = None) -> Any:
+            raise RuntimeError("odd mapping")
+
+    class OddObject:
+        @property
+        def request_id(self) -> str:
+            raise ValueError("odd object")
+
+    with pytest.raises(InvalidInput, match="consumer uuid"):
+        await store.release("not-a-uuid", metadata=OddMapping())
+    with pytest.raises(InvalidInput, match="metadata must be"):
+        await store.release(new_uuid(), metadata=OddObject())  # type: ignore[arg-type]
+
+
 async def _log_two_outcomes(store: AllocationStore, rp: str) -> None:
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
     with pytest.raises(evstore.CapacityExceeded):
