@@ -488,9 +488,11 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
         _check_consumer_generation(inst, inst.generation)
     if mig.deleted:
         _check_consumer_generation(mig, None)
-    if mig.on_behalf_of is not None and mig.on_behalf_of != inst.uuid:
+    if mig.on_behalf_of is not None and mig.on_behalf_of != inst.uuid and not mig.allocations:
         # the migration of an instance deleted since: refused as a write to it is (a late revert
-        # of that instance's migration must not find it holding another instance's allocations)
+        # of that instance's migration must not find it holding another instance's allocations);
+        # one still holding some (only in an imported leaking log) is a generation conflict first,
+        # as Placement's check order has it
         _check_instance_alive(state, mig)
     if not inst.allocations:
         raise err.NotFound(

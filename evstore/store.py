@@ -17,6 +17,7 @@ import contextvars
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import uuid as _uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
@@ -113,8 +114,8 @@ def _named(value: Any) -> list[str] | None:
     if value is None:
         return None
     try:
-        values = list(value) if isinstance(value, Mapping) else [value]
-        return [str(v)[:100] for v in values[:20]] or None
+        values = itertools.islice(value, 20) if isinstance(value, Mapping) else [value]
+        return [str(v)[:100] for v in values] or None
     except Exception:  # (a caller's object whose str() or iteration fails: the log line must not)
         return [type(value).__name__]
 

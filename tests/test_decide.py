@@ -661,6 +661,18 @@ def test_the_migration_of_a_deleted_instance_cannot_be_started_again_for_another
     assert state.consumers[C3].on_behalf_of == C2
 
 
+def test_a_migration_still_holding_for_a_deleted_instance_is_a_generation_conflict_first() -> None:
+    """Only an imported, leaking log has it (the audit reports the leak): a migration consumer still
+    holding allocations for a deleted instance. Used for another instance, the refusal is the
+    generation conflict Placement's check order gives a target that holds allocations (helper-44),
+    not ConsumerDeleted."""
+    state = migrated()
+    state.consumers[C1].deleted = True  # (deleted without releasing its migration: a buggy writer)
+    when(state, one(write(C2, {RP2: {"VCPU": 1}})))
+    with pytest.raises(err.ConcurrentUpdate, match="already holds allocations"):
+        when(state, StartMigration(C2, MIG))
+
+
 def test_start_migration_into_a_consumer_holding_allocations_says_so() -> None:
     """Regression (rev22, found by a black-box probe of start_migration's preconditions): the
     refusal was only Placement's "consumer generation conflict - expected 1 but got None", about a
