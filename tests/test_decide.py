@@ -33,7 +33,7 @@ from evstore.commands import (
     decide,
 )
 from evstore.schema import Inventory, normalize_uuid
-from projections.state import State, evolve
+from projections.state import ConsumerState, State, evolve
 
 RP1 = "00000000-0000-0000-0000-0000000000a1"
 RP2 = "00000000-0000-0000-0000-0000000000a2"
@@ -667,7 +667,8 @@ def test_a_migration_still_holding_for_a_deleted_instance_is_a_generation_confli
     generation conflict Placement's check order gives a target that holds allocations (helper-44),
     not ConsumerDeleted."""
     state = migrated()
-    state.consumers[C1].deleted = True  # (deleted without releasing its migration: a buggy writer)
+    # deleted without releasing its migration (a buggy writer's log)
+    state.consumers[C1] = ConsumerState(C1, deleted=True, deleted_at=state.position)
     when(state, one(write(C2, {RP2: {"VCPU": 1}})))
     with pytest.raises(err.ConcurrentUpdate, match="already holds allocations"):
         when(state, StartMigration(C2, MIG))
