@@ -659,6 +659,7 @@ def state(
         st = view.state
         names = {p.uuid: p.name for p in st.providers.values()}
         header = {"position": position, "head": head, "recorded_at": when}
+        shown_when = when or "before the first event"  # (position 0 has no time)
         out = console()
         if provider is not None:
             puuid = normalize_uuid(provider, "provider uuid")
@@ -669,7 +670,8 @@ def state(
                 emit_json({**header, "provider": usage_json(_only(st, puuid))[0], "allocations": holders})
                 return EXIT_OK
             out.print(
-                f"Provider {safe(prov.name)} at position {position} ({when}), generation {usage.generation}"
+                f"Provider {safe(prov.name)} at position {position} ({shown_when}), "
+                f"generation {usage.generation}"
             )
             out.print(usage_table(_only(st, puuid), "usage"))
             table = Table(title="allocations on it")
@@ -701,7 +703,7 @@ def state(
                 if cview.allocations
                 else "absent"
             )
-            out.print(f"Consumer {cuuid} at position {position} ({when}): {status}")
+            out.print(f"Consumer {cuuid} at position {position} ({shown_when}): {status}")
             table = Table(show_header=False)
             table.add_column("field")
             table.add_column("value")
@@ -727,9 +729,7 @@ def state(
         if json_out:
             emit_json({**header, **summary, "providers": usage_json(st)})
             return EXIT_OK
-        out.print(
-            usage_table(st, f"State at position {position} of {head} ({when or 'before the first event'})")
-        )
+        out.print(usage_table(st, f"State at position {position} of {head} ({shown_when})"))
         out.print(
             f"{summary['consumers_holding_allocations']} consumers hold allocations, "
             f"{summary['migrations_in_flight']} of them migrations in flight; "

@@ -174,3 +174,20 @@ def test_rebuild_snapshot_and_stats(tmp_path: Path) -> None:
         and "MigrationStarted" in human.stdout
         and "snapshots at positions: 25" in human.stdout
     )
+
+
+def test_state_of_a_consumer_before_the_first_event_says_so(tmp_path: Path) -> None:
+    # position 0 has no time: the header said "(None)", a Python value, where the whole state
+    # says "before the first event"
+    db = tmp_path / "c.db"
+    provider, consumer = "5b1e4c1e-0c5f-4c55-8a38-3f0d2b0d4e11", "9d2f1a3b-7a4e-4f0e-9a55-0c3e2b1d6f22"
+
+    async def seed() -> None:
+        async with open_store(f"sqlite:///{db}") as store:
+            await store.create_provider(provider, "compute-1")
+
+    asyncio.run(seed())
+    at_zero = evstore("state", "--at", "0", "--consumer", consumer, "--db", str(db))
+    assert at_zero.returncode == 0, at_zero.stderr
+    first = at_zero.stdout.splitlines()[0]
+    assert "None" not in first and "(before the first event)" in first, first
