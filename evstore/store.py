@@ -859,7 +859,7 @@ class AllocationStore:
 
     async def usage(self, provider: str | _uuid.UUID) -> ProviderUsage:
         """A provider's usage per class (a read-only mapping, 0 for stocked classes nobody holds),
-        with ``.generation``, ``.name`` and ``.inventories``. Raises ``ProviderNotFound``."""
+        with ``.provider`` (its uuid) and ``.generation``. Raises ``ProviderNotFound``."""
         uuid = normalize_uuid(provider, "provider uuid")
         prov = await self._backend.query("provider", uuid)
         if prov is None:
