@@ -1244,8 +1244,38 @@ def make_backend(url: str, **options: Any) -> Backend:
     raise err.InvalidInput(f"Unsupported store URL {shown!r}: use sqlite:///path.db or postgresql://...")
 
 
-@contextlib.asynccontextmanager
-async def open_store(url: str, **options: Any) -> AsyncIterator[AllocationStore]:
+_NOT_AWAITABLE = (
+    "open_store(url) is an async context manager, not a coroutine: use "
+    "`async with open_store(url) as store:` (the store is closed when the block ends)"
+)
+
+
+class _StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
+    """What ``open_store`` answers: ``async with`` it. Awaiting it, or a plain ``with``, is a
+    typed error that says so (Python's own TypeError names a private contextlib class)."""
+
+    __slots__ = ("_cm",)
+
+    def __init__(self, cm: contextlib.AbstractAsyncContextManager[AllocationStore]) -> None:
+        self._cm = cm
+
+    async def __aenter__(self) -> AllocationStore:
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._cm.__aexit__(*exc)
+
+    def __await__(self) -> Iterator[Any]:
+        raise err.InvalidInput(_NOT_AWAITABLE)
+
+    def __enter__(self) -> AllocationStore:
+        raise err.InvalidInput(_NOT_AWAITABLE)
+
+    def __exit__(self, *exc: object) -> None:  # (never entered: __enter__ raises)
+        return None
+
+
+def open_store(url: str, **options: Any) -> contextlib.AbstractAsyncContextManager[AllocationStore]:
     """Open a store: ``async with open_store("sqlite:///evstore.db") as store: ...``.
 
     ``url``: ``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (in memory) or
@@ -1259,6 +1289,11 @@ async def open_store(url: str, **options: Any) -> AsyncIterator[AllocationStore]
     ``create`` (see the README). Unknown options are refused.
     The store belongs to the running event loop.
     """
+    return _StoreOpener(_open_store(url, **options))
+
+
+@contextlib.asynccontextmanager
+async def _open_store(url: str, **options: Any) -> AsyncIterator[AllocationStore]:
     snapshot_every = options.pop("snapshot_every", None)
     store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}
     store = AllocationStore(make_backend(url, **options), **store_options)

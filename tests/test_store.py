@@ -85,6 +85,19 @@ async def test_store_options_are_checked_before_anything_runs(
             pass
 
 
+async def test_open_store_awaited_or_used_without_async_is_a_typed_error(tmp_path: Path) -> None:
+    # `store = await open_store(url)` (a newcomer's first guess) raised a bare TypeError naming
+    # contextlib's private class; `with open_store(url)` another one
+    url = f"sqlite:///{tmp_path}/o.db"
+    with pytest.raises(InvalidInput, match="async with open_store"):
+        await open_store(url)  # type: ignore[misc]
+    with pytest.raises(InvalidInput, match="async with open_store"), open_store(url):  # type: ignore[attr-defined]
+        pass
+    assert not (tmp_path / "o.db").exists()  # nothing was opened
+    async with open_store(url) as store:  # the right way still works
+        assert await store.head() == 0
+
+
 async def test_relative_and_absolute_urls_wal_and_durability(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
