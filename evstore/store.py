@@ -20,7 +20,15 @@ import inspect
 import itertools
 import json
 import uuid as _uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any, Concatenate, ParamSpec, TypeAlias, TypeVar
@@ -1244,39 +1252,57 @@ def make_backend(url: str, **options: Any) -> Backend:
     raise err.InvalidInput(f"Unsupported store URL {shown!r}: use sqlite:///path.db or postgresql://...")
 
 
-_NOT_AWAITABLE = (
-    "open_store(url) is an async context manager, not a coroutine: use "
-    "`async with open_store(url) as store:` (the store is closed when the block ends)"
+_NOT_SYNC = (
+    "open_store(url) is an async context manager: use `async with open_store(url) as store:` (the "
+    "store is closed when the block ends), or `store = await open_store(url)` and `await store.close()`"
 )
 
 
 class _StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
-    """What ``open_store`` answers: ``async with`` it. Awaiting it, or a plain ``with``, is a
-    typed error that says so (Python's own TypeError names a private contextlib class)."""
+    """What ``open_store`` answers: ``async with`` it (the store is closed at the block's end), or
+    await it for an open store the caller closes (as ``aiosqlite.connect`` and asyncpg's pools
+    allow). A plain ``with`` is a typed error that says so."""
 
-    __slots__ = ("_cm",)
+    __slots__ = ("_options", "_store", "_url")
 
-    def __init__(self, cm: contextlib.AbstractAsyncContextManager[AllocationStore]) -> None:
-        self._cm = cm
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self._url = url
+        self._options = options
+        self._store: AllocationStore | None = None
+
+    async def _open(self) -> AllocationStore:
+        options = dict(self._options)
+        snapshot_every = options.pop("snapshot_every", None)
+        store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}
+        store = AllocationStore(make_backend(self._url, **options), **store_options)
+        if snapshot_every is not None:
+            if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+                raise err.InvalidInput("snapshot_every must be a positive number of events")
+            store.snapshot_every = snapshot_every
+        return await store.open()
 
     async def __aenter__(self) -> AllocationStore:
-        return await self._cm.__aenter__()
+        self._store = await self._open()
+        return self._store
 
-    async def __aexit__(self, *exc: Any) -> bool | None:
-        return await self._cm.__aexit__(*exc)
+    async def __aexit__(self, *exc: object) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            await store.close()
 
-    def __await__(self) -> Iterator[Any]:
-        raise err.InvalidInput(_NOT_AWAITABLE)
+    def __await__(self) -> Generator[Any, None, AllocationStore]:
+        return self._open().__await__()
 
     def __enter__(self) -> AllocationStore:
-        raise err.InvalidInput(_NOT_AWAITABLE)
+        raise err.InvalidInput(_NOT_SYNC)
 
     def __exit__(self, *exc: object) -> None:  # (never entered: __enter__ raises)
         return None
 
 
-def open_store(url: str, **options: Any) -> contextlib.AbstractAsyncContextManager[AllocationStore]:
-    """Open a store: ``async with open_store("sqlite:///evstore.db") as store: ...``.
+def open_store(url: str, **options: Any) -> _StoreOpener:
+    """Open a store: ``async with open_store("sqlite:///evstore.db") as store: ...`` (closed at the
+    block's end), or ``store = await open_store(url)`` (the caller then awaits ``store.close()``).
 
     ``url``: ``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (in memory) or
     ``postgresql://user@host/db``. Options of every store (keywords only): ``max_batch`` (commands
@@ -1289,20 +1315,4 @@ def open_store(url: str, **options: Any) -> contextlib.AbstractAsyncContextManag
     ``create`` (see the README). Unknown options are refused.
     The store belongs to the running event loop.
     """
-    return _StoreOpener(_open_store(url, **options))
-
-
-@contextlib.asynccontextmanager
-async def _open_store(url: str, **options: Any) -> AsyncIterator[AllocationStore]:
-    snapshot_every = options.pop("snapshot_every", None)
-    store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}
-    store = AllocationStore(make_backend(url, **options), **store_options)
-    if snapshot_every is not None:
-        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
-            raise err.InvalidInput("snapshot_every must be a positive number of events")
-        store.snapshot_every = snapshot_every
-    await store.open()
-    try:
-        yield store
-    finally:
-        await store.close()
+    return _StoreOpener(url, options)

@@ -85,17 +85,30 @@ async def test_store_options_are_checked_before_anything_runs(
             pass
 
 
-async def test_open_store_awaited_or_used_without_async_is_a_typed_error(tmp_path: Path) -> None:
-    # `store = await open_store(url)` (a newcomer's first guess) raised a bare TypeError naming
-    # contextlib's private class; `with open_store(url)` another one
+async def test_open_store_is_awaitable_and_a_plain_with_is_a_typed_error(tmp_path: Path) -> None:
+    # `store = await open_store(url)` (a newcomer's first guess, as aiosqlite.connect allows) raised
+    # a bare TypeError naming contextlib's private class; `with open_store(url)` another one.
+    # Awaiting it now opens the store (the caller closes it); a plain `with` says what to do.
     url = f"sqlite:///{tmp_path}/o.db"
-    with pytest.raises(InvalidInput, match="async with open_store"):
-        await open_store(url)  # type: ignore[misc]
-    with pytest.raises(InvalidInput, match="async with open_store"), open_store(url):  # type: ignore[attr-defined]
+    with pytest.raises(InvalidInput, match="async with open_store"), open_store(url):
         pass
     assert not (tmp_path / "o.db").exists()  # nothing was opened
-    async with open_store(url) as store:  # the right way still works
-        assert await store.head() == 0
+    store = await open_store(url, max_batch=8, snapshot_every=5)
+    try:
+        assert await store.head() == 0 and store.snapshot_every == 5
+        await make_provider(store, VCPU=1)
+    finally:
+        await store.close()
+    with pytest.raises(evstore.StoreClosed):
+        await store.head()
+    with pytest.raises(InvalidInput, match="snapshot_every"):
+        await open_store(url, snapshot_every=0)
+    async with open_store(url) as store:  # the context manager works as before
+        assert await store.head() == 2
+    opener = open_store(url)  # and one opener serves one block after another
+    for _ in range(2):
+        async with opener as store:
+            assert await store.head() == 2
 
 
 async def test_relative_and_absolute_urls_wal_and_durability(
