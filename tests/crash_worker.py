@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import sys
 import uuid
 
+import structlog
+
 from evstore import ConsumerAllocations, EvstoreError, open_store
 
 
 async def main(url: str, ack_path: str, seed: int) -> None:
+    # (evstore logs each command at info; unconfigured, structlog prints that to stdout, which
+    # the parent reads only for "ready")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     rng = random.Random(seed)
     fd = os.open(ack_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     async with open_store(url) as store:

@@ -72,7 +72,10 @@ async def _kill_writers(url: str, tmp_path: Path, kills: int, window: float = 0.
         assert line.strip() == b"ready"
         await asyncio.sleep(rng.uniform(0.0, window))
         proc.send_signal(signal.SIGKILL)
-        await proc.wait()
+        # Read its stdout to the end: asyncio's wait() returns only once the pipe is closed, and a
+        # reader whose buffer filled (64 KiB unread) stops reading, so never sees it close - the
+        # slow PostgreSQL run hung here once a child had logged that much before its kill.
+        await asyncio.wait_for(proc.communicate(), 60)
         killed_mid_run += proc.returncode == -signal.SIGKILL
 
         lines = [x for x in ack.read_text().splitlines() if x.endswith("}")]
