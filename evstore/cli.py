@@ -770,7 +770,8 @@ def diff(
         out = console()
         n = sum(result.events_by_type.values())
         kinds = ", ".join(f"{t} {c}" for t, c in sorted(result.events_by_type.items())) or "none"
-        out.print(f"From position {result.from_position} to {result.to_position}: {n} events ({kinds})")
+        events = f"{n} event" if n == 1 else f"{n} events"
+        out.print(f"From position {result.from_position} to {result.to_position}: {events} ({kinds})")
         for label, uuids in (
             ("providers created", result.providers_created),
             ("providers deleted", result.providers_deleted),

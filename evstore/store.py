@@ -189,6 +189,9 @@ def command_metadata(**metadata: Any) -> Iterator[None]:
     values given for them here or in ``metadata=`` are replaced."""
     current = dict(_command_metadata.get() or {})
     current.update({k: v for k, v in metadata.items() if v is not None})
+    # refused here, where it was given, rather than by each command in it (evstore's own keys are
+    # replaced by each command, so whatever was given for them does not matter)
+    _metadata_json({k: v for k, v in current.items() if k not in _OWN_METADATA_KEYS}, True)
     token = _command_metadata.set(current)
     try:
         yield
@@ -209,6 +212,9 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
         merged.update({k: v for k, v in metadata.items() if v is not None})
     return merged
 
+
+#: metadata keys evstore writes itself for each command (a caller's values are replaced)
+_OWN_METADATA_KEYS = frozenset({"command", "command_id", "idempotency_key"})
 
 # (json.dumps makes a new encoder for every call with options; metadata is encoded per command)
 # (allow_nan=False: NaN and Infinity are not JSON; the log must stay readable by any JSON parser)

@@ -995,6 +995,21 @@ async def test_evstores_own_metadata_keys_replace_a_callers(store: AllocationSto
     assert renamed.metadata.model_dump()["idempotency_key"] == "k-1"
 
 
+async def test_command_metadata_is_checked_where_it_is_given(store: AllocationStore) -> None:
+    """helper-45: command_metadata(request_id=5) was accepted, and every command inside it then
+    failed with InvalidInput that did not name command_metadata; refused at once now."""
+    with pytest.raises(InvalidInput, match="request_id"), command_metadata(request_id=5):
+        pass
+    with pytest.raises(InvalidInput), command_metadata(actor="a", x=float("nan")):
+        pass
+    with command_metadata(request_id="req-1"):
+        with pytest.raises(InvalidInput), command_metadata(correlation_id=["not", "text"]):
+            pass
+        await store.create_provider(new_uuid(), "node")  # the outer context still applies, unharmed
+    [event] = await store.read(0, 1)
+    assert event.metadata.request_id == "req-1" and event.metadata.correlation_id is None
+
+
 async def test_query_results_compare_and_serialise_as_mappings(store: AllocationStore) -> None:
     """Regression: the views are mappings but their dataclass equality hid it (usage == {...} was
     False even with the same items), hash() failed on their dicts, and they had no to_dict."""
