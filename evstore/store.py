@@ -1288,6 +1288,11 @@ class _StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         return await store.open()
 
     async def __aenter__(self) -> AllocationStore:
+        if self._store is not None:  # (a second store would be lost: only one __aexit__ to close it)
+            raise err.InvalidInput(
+                "this open_store(...) is in use by an `async with` that has not ended: call open_store "
+                "again for another store"
+            )
         self._store = await self._open()
         return self._store
 

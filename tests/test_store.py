@@ -109,6 +109,11 @@ async def test_open_store_is_awaitable_and_a_plain_with_is_a_typed_error(tmp_pat
     for _ in range(2):
         async with opener as store:
             assert await store.head() == 2
+            with pytest.raises(InvalidInput, match="in use"):  # not two at once: one would stay open
+                async with opener:
+                    pass
+        with pytest.raises(evstore.StoreClosed):
+            await store.head()
 
 
 async def test_relative_and_absolute_urls_wal_and_durability(
