@@ -51,6 +51,14 @@ async def _append(backend: SqliteBackend, *rows: RawEvent) -> None:
         await backend.tamper("INSERT INTO events VALUES (?,?,?,?,?,?,?,?)", tuple(row))
 
 
+def append_row(lines: list[str], row: RawEvent) -> None:
+    """Add ``row`` (chained to the last one) to an export's lines, with the header's counts and final
+    hash updated, as an older writer's log would have it."""
+    header = parse_header(lines[0])
+    lines[0] = ExportHeader(header.events + 1, header.head + 1, row.hash).to_line()
+    lines.append(row_line(row))
+
+
 async def _tail(store: AllocationStore) -> RawEvent:
     head = await store.head()
     [row] = await store.backend.read_raw(head - 1, 1)
@@ -157,9 +165,7 @@ async def test_an_export_whose_metadata_readers_cannot_decode_is_refused(tmp_pat
         lines = [line async for line in source.export()]
         last = await _tail(source)
     bad = chained(last, "ProviderUpdated", {"provider": rp, "name": "x"}, meta='{"actor":["not","text"]}')
-    header = parse_header(lines[0])
-    lines[0] = ExportHeader(header.events + 1, header.head + 1, bad.hash).to_line()
-    lines.append(row_line(bad))
+    append_row(lines, bad)
     async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
         with pytest.raises(CorruptEvent, match="actor"):
             await store.import_events(lambda: iter(lines))
@@ -201,9 +207,7 @@ async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_
          "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
          "instance_generation": 2, "provider_generations": {}},
     )  # fmt: skip
-    header = parse_header(lines[0])
-    lines[0] = ExportHeader(header.events + 1, header.head + 1, revert.hash).to_line()
-    lines.append(row_line(revert))
+    append_row(lines, revert)
     async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
         await store.import_events(lambda: iter(lines))
         report = await store.audit()
@@ -230,9 +234,7 @@ async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_pat
         "ConsumerDeleted",
         {"consumer": instance, "released": {dst: {"VCPU": 2}}, "migrations_released": {}},
     )
-    header = parse_header(lines[0])
-    lines[0] = ExportHeader(header.events + 1, header.head + 1, delete.hash).to_line()
-    lines.append(row_line(delete))
+    append_row(lines, delete)
     async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
         await store.import_events(lambda: iter(lines))
         report = await store.audit()
@@ -672,9 +674,7 @@ async def test_imports_holding_values_no_command_writes_are_refused(tmp_path: Pa
         last = await _tail(source)
     etype, data = _bad_values(rp, new_uuid())[what]
     bad = chained(last, etype, data, version=EVENT_TYPES[etype].SCHEMA_VERSION)
-    header = parse_header(lines[0])
-    lines[0] = ExportHeader(header.events + 1, header.head + 1, bad.hash).to_line()
-    lines.append(row_line(bad))
+    append_row(lines, bad)
     async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
         with pytest.raises(CorruptEvent, match="holds a value no evstore command writes") as caught:
             await store.import_events(lambda: iter(lines))
