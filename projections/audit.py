@@ -508,7 +508,7 @@ def over_capacity_findings(state: State, over: _OverTracker) -> list[Finding]:
             Finding(
                 "over_capacity",
                 f"Provider {uuid} uses {used} {rc} with capacity {format_amount(cap)} "
-                f"(over by {format_amount(used - cap)}) "
+                f"(over by {format_amount(used - cap, digits=12)}) "
                 f"since position {since}",
                 (since,),
                 {"provider": uuid, "resource_class": rc, "used": used, "capacity": cap, "since": since},

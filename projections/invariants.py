@@ -59,12 +59,18 @@ def over_capacity(provider: ProviderState) -> list[OverCapacity]:
     return found
 
 
-def format_amount(value: float | int) -> str:
+def format_amount(value: float | int, digits: int | None = None) -> str:
     """An amount or a capacity for a message, exactly as it is compared: a whole number without a
     fraction (``12``, ``2147483646``), any other value with every digit it has (``7.700000000000001``),
-    never rounded (``:g`` turned a capacity of 2147483646 into ``2.14748e+09``)."""
+    never rounded (``:g`` turned a capacity of 2147483646 into ``2.14748e+09``).
+
+    ``digits``: a value worked out for the reader rather than compared (an overrun, ``used -
+    capacity``) to that many significant digits, so that float arithmetic's last bits do not show
+    (``0.3``, not ``0.3000000000000007``)."""
     if float(value).is_integer() and abs(value) < 2**53:  # (beyond, a float's repr is exact and shorter)
         return str(int(value))
+    if digits is not None:
+        return f"{value:.{digits}g}"
     return repr(value)
 
 

@@ -277,6 +277,19 @@ async def test_an_over_capacity_finding_states_its_amounts_exactly(store: Alloca
     assert "uses 2147483647 MEMORY_MB with capacity 2147483646 (over by 1)" in over.message
 
 
+async def test_an_over_capacity_overrun_is_not_float_noise(store: AllocationStore) -> None:
+    """Regression (stop 23): the overrun is ``used - capacity`` worked out in floats, so 8 VCPU on a
+    capacity of 11 x 0.7 read "(over by 0.3000000000000007)". The capacity stays exact (it is what
+    the store compares); the overrun a person reads is that difference to 12 significant digits."""
+    rp = await make_provider(store, VCPU=8)
+    await allocate(store, new_uuid(), {rp: {"VCPU": 8}})
+    gen = (await store.usage(rp)).generation
+    await store.set_inventories(rp, {"VCPU": Inventory(total=11, allocation_ratio=0.7)}, gen)
+    [over] = (await store.audit()).over_capacity
+    assert "uses 8 VCPU with capacity 7.699999999999999 (over by 0.3)" in over.message
+    assert over.details["capacity"] == 11 * 0.7
+
+
 async def test_over_capacity_since_is_the_start_of_the_current_overrun(store: AllocationStore) -> None:
     """Over, back under, over again: the finding dates from the second shrink. A provider that was
     over and no longer is, and one that never was, have no finding."""
