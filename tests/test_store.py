@@ -1331,3 +1331,28 @@ async def test_a_newer_store_with_columns_this_version_lacks_is_a_version_error(
     with pytest.raises(evstore.SchemaVersionError, match="Upgrade evstore"):
         async with open_store(f"sqlite:///{path}"):
             pass
+
+
+async def test_a_damaged_consumer_row_fails_only_its_own_command_in_a_group_commit(tmp_path: Path) -> None:
+    """Regression (stop 23, written with the batch's one-query consumer prefetch): a consumer row
+    whose generation is not a number makes the command naming it ProjectionCorrupt. Loading every
+    consumer of a group commit at once must not turn that into a failure of the whole batch: the
+    commands queued with it, on healthy consumers, commit."""
+    async with open_store(f"sqlite:///{tmp_path / 'damaged.db'}") as store:
+        rp = await make_provider(store, VCPU=64)
+        damaged, *healthy = [new_uuid() for _ in range(6)]
+        for c in (damaged, *healthy):
+            await allocate(store, c, {rp: {"VCPU": 1}})
+        await store.backend.tamper(  # type: ignore[attr-defined]
+            "UPDATE p_consumers SET generation = 'one' WHERE uuid = ?", (damaged,)
+        )
+        await store.close()
+    async with open_store(f"sqlite:///{tmp_path / 'damaged.db'}") as store:  # (nothing cached)
+        outcomes = await asyncio.gather(
+            *(allocate(store, c, {rp: {"VCPU": 2}}, generation=1) for c in (damaged, *healthy)),
+            return_exceptions=True,
+        )
+        assert isinstance(outcomes[0], evstore.ProjectionCorrupt)
+        assert not [o for o in outcomes[1:] if isinstance(o, BaseException)], outcomes
+        for c in healthy:
+            assert (await store.allocations(c)).allocations == {rp: {"VCPU": 2}}

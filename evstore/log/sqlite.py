@@ -537,6 +537,25 @@ class _WriterCache:
         state.custom_classes = custom & self.now.custom_classes
         return state
 
+    def prefetch_consumers(self, conn: sqlite3.Connection, jobs: Sequence[Job]) -> None:
+        """Load the consumers a batch's jobs name that this cache does not know, in one query:
+        a lookup by key costs ~7.5 us alone and ~0.75 us per uuid in one ``IN (...)`` (a group
+        commit of new consumers' claims: one lookup each). Only entry points (``needs``); what
+        they lead to (migrations, providers) is loaded as each job asks. Sound in any order: the
+        write lock is held, so a consumer loaded now is as stored until a job of this batch
+        changes it, and the cache records that change (``settle``)."""
+        if len(jobs) < 2:
+            return
+        missing = {u for job in jobs for u in job.needs.consumers} - self.known_consumers
+        if len(missing) > 1:
+            loaded = State()
+            try:
+                _load_consumers(conn, loaded, missing)
+            except err.EvstoreError:
+                return  # (a damaged row: the job that names it loads it and fails alone)
+            self.known_consumers |= missing
+            self.now.consumers.update(loaded.consumers)
+
     def settle(self, wanted: State, after: State) -> None:
         """Record what a job's fold did to its slice (entities created, changed or forgotten)."""
         for uuid in wanted.consumers.keys() | after.consumers.keys():
@@ -627,6 +646,7 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
         cache.begin(conn)
         tail = _read_tail(conn)
         start = tail.position
+        cache.prefetch_consumers(conn, jobs)
         for job in jobs:
             try:
                 outcomes.append(_process(conn, tail, job, cache))
