@@ -356,10 +356,10 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
             )
         if amount < inv.min_unit or amount > inv.max_unit or amount % inv.step_size:
             raise err.ConstraintViolation(
-                f"Unable to allocate inventory: Allocation for {rc} on resource provider '{p}' "
-                f"violates min_unit ({inv.min_unit}), max_unit ({inv.max_unit}) or step_size "
-                f"({inv.step_size}). Requested: {amount}. "
-                "The requested amount would violate inventory constraints.",
+                f"Unable to allocate inventory: Unable to create allocation for '{rc}' on resource "
+                f"provider '{p}'. The requested amount would violate inventory constraints. "
+                f"(min_unit {inv.min_unit}, max_unit {inv.max_unit}, step_size {inv.step_size}; "
+                f"requested {amount})",
                 provider=p,
                 resource_class=rc,
                 amount=amount,

@@ -181,6 +181,23 @@ def test_min_max_step_per_row(amount: int) -> None:
         when(state, one(write(C1, {RP1: {"DISK_GB": amount}})))
 
 
+def test_a_constraint_violation_says_what_placement_says_first() -> None:
+    """Regression (stop 23, helper-46): the message began "Unable to allocate inventory: Allocation
+    for DISK_GB on resource provider ... violates min_unit ..." - Placement's detail is "Unable to
+    allocate inventory: Unable to create allocation for 'DISK_GB' on resource provider '<uuid>'. The
+    requested amount would violate inventory constraints." (InvalidAllocationConstraintsViolated
+    under the handler's prefix), which a caller written for Placement matches on. Placement's text
+    first, then the limits and the amount."""
+    state = cloud(DISK_GB=Inventory(total=2048, min_unit=10, max_unit=1000, step_size=10))
+    with pytest.raises(err.ConstraintViolation) as caught:
+        when(state, one(write(C1, {RP1: {"DISK_GB": 15}})))
+    assert caught.value.message == (
+        f"Unable to allocate inventory: Unable to create allocation for 'DISK_GB' on resource provider "
+        f"'{RP1}'. The requested amount would violate inventory constraints. "
+        "(min_unit 10, max_unit 1000, step_size 10; requested 15)"
+    )
+
+
 @pytest.mark.parametrize(
     ("inventory", "amount"),
     [
