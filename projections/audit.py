@@ -31,7 +31,7 @@ from evstore.events import (
 from projections.gcpause import gc_paused
 from projections.invariants import find_leaks, format_amount, over_capacity
 from projections.replay import FOLD_SLICE
-from projections.state import FOLDS, State
+from projections.state import FOLDS, ConsumerState, State
 
 if TYPE_CHECKING:
     from evstore.log import HistoryCheck
@@ -495,6 +495,51 @@ def held_on_unknown_providers(state: State) -> list[Finding]:
     return out
 
 
+def usage_not_held(state: State) -> list[Finding]:
+    """Providers whose usage is not the sum of the allocations held on them (SPEC: usage *is* that
+    sum). Only a damaged or imported log gets there: a provider deleted while consumers held
+    allocations on it and created again starts counting from nothing, so what they still hold is
+    counted nowhere, a release of it then drives the usage below zero, and commands decided
+    against that usage can put more on the provider than its capacity."""
+    held: dict[str, dict[str, int]] = {}
+    holders: dict[str, list[ConsumerState]] = {}
+    providers = state.providers
+    for c in state.consumers.values():
+        for p, res in c.allocations.items():
+            if p not in providers:
+                continue  # (held_on_unknown_providers reports those)
+            sums = held.setdefault(p, {})
+            for rc, amount in res.items():
+                sums[rc] = sums.get(rc, 0) + amount
+            holders.setdefault(p, []).append(c)
+    out = []
+    for uuid, prov in sorted(providers.items()):
+        want = {rc: n for rc, n in held.get(uuid, {}).items() if n}
+        counted = {rc: n for rc, n in prov.usages.items() if n}
+        if want == counted:
+            continue
+        classes = sorted(set(want) | set(counted))
+        shown = ", ".join(f"{rc} {counted.get(rc, 0)} (held {want.get(rc, 0)})" for rc in classes)
+        at = sorted({c.allocated_at for c in holders.get(uuid, ()) if c.allocated_at})
+        out.append(
+            Finding(
+                "integrity",
+                f"Provider {uuid} counts usage {shown}: not the allocations consumers hold on it "
+                "(held since before the provider was deleted and created again? a damaged or "
+                "imported log); commands decide capacity against the count",
+                tuple(at),
+                {
+                    "reason": "usage_not_held",
+                    "provider": uuid,
+                    "counted": counted,
+                    "held": want,
+                    "consumers": sorted(c.uuid for c in holders.get(uuid, ())),
+                },
+            )
+        )
+    return out
+
+
 def over_capacity_findings(state: State, over: _OverTracker) -> list[Finding]:
     out = []
     for (uuid, rc), since in sorted(over.since.items()):
@@ -570,6 +615,10 @@ async def audit(
         report.findings.extend(drift)
     report.findings.extend(leak_findings(replayed))
     report.findings.extend(held_on_unknown_providers(replayed))
+    uncounted = usage_not_held(replayed)
+    if uncounted and last_positions is not None:  # (one nobody holds anything on: its last event)
+        uncounted = await _cite_last_events(uncounted, last_positions, report.head)
+    report.findings.extend(uncounted)
     report.findings.extend(consumer_id_findings(replayed, replay.values))
     over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
     report.findings.extend(over_capacity_findings(replayed, over))

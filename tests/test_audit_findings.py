@@ -451,6 +451,41 @@ async def test_a_buggy_writers_provider_lifecycle_folds_the_same_everywhere(
             assert (await at_head.usage(provider)).usages == prov.usage_view()
 
 
+async def test_allocations_a_recreated_provider_does_not_count_are_integrity_findings(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression: an imported log deletes a provider while a consumer holds allocations on it.
+    Created again, the provider counts none of them: the audit was clean, a release of them then
+    put its usage at -1 (still clean), and a fifth VCPU was allocated on a capacity of 4 (still
+    clean), while provider_allocations() showed what the usage did not count."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, "rp", VCPU=4)
+        c = new_uuid()
+        await allocate(source, c, {rp: {"VCPU": 1}})
+        lines = [line async for line in source.export()]
+        append_row(lines, chained(await _tail(source), "ProviderDeleted", {"provider": rp}))
+
+    def not_held(report: Any) -> list[Any]:
+        return [f for f in report.integrity if f.details.get("reason") == "usage_not_held"]
+
+    async with open_store(store_url) as store:
+        await store.import_events(lambda: iter(lines))
+        await store.create_provider(rp, "rp-again")
+        assert await store.provider_allocations(rp) == {c: {"VCPU": 1}}
+        [found] = not_held(await store.audit())
+        assert found.details["consumers"] == [c] and found.details["held"] == {"VCPU": 1}
+        assert found.positions == (3,)  # (the write that allocated them)
+        await store.set_inventories(rp, {"VCPU": Inventory(total=4)}, generation=0)
+        released = await store.release(c)
+        [found] = not_held(await store.audit())
+        assert found.details["counted"] == {"VCPU": -1} and found.positions == released.positions
+        for _ in range(5):  # (decided against a usage of -1: 5 on a capacity of 4)
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert sum(a["VCPU"] for a in (await store.provider_allocations(rp)).values()) == 5
+        [found] = not_held(await store.audit())
+        assert (found.details["counted"], found.details["held"]) == ({"VCPU": 4}, {"VCPU": 5})
+
+
 def _export(events: list[Any], at: Any = None) -> list[str]:
     """An export of ``events`` (models) as a chained log, times from ``at(i)`` or canonical UTC."""
     last: Any = RawEvent(0, "", "", 0, "", "", "", GENESIS_HASH)
