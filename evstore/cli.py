@@ -3,7 +3,10 @@
 Every command names its store with ``--db PATH`` (SQLite file), ``--url URL`` (``sqlite:///...``
 or ``postgresql://...``) or the ``EVSTORE_URL`` environment variable. Output is a readable table by
 default and JSON with ``--json``. Exit status: 0 success (a clean audit), 1 error, 2 usage error,
-3 audit findings. An error is one line on stderr, ``error: <code>: <message>``, never a traceback.
+3 audit findings. A usage error is a command line that is wrong in itself (an option missing, unknown,
+empty or conflicting, a number out of range); what evstore finds wrong in a value it was given -
+a missing file, a directory, a malformed uuid - is an error (1). An error is one line on stderr,
+``error: <code>: <message>``, never a traceback.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+# (a str, not a click Path: the CLI checks paths itself, so that a missing file, a directory and
+# an empty value get the same code and exit status whichever option or argument names them)
 DbOption = Annotated[
-    Path | None, typer.Option("--db", help="SQLite database file.", dir_okay=False, show_default=False)
+    str | None, typer.Option("--db", help="SQLite database file.", metavar="<file>", show_default=False)
 ]
 UrlOption = Annotated[
     str | None,
@@ -139,14 +144,28 @@ def sqlite_url(path: Path) -> str:
     return "sqlite:///" + str(path.expanduser().absolute())
 
 
-def resolve_url(db: Path | None, url: str | None, *, must_exist: bool = True) -> str:
+def given_path(value: str, option: str, *, must_exist: bool, what: str = "file") -> Path:
+    """A path given on the command line, checked by one rule (README, "Debugging a leak"): an
+    empty value is a usage error (exit 2, as an empty --url is); a directory where a file belongs
+    is ``evstore.invalid_input`` and, when the file must exist, a missing one ``evstore.not_found``
+    (exit 1, as every error evstore finds in a value it was given)."""
+    if not value.strip():
+        fail("evstore.usage", f"{option} is empty: give a {what}", EXIT_USAGE)
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise err.InvalidInput(f"{value} is a directory, not a {what}")
+    if must_exist and not path.exists():
+        hint = " (check the path, or create one with `evstore demo`)" if option == "--db" else ""
+        raise err.NotFound(f"no {what} at {value}{hint}")
+    return path
+
+
+def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> str:
     """The store URL from --db, --url or $EVSTORE_URL (in that order); one of them is required."""
     if db is not None and url is not None:  # usage errors (exit 2), as click reports a bad option
         fail("evstore.usage", "give either --db or --url, not both", EXIT_USAGE)
     if db is not None:
-        if must_exist and not db.exists():
-            raise err.NotFound(f"no database at {db} (check the path, or create one with `evstore demo`)")
-        return sqlite_url(db)
+        return sqlite_url(given_path(db, "--db", must_exist=must_exist, what="database file"))
     if url is not None and not url.strip():  # (`--url "$UNSET"`: not a silent fallback)
         fail(
             "evstore.usage",
@@ -308,7 +327,7 @@ def demo(
             target = sqlite_url(_fresh_file(DEFAULT_DEMO_DB))
             where = f"--db {DEFAULT_DEMO_DB}"
         elif db is not None and url is None:
-            target = sqlite_url(_fresh_file(db))
+            target = sqlite_url(_fresh_file(given_path(db, "--db", must_exist=False, what="database file")))
             where = f"--db {db}"
         else:
             target = resolve_url(db, url, must_exist=False)
@@ -992,11 +1011,18 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
 def export(
     db: DbOption = None,
     url: UrlOption = None,
-    output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="File to write (default: stdout).", dir_okay=False)
+    output_path: Annotated[
+        str | None,
+        typer.Option("--output", "-o", help="File to write (default: stdout).", metavar="<file>"),
     ] = None,
 ) -> None:
     """Write the whole log as JSON lines (a header, then every row verbatim, hashes included)."""
+    output = None
+    if output_path is not None:
+        try:
+            output = given_path(output_path, "--output", must_exist=False)
+        except err.EvstoreError as exc:
+            fail(exc.code, exc.message)
 
     async def work() -> int:
 
@@ -1047,7 +1073,7 @@ def _export_target(output: Path) -> tuple[Path, bool]:
     except FileNotFoundError:
         st = None
     except OSError as exc:  # a symlink loop, a path through a file...
-        fail("evstore.usage", f"cannot write the export to {output}: {exc.strerror or exc}", EXIT_USAGE)
+        fail("evstore.io", f"cannot write the export to {output}: {exc.strerror or exc}")
     absolute = Path(os.path.abspath(output))
     through_descriptor = absolute.parts[1:2] in (("dev",), ("proc",))
     if st is not None and (not stat.S_ISREG(st.st_mode) or through_descriptor):
@@ -1055,15 +1081,15 @@ def _export_target(output: Path) -> tuple[Path, bool]:
     try:
         final = output.resolve()
     except (OSError, RuntimeError) as exc:  # (RuntimeError: a symlink loop, on Python 3.11)
-        fail("evstore.usage", f"cannot write the export to {output}: {exc}", EXIT_USAGE)
+        fail("evstore.io", f"cannot write the export to {output}: {exc}")
     if not final.parent.is_dir():
-        fail("evstore.usage", f"cannot write the export to {output}: no directory {final.parent}", EXIT_USAGE)
+        fail("evstore.not_found", f"cannot write the export to {output}: no directory {final.parent}")
     return final, False
 
 
 @app.command("import")
 def import_(
-    file: Annotated[Path, typer.Argument(help="An export (JSON lines).", exists=True, dir_okay=False)],
+    file: Annotated[str, typer.Argument(help="An export (JSON lines).")],
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,
@@ -1075,6 +1101,7 @@ def import_(
     """
     try:
         target = resolve_url(db, url, must_exist=False)
+        export_file = given_path(file, "FILE", must_exist=True)
     except err.EvstoreError as exc:
         fail(exc.code, exc.message)
     created: Path | None = None  # a SQLite file this command creates: removed if the import is refused
@@ -1092,9 +1119,9 @@ def import_(
             )
 
     imported: list[int] = []  # (set once the import committed)
-    source = file
+    source = export_file
     spooled: Path | None = None
-    if not file.is_file():
+    if not export_file.is_file():
         # a pipe (`evstore export ... | evstore import /dev/stdin`), FIFO or `<(...)`: the import
         # reads its input twice (validating, then writing), and a pipe is empty the second time
         import shutil
@@ -1105,11 +1132,11 @@ def import_(
         ) as copy:
             spooled = source = Path(copy.name)
             try:
-                with file.open("rb") as stream:
+                with export_file.open("rb") as stream:
                     shutil.copyfileobj(stream, copy)
             except OSError as exc:
                 spooled.unlink(missing_ok=True)
-                fail("evstore.io", f"cannot copy {file} to a temporary file ({copy.name}): {exc}")
+                fail("evstore.io", f"cannot copy {export_file} to a temporary file ({copy.name}): {exc}")
             except KeyboardInterrupt:
                 spooled.unlink(missing_ok=True)
                 note("interrupted: nothing was imported")
@@ -1123,7 +1150,9 @@ def import_(
                 try:
                     yield from stream
                 except UnicodeDecodeError:
-                    raise err.InvalidInput(f"{file} is not UTF-8 text: not an evstore export") from None
+                    raise err.InvalidInput(
+                        f"{export_file} is not UTF-8 text: not an evstore export"
+                    ) from None
 
         async with open_store(target) as store:
             with progress_bar() as bar:

@@ -167,9 +167,9 @@ def test_export_to_a_symlink_a_pipe_or_a_failure_leaves_each_as_it_should(tmp_pa
     assert log.read_text() == "PRECIOUS\n" + expected
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
-    for bad in (loop, tmp_path / "no-such-dir" / "x.jsonl"):
-        done = evstore("export", "--db", str(db), "-o", str(bad))
-        assert done.returncode == 2 and done.stderr.startswith("error: evstore.usage: "), done.stderr
+    for bad, code in ((loop, "evstore.io"), (tmp_path / "no-such-dir" / "x.jsonl", "evstore.not_found")):
+        done = evstore("export", "--db", str(db), "-o", str(bad))  # (a path evstore checks: exit 1)
+        assert done.returncode == 1 and done.stderr.startswith(f"error: {code}: "), done.stderr
 
     with sqlite3.connect(db) as conn:  # a row no export can write, half-way through the log
         conn.execute("UPDATE events SET data = x'00ff' WHERE position = 50")

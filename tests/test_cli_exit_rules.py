@@ -1,0 +1,79 @@
+"""One rule for the CLI's exit statuses, and one shape for what both backends print.
+
+The rule (README, "Debugging a leak"): 2 is a usage error - the command line itself is wrong: a
+missing, unknown, empty or conflicting option or argument, or an out-of-range number; 1 is every
+error evstore finds in what it was given, a path included - a file that does not exist
+(``evstore.not_found``), a directory where a file belongs (``evstore.invalid_input``), a file
+that is not a database.
+
+From review 23 (helper-47): each test failed on e6d333f. There, click's ``Path`` checks answered
+some path problems with exit 2 and others fell through to evstore with exit 1 (``--db missing.db``
+1 but ``--db DIR`` and ``import missing.jsonl`` 2; ``--url sqlite:///DIR`` 1 but ``--db DIR`` 2),
+and ``--db ''`` said "file '' is a directory".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.test_cli_support import demo_db, evstore
+
+
+def _error(done: object) -> tuple[int, str]:
+    """(exit status, the error line's code) of a finished command; asserts it is one line."""
+    returncode: int = done.returncode  # type: ignore[attr-defined]
+    stderr: str = done.stderr  # type: ignore[attr-defined]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return returncode, lines[0].split(": ", 2)[1]
+
+
+def test_a_directory_as_the_database_is_refused_alike_through_db_and_url(tmp_path: Path) -> None:
+    folder = tmp_path / "adir.db"
+    folder.mkdir()
+    dump = tmp_path / "d.jsonl"
+    dump.write_text("{}\n")
+    history = ["history", "5b9a2ad6-67b7-4cb7-989b-ec8a1e41b594"]
+    for command in (["audit"], ["stats"], history, ["import", str(dump)]):
+        for store in (["--db", str(folder)], ["--url", f"sqlite:///{folder}"]):
+            done = evstore(*command, *store)
+            assert _error(done) == (1, "evstore.invalid_input"), (command, store)
+            assert "is a directory" in done.stderr
+    done = evstore("demo", "--db", str(folder))  # (not "exists and is not a database the demo wrote")
+    assert _error(done) == (1, "evstore.invalid_input") and "is a directory" in done.stderr, done.stderr
+
+
+def test_an_empty_db_is_an_empty_option_as_an_empty_url_is(tmp_path: Path) -> None:
+    for command in (["audit"], ["demo"], ["import", str(tmp_path / "x.jsonl")]):
+        for store in (["--db", ""], ["--url", ""]):
+            done = evstore(*command, *store)
+            assert _error(done) == (2, "evstore.usage"), (command, store)
+            assert "is a directory" not in done.stderr and "is empty" in done.stderr, done.stderr
+
+
+def test_a_missing_input_file_is_not_found_as_a_missing_database_is(tmp_path: Path) -> None:
+    missing_db = evstore("audit", "--db", str(tmp_path / "missing.db"))
+    assert _error(missing_db) == (1, "evstore.not_found")
+    missing_export = evstore("import", str(tmp_path / "missing.jsonl"), "--db", str(tmp_path / "new.db"))
+    assert _error(missing_export) == (1, "evstore.not_found"), missing_export.stderr
+    assert "missing.jsonl" in missing_export.stderr
+    assert not (tmp_path / "new.db").exists()
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    a_directory = evstore("import", str(folder), "--db", str(tmp_path / "new.db"))
+    assert _error(a_directory) == (1, "evstore.invalid_input") and "is a directory" in a_directory.stderr
+    assert not (tmp_path / "new.db").exists()
+    empty = evstore("import", "", "--db", str(tmp_path / "new.db"))
+    assert _error(empty) == (2, "evstore.usage") and "is a directory" not in empty.stderr, empty.stderr
+
+
+def test_an_export_to_a_path_it_cannot_write_is_an_error_not_a_usage_error(tmp_path: Path) -> None:
+    db = demo_db(tmp_path / "s.db", instances=5, nodes=2)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    done = evstore("export", "--db", str(db), "-o", str(folder))
+    assert _error(done) == (1, "evstore.invalid_input") and "is a directory" in done.stderr, done.stderr
+    done = evstore("export", "--db", str(db), "-o", str(tmp_path / "no-such-dir" / "x.jsonl"))
+    assert _error(done) == (1, "evstore.not_found"), done.stderr
+    done = evstore("export", "--db", str(db), "-o", "")
+    assert _error(done) == (2, "evstore.usage") and "is a directory" not in done.stderr, done.stderr
