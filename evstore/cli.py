@@ -983,25 +983,42 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
 
         target = resolve_url(db, url)
         async with open_existing(target) as store:
-            found = dict(await store.stats())
-            found["snapshot_positions"] = await store.snapshot_positions()
+            raw = dict(await store.stats())
+            snaps = await store.snapshot_positions()
+        # The same keys on every backend; what only one backend has (PostgreSQL: events committed
+        # but not yet given a position, the pool size) goes under "backend", with its name.
+        common = ("head", "events_by_type", "db_bytes")
+        found = {
+            "url": shown(target),
+            "backend": {
+                "name": "sqlite" if target.startswith("sqlite:") else "postgresql",
+                **{k: v for k, v in raw.items() if k not in common},
+            },
+            "head": raw.get("head", 0),
+            "events_by_type": dict(sorted(raw.get("events_by_type", {}).items())),
+            "db_bytes": raw.get("db_bytes"),
+            "snapshot_positions": snaps,
+        }
         if json_out:
-            emit_json({"url": shown(target), **found})
+            emit_json(found)
             return EXIT_OK
         out = console()
-        size = found.get("db_bytes")
+        size = found["db_bytes"]
         out.print(
-            f"{safe(shown(target))}: head {found.get('head', 0)}"
-            + (f", {size:,} bytes" if size is not None else "")
+            f"{safe(shown(target))}: head {found['head']}" + (f", {size:,} bytes" if size is not None else "")
         )
         table = Table(title="events by type")
         table.add_column("type")
         table.add_column("count", justify="right")
-        for etype, count in sorted(found.get("events_by_type", {}).items()):
+        for etype, count in found["events_by_type"].items():
             table.add_row(safe(etype), str(count))
         out.print(table)
-        snaps = found["snapshot_positions"]
         out.print(f"snapshots at positions: {', '.join(map(str, snaps)) or 'none'}")
+        if raw.get("unpositioned"):
+            out.print(
+                f"{raw['unpositioned']} committed event(s) not yet given a position "
+                "(the next command or read of the log positions them)"
+            )
         return EXIT_OK
 
     run(work)

@@ -9,11 +9,12 @@ that is not a database.
 From review 23 (helper-47): each test failed on e6d333f. There, click's ``Path`` checks answered
 some path problems with exit 2 and others fell through to evstore with exit 1 (``--db missing.db``
 1 but ``--db DIR`` and ``import missing.jsonl`` 2; ``--url sqlite:///DIR`` 1 but ``--db DIR`` 2),
-and ``--db ''`` said "file '' is a directory".
+and ``--db ''`` said "file '' is a directory". ``stats --json`` had other keys on PostgreSQL.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.test_cli_support import demo_db, evstore
@@ -77,3 +78,27 @@ def test_an_export_to_a_path_it_cannot_write_is_an_error_not_a_usage_error(tmp_p
     assert _error(done) == (1, "evstore.not_found"), done.stderr
     done = evstore("export", "--db", str(db), "-o", "")
     assert _error(done) == (2, "evstore.usage") and "is a directory" not in done.stderr, done.stderr
+
+
+def _stats_shape(stats: dict[str, object]) -> None:
+    assert list(stats) == ["url", "backend", "head", "events_by_type", "db_bytes", "snapshot_positions"]
+    by_type = stats["events_by_type"]
+    assert isinstance(by_type, dict) and list(by_type) == sorted(by_type)
+
+
+def test_stats_json_has_the_same_keys_on_both_backends(tmp_path: Path) -> None:
+    from tests.pg import fresh_database_url  # skips without a configured server
+
+    db = demo_db(tmp_path / "s.db", instances=10, nodes=2)
+    lite = json.loads(evstore("stats", "--db", str(db), "--json").stdout)
+    _stats_shape(lite)
+    assert lite["backend"] == {"name": "sqlite"}
+    url = fresh_database_url()
+    dump = tmp_path / "s.jsonl"
+    assert evstore("export", "--db", str(db), "-o", str(dump)).returncode == 0
+    assert evstore("import", str(dump), "--url", url).returncode == 0
+    pg = json.loads(evstore("stats", "--url", url, "--json").stdout)
+    _stats_shape(pg)
+    assert pg["backend"] == {"name": "postgresql", "unpositioned": 0, "pool_size": 10}
+    for key in ("head", "events_by_type", "snapshot_positions"):
+        assert pg[key] == lite[key], key
