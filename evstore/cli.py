@@ -20,7 +20,7 @@ import sqlite3
 import stat
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from pathlib import Path
@@ -276,7 +276,7 @@ def usage_json(state: State) -> list[dict[str, Any]]:
             "generation": p.generation,
             "usages": {
                 rc: {"used": p.usages.get(rc, 0), "capacity": inv.capacity}
-                for rc, inv in p.inventories.items()
+                for rc, inv in sorted(p.inventories.items())
             },
         }
         for p in sorted(state.providers.values(), key=lambda p: p.name)
@@ -620,10 +620,16 @@ def history(
     run(work)
 
 
+def sorted_allocations(allocs: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """``{uuid: {class: amount}}`` with both levels in key order: the same bytes whichever way the
+    state was read (the projection at the head, a fold for ``--at``) and on either backend."""
+    return {key: dict(sorted(amounts.items())) for key, amounts in sorted(allocs.items())}
+
+
 def consumer_json(view: Any, migrations: list[str]) -> dict[str, Any]:
     return {
         "consumer": view.consumer,
-        "allocations": view.allocations,
+        "allocations": sorted_allocations(view.allocations),
         "project_id": view.project_id,
         "user_id": view.user_id,
         "consumer_type": view.consumer_type,
@@ -686,7 +692,13 @@ def state(
             holders = await view.provider_allocations(puuid)
             prov = st.providers[puuid]
             if json_out:
-                emit_json({**header, "provider": usage_json(_only(st, puuid))[0], "allocations": holders})
+                emit_json(
+                    {
+                        **header,
+                        "provider": usage_json(_only(st, puuid))[0],
+                        "allocations": sorted_allocations(holders),
+                    }
+                )
                 return EXIT_OK
             out.print(
                 f"Provider {safe(prov.name)} at position {position} ({shown_when}), "

@@ -102,3 +102,20 @@ def test_stats_json_has_the_same_keys_on_both_backends(tmp_path: Path) -> None:
     assert pg["backend"] == {"name": "postgresql", "unpositioned": 0, "pool_size": 10}
     for key in ("head", "events_by_type", "snapshot_positions"):
         assert pg[key] == lite[key], key
+
+
+def test_state_json_at_the_head_is_the_same_read_now_or_with_at(tmp_path: Path) -> None:
+    """The projection (no --at) and a fold (--at HEAD) listed a provider's or a consumer's
+    allocations with their classes in different orders (DISK_GB first, VCPU first): the same
+    state, printed as different JSON - and differently again on PostgreSQL."""
+    db = demo_db(tmp_path / "s.db", instances=30, nodes=2)
+    head = str(json.loads(evstore("stats", "--db", str(db), "--json").stdout)["head"])
+    state = json.loads(evstore("state", "--db", str(db), "--json").stdout)
+    provider = state["providers"][0]["provider"]
+    holders = json.loads(evstore("state", "--provider", provider, "--db", str(db), "--json").stdout)
+    consumer = next(c for c, amounts in holders["allocations"].items() if len(amounts) > 1)
+    for entity in ([], ["--provider", provider], ["--consumer", consumer]):
+        now = evstore("state", *entity, "--db", str(db), "--json")
+        then = evstore("state", *entity, "--at", head, "--db", str(db), "--json")
+        assert now.returncode == then.returncode == 0, now.stderr + then.stderr
+        assert now.stdout == then.stdout, entity
