@@ -248,7 +248,7 @@ def _root(
 def usage_table(state: State, title: str) -> Table:
     """Per provider: each class as used/capacity (red when over capacity)."""
     classes = sorted({rc for p in state.providers.values() for rc in p.inventories})
-    table = Table(title=title)
+    table = Table(title=title, min_width=len(title))  # (a narrow table must not fold its title)
     table.add_column("provider")
     table.add_column("uuid", no_wrap=True)
     table.add_column("gen", justify="right")

@@ -119,3 +119,14 @@ def test_state_json_at_the_head_is_the_same_read_now_or_with_at(tmp_path: Path) 
         then = evstore("state", *entity, "--at", head, "--db", str(db), "--json")
         assert now.returncode == then.returncode == 0, now.stderr + then.stderr
         assert now.stdout == then.stdout, entity
+
+
+def test_the_state_before_the_first_event_says_so_on_one_line(tmp_path: Path) -> None:
+    """`state --at 0` (or a time before the log) printed an empty table whose title was folded
+    to its width: "State at position 0 of  / 37 (before the first / event)"."""
+    db = demo_db(tmp_path / "s.db", instances=10, nodes=2)
+    head = json.loads(evstore("stats", "--db", str(db), "--json").stdout)["head"]
+    for at in ("0", "2000-01-01T00:00:00Z"):
+        done = evstore("state", "--at", at, "--db", str(db))
+        assert done.returncode == 0, done.stderr
+        assert f"State at position 0 of {head} (before the first event)" in done.stdout, done.stdout
