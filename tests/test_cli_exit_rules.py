@@ -15,6 +15,7 @@ and ``--db ''`` said "file '' is a directory". ``stats --json`` had other keys o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tests.test_cli_support import demo_db, evstore
@@ -130,3 +131,16 @@ def test_the_state_before_the_first_event_says_so_on_one_line(tmp_path: Path) ->
         done = evstore("state", "--at", at, "--db", str(db))
         assert done.returncode == 0, done.stderr
         assert f"State at position 0 of {head} (before the first event)" in done.stdout, done.stdout
+
+
+def test_a_fifo_as_the_database_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Regression (stop 23, helper-47): ``mkfifo f; evstore audit --db f`` (and ``demo --db f``,
+    ``--url sqlite:///f``) blocked for ever: SQLite, and the demo's look at what the file holds,
+    opened the pipe and waited for a writer. A FIFO is refused as a directory is."""
+    fifo = tmp_path / "pipe.db"
+    os.mkfifo(fifo)
+    for command in (["audit"], ["stats"], ["demo"]):
+        for store in (["--db", str(fifo)], ["--url", f"sqlite:///{fifo}"]):
+            done = evstore(*command, *store, timeout=30)
+            assert _error(done) == (1, "evstore.invalid_input"), (command, store, done.stderr)
+            assert "FIFO" in done.stderr, done.stderr

@@ -148,6 +148,20 @@ async def test_relative_and_absolute_urls_wal_and_durability(
             pass
 
 
+async def test_a_path_that_is_not_a_regular_file_is_refused_at_open(tmp_path: Path) -> None:
+    """Regression (stop 23, helper-47): a FIFO given as the database (``mkfifo f; evstore audit
+    --db f``, or ``open_store("sqlite:///f")``) hung for ever in SQLite's open, waiting for a
+    writer to the pipe; a directory was ``evstore.storage`` "unable to open database file" where
+    the CLI calls it ``evstore.invalid_input``. Both are refused before SQLite opens anything."""
+    fifo = tmp_path / "pipe.db"
+    os.mkfifo(fifo)
+    for path, says in ((fifo, "is a FIFO"), (tmp_path, "is a directory")):
+        for create in (True, False):
+            with pytest.raises(InvalidInput, match=says):
+                async with asyncio.timeout(10), open_store(f"sqlite:///{path}", create=create):
+                    pass
+
+
 async def test_uuids_accept_str_or_uuid_and_come_back_lowercase(store: AllocationStore) -> None:
     rp = uuid.uuid4()
     await store.create_provider(rp, "node")

@@ -18,6 +18,7 @@ import operator
 import os
 import re
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -765,6 +766,12 @@ class SqliteBackend:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
                 raise err.StorageError(f"Cannot open {self.url}: directory {parent} does not exist")
+            kind = await asyncio.to_thread(_not_a_file, self.path)
+            if kind is not None:  # (SQLite would wait for ever on a FIFO's other end)
+                raise err.InvalidInput(
+                    f"Cannot open {self.url}: {self.path} {kind}, not a database file (a SQLite store is a "
+                    "regular file, made on first open)"
+                )
         if not self.create and self.memory:
             raise err.NotFound(
                 f"No evstore store in {self.url}: an in-memory store starts empty, so there is nothing "
@@ -1238,6 +1245,21 @@ def _rows_naming(
         + ") ORDER BY position"
     )
     return conn.execute(sql, (after, last, *names))
+
+
+def _not_a_file(path: str) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (symbolic links followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # (absent: made on open, or refused there with the reason)
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe)"
+    return "is not a regular file (a device or socket)"
 
 
 def _table_names(path: str) -> list[str]:
