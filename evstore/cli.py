@@ -1048,12 +1048,12 @@ def export(
     url: UrlOption = None,
     output_path: Annotated[
         str | None,
-        typer.Option("--output", "-o", help="File to write (default: stdout).", metavar="<file>"),
+        typer.Option("--output", "-o", help="File to write (default, or -: stdout).", metavar="<file>"),
     ] = None,
 ) -> None:
     """Write the whole log as JSON lines (a header, then every row verbatim, hashes included)."""
     output = None
-    if output_path is not None:
+    if output_path is not None and output_path != "-":
         try:
             output = given_path(output_path, "--output", must_exist=False)
         except err.EvstoreError as exc:
@@ -1124,7 +1124,7 @@ def _export_target(output: Path) -> tuple[Path, bool]:
 
 @app.command("import")
 def import_(
-    file: Annotated[str, typer.Argument(help="An export (JSON lines).")],
+    file: Annotated[str, typer.Argument(help="An export (JSON lines); - reads standard input.")],
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,
@@ -1136,7 +1136,8 @@ def import_(
     """
     try:
         target = resolve_url(db, url, must_exist=False)
-        export_file = given_path(file, "FILE", must_exist=True)
+        # (`-`: standard input, as most tools read it; the spool below copies it)
+        export_file = Path("/dev/stdin") if file == "-" else given_path(file, "FILE", must_exist=True)
     except err.EvstoreError as exc:
         fail(exc.code, exc.message)
     created: Path | None = None  # a SQLite file this command creates: removed if the import is refused

@@ -9,6 +9,7 @@ operator would (tests/test_cli_support.py), with stores built through the Python
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -169,6 +170,26 @@ def test_import_reads_an_export_from_a_pipe(tmp_path: Path) -> None:
     )  # fmt: skip
     assert "the export file is empty" not in done.stderr
     assert done.returncode == 0 or "pipe" in done.stderr, done.stderr
+
+
+def test_dash_is_standard_input_for_import_and_standard_output_for_export(tmp_path: Path) -> None:
+    """Regression (stop 23, helper-47): ``evstore import - --db b.db`` said "no file at -"
+    (and ``export -o -`` wrote a file named ``-``): the usual convention, now both directions."""
+    src = demo_db(tmp_path / "src.db", instances=20)
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    export = subprocess.run(
+        [sys.executable, "-m", "evstore.cli", "export", "--db", str(src), "-o", "-"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    assert not (tmp_path / "-").exists()
+    assert json.loads(export.stdout.splitlines()[0])["format"] == "evstore-export"
+    done = subprocess.run(
+        [sys.executable, "-m", "evstore.cli", "import", "-", "--db", str(tmp_path / "copy.db"), "--json"],
+        input=export.stdout, capture_output=True, text=True, timeout=120, env=env, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["imported"] == json.loads(export.stdout.splitlines()[0])["events"]
 
 
 # --- closed stdout ---------------------------------------------------------------------------------
