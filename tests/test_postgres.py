@@ -938,6 +938,40 @@ async def test_a_tombstone_reports_its_position(pg_url: str) -> None:
             await allocate(store, c, {rp: {"VCPU": 1}})
 
 
+async def test_a_tombstone_not_positioned_yet_is_reported_at_its_position(pg_url: str) -> None:
+    """Found by review (helper-48): between a delete's commit and the sequencer's run (or for
+    good, its writer dead after committing) the projection holds the tombstone's -seq, and
+    ``allocations(c).deleted_at`` and the ConsumerDeleted refusing a write to it reported that
+    negative number as the position it was deleted at. (The reader has a pool of one connection:
+    it positions the tombstone on it, outside the command's transaction.)"""
+    async with open_store(pg_url) as writer, open_store(pg_url, pool_size=1) as reader:
+        rp = await make_provider(writer, VCPU=4)
+        c = new_uuid()
+        await allocate(writer, c, {rp: {"VCPU": 1}})
+        committed, go_on = asyncio.Event(), asyncio.Event()
+
+        async def slow_to_sequence(conn: Any) -> None:
+            committed.set()
+            await go_on.wait()
+
+        pg(writer)._after_commit = slow_to_sequence
+        deleting = asyncio.ensure_future(writer.delete_consumer(c))
+        try:
+            async with asyncio.timeout(30):
+                await committed.wait()
+                view = await reader.allocations(c)
+                assert view.deleted and view.deleted_at == 4
+                with pytest.raises(EvstoreError, match="deleted at position 4;") as info:
+                    await allocate(reader, c, {rp: {"VCPU": 1}})
+                assert info.value.details["deleted_at"] == 4
+                with pytest.raises(NotFound, match=r"\(deleted at position 4\)"):
+                    await reader.release(c)
+        finally:
+            go_on.set()
+        assert (await deleting).position == 4
+        assert (await reader.audit()).clean
+
+
 # --- many processes, faults -------------------------------------------------------------------
 
 

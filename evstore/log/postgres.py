@@ -670,6 +670,22 @@ class _StaleConnection(Exception):
     """A pooled connection was dead before the command sent anything."""
 
 
+class _Unpositioned(Exception):
+    """The slice holds a tombstone whose event is committed but not positioned yet (its
+    ``deleted_at`` is still the event's ``-seq``): decided on, the refusal would report that as
+    the position the consumer was deleted at. Restart once the sequencer has positioned it."""
+
+    def __init__(self, seqs: list[int]) -> None:
+        super().__init__()
+        self.seqs = seqs
+
+
+def _unpositioned_tombstones(consumers: Iterable[ConsumerState]) -> list[int]:
+    """The seqs of the tombstones among ``consumers`` that have no position yet (see
+    ``p_consumers_resolved``: a position written before the sequencer ran is ``-seq``)."""
+    return sorted({-c.deleted_at for c in consumers if c.deleted_at is not None and c.deleted_at < 0})
+
+
 #: what a database call can raise: errors of the server, of the connection, of asyncpg's state
 DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
 
@@ -1070,6 +1086,14 @@ class PostgresBackend:
                 break
             except _Relock as relock:
                 keys = relock.keys
+            except _Unpositioned as pending:
+                # (rolled back; its connection is free: the sequencer needs one, even in a pool of one)
+                attempt += 1
+                if attempt >= self.max_retries:
+                    raise err.StorageError(
+                        f"Committed events {pending.seqs} did not get positions", seqs=pending.seqs
+                    ) from None
+                await self._positions_of(pending.seqs)
             except _StaleConnection:
                 attempt += 1
                 if attempt >= self.max_retries:
@@ -1179,6 +1203,9 @@ class PostgresBackend:
                 locked |= extra
                 continue
             raise _Relock(locked | extra)
+        pending = _unpositioned_tombstones(state.consumers.values())
+        if pending:
+            raise _Unpositioned(pending)
         before = persisted.clone(state)
         try:
             events = decide(job.command, state)
@@ -1395,9 +1422,14 @@ class PostgresBackend:
         async with self._connection() as conn:
             try:
                 async with conn.transaction(isolation="repeatable_read", readonly=True):
-                    return await fn(conn, *args)
+                    found = await fn(conn, *args)
             except DB_ERRORS as exc:
                 raise _storage_error(exc, f"querying {name}", None) from None
+        if isinstance(found, ConsumerState) and (pending := _unpositioned_tombstones([found])):
+            # a tombstone committed but not positioned yet (its writer has not run the sequencer,
+            # or died first): its position, not its -seq
+            (found.deleted_at,) = await self._positions_of(pending)
+        return found
 
     async def tamper(self, sql: str, params: Sequence[Any] = ()) -> None:
         """Run raw SQL (tests and repair tools only); ``?`` placeholders become ``$n``."""
