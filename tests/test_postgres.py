@@ -341,6 +341,50 @@ async def test_commands_on_disjoint_entities_are_in_flight_together(pg_url: str)
         assert (await store.usage(a)).usages["VCPU"] == 1 == (await store.usage(b)).usages["VCPU"]
 
 
+@pytest.mark.parametrize("stores", [1, 2], ids=["one-process", "two-processes"])
+async def test_commands_naming_one_custom_class_on_disjoint_entities_are_in_flight_together(
+    pg_url: str, stores: int
+) -> None:
+    """Found by review (helper-48): every command naming a custom class took an exclusive lock on
+    it (and queued behind the process's last one naming it), so allocations of CUSTOM_GPU on
+    disjoint consumers and providers ran one at a time, across the whole cloud. A class is never
+    deleted: only its creation needs the lock."""
+    async with contextlib.AsyncExitStack() as stack:
+        first = await stack.enter_async_context(open_store(pg_url))
+        second = first if stores == 1 else await stack.enter_async_context(open_store(pg_url))
+        await first.create_resource_class("CUSTOM_GPU")
+        a, b = await make_provider(first, CUSTOM_GPU=4), await make_provider(first, CUSTOM_GPU=4)
+        both_inside = asyncio.Barrier(2)
+
+        async def hook(conn: Any) -> None:
+            # Both transactions hold their locks and wait here: they cannot be serialised (one
+            # gives up after a while, failing its command, so a serialised pair does not hang).
+            async with asyncio.timeout(5):
+                await both_inside.wait()
+
+        pg(first)._before_commit = pg(second)._before_commit = hook
+        await asyncio.gather(
+            allocate(first, new_uuid(), {a: {"CUSTOM_GPU": 1}}),
+            allocate(second, new_uuid(), {b: {"CUSTOM_GPU": 1}}),
+        )
+        pg(first)._before_commit = pg(second)._before_commit = None
+        assert (await first.usage(a)).usages == {"CUSTOM_GPU": 1} == (await first.usage(b)).usages
+        # creating a class is still serialised: created once, from two stores at once
+        assert [
+            r.positions
+            for r in await asyncio.gather(
+                first.create_resource_class("CUSTOM_FPGA"), second.create_resource_class("CUSTOM_FPGA")
+            )
+        ].count(()) == 1
+        # a command queued after a creation of its class (in one process) still runs after it
+        fresh = await make_provider(second)
+        await asyncio.gather(
+            second.create_resource_class("CUSTOM_NEW"),
+            second.set_inventories(fresh, {"CUSTOM_NEW": Inventory(total=1)}, generation=0),
+        )
+        assert (await first.audit()).clean
+
+
 async def test_commands_sharing_a_provider_are_serialised(pg_url: str) -> None:
     async with open_store(pg_url) as first, open_store(pg_url) as second:
         rp = await make_provider(first, VCPU=1)

@@ -2,11 +2,11 @@
 
 **Parallel writers.** Each command runs in its own READ COMMITTED transaction on a pooled
 connection. It first takes ``pg_advisory_xact_lock`` on hashed keys of the entities it touches
-(consumers, providers, provider names, custom classes, its idempotency key), in sorted order; the
-loader then follows consumers to their providers and migrations, and any entity discovered beyond
-what is locked is locked too - directly if its key sorts after every held key; otherwise only if
-it is free at once (``pg_try_advisory_xact_lock``, which never waits), and failing that the
-transaction restarts with the whole set locked in order. Nothing ever waits for a lock out of
+(consumers, providers, provider names, the custom class it creates, its idempotency key), in
+sorted order; the loader then follows consumers to their providers and migrations, and any entity
+discovered beyond what is locked is locked too - directly if its key sorts after every held key;
+otherwise only if it is free at once (``pg_try_advisory_xact_lock``, which never waits), and
+failing that the transaction restarts with the whole set locked in order. Nothing ever waits for a lock out of
 order, so lock waits never form a cycle.
 Commands on disjoint entities therefore commit in parallel; commands sharing one are serialised.
 A deadlock (40P01) or serialization failure (40001) reported by the server is retried.
@@ -90,7 +90,7 @@ import asyncpg  # type: ignore[import-untyped,unused-ignore]
 import structlog
 
 from evstore import errors as err
-from evstore.commands import Needs, decide
+from evstore.commands import CreateResourceClass, Needs, decide
 from evstore.events import EventBase, RecordedEvent
 from evstore.log import (
     HISTORY_EXAMPLES,
@@ -1023,8 +1023,10 @@ class PostgresBackend:
         order they were started, the order their callers queued them (and take no connection
         just to wait for each other's locks). Entities a job reaches only while loading (a
         migration's instance, the providers of a consumer's allocations) are serialised by the
-        database's locks, in no promised order. The others run in parallel: a job waiting for a
-        lock held by another process holds back only the jobs that share an entity with it.
+        database's locks, in no promised order. A job naming a custom class waits for a creation
+        of that class started earlier, not for the other jobs naming it. The others run in
+        parallel: a job waiting for a lock held by another process holds back only the jobs that
+        share an entity with it.
         ``wanted[i]()`` is asked when job ``i`` is about to begin its transaction: if its caller
         has given up meanwhile, it does not run.
         """
@@ -1035,7 +1037,8 @@ class PostgresBackend:
         tasks: list[asyncio.Task[Outcome]] = []
         for i, job in enumerate(jobs):
             names = _lock_names(job)
-            before = {last[n] for n in names if n in last}
+            # (a command naming a custom class also waits for a creation of it queued before it)
+            before = {last[n] for n in names | _classes_named(job) if n in last}
             ended: asyncio.Future[None] = loop.create_future()  # (its transaction)
             for n in names:
                 last[n] = ended
@@ -1703,10 +1706,21 @@ def _lock_names(job: Job) -> set[str]:
     names = {f"consumer:{c}" for c in n.consumers | n.migrations_of}
     names |= {f"provider:{p}" for p in n.providers | n.children_of}
     names |= {f"provider_name:{name}" for name in n.provider_names}
-    names |= {f"class:{rc}" for rc in n.resource_classes if rc.startswith("CUSTOM_")}
+    if isinstance(job.command, CreateResourceClass):
+        # Only a creation locks its class (created once, from any number of processes). A class
+        # is never deleted, so a command that finds it can rely on it until it commits, and one
+        # that does not is refused (nothing written): both are what running alone before or after
+        # the creation would decide. Locking it for them too serialised every write naming a
+        # custom class (every CUSTOM_GPU allocation in the cloud) though their entities are disjoint.
+        names.add(f"class:{job.command.name}")
     if job.idempotency_key is not None:
         names.add(f"idempotency:{job.idempotency_key}")
     return names
+
+
+def _classes_named(job: Job) -> set[str]:
+    """The custom classes a command names, as :func:`_lock_names` names a class's creation."""
+    return {f"class:{rc}" for rc in job.needs.resource_classes if rc.startswith("CUSTOM_")}
 
 
 def _slice_names(state: State) -> Iterable[str]:
