@@ -144,3 +144,19 @@ def test_a_fifo_as_the_database_is_refused_not_waited_on(tmp_path: Path) -> None
             done = evstore(*command, *store, timeout=30)
             assert _error(done) == (1, "evstore.invalid_input"), (command, store, done.stderr)
             assert "FIFO" in done.stderr, done.stderr
+
+
+def test_an_import_into_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Regression (review 23, helper-49): ``mkfifo f; evstore import dump.jsonl --db f`` blocked
+    for ever - the import's look for another application's tables (``foreign_tables``) opened the
+    pipe before the store's open could refuse it."""
+    fifo = tmp_path / "pipe.db"
+    os.mkfifo(fifo)
+    source = demo_db(tmp_path / "source.db", instances=2, nodes=2)
+    dump = tmp_path / "d.jsonl"
+    assert evstore("export", "--db", str(source), "-o", str(dump)).returncode == 0
+    for store in (["--db", str(fifo)], ["--url", f"sqlite:///{fifo}"]):
+        done = evstore("import", str(dump), *store, timeout=30)
+        assert _error(done) == (1, "evstore.invalid_input"), (store, done.stderr)
+        assert "FIFO" in done.stderr, done.stderr
+    assert fifo.is_fifo()

@@ -1314,9 +1314,9 @@ def _holds_no_store(path: str) -> bool:
 def foreign_tables(path: str) -> list[str]:
     """The tables of an existing SQLite database that are not evstore's (another application's:
     an import must not write evstore's tables beside them); empty when the file is missing,
-    empty, an evstore store, or no database (read-only check)."""
-    if path == ":memory:":
-        return []
+    empty, an evstore store, no database or not a regular file (read-only check)."""
+    if path == ":memory:" or _not_a_file(path) is not None:
+        return []  # (a FIFO would be waited on for ever: the store's open refuses it with the reason)
     try:
         tables = _table_names(path)
     except sqlite3.Error:
