@@ -22,6 +22,7 @@ import pytest
 from evstore import (
     AllocationStore,
     CapacityExceeded,
+    ConsumerDeleted,
     EvstoreError,
     InvalidInput,
     Inventory,
@@ -1014,6 +1015,34 @@ async def test_a_tombstone_not_positioned_yet_is_reported_at_its_position(pg_url
             go_on.set()
         assert (await deleting).position == 4
         assert (await reader.audit()).clean
+
+
+async def test_a_tombstone_not_positioned_yet_is_positioned_even_with_one_attempt(pg_url: str) -> None:
+    """Found by review (helper-49): a command whose slice holds a tombstone not positioned yet
+    rolls back, positions it and decides again - but that round counted as a failed attempt, so
+    with ``max_retries=1`` (one attempt, no retry of deadlocks) a write to a consumer deleted a
+    moment before by another process failed with evstore.storage ('did not get positions')
+    instead of ConsumerDeleted. Nothing failed: the round is no retry of a fault."""
+    async with open_store(pg_url) as writer, open_store(pg_url, max_retries=1) as other:
+        rp = await make_provider(writer, VCPU=4)
+        c = new_uuid()
+        await allocate(writer, c, {rp: {"VCPU": 1}})
+        committed, go_on = asyncio.Event(), asyncio.Event()
+
+        async def slow_to_sequence(conn: Any) -> None:
+            committed.set()
+            await go_on.wait()
+
+        pg(writer)._after_commit = slow_to_sequence
+        deleting = asyncio.ensure_future(writer.delete_consumer(c))
+        try:
+            async with asyncio.timeout(30):
+                await committed.wait()
+                with pytest.raises(ConsumerDeleted, match="deleted at position 4;"):
+                    await allocate(other, c, {rp: {"VCPU": 1}})
+        finally:
+            go_on.set()
+        assert (await deleting).position == 4
 
 
 # --- many processes, faults -------------------------------------------------------------------

@@ -1083,6 +1083,7 @@ class PostgresBackend:
     async def _run_job(self, job: Job, ended: asyncio.Future[None] | None = None) -> Outcome:
         keys = {self._key(n) for n in _lock_names(job)}
         attempt = 0
+        positioning = 0  # (rounds that positioned a tombstone: no fault, so not an attempt)
         while True:
             try:
                 result = await self._attempt(job, keys)
@@ -1090,9 +1091,11 @@ class PostgresBackend:
             except _Relock as relock:
                 keys = relock.keys
             except _Unpositioned as pending:
-                # (rolled back; its connection is free: the sequencer needs one, even in a pool of one)
-                attempt += 1
-                if attempt >= self.max_retries:
+                # (rolled back; its connection is free: the sequencer needs one, even in a pool of
+                # one). Each round positions what it found (or raises): another comes only if
+                # another consumer of the slice was deleted meanwhile.
+                positioning += 1
+                if positioning > max(self.max_retries, 3):
                     raise err.StorageError(
                         f"Committed events {pending.seqs} did not get positions", seqs=pending.seqs
                     ) from None
