@@ -1045,6 +1045,32 @@ async def test_a_tombstone_not_positioned_yet_is_positioned_even_with_one_attemp
         assert (await deleting).position == 4
 
 
+async def test_a_tombstone_naming_no_event_is_a_damaged_projection(pg_url: str) -> None:
+    """Found by review (helper-49, stop 23): a tombstone row whose ``deleted_at`` is a ``-seq`` no
+    event has (a damaged projection) made every read and command on the consumer fail with
+    evstore.storage "Committed events [999999] did not get positions" after three sequencer runs:
+    no event will ever get that position. It is ProjectionCorrupt, which says to rebuild, and a
+    rebuild repairs it."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=4)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        deleted = (await store.delete_consumer(c)).position
+        await store.backend.tamper(  # type: ignore[attr-defined]
+            "UPDATE p_consumers SET deleted_at = -999999 WHERE uuid = ?", (c,)
+        )
+        with pytest.raises(ProjectionCorrupt, match="rebuild"):
+            await store.allocations(c)
+        head = await store.head()
+        with pytest.raises(ProjectionCorrupt, match="rebuild"):
+            await allocate(store, c, {rp: {"VCPU": 1}})
+        assert await store.head() == head
+        await store.rebuild()
+        assert (await store.allocations(c)).deleted_at == deleted
+        with pytest.raises(ConsumerDeleted):
+            await allocate(store, c, {rp: {"VCPU": 1}})
+
+
 # --- many processes, faults -------------------------------------------------------------------
 
 

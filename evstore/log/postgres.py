@@ -1099,7 +1099,7 @@ class PostgresBackend:
                     raise err.StorageError(
                         f"Committed events {pending.seqs} did not get positions", seqs=pending.seqs
                     ) from None
-                await self._positions_of(pending.seqs)
+                await self._tombstone_positions(pending.seqs)
             except _StaleConnection:
                 attempt += 1
                 if attempt >= self.max_retries:
@@ -1235,6 +1235,25 @@ class PostgresBackend:
         return receipt, seqs
 
     # --- the sequencer --------------------------------------------------------------------
+
+    async def _tombstone_positions(self, seqs: Sequence[int]) -> tuple[int, ...]:
+        """Positions of the events of tombstones found unpositioned (``deleted_at`` = ``-seq``).
+        A seq no event has is a damaged row, not an event waiting for the sequencer: said at once
+        (ProjectionCorrupt, which a rebuild repairs) rather than after runs that cannot help."""
+        async with self._connection() as conn:
+            held = await self._guard(
+                conn.fetch("SELECT seq FROM events WHERE seq = ANY($1::bigint[])", list(seqs)),
+                "reading events",
+            )
+        missing = sorted(set(seqs) - {r["seq"] for r in held})
+        if missing:
+            raise err.ProjectionCorrupt(
+                f"A consumer's tombstone names events the log does not hold (seqs {missing[:5]}): the "
+                "projection is damaged (`evstore audit` says where; `evstore rebuild` refolds it from "
+                "the log)",
+                seqs=missing,
+            )
+        return await self._positions_of(seqs)
 
     async def _positions_of(self, seqs: Sequence[int]) -> tuple[int, ...]:
         """Positions of committed events, running the sequencer if they have none yet."""
@@ -1434,7 +1453,7 @@ class PostgresBackend:
         if isinstance(found, ConsumerState) and (pending := _unpositioned_tombstones([found])):
             # a tombstone committed but not positioned yet (its writer has not run the sequencer,
             # or died first): its position, not its -seq
-            (found.deleted_at,) = await self._positions_of(pending)
+            (found.deleted_at,) = await self._tombstone_positions(pending)
         return found
 
     async def tamper(self, sql: str, params: Sequence[Any] = ()) -> None:
