@@ -983,6 +983,31 @@ async def test_a_tombstone_reports_its_position(pg_url: str) -> None:
             await allocate(store, c, {rp: {"VCPU": 1}})
 
 
+@contextlib.asynccontextmanager
+async def _deleted_not_positioned_yet(writer: AllocationStore) -> AsyncIterator[tuple[str, str]]:
+    """A consumer holding 1 VCPU, deleted by ``writer`` whose sequencer is held back after the
+    delete's COMMIT: inside the block, the tombstone is committed at position 4 but has none yet.
+    Yields (provider, consumer)."""
+    rp = await make_provider(writer, VCPU=4)
+    c = new_uuid()
+    await allocate(writer, c, {rp: {"VCPU": 1}})
+    committed, go_on = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_sequence(conn: Any) -> None:
+        committed.set()
+        await go_on.wait()
+
+    pg(writer)._after_commit = slow_to_sequence
+    deleting = asyncio.ensure_future(writer.delete_consumer(c))
+    try:
+        async with asyncio.timeout(30):
+            await committed.wait()
+            yield rp, c
+    finally:
+        go_on.set()
+    assert (await deleting).position == 4
+
+
 async def test_a_tombstone_not_positioned_yet_is_reported_at_its_position(pg_url: str) -> None:
     """Found by review (helper-48): between a delete's commit and the sequencer's run (or for
     good, its writer dead after committing) the projection holds the tombstone's -seq, and
@@ -990,30 +1015,14 @@ async def test_a_tombstone_not_positioned_yet_is_reported_at_its_position(pg_url
     negative number as the position it was deleted at. (The reader has a pool of one connection:
     it positions the tombstone on it, outside the command's transaction.)"""
     async with open_store(pg_url) as writer, open_store(pg_url, pool_size=1) as reader:
-        rp = await make_provider(writer, VCPU=4)
-        c = new_uuid()
-        await allocate(writer, c, {rp: {"VCPU": 1}})
-        committed, go_on = asyncio.Event(), asyncio.Event()
-
-        async def slow_to_sequence(conn: Any) -> None:
-            committed.set()
-            await go_on.wait()
-
-        pg(writer)._after_commit = slow_to_sequence
-        deleting = asyncio.ensure_future(writer.delete_consumer(c))
-        try:
-            async with asyncio.timeout(30):
-                await committed.wait()
-                view = await reader.allocations(c)
-                assert view.deleted and view.deleted_at == 4
-                with pytest.raises(EvstoreError, match="deleted at position 4;") as info:
-                    await allocate(reader, c, {rp: {"VCPU": 1}})
-                assert info.value.details["deleted_at"] == 4
-                with pytest.raises(NotFound, match=r"\(deleted at position 4\)"):
-                    await reader.release(c)
-        finally:
-            go_on.set()
-        assert (await deleting).position == 4
+        async with _deleted_not_positioned_yet(writer) as (rp, c):
+            view = await reader.allocations(c)
+            assert view.deleted and view.deleted_at == 4
+            with pytest.raises(EvstoreError, match="deleted at position 4;") as info:
+                await allocate(reader, c, {rp: {"VCPU": 1}})
+            assert info.value.details["deleted_at"] == 4
+            with pytest.raises(NotFound, match=r"\(deleted at position 4\)"):
+                await reader.release(c)
         assert (await reader.audit()).clean
 
 
@@ -1024,25 +1033,9 @@ async def test_a_tombstone_not_positioned_yet_is_positioned_even_with_one_attemp
     moment before by another process failed with evstore.storage ('did not get positions')
     instead of ConsumerDeleted. Nothing failed: the round is no retry of a fault."""
     async with open_store(pg_url) as writer, open_store(pg_url, max_retries=1) as other:
-        rp = await make_provider(writer, VCPU=4)
-        c = new_uuid()
-        await allocate(writer, c, {rp: {"VCPU": 1}})
-        committed, go_on = asyncio.Event(), asyncio.Event()
-
-        async def slow_to_sequence(conn: Any) -> None:
-            committed.set()
-            await go_on.wait()
-
-        pg(writer)._after_commit = slow_to_sequence
-        deleting = asyncio.ensure_future(writer.delete_consumer(c))
-        try:
-            async with asyncio.timeout(30):
-                await committed.wait()
-                with pytest.raises(ConsumerDeleted, match="deleted at position 4;"):
-                    await allocate(other, c, {rp: {"VCPU": 1}})
-        finally:
-            go_on.set()
-        assert (await deleting).position == 4
+        async with _deleted_not_positioned_yet(writer) as (rp, c):
+            with pytest.raises(ConsumerDeleted, match="deleted at position 4;"):
+                await allocate(other, c, {rp: {"VCPU": 1}})
 
 
 async def test_a_tombstone_naming_no_event_is_a_damaged_projection(pg_url: str) -> None:
