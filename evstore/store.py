@@ -600,6 +600,9 @@ class AllocationStore:
         try:
             receipt = await fut
         except err.EvstoreError as exc:
+            # (the future holds the error, whose traceback holds this frame: a reference cycle,
+            # left for the cyclic collector with the command and all it names, unless let go)
+            del fut
             _command_log.get().info("command.rejected", code=exc.code, error=exc.message, **context)
             exc.__dict__["_evstore_logged"] = True  # (not again by the method: _logs_rejections)
             raise

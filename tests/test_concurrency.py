@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -17,13 +18,16 @@ from evstore import (
     CapacityExceeded,
     ConcurrentUpdate,
     ConsumerAllocations,
+    ConsumerDeleted,
     DuplicateName,
     EvstoreError,
     Inventory,
+    NotFound,
     StorageError,
     StoreClosed,
     open_store,
 )
+from evstore.log import Job
 from evstore.store import make_backend
 from tests.conftest import allocate, make_provider, new_uuid
 
@@ -650,3 +654,38 @@ async def test_one_idempotency_key_from_several_processes(
         assert await store.head() == head + 1, "one command appended, once"
         assert (await store.usage(rp)).usages["VCPU"] in range(1, 7)
         assert (await store.audit()).clean
+
+
+async def test_a_rejected_command_leaves_no_reference_cycle(store: AllocationStore) -> None:
+    """A rejected command, its job and the group commit it was in are freed by reference
+    counting. The error's traceback holds the frames it passed through (and their callers',
+    through ``f_back``); the writer's frames held the batch's outcomes (the error among them)
+    and the caller's the future (holding the error): every batch with a rejection was a cycle,
+    kept for the cyclic collector - which then scanned it in each collection (under load, most of
+    the collector's work, ~10% of a 64-task run)."""
+    rp = await make_provider(store, VCPU=8)
+    gone = new_uuid()
+    await allocate(store, gone, {rp: {"VCPU": 1}})
+    await store.delete_consumer(gone)
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # (what a collection finds unreachable stays in gc.garbage)
+    try:
+        for _ in range(3):
+            with pytest.raises(NotFound):
+                await store.release(gone)
+            with pytest.raises(ConsumerDeleted):
+                await asyncio.gather(
+                    allocate(store, gone, {rp: {"VCPU": 1}}), allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+                )
+        gc.collect()
+        kept = sorted(
+            {type(o).__name__ for o in gc.garbage if isinstance(o, (Job, asyncio.Future, EvstoreError))}
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+    assert kept == []

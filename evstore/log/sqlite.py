@@ -671,7 +671,14 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-    return outcomes
+    # A rejection's traceback holds this frame (and its callers', through ``f_back``), and the
+    # outcomes hold the rejection: were this frame to keep them, the batch (its jobs, receipts,
+    # slices, and on the loop their futures) would be a reference cycle, left for the cyclic
+    # collector - which would scan it in every collection meanwhile. The frame lets them go.
+    try:
+        return outcomes
+    finally:
+        del outcomes
 
 
 # --- the async facade -------------------------------------------------------------------------
@@ -872,6 +879,7 @@ class SqliteBackend:
                 except Exception as exc:
                     result = exc
                 loop.call_soon_threadsafe(deliver, token, result)
+                del taken, jobs, token, result  # (not kept by this frame: see the end of run_batch)
 
         await _on_thread(self._writer, work)
 
