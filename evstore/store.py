@@ -1083,7 +1083,7 @@ class AllocationStore:
         if (position is None) == (at is None):
             raise err.InvalidInput("state_at needs exactly one of position= or at=")
         if at is not None:
-            if not isinstance(at, datetime) or at.tzinfo is None:
+            if not isinstance(at, datetime) or at.utcoffset() is None:
                 raise err.InvalidInput("at must be a timezone-aware datetime")
             position = await self.position_of(at)
         position = _position(position)
@@ -1139,7 +1139,7 @@ class AllocationStore:
     async def position_of(self, point: int | datetime) -> int:
         """A position given as itself or as a timezone-aware time (the last event at or before it)."""
         if isinstance(point, datetime):
-            if point.tzinfo is None:
+            if point.utcoffset() is None:  # (naive: no tzinfo, or one that gives no offset)
                 raise err.InvalidInput("a time must be timezone-aware (e.g. 2026-01-02T03:04:05+00:00)")
             try:
                 point.astimezone(UTC)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,19 @@ async def test_replay_to_a_time(store: AllocationStore) -> None:
     assert (await store.replay(at=between - timedelta(days=1))).position == 0
     with pytest.raises(InvalidInput, match="timezone-aware"):
         await store.replay(at=datetime.now())  # naive time
+
+    class NoOffset(tzinfo):  # (helper-51: Python calls such a time naive; astimezone reads it as local)
+        def utcoffset(self, dt: datetime | None) -> timedelta | None:
+            return None
+
+    odd = datetime.now().replace(tzinfo=NoOffset())
+    for call in (
+        lambda: store.replay(at=odd),
+        lambda: store.position_of(odd),
+        lambda: store.state_at(at=odd),
+    ):
+        with pytest.raises(InvalidInput, match="timezone-aware"):
+            await call()
     with pytest.raises(InvalidInput, match="at most one"):
         await store.replay(allocated, at=between)
     with pytest.raises(InvalidInput, match="datetime"):
