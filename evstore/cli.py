@@ -12,10 +12,12 @@ a missing file, a directory, a malformed uuid - is an error (1). An error is one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import sqlite3
 import stat
 import sys
@@ -852,10 +854,36 @@ def tail(
     url: UrlOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
-    """Print events as they are appended (by any process), until interrupted (Ctrl-C)."""
+    """Print events as they are appended (by any process), until interrupted (Ctrl-C or SIGTERM)."""
 
     async def work() -> int:
+        # SIGTERM (kill, systemd, a container stopping) stops it as Ctrl-C does: the store closed,
+        # exit 0 - not the default action's death mid-write
+        task = asyncio.current_task()
+        terminated = False
 
+        def terminate() -> None:
+            nonlocal terminated
+            terminated = True
+            if task is not None:
+                task.cancel()
+
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGTERM, terminate)
+        except (NotImplementedError, RuntimeError):  # (no signal handlers here: the default stays)
+            pass
+        try:
+            return await follow_log()
+        except asyncio.CancelledError:
+            if terminated:
+                return EXIT_OK
+            raise
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGTERM)
+
+    async def follow_log() -> int:
         async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
             start = head if after is None else after

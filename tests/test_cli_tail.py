@@ -77,6 +77,23 @@ def test_tail_stops_cleanly_on_interrupt(tmp_path: Path) -> None:
     assert "Traceback" not in err
 
 
+def test_tail_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """Regression (stop 23, helper-51): SIGTERM (``kill``, systemd, a container stopping) killed a
+    following tail by the default action (exit -15, no clean-up: the store not closed), where
+    Ctrl-C stops it with 0. Both stop it the same way now."""
+    db = demo_db(tmp_path / "c.db", instances=5, nodes=2)
+    proc = _start_tail("--db", str(db))
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"tail did not stop on SIGTERM; its threads:\n{err}") from None
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "Traceback" not in err
+
+
 def test_tail_from_the_start_without_following(tmp_path: Path) -> None:
     db = demo_db(tmp_path / "c.db", instances=5, nodes=2)
     head = json.loads(evstore("stats", "--db", str(db), "--json").stdout)["head"]
