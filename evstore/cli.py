@@ -418,12 +418,11 @@ def _fresh_file(path: Path) -> Path:
 
     Anything else at ``path`` (another store, any other file) is left alone: the demo refuses.
     """
-    if path.exists() and not path.is_file():  # (a FIFO: reading it would wait for a writer for ever)
-        fail(
-            "evstore.invalid_input",
-            f"{path} is {'a FIFO (named pipe)' if path.is_fifo() else 'not a regular file'}, not a "
-            "database file: give the demo a file path (--db demo.db)",
-        )
+    from evstore.log.sqlite import not_a_regular_file
+
+    kind = not_a_regular_file(str(path))  # (a FIFO: reading it would wait for a writer for ever)
+    if kind is not None:
+        fail("evstore.invalid_input", f"{path} {kind}, not a database file: give the demo a file path")
     if path.exists() and not os.access(path.absolute().parent, os.W_OK):
         # (_is_demo_database cannot read a WAL database there either: not a reason to call it foreign)
         fail(

@@ -773,7 +773,7 @@ class SqliteBackend:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
                 raise err.StorageError(f"Cannot open {self.url}: directory {parent} does not exist")
-            kind = await asyncio.to_thread(_not_a_file, self.path)
+            kind = await asyncio.to_thread(not_a_regular_file, self.path)
             if kind is not None:  # (SQLite would wait for ever on a FIFO's other end)
                 raise err.InvalidInput(
                     f"Cannot open {self.url}: {self.path} {kind}, not a database file (a SQLite store is a "
@@ -1255,8 +1255,10 @@ def _rows_naming(
     return conn.execute(sql, (after, last, *names))
 
 
-def _not_a_file(path: str) -> str | None:
-    """What ``path`` is when it exists and is not a regular file (symbolic links followed)."""
+def not_a_regular_file(path: str) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (symbolic links followed), as a
+    message says it ("is a FIFO (named pipe)"); ``None`` for a file or nothing. SQLite would
+    wait for ever on a FIFO's other end."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -1323,7 +1325,7 @@ def foreign_tables(path: str) -> list[str]:
     """The tables of an existing SQLite database that are not evstore's (another application's:
     an import must not write evstore's tables beside them); empty when the file is missing,
     empty, an evstore store, no database or not a regular file (read-only check)."""
-    if path == ":memory:" or _not_a_file(path) is not None:
+    if path == ":memory:" or not_a_regular_file(path) is not None:
         return []  # (a FIFO would be waited on for ever: the store's open refuses it with the reason)
     try:
         tables = _table_names(path)
