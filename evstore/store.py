@@ -65,6 +65,7 @@ from projections.views import (
     ProjectUsages,
     ProviderUsage,
     reserved_type_usages,
+    sorted_holdings,
 )
 
 #: ``set_allocations``' body: resources by provider uuid. Keys may be ``str`` or ``UUID``; a mapping is
@@ -897,7 +898,7 @@ class AllocationStore:
         found: dict[str, dict[str, int]] | None = await self._backend.query("provider_allocations", uuid)
         if found is None:
             raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
-        return found
+        return sorted_holdings(found)
 
     async def usages(
         self, project_id: str, user_id: str | None = None, consumer_type: str | None = None

@@ -25,6 +25,16 @@ def _to_dict(self: Any) -> dict[str, Any]:
     return asdict(self)
 
 
+def _sorted(amounts: Mapping[str, int]) -> dict[str, int]:
+    return dict(sorted(amounts.items()))
+
+
+def sorted_holdings(held: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """``{entity: {class: amount}}`` in one order, whatever order it was stored or folded in
+    (each backend's rows, and the events of time travel, come in their own)."""
+    return {key: _sorted(amounts) for key, amounts in sorted(held.items())}
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class ProviderUsage(Mapping[str, int]):
     """``usage(provider)``: the generation and one entry per inventory class (0 where unused)."""
@@ -48,7 +58,7 @@ class ProviderUsage(Mapping[str, int]):
 
     @classmethod
     def of(cls, p: ProviderState) -> ProviderUsage:
-        return cls(p.uuid, p.generation, p.usage_view())
+        return cls(p.uuid, p.generation, _sorted(p.usage_view()))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -84,7 +94,7 @@ class ConsumerView(Mapping[str, dict[str, int]]):
             return cls(uuid, {}, None, None, None, None, False)
         return cls(
             uuid,
-            {p: dict(r) for p, r in c.allocations.items()},
+            sorted_holdings(c.allocations),
             c.project_id if c.allocations else (c.project_id if c.deleted else None),
             c.user_id if c.allocations else (c.user_id if c.deleted else None),
             c.consumer_type if c.allocations else (c.consumer_type if c.deleted else None),
@@ -132,9 +142,10 @@ class ProjectUsages(Mapping[str, int]):
             group[rc] = group.get(rc, 0) + used
             consumers.add(consumer)
             per_type_consumers.setdefault(t, set()).add(consumer)
-        for t, members in per_type_consumers.items():
-            by_type[t]["consumer_count"] = len(members)
-        return cls(totals, len(consumers), by_type)
+        groups = {
+            t: {**_sorted(by_type[t]), "consumer_count": len(per_type_consumers[t])} for t in sorted(by_type)
+        }
+        return cls(_sorted(totals), len(consumers), groups)
 
 
 #: Placement's reserved ``consumer_type`` values (microversion 1.38): every consumer, grouped as
@@ -167,9 +178,6 @@ def project_usage_rows(
 
 
 def provider_allocations(state: State, provider: str) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for c in sorted(state.consumers.values(), key=lambda c: c.uuid):
-        res = c.allocations.get(provider)
-        if res:
-            out[c.uuid] = dict(res)
-    return out
+    return sorted_holdings(
+        {c.uuid: res for c in state.consumers.values() if (res := c.allocations.get(provider))}
+    )

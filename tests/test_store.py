@@ -1370,3 +1370,66 @@ async def test_a_damaged_consumer_row_fails_only_its_own_command_in_a_group_comm
         assert not [o for o in outcomes[1:] if isinstance(o, BaseException)], outcomes
         for c in healthy:
             assert (await store.allocations(c)).allocations == {rp: {"VCPU": 2}}
+
+
+async def test_query_answers_come_in_one_order_on_every_backend_live_and_in_time_travel(
+    store: AllocationStore,
+) -> None:
+    # The same script answered the same values in different orders: SQLite's live reads sorted
+    # providers and classes (its index order), PostgreSQL's kept the order they were written in,
+    # time travel the order of the events, and usages() the order of the rows - so to_dict(), JSON
+    # and printed answers differed between backends and between `usage` and `state_at(...).usage`.
+    # Every answer is now sorted: providers, consumers, classes and consumer types.
+    a = new_uuid()
+    b = new_uuid()
+    first, second = sorted((a, b))
+    await store.create_provider(second, "second")
+    await store.create_provider(first, "first")
+    await store.set_inventories(first, {"VCPU": Inventory(total=100)}, generation=0)
+    await store.set_inventory(first, "DISK_GB", Inventory(total=100), generation=1)  # added after VCPU
+    await store.set_inventories(
+        second, {"VCPU": Inventory(total=100), "MEMORY_MB": Inventory(total=1000)}, generation=0
+    )
+    held = {second: {"VCPU": 1, "MEMORY_MB": 10}, first: {"VCPU": 2, "DISK_GB": 5}}  # unsorted
+    consumers = sorted(new_uuid() for _ in range(2))
+    await allocate(store, consumers[1], held, consumer_type="MIGRATION")
+    await allocate(store, consumers[0], held, consumer_type="INSTANCE")
+    receipt = await store.write_allocations(
+        {
+            c: ConsumerAllocations(
+                allocations={},
+                project_id="project",
+                user_id="user",
+                consumer_type="INSTANCE",
+                consumer_generation=1,
+            )
+            for c in consumers[::-1]
+        }
+    )
+    assert list(receipt.provider_generations) == [first, second]
+    for c, t in zip(consumers[::-1], ("MIGRATION", "INSTANCE"), strict=True):
+        await allocate(store, c, held, consumer_type=t)
+    past = await store.state_at(position=await store.head())
+    for view in (store, past):
+        usage = await view.usage(first)
+        assert list(usage) == ["DISK_GB", "VCPU"]
+        mine = await view.allocations(consumers[0])
+        assert list(mine) == [first, second]
+        assert [list(mine[p]) for p in mine] == [["DISK_GB", "VCPU"], ["MEMORY_MB", "VCPU"]]
+        holders = await view.provider_allocations(first)
+        assert list(holders) == consumers
+        assert all(list(r) == ["DISK_GB", "VCPU"] for r in holders.values())
+        usages = await view.usages("project")
+        assert list(usages) == ["DISK_GB", "MEMORY_MB", "VCPU"]
+        assert list(usages.by_consumer_type) == ["INSTANCE", "MIGRATION"]
+        assert list(usages.by_consumer_type["INSTANCE"]) == ["DISK_GB", "MEMORY_MB", "VCPU", "consumer_count"]
+        assert json.dumps(usages.to_dict()) == json.dumps(
+            {
+                "usages": {"DISK_GB": 10, "MEMORY_MB": 20, "VCPU": 6},
+                "consumer_count": 2,
+                "by_consumer_type": {
+                    "INSTANCE": {"DISK_GB": 5, "MEMORY_MB": 10, "VCPU": 3, "consumer_count": 1},
+                    "MIGRATION": {"DISK_GB": 5, "MEMORY_MB": 10, "VCPU": 3, "consumer_count": 1},
+                },
+            }
+        )

@@ -1226,7 +1226,7 @@ class PostgresBackend:
         receipt = Receipt(
             tuple(seqs),
             {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
-            {p.uuid: p.generation for p in state.providers.values()},
+            {u: state.providers[u].generation for u in sorted(state.providers)},
         )
         if key is not None:
             await conn.execute(

@@ -619,7 +619,7 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
         receipt = Receipt(
             tuple(p for p, _ in appended),
             {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
-            {p.uuid: p.generation for p in state.providers.values()},
+            {u: state.providers[u].generation for u in sorted(state.providers)},
         )
         if key is not None:
             conn.execute("INSERT INTO idempotency VALUES (?,?,?)", (key, job.fingerprint, receipt.to_json()))
