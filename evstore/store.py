@@ -261,7 +261,12 @@ def _fingerprint(command: cmd.Command) -> str:
             return o.model_dump()
         raise TypeError(type(o).__name__)
 
-    payload = json.dumps([type(command).__name__, asdict(command)], default=default, sort_keys=True)
+    fields = asdict(command)
+    if isinstance(command, cmd.WriteAllocations):
+        # a mapping of consumers, as Placement's POST /allocations body is a JSON object: its order
+        # is not part of the command (as the order of providers and classes is not; sort_keys)
+        fields["consumers"] = sorted(fields["consumers"], key=lambda w: str(w["consumer"]))
+    payload = json.dumps([type(command).__name__, fields], default=default, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -249,6 +249,32 @@ async def test_idempotent_commands_append_once(store: AllocationStore) -> None:
     assert await store.head() == h
 
 
+async def test_a_retried_write_allocations_with_its_consumers_in_another_order_is_the_same_command(
+    store: AllocationStore,
+) -> None:
+    # Placement's POST /allocations body is a JSON object: the order of its consumers means nothing,
+    # and a retry that rebuilt the body (from a set, or another JSON parse) listed them in another
+    # order. The fingerprint kept that order, so the retry was refused with IdempotencyConflict
+    # although the order of providers and classes within a consumer was already ignored.
+    rp = await make_provider(store, VCPU=8)
+    c1, c2 = new_uuid(), new_uuid()
+
+    def body(amount: int) -> ConsumerAllocations:
+        return ConsumerAllocations(
+            allocations={rp: {"VCPU": amount}}, project_id="p", user_id="u", consumer_type="INSTANCE"
+        )
+
+    first = await store.write_allocations({c1: body(1), c2: body(2)}, idempotency_key="req-w")
+    head = await store.head()
+    again = await store.write_allocations({c2: body(2), c1: body(1)}, idempotency_key="req-w")
+    assert again.replayed and again.positions == first.positions
+    assert await store.head() == head
+    with pytest.raises(
+        IdempotencyConflict
+    ):  # the same consumers with their amounts swapped is another command
+        await store.write_allocations({c2: body(1), c1: body(2)}, idempotency_key="req-w")
+
+
 async def test_an_idempotency_key_that_is_not_text_is_refused_alone(store: AllocationStore) -> None:
     """A key with a lone surrogate cannot be stored: it used to fail deep in the writer, taking
     every command of its group commit down with it (StorageError)."""
