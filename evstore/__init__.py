@@ -48,7 +48,13 @@ if TYPE_CHECKING:
     from projections.diff import ConsumerChange, Diff, UsageDelta
     from projections.replay import StateView
     from projections.state import State
-    from projections.views import ConsumerView, ProjectUsages, ProviderUsage
+    from projections.views import (
+        ConsumerView,
+        ProjectUsages,
+        ProviderInventories,
+        ProviderUsage,
+        ProviderView,
+    )
 
 __version__ = "0.1.0"
 
@@ -66,6 +72,8 @@ _LAZY = {
     "Finding": "projections.audit",
     # what the queries answer (for annotations)
     "ProviderUsage": "projections.views",
+    "ProviderInventories": "projections.views",
+    "ProviderView": "projections.views",
     "ConsumerView": "projections.views",
     "ProjectUsages": "projections.views",
     "StateView": "projections.replay",
@@ -117,8 +125,10 @@ __all__ = [
     "ProjectionCorrupt",
     "ProviderAllocations",
     "ProviderInUse",
+    "ProviderInventories",
     "ProviderNotFound",
     "ProviderUsage",
+    "ProviderView",
     "Receipt",
     "RecordedEvent",
     "SchemaVersionError",

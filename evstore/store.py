@@ -58,12 +58,14 @@ from projections import audit as _audit
 from projections.audit import AuditReport
 from projections.diff import Diff
 from projections.replay import StateView, replay
-from projections.state import State
+from projections.state import ProviderState, State
 from projections.views import (
     RESERVED_CONSUMER_TYPES,
     ConsumerView,
     ProjectUsages,
+    ProviderInventories,
     ProviderUsage,
+    ProviderView,
     reserved_type_usages,
     sorted_holdings,
 )
@@ -883,11 +885,25 @@ class AllocationStore:
     async def usage(self, provider: str | _uuid.UUID) -> ProviderUsage:
         """A provider's usage per class (a read-only mapping, 0 for stocked classes nobody holds),
         with ``.provider`` (its uuid) and ``.generation``. Raises ``ProviderNotFound``."""
+        return ProviderUsage.of(await self._provider_state(provider))
+
+    async def inventories(self, provider: str | _uuid.UUID) -> ProviderInventories:
+        """A provider's inventories (a read-only mapping of class to :class:`Inventory`, by class),
+        with ``.provider`` and ``.generation`` - the generation the inventory commands expect.
+        Raises ``ProviderNotFound``."""
+        return ProviderInventories.of(await self._provider_state(provider))
+
+    async def provider(self, provider: str | _uuid.UUID) -> ProviderView:
+        """A provider's ``.uuid``, ``.name``, ``.generation``, ``.parent`` (None for a root) and
+        ``.root``. Raises ``ProviderNotFound``."""
+        return ProviderView.of(await self._provider_state(provider))
+
+    async def _provider_state(self, provider: str | _uuid.UUID) -> ProviderState:
         uuid = normalize_uuid(provider, "provider uuid")
-        prov = await self._backend.query("provider", uuid)
+        prov: ProviderState | None = await self._backend.query("provider", uuid)
         if prov is None:
             raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
-        return ProviderUsage.of(prov)
+        return prov
 
     async def allocations(self, consumer: str | _uuid.UUID) -> ConsumerView:
         """A consumer's allocations ``{provider: {class: amount}}`` (empty for an unknown or absent

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from evstore.schema import Inventory
 from projections.state import ConsumerState, ProviderState, State
 
 
@@ -59,6 +60,59 @@ class ProviderUsage(Mapping[str, int]):
     @classmethod
     def of(cls, p: ProviderState) -> ProviderUsage:
         return cls(p.uuid, p.generation, _sorted(p.usage_view()))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ProviderInventories(Mapping[str, Inventory]):
+    """``inventories(provider)``: one :class:`~evstore.Inventory` per resource class, with the
+    provider's generation (Placement's GET /resource_providers/{uuid}/inventories): the
+    generation to pass to ``set_inventories`` / ``set_inventory`` / ``delete_inventory``."""
+
+    provider: str
+    generation: int
+    inventories: dict[str, Inventory]
+
+    def __getitem__(self, key: str) -> Inventory:
+        return self.inventories[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.inventories)
+
+    def __len__(self) -> int:
+        return len(self.inventories)
+
+    __eq__ = _equal
+    __hash__ = None  # type: ignore[assignment]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as plain JSON-ready values (each inventory as a dict of its fields)."""
+        return {
+            "provider": self.provider,
+            "generation": self.generation,
+            "inventories": {rc: inv.model_dump() for rc, inv in self.inventories.items()},
+        }
+
+    @classmethod
+    def of(cls, p: ProviderState) -> ProviderInventories:
+        return cls(p.uuid, p.generation, dict(sorted(p.inventories.items())))
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderView:
+    """``provider(uuid)``: Placement's GET /resource_providers/{uuid} - its name, generation,
+    parent (None for a root) and root (itself for a root)."""
+
+    uuid: str
+    name: str
+    generation: int
+    parent: str | None
+    root: str
+
+    to_dict = _to_dict
+
+    @classmethod
+    def of(cls, p: ProviderState) -> ProviderView:
+        return cls(p.uuid, p.name, p.generation, p.parent, p.root)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

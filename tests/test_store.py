@@ -1459,3 +1459,56 @@ async def test_query_answers_come_in_one_order_on_every_backend_live_and_in_time
                 },
             }
         )
+
+
+async def test_inventories_and_provider_read_back_what_was_written(store: AllocationStore) -> None:
+    # Placement's GET /resource_providers/{uuid} and /inventories: before, a provider's totals,
+    # reserved amounts, units and ratios, and its parent, could be read only by time travel.
+    root, child = new_uuid(), new_uuid()
+    await store.create_provider(root, "root")
+    await store.create_provider(child, "child", parent=root)
+    vcpu = Inventory(total=16, reserved=2, max_unit=8, allocation_ratio=4.0)
+    disk = Inventory(total=1000, step_size=10, min_unit=10)
+    generation = await store.set_inventories(child, {"VCPU": vcpu, "DISK_GB": disk}, generation=0)
+
+    inv = await store.inventories(child)
+    assert inv == {"DISK_GB": disk, "VCPU": vcpu}
+    assert list(inv) == ["DISK_GB", "VCPU"]  # by class, whatever order they were given in
+    assert (inv.provider, inv.generation) == (child, generation)
+    assert inv["VCPU"].allocation_ratio == 4.0
+    assert json.loads(json.dumps(inv.to_dict())) == {
+        "provider": child,
+        "generation": generation,
+        "inventories": {"DISK_GB": disk.model_dump(), "VCPU": vcpu.model_dump()},
+    }
+    # the generation it answers is the one the next inventory command must give
+    await store.set_inventory(child, "VCPU", Inventory(total=32), generation=inv.generation)
+    after = await store.inventories(child)
+    assert after["VCPU"] == Inventory(total=32) and after.generation == generation + 1
+    assert await store.inventories(root) == {}
+
+    await store.rename_provider(child, "renamed")
+    view = await store.provider(child)
+    assert (view.uuid, view.name, view.parent, view.root) == (child, "renamed", root, root)
+    assert view.generation == after.generation  # (a rename leaves the generation, as in Placement)
+    assert (await store.provider(root)).to_dict() == {
+        "uuid": root,
+        "name": "root",
+        "generation": 0,
+        "parent": None,
+        "root": root,
+    }
+
+    missing = new_uuid()
+    for query in (store.inventories, store.provider):
+        with pytest.raises(evstore.ProviderNotFound) as nf:
+            await query(missing)
+        assert nf.value.code == "placement.resource_provider.not_found" and missing in str(nf.value)
+        with pytest.raises(evstore.InvalidInput):
+            await query("not-a-uuid")
+    assert list(await store.inventories(child)) == ["DISK_GB", "VCPU"]
+    await store.delete_inventory(child, "DISK_GB")
+    assert list(await store.inventories(child)) == ["VCPU"]
+    await store.delete_provider(child)
+    with pytest.raises(evstore.ProviderNotFound):
+        await store.inventories(child)
