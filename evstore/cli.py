@@ -162,6 +162,13 @@ def given_path(value: str, option: str, *, must_exist: bool, what: str = "file")
     return path
 
 
+def not_empty(value: str | None, option: str, what: str) -> None:
+    """An option or argument given as an empty string (``--at "$UNSET"``) is a usage error (exit
+    2), as an empty --db or --url is, not a malformed value."""
+    if value is not None and not value.strip():
+        fail("evstore.usage", f"{option} is empty: give {what}", EXIT_USAGE)
+
+
 def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> str:
     """The store URL from --db, --url or $EVSTORE_URL (in that order); one of them is required."""
     if db is not None and url is not None:  # usage errors (exit 2), as click reports a bad option
@@ -609,6 +616,7 @@ def history(
     async def work() -> int:
         from evstore.schema import normalize_uuid
 
+        not_empty(uuid, "the uuid", "a consumer or provider uuid")
         key = normalize_uuid(uuid)
         async with open_existing(resolve_url(db, url)) as store:
             names = await provider_names(store)
@@ -667,6 +675,9 @@ def state(
 
         if provider is not None and consumer is not None:  # (a usage error, as --db with --url)
             fail("evstore.usage", "give --provider or --consumer, not both", EXIT_USAGE)
+        not_empty(at, "--at", "a position or an ISO time with a zone")
+        not_empty(provider, "--provider", "a provider uuid")
+        not_empty(consumer, "--consumer", "a consumer uuid")
         async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
             if at is None:
@@ -798,7 +809,8 @@ def diff(
     """What changed between two points of the log, and which events (positions) did it."""
 
     async def work() -> int:
-
+        not_empty(a, "A", "a position or an ISO time with a zone")
+        not_empty(b, "B", "a position or an ISO time with a zone")
         async with open_existing(resolve_url(db, url)) as store:
             result = await store.diff(parse_point(a, "A"), parse_point(b, "B"))
             names = await provider_names(store)

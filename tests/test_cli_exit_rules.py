@@ -69,6 +69,30 @@ def test_a_missing_input_file_is_not_found_as_a_missing_database_is(tmp_path: Pa
     assert _error(empty) == (2, "evstore.usage") and "is a directory" not in empty.stderr, empty.stderr
 
 
+def test_an_empty_point_or_uuid_is_an_empty_option_not_a_malformed_value(tmp_path: Path) -> None:
+    """Regression (review 24, helper-53): an empty ``--at``, ``--provider``, ``--consumer``, history
+    uuid or diff bound (``--at "$UNSET"``) was answered as a malformed value (exit 1,
+    ``evstore.invalid_input``: "got ''"), where the rule and an empty ``--db``, ``--url``, ``-o`` or
+    import file say usage error (exit 2)."""
+    db = demo_db(tmp_path / "s.db", instances=5, nodes=2)
+    store = ["--db", str(db)]
+    for command in (
+        ["state", "--at", ""],
+        ["state", "--at", "  "],
+        ["state", "--provider", ""],
+        ["state", "--consumer", " "],
+        ["state", "--at", "1", "--consumer", ""],
+        ["history", ""],
+        ["diff", "", "1"],
+        ["diff", "0", " "],
+    ):
+        done = evstore(*command, *store)
+        assert _error(done) == (2, "evstore.usage"), (command, done.stderr)
+        assert "is empty" in done.stderr, done.stderr
+    malformed = evstore("state", "--at", "soon", *store)  # (a value given, and wrong: still 1)
+    assert _error(malformed) == (1, "evstore.invalid_input"), malformed.stderr
+
+
 def test_an_export_to_a_path_it_cannot_write_is_an_error_not_a_usage_error(tmp_path: Path) -> None:
     db = demo_db(tmp_path / "s.db", instances=5, nodes=2)
     folder = tmp_path / "out"
