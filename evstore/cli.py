@@ -620,7 +620,19 @@ def history(
         key = normalize_uuid(uuid)
         async with open_existing(resolve_url(db, url)) as store:
             names = await provider_names(store)
-            found = [r async for r in store.history(key)]
+            found: list[Any] = []
+            try:
+                async for recorded in store.history(key):
+                    found.append(recorded)
+            except err.CorruptEvent:
+                # a damaged row: the events before it first (as tail does), then the error; with
+                # --json only the error (a document that stops short would look complete)
+                if found and not json_out:
+                    table = events_table(f"History of {safe(names.get(key, key))} (up to a damaged event)")
+                    for recorded in found:
+                        add_event_row(table, recorded, names)
+                    console().print(table)
+                raise
         if not found:  # (with --json too: the same exit code either way)
             raise err.NotFound(f"no event in this log touches {key}")
         if json_out:

@@ -965,7 +965,17 @@ class AllocationStore:
         entities = [f"consumer:{key}", f"provider:{key}"]
         after = 0
         while True:
-            batch = await self._backend.read_entities(entities, after, batch_size)
+            try:
+                batch = await self._backend.read_entities(entities, after, batch_size)
+            except err.CorruptEvent as exc:
+                # As subscribe: the entity's events before the damaged row first (what a person
+                # debugging it wants to see), then the error.
+                damaged = exc.details.get("position")
+                if not isinstance(damaged, int) or damaged <= after + 1:
+                    raise
+                for recorded in await self._backend.read_entities(entities, after, batch_size, damaged - 1):
+                    yield recorded
+                raise
             for recorded in batch:
                 yield recorded
             if len(batch) < batch_size:

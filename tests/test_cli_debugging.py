@@ -191,3 +191,32 @@ def test_state_of_a_consumer_before_the_first_event_says_so(tmp_path: Path) -> N
     assert at_zero.returncode == 0, at_zero.stderr
     first = at_zero.stdout.splitlines()[0]
     assert "None" not in first and "(before the first event)" in first, first
+
+
+def test_history_shows_the_events_before_a_damaged_row(tmp_path: Path) -> None:
+    """Regression (review 24, helper-53): `evstore history` of a consumer whose last event was
+    damaged printed only the error, none of the events that led up to it (`tail` prints them)."""
+    from tests.test_cli_support import demo_db
+
+    db = demo_db(tmp_path / "s.db", seed=21, instances=20, nodes=2)
+    demo = _json("stats", "--db", str(db))
+    assert demo["head"] > 10
+    with sqlite3.connect(db) as conn:
+        consumer = conn.execute(
+            "SELECT substr(entity, 10) FROM event_entities WHERE entity LIKE 'consumer:%' "
+            "GROUP BY entity HAVING count(*) >= 3 ORDER BY entity LIMIT 1"
+        ).fetchone()[0]
+    story = [e["position"] for e in _json("history", consumer, "--db", str(db))["events"]]
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE events SET data = '{not json' WHERE position = ?", (story[-1],))
+    done = evstore("history", consumer, "--db", str(db))
+    assert done.returncode == 1 and done.stderr.startswith("error: evstore.log.corrupt: "), done.stderr
+    assert f"position {story[-1]}" in done.stderr
+    rows = [
+        line.split()[1]
+        for line in done.stdout.splitlines()
+        if line.startswith("│ ") and line.split()[1].isdigit()
+    ]
+    assert rows == [str(p) for p in story[:-1]], done.stdout
+    as_json = evstore("history", consumer, "--db", str(db), "--json")  # (only the error: no half document)
+    assert as_json.returncode == 1 and as_json.stdout == "", as_json.stdout

@@ -139,3 +139,32 @@ async def test_a_provider_slice_reads_nothing_after_its_position(store: Allocati
             assert max(seen) <= p
     finally:
         del backend.read_entities
+
+
+async def test_history_gives_the_events_before_a_damaged_row_then_fails(store: AllocationStore) -> None:
+    """Regression (review 24, helper-53): ``history`` of a consumer whose third event was damaged
+    raised CorruptEvent before yielding anything, so the events leading up to the damage - what a
+    person debugging it wants first - were not shown (``subscribe`` and ``tail`` give them); the
+    batch holding the damaged row was decoded as a whole."""
+    from evstore import CorruptEvent
+    from tests.conftest import allocate, make_provider, new_uuid
+
+    rp = await make_provider(store, VCPU=8)
+    consumer = new_uuid()
+    await allocate(store, consumer, {rp: {"VCPU": 1}})
+    await allocate(store, consumer, {rp: {"VCPU": 2}}, generation=1)
+    await allocate(store, consumer, {rp: {"VCPU": 3}}, generation=2)
+    await store.release(consumer)
+    positions = [e.position async for e in store.history(consumer)]
+    assert len(positions) == 4
+    damaged = positions[2]
+    # (truncated: the text still names the consumer, so a scan of unindexed rows finds it too)
+    await store.backend.tamper(  # type: ignore[attr-defined]
+        "UPDATE events SET data = substr(data, 1, length(data) - 1) WHERE position = ?", (damaged,)
+    )
+    for batch_size in (1, 2, 1000):
+        got: list[int] = []
+        with pytest.raises(CorruptEvent, match=f"position {damaged}"):
+            async for event in store.history(consumer, batch_size=batch_size):
+                got.append(event.position)
+        assert got == positions[:2], batch_size
