@@ -196,8 +196,9 @@ class StateView:
             return reserved_type_usages(rows, consumer_type)
         return ProjectUsages.from_rows(project_usage_rows(self.state, project_id, user_id, consumer_type))
 
-    def providers(self) -> list[str]:
-        """The uuids of the providers in this state, sorted (``store.providers()`` also gives names).
+    async def providers(self) -> list[tuple[str, str]]:
+        """``(uuid, name)`` of every provider in this state, by name: what ``store.providers()``
+        answers (and awaited as it is).
 
         Raises :class:`InvalidInput` on a view folded for one entity: the providers a slice holds
         depend on how it was folded (from a snapshot or not), not on what the store held."""
@@ -205,4 +206,5 @@ class StateView:
             raise InvalidInput(
                 f"This view was folded for {self.scope} only; providers() needs the whole state"
             )
-        return sorted(self.state.providers)
+        # (by name in code point order, as both backends sort; names are unique in a state)
+        return sorted(((p.uuid, p.name) for p in self.state.providers.values()), key=lambda p: (p[1], p[0]))

@@ -516,7 +516,7 @@ async def test_events_naming_a_missing_provider_are_findings_not_crashes(sqlite_
         ]
         assert any("names provider" in f.message for f in report.integrity)
         assert (await store.replay()).providers == {}
-        assert (await store.state_at(position=3)).providers() == []
+        assert await (await store.state_at(position=3)).providers() == []
         assert (await store.diff(0, 3)).providers_created == []
         await store.rebuild()
         assert not (await store.audit()).drift

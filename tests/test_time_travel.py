@@ -166,6 +166,22 @@ async def test_state_at_a_time_and_the_queries_on_it(store: AllocationStore) -> 
     assert await store.position_of(datetime.max.replace(tzinfo=west)) == await store.head()
 
 
+async def test_a_view_lists_its_providers_as_the_store_does(store: AllocationStore) -> None:
+    """Regression (review 24, helper-53): ``state_at(...).providers()`` was not awaitable and
+    answered bare uuids sorted by uuid, where ``store.providers()`` - the same question of the
+    live store - is awaited and answers ``(uuid, name)`` by name: code moved from the store to a
+    view (what a view is for) failed with a TypeError, or read names as uuids."""
+    names = ["zeta", "alpha", "Mid", "beta-2"]
+    for name in names:
+        await make_provider(store, name, VCPU=4)
+    head = await store.head()
+    live = await store.providers()
+    assert [n for _, n in live] == sorted(names)
+    assert await (await store.state_at(position=head)).providers() == live
+    # (position 2: the first provider and its inventory)
+    assert await (await store.state_at(position=2)).providers() == [(u, n) for u, n in live if n == "zeta"]
+
+
 async def test_replay_to_a_time(store: AllocationStore) -> None:
     """replay(at=) folds up to the last event recorded at or before the time, as state_at does."""
     rp = await make_provider(store, VCPU=8)

@@ -85,10 +85,10 @@ async def test_a_slice_answers_only_for_its_entity(store: AllocationStore) -> No
     # Regression (helper-39): a slice answered providers() with what its fold happened to hold (the
     # provider and any child created after it, or only the provider when folded from a snapshot)
     with pytest.raises(InvalidInput, match="providers\\(\\) needs the whole state"):
-        view.providers()
+        await view.providers()
     consumer_view = await store.state_at(position=await store.head(), consumer=providers[0])
     with pytest.raises(InvalidInput, match="folded for consumer"):
-        consumer_view.providers()
+        await consumer_view.providers()
 
 
 async def test_a_position_beyond_the_head_is_rejected_for_every_scope(store: AllocationStore) -> None:
