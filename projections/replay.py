@@ -12,12 +12,14 @@ from evstore.errors import InvalidInput, ProviderNotFound
 from evstore.events import PAYLOAD_VALIDATORS, RecordedEvent, decode_event
 from evstore.log import PayloadRow
 from projections.gcpause import gc_paused
-from projections.state import FOLDS, State, evolve
+from projections.state import FOLDS, ProviderState, State, evolve
 from projections.views import (
     RESERVED_CONSUMER_TYPES,
     ConsumerView,
     ProjectUsages,
+    ProviderInventories,
     ProviderUsage,
+    ProviderView,
     project_usage_rows,
     provider_allocations,
     reserved_type_usages,
@@ -153,7 +155,7 @@ class StateView:
     def position(self) -> int:
         return self.state.position
 
-    async def usage(self, provider: str | UUID) -> ProviderUsage:
+    def _provider(self, provider: str | UUID) -> ProviderState:
         from evstore.schema import normalize_uuid
 
         uuid = normalize_uuid(provider, "provider uuid")
@@ -161,7 +163,16 @@ class StateView:
         prov = self.state.providers.get(uuid)
         if prov is None:
             raise ProviderNotFound(f"No resource provider with uuid {uuid} found at position {self.position}")
-        return ProviderUsage.of(prov)
+        return prov
+
+    async def usage(self, provider: str | UUID) -> ProviderUsage:
+        return ProviderUsage.of(self._provider(provider))
+
+    async def inventories(self, provider: str | UUID) -> ProviderInventories:
+        return ProviderInventories.of(self._provider(provider))
+
+    async def provider(self, provider: str | UUID) -> ProviderView:
+        return ProviderView.of(self._provider(provider))
 
     async def allocations(self, consumer: str | UUID) -> ConsumerView:
         from evstore.schema import normalize_uuid

@@ -1499,8 +1499,14 @@ async def test_inventories_and_provider_read_back_what_was_written(store: Alloca
         "root": root,
     }
 
+    past = await store.state_at(position=await store.head())
+    for scope in (past, await store.state_at(position=await store.head(), provider=child)):
+        assert await scope.inventories(child) == await store.inventories(child)
+        assert list(await scope.inventories(child)) == ["DISK_GB", "VCPU"]
+        assert await scope.provider(child) == view
+    assert await past.provider(root) == await store.provider(root)
     missing = new_uuid()
-    for query in (store.inventories, store.provider):
+    for query in (store.inventories, store.provider, past.inventories, past.provider):
         with pytest.raises(evstore.ProviderNotFound) as nf:
             await query(missing)
         assert nf.value.code == "placement.resource_provider.not_found" and missing in str(nf.value)
