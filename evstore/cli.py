@@ -463,7 +463,7 @@ def audit(
         bool,
         typer.Option(
             "--history",
-            help="Also check the history index (what history and state --provider/--consumer read) "
+            help="Also check the history index (what history and state --provider read) "
             "against the log: a second pass, about as long as rebuild --full's.",
         ),
     ] = False,

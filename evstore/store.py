@@ -1182,7 +1182,8 @@ class AllocationStore:
 
     async def diff(self, a: int | datetime, b: int | datetime) -> Diff:
         """What changed between ``a`` and ``b`` (positions or times): usage deltas per provider and
-        class, consumers created, changed, released and deleted, and the events responsible."""
+        class, consumers created, changed, released, deleted (or ``leaked``: holding allocations while
+        deleted, what only an imported log holds), and the events responsible."""
         from projections.diff import diff_states
 
         start, end = await self.position_of(a), await self.position_of(b)

@@ -3,8 +3,11 @@
 :func:`diff_states` folds the events between position ``a`` and ``b`` onto the state at ``a``
 (with the same :func:`evolve` as everything else) while noting which events touched which
 consumer and provider; it then compares the two ends: usage deltas per provider and class, and
-every consumer created, changed, released, deleted - or created and gone again in between
-(``transient``) - each with the positions of the events responsible.
+every consumer created, changed, released, deleted - or touched in between and holding nothing
+at both ends (``transient``: created and gone again, or an event that named it without leaving it
+anything), or holding allocations while deleted (``leaked``: what only a log imported from
+an older, Placement-style writer holds, the audit's leak) - each with the positions of the events
+responsible.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from projections.replay import FOLD_SLICE
 from projections.state import ConsumerState, State, evolve_noting_providers
 
 Allocs = dict[str, dict[str, int]]
-ChangeKind = Literal["created", "changed", "released", "deleted", "transient"]
+ChangeKind = Literal["created", "changed", "released", "deleted", "transient", "leaked"]
 ReadRaw = Callable[[int, int], Awaitable[list[Any]]]
 
 
@@ -105,6 +108,10 @@ def _holds(c: ConsumerState | None) -> Allocs:
 
 def _classify(before: ConsumerState | None, after: ConsumerState | None) -> ChangeKind | None:
     had, has = _holds(before), _holds(after)
+    if has and after is not None and after.deleted:
+        # a tombstone holding allocations (an imported log's revert given back to a deleted
+        # instance): neither "created" nor "deleted" says that
+        return None if had == has and before is not None and before.deleted else "leaked"
     if after is not None and after.deleted and not (before is not None and before.deleted):
         return "deleted"
     if not had and has:

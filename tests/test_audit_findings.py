@@ -216,6 +216,12 @@ async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_
         assert leak.positions == (tombstone, revert.position)
         assert (await store.usage(src))["VCPU"] == 2  # the leaked allocation, as the old writer left it
         assert not report.integrity and not report.drift
+        # diff names it too: a tombstoned consumer holding allocations is "leaked", not "created"
+        # (over the revert alone) or "deleted" (over the delete and the revert)
+        for a in (revert.position - 1, tombstone - 1):
+            change = (await store.diff(a, revert.position)).consumer(instance)
+            assert change is not None and change.change == "leaked"
+            assert change.after == {src: {"VCPU": 2}} and revert.position in change.positions
 
 
 async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_path: Path) -> None:
