@@ -1195,8 +1195,9 @@ class AllocationStore:
         return await diff_states(await self._fold_to(start), self._backend.read_raw, end)
 
     def export(self, batch_size: int = 1000) -> AsyncGenerator[str, None]:
-        """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py).
-        The argument is checked at the call."""
+        """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py),
+        each line without its newline (``f.write(line + "\n")``; ``import_events`` takes them
+        either way). The argument is checked at the call."""
         _count(batch_size, "batch_size")
         return self._export(batch_size)
 
