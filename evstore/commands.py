@@ -327,7 +327,8 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
     missing = [p for p in named if not class_set & state.providers[p].inventories.keys()]
     if missing:
         raise err.InvalidInventory(
-            f"Inventory for '{', '.join(classes)}' on resource provider '{', '.join(missing)}' invalid.",
+            f"Unable to allocate inventory: Inventory for '{', '.join(classes)}' on resource provider "
+            f"'{', '.join(missing)}' invalid.",
             providers=missing,
             resource_classes=classes,
         )
@@ -352,7 +353,9 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
         inv = state.providers[p].inventories.get(rc)
         if inv is None:
             raise err.InvalidInventory(
-                f"Inventory for '{rc}' on resource provider '{p}' invalid.", provider=p, resource_class=rc
+                f"Unable to allocate inventory: Inventory for '{rc}' on resource provider '{p}' invalid.",
+                provider=p,
+                resource_class=rc,
             )
         if amount < inv.min_unit or amount > inv.max_unit or amount % inv.step_size:
             raise err.ConstraintViolation(
@@ -381,7 +384,8 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
                 else ""
             )
             raise err.CapacityExceeded(
-                f"Unable to create allocation for '{rc}' on resource provider '{p}'. "
+                f"Unable to allocate inventory: Unable to create allocation for '{rc}' on resource "
+                f"provider '{p}'. "
                 f"The requested amount would exceed the capacity. "
                 f"(capacity {format_amount(capacity)}, used {used[key]}, requested {running[key]}"
                 f"{tolerance})",

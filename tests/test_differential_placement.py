@@ -854,6 +854,62 @@ def test_revert_of_an_absent_instance_of_another_type(placement_peer: PlacementP
     )
 
 
+def test_allocation_refusals_begin_with_placements_detail(placement_peer: PlacementPeer) -> None:
+    """Regression (rev24, helper-55): the capacity and missing-inventory refusals began "Unable to
+    create allocation ..." and "Inventory for ...", where Placement's 409 detail (the text a caller
+    written for Placement matches on) is "Unable to allocate inventory: ..." for every refusal of the
+    write itself; the constraint refusal already said so. Each refusal here is made on both, and
+    evstore's message must begin with Placement's detail (evstore adds the amounts after it)."""
+    rp = str(uuid.uuid4())
+    vcpu = {"total": 4, "max_unit": 2, "allocation_ratio": 1.5}  # capacity 6.0
+    refusals = [
+        {"DISK_GB": 1},  # no inventory of any class of the command on the provider
+        {"DISK_GB": 1, "VCPU": 1},  # the first row's class has no inventory there
+        {"VCPU": 3},  # above max_unit
+        {"VCPU": 2},  # 2 + 6 held > capacity 6.0 (the row fits max_unit)
+    ]
+
+    async def scenario(store: AllocationStore, tmp: Path) -> None:
+        await asyncio.to_thread(placement_peer.reset, tmp / "placement.sqlite")
+        await placement_peer.acall("POST", "/resource_providers", {"uuid": rp, "name": "rp"})
+        await store.create_provider(rp, "rp")
+        body = {"resource_provider_generation": 0, "inventories": {"VCPU": vcpu}}
+        assert (await placement_peer.acall("PUT", f"/resource_providers/{rp}/inventories", body))[0] == 200
+        await store.set_inventories(rp, {"VCPU": vcpu}, 0)
+        for holder in range(3):  # 3 x 2 VCPU: capacity reached
+            c, entry = str(uuid.uuid4()), {"allocations": {rp: {"resources": {"VCPU": 2}}}}
+            entry |= {
+                "project_id": "p",
+                "user_id": "u",
+                "consumer_type": "INSTANCE",
+                "consumer_generation": None,
+            }
+            assert (await placement_peer.acall("PUT", f"/allocations/{c}", entry))[0] == 204, holder
+            await allocate(store, c, {rp: {"VCPU": 2}}, project_id="p", user_id="u")
+        for resources in refusals:
+            c, entry = str(uuid.uuid4()), {"allocations": {rp: {"resources": resources}}}
+            entry |= {
+                "project_id": "p",
+                "user_id": "u",
+                "consumer_type": "INSTANCE",
+                "consumer_generation": None,
+            }
+            status, answer = await placement_peer.acall("PUT", f"/allocations/{c}", entry)
+            assert status == 409, (resources, answer)
+            detail = answer["errors"][0]["detail"].split("\n\n", 1)[1].strip()
+            with pytest.raises(EvstoreError) as caught:
+                await allocate(store, c, {rp: resources}, project_id="p", user_id="u")
+            assert evstore_kind(caught.value) == placement_kind(status, answer)
+            assert caught.value.message.startswith(detail), (caught.value.message, detail)
+
+    async def main(tmp: Path) -> None:
+        async with open_store(f"sqlite:///{tmp}/evstore.db") as store:
+            await scenario(store, tmp)
+
+    with tempfile.TemporaryDirectory(prefix="evstore-diff-") as tmp, structlog.testing.capture_logs():
+        asyncio.run(main(Path(tmp)))
+
+
 # --- regression tests for evstore bugs found by the differential test --------------------------------
 # Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app) and
 # needs no Placement peer. Found by the first campaigns; fixed in evstore (inventory checks now run
