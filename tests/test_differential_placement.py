@@ -63,7 +63,7 @@ from evstore import (
 )
 from evstore.errors import InvalidInventoryValue
 from projections.views import ConsumerView
-from tests.conftest import allocate, make_provider, new_uuid
+from tests.conftest import BACKENDS, allocate, make_provider, new_uuid
 from tests.peers.placement_client import PlacementPeer
 from tests.peers.venv import PeerUnavailable, placement_python
 
@@ -752,18 +752,28 @@ class Sequence:
         raise Mismatch(f"{message}\nsteps so far:\n{history}")
 
 
-async def run_sequence(peer: PlacementPeer, program: list[Step], workdir: Path) -> None:
+async def run_sequence(
+    peer: PlacementPeer, program: list[Step], workdir: Path, url: str | None = None
+) -> None:
     await asyncio.to_thread(peer.reset, workdir / "placement.sqlite")
-    async with open_store(f"sqlite:///{workdir}/evstore.db") as store:
+    async with open_store(url or f"sqlite:///{workdir}/evstore.db") as store:
         seq = Sequence(store, peer)
         for step in (*SETUP, *program):
             await seq.apply(step)
 
 
-def check_program(peer: PlacementPeer, program: list[Step]) -> None:
+def check_program(peer: PlacementPeer, program: list[Step], backend: str = "sqlite") -> None:
+    """Run ``program`` on Placement and on evstore (a fresh SQLite file, or a fresh PostgreSQL
+    schema: the rules are decided in the same Python, but each backend loads the slice a command
+    decides against its own way)."""
+    url = None
+    if backend == "postgres":
+        from tests.pg import fresh_database_url
+
+        url = fresh_database_url()
     # capture_logs keeps evstore's per-command log lines out of failure reports.
     with tempfile.TemporaryDirectory(prefix="evstore-diff-") as tmp, structlog.testing.capture_logs():
-        asyncio.run(run_sequence(peer, program, Path(tmp)))
+        asyncio.run(run_sequence(peer, program, Path(tmp), url))
 
 
 # --- fixtures and tests ---------------------------------------------------------------------------
@@ -793,10 +803,11 @@ COMMON = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=12, derandomize=True, **COMMON)  # type: ignore[arg-type]
 @given(program=programs)
-def test_evstore_matches_placement(placement_peer: PlacementPeer, program: list[Step]) -> None:
-    check_program(placement_peer, program)
+def test_evstore_matches_placement(placement_peer: PlacementPeer, backend: str, program: list[Step]) -> None:
+    check_program(placement_peer, program, backend)
 
 
 def _slow_enabled(config: pytest.Config) -> bool:
@@ -812,6 +823,17 @@ def test_evstore_matches_placement_campaign(
     if not _slow_enabled(pytestconfig):
         pytest.skip("long campaign: run with EVSTORE_SLOW=1 or -m slow")
     check_program(placement_peer, program)
+
+
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get("EVSTORE_DIFF_EXAMPLES_PG", "100")), **COMMON)  # type: ignore[arg-type]
+@given(program=st.lists(steps, min_size=5, max_size=40))
+def test_evstore_on_postgresql_matches_placement_campaign(
+    pytestconfig: pytest.Config, placement_peer: PlacementPeer, program: list[Step]
+) -> None:
+    if not _slow_enabled(pytestconfig):
+        pytest.skip("long campaign: run with EVSTORE_SLOW=1 or -m slow")
+    check_program(placement_peer, program, "postgres")
 
 
 def test_nova_swap_scenario(placement_peer: PlacementPeer) -> None:
