@@ -11,6 +11,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -987,6 +988,33 @@ async def test_opening_a_store_takes_no_write_lock(tmp_path: Path) -> None:
         async with open_store(f"sqlite:///{path}", busy_timeout=0.2, create=False) as store:
             assert await store.head() == 2
         other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+async def test_a_command_waits_busy_timeout_for_a_held_write_lock_not_five_times_it(tmp_path: Path) -> None:
+    """Regression: a command retried its whole transaction five times when another connection
+    held the write lock, each attempt waiting busy_timeout in SQLite itself: busy_timeout=1 failed
+    after 5.5 s, and the default 30 s after about 150 s. The wait now ends at busy_timeout (the
+    retries only cover a busy answer that came back sooner), with a typed error that says so."""
+    path = tmp_path / "store.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=8)
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        async with open_store(f"sqlite:///{path}", busy_timeout=1) as store:
+            started = time.monotonic()
+            with pytest.raises(evstore.StorageError, match="locked") as caught:
+                await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+            waited = time.monotonic() - started
+            assert caught.value.code == "evstore.storage" and caught.value.details["sqlite_error"] == "busy"
+            assert 0.9 < waited < 2.5, waited
+            assert "longer than busy_timeout (1 s)" in caught.value.message
+            other.execute("ROLLBACK")
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # the lock released: it goes through
+            assert await store.head() == 3
+            assert (await store.audit()).clean
     finally:
         other.close()
 

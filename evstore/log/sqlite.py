@@ -740,6 +740,8 @@ class SqliteBackend:
                 field="busy_timeout",
             )
         self.busy_timeout_ms = int(busy_timeout * 1000)
+        #: seconds: how long a transaction waits for another connection's write lock, in all
+        self.busy_timeout = busy_timeout
         create = merged.pop("create", "true").lower()
         if create not in ("true", "false", "1", "0"):
             raise err.InvalidInput(f"create must be true or false, got {create!r}")
@@ -844,7 +846,9 @@ class SqliteBackend:
 
     async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
         cache = self._cache
-        return await _on_thread(self._writer, lambda conn: _retry_busy(lambda: run_batch(conn, jobs, cache)))
+        return await _on_thread(
+            self._writer, lambda conn: _retry_busy(lambda: run_batch(conn, jobs, cache), self.busy_timeout)
+        )
 
     #: batches one ``drain`` runs before it lets other work on the writer connection have a turn
     DRAIN_BATCHES = 8
@@ -873,7 +877,7 @@ class SqliteBackend:
                 jobs, token = taken
                 result: list[Outcome] | BaseException
                 try:
-                    result = _retry_busy(functools.partial(run_batch, conn, jobs, cache))
+                    result = _retry_busy(functools.partial(run_batch, conn, jobs, cache), self.busy_timeout)
                 except sqlite3.DatabaseError as exc:
                     result = _storage_error(exc)
                 except Exception as exc:
@@ -1016,7 +1020,7 @@ class SqliteBackend:
                 (position, event_hash, fmt, state),
             )
 
-        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn)))
+        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
 
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
         """The latest snapshot at or before ``at_most`` whose event is still the one it was taken at."""
@@ -1053,7 +1057,7 @@ class SqliteBackend:
             conn.execute("DELETE FROM snapshots")
             conn.execute("DELETE FROM provider_snapshots")
 
-        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn)))
+        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
 
     async def save_provider_snapshots(
         self, position: int, event_hash: str, fmt: int, states: Sequence[tuple[str, str]]
@@ -1066,7 +1070,7 @@ class SqliteBackend:
                 [(provider, position, event_hash, fmt, state) for provider, state in states],
             )
 
-        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn)))
+        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
 
     async def load_provider_snapshot(self, provider: str, at_most: int, fmt: int) -> tuple[int, str] | None:
         def q(conn: sqlite3.Connection) -> tuple[int, str] | None:
@@ -1105,7 +1109,10 @@ class SqliteBackend:
 
         def work(conn: sqlite3.Connection) -> int:
             try:
-                return _retry_busy(lambda: _import_all(conn, rows, extra_entities, batch_size, report, stop))
+                return _retry_busy(
+                    lambda: _import_all(conn, rows, extra_entities, batch_size, report, stop),
+                    self.busy_timeout,
+                )
             finally:
                 self._cache.forget()  # (the projection was written behind its back)
 
@@ -1136,7 +1143,9 @@ class SqliteBackend:
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
         return await self._on_writer(
-            lambda conn: _retry_busy(lambda: _rebuild(conn, state, batch_size, progress, full))
+            lambda conn: _retry_busy(
+                lambda: _rebuild(conn, state, batch_size, progress, full), self.busy_timeout
+            )
         )
 
     async def check_history(self, batch_size: int) -> HistoryCheck:
@@ -1208,19 +1217,28 @@ def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
     return err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__)
 
 
-def _retry_busy(fn: Callable[[], T], attempts: int = 5) -> T:
-    for attempt in range(attempts):
+def _retry_busy(fn: Callable[[], T], timeout: float) -> T:
+    """Run ``fn`` (a transaction), again while SQLite answers busy, for at most ``timeout``
+    seconds (``busy_timeout``) in all. SQLite's own handler already waits up to that long before
+    it answers busy, so the retries only cover a busy answer that came back sooner (one given
+    without waiting): a caller never waits much more than the ``busy_timeout`` it set."""
+    deadline = time.monotonic() + timeout
+    attempt = 0
+    while True:
         try:
             return fn()
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) and "busy" not in str(exc):
                 raise
-            if attempt == attempts - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise err.StorageError(
-                    f"The database stayed locked by another writer: {exc}", sqlite_error="busy"
+                    f"The database stayed locked by another connection for longer than busy_timeout "
+                    f"({timeout:g} s): {exc}; retry, or open the store with a longer busy_timeout",
+                    sqlite_error="busy",
                 ) from None
-            time.sleep(0.05 * (attempt + 1))
-    raise AssertionError("unreachable")
+            attempt += 1
+            time.sleep(min(0.05 * attempt, left))
 
 
 def _scan_unindexed(
