@@ -1154,6 +1154,33 @@ async def test_a_committed_command_whose_positions_time_out_is_not_called_rolled
         assert (await store.audit()).clean
 
 
+async def test_a_command_timing_out_says_command_timeout_not_a_lost_connection(pg_url: str) -> None:
+    """Regression: asyncpg's command_timeout raises TimeoutError, an OSError on Python 3.11, so a
+    command that waited longer than command_timeout (here for a table lock another session held)
+    failed with "Lost the connection to PostgreSQL while running a command: TimeoutError": a
+    network fault to look for, where the setting the caller chose had run out."""
+    async with open_store(pg_url, command_timeout=0.5) as store:
+        rp = await make_provider(store, VCPU=8)
+        consumer = new_uuid()
+        other = await asyncpg.connect(pg_url)
+        try:
+            tx = other.transaction()
+            await tx.start()
+            await other.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+            with pytest.raises(StorageError) as caught:
+                await allocate(store, consumer, {rp: {"VCPU": 2}})
+            await tx.rollback()
+        finally:
+            await other.close()
+        message = caught.value.message
+        assert "Lost the connection" not in message and "TimeoutError" not in message, message
+        assert "command_timeout (0.5 s)" in message and "it was rolled back" in message, message
+        assert caught.value.details["outcome_unknown"] is False
+        assert await store.head() == 2 and (await store.allocations(consumer)).allocations == {}
+        await allocate(store, consumer, {rp: {"VCPU": 2}})  # the lock gone: it goes through
+        assert (await store.audit()).clean
+
+
 def test_a_connection_killed_under_asyncpg_counts_as_lost() -> None:
     """A pooled connection the server killed surfaces as asyncpg's InternalClientError ('cannot
     switch to state ...'), and its proxy refuses is_closed(): both were taken for bugs, so a

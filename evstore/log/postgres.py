@@ -715,27 +715,30 @@ def _is_connection_error(exc: BaseException) -> bool:
     )
 
 
-def _storage_error(exc: BaseException, doing: str, committing: bool | None = False) -> err.StorageError:
+def _storage_error(
+    exc: BaseException, doing: str, committing: bool | None = False, timeout: str = "command_timeout"
+) -> err.StorageError:
     """``committing``: True while a command's COMMIT was in flight, False inside its transaction
-    (rolled back), None for work that writes nothing of the caller's (reads, the sequencer)."""
+    (rolled back), None for work that writes nothing of the caller's (reads, the sequencer).
+    ``timeout``: the setting a ``TimeoutError`` means ran out, as the message names it."""
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if _is_connection_error(exc):
-        if committing is None:
-            return err.StorageError(
-                f"Lost the connection to PostgreSQL while {doing}: {text}", sqlstate=sqlstate
-            )
-        outcome = (
-            "it may or may not have been committed (retry with the same idempotency key to be sure)"
-            if committing
-            else "it was rolled back"
-        )
-        return err.StorageError(
-            f"Lost the connection to PostgreSQL while {doing}: {text}; {outcome}",
-            sqlstate=sqlstate,
-            outcome_unknown=committing,
-        )
-    return err.StorageError(f"PostgreSQL error while {doing}: {text}", sqlstate=sqlstate)
+    if isinstance(exc, TimeoutError):
+        # (asyncpg's own timeouts: an OSError on Python 3.11, but no connection was lost - the
+        # caller's setting ran out, and that is what a person has to know)
+        lead = f"PostgreSQL did not answer within {timeout} while {doing}"
+    elif _is_connection_error(exc):
+        lead = f"Lost the connection to PostgreSQL while {doing}: {text}"
+    else:
+        return err.StorageError(f"PostgreSQL error while {doing}: {text}", sqlstate=sqlstate)
+    if committing is None:
+        return err.StorageError(lead, sqlstate=sqlstate)
+    outcome = (
+        "it may or may not have been committed (retry with the same idempotency key to be sure)"
+        if committing
+        else "it was rolled back"
+    )
+    return err.StorageError(f"{lead}; {outcome}", sqlstate=sqlstate, outcome_unknown=committing)
 
 
 class PostgresBackend:
@@ -891,6 +894,11 @@ class PostgresBackend:
             except (TimeoutError, OSError, asyncpg.InterfaceError):
                 pool.terminate()
 
+    def _timeout_named(self, option: str) -> str:
+        """``option`` with its value, as a timeout message names it: ``command_timeout (0.5 s)``."""
+        value = self.connect_timeout if option == "connect_timeout" else self.command_timeout
+        return option if value is None else f"{option} ({value:g} s)"
+
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[Any]:
         pool = self._pool
@@ -904,7 +912,9 @@ class PostgresBackend:
             raise _storage_error(exc, "connecting", None) from None
         except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
             # (nothing was sent on it: no claim about a transaction, which the caller knows better)
-            raise _storage_error(exc, f"connecting to {self.safe_url}", None) from None
+            raise _storage_error(
+                exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
+            ) from None
         except ValueError as exc:  # (min_pool_size=0: the URL is first parsed here; see _malformed)
             raise self._malformed(exc) from None
         try:
@@ -1169,7 +1179,9 @@ class PostgresBackend:
                 if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE_SQLSTATES:
                     raise
                 if isinstance(exc, asyncpg.PostgresError) or _is_connection_error(exc):
-                    raise _storage_error(exc, "running a command", committing) from None
+                    raise _storage_error(
+                        exc, "running a command", committing, self._timeout_named("command_timeout")
+                    ) from None
                 raise
 
     async def _decide_and_append(
@@ -1310,10 +1322,12 @@ class PostgresBackend:
                     not _is_connection_error(exc)
                     and getattr(exc, "sqlstate", None) not in RETRYABLE_SQLSTATES
                 ):
-                    raise _storage_error(exc, "assigning positions", None) from None
+                    raise _storage_error(
+                        exc, "assigning positions", None, self._timeout_named("command_timeout")
+                    ) from None
                 last = exc  # sequencing is idempotent: try again on a fresh connection
         assert last is not None
-        raise _storage_error(last, "assigning positions", None)
+        raise _storage_error(last, "assigning positions", None, self._timeout_named("command_timeout"))
 
     async def _catch_up(self, conn: Any) -> int:
         """Position events left by a writer that died between its commit and the sequencing.
@@ -1329,7 +1343,7 @@ class PostgresBackend:
         try:
             return await awaitable
         except DB_ERRORS as exc:
-            raise _storage_error(exc, doing, None) from None
+            raise _storage_error(exc, doing, None, self._timeout_named("command_timeout")) from None
 
     # --- reading --------------------------------------------------------------------------
 
