@@ -1154,6 +1154,46 @@ async def test_a_committed_command_whose_positions_time_out_is_not_called_rolled
         assert (await store.audit()).clean
 
 
+async def test_a_committed_command_without_a_key_is_not_told_to_retry_with_its_key(pg_url: str) -> None:
+    """Regression: a command sent without an idempotency key, committed but left without its
+    positions (the sequencer's lock held past command_timeout), failed with "retry with the same
+    idempotency key to get its receipt": there is no key, and a retry without one runs the
+    command again. The message now says it was committed and must not be retried."""
+    async with open_store(pg_url, command_timeout=0.5) as store:
+        await make_provider(store, VCPU=8)
+        late = new_uuid()
+        other = await asyncpg.connect(pg_url)
+        try:
+            tx = other.transaction()
+            await tx.start()
+            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key("!sequencer"))
+            with pytest.raises(StorageError) as caught:
+                await store.create_provider(late, "late")
+            await tx.rollback()
+        finally:
+            await other.close()
+        message = caught.value.message
+        assert caught.value.details["committed"] is True
+        assert "same idempotency key" not in message, message
+        assert "committed" in message and "do not retry" in message, message
+        assert (late, "late") in await store.providers()  # committed, once
+        assert await store.head() == 3 and (await store.audit()).clean
+
+
+def test_a_commit_cut_short_without_a_key_is_not_told_to_retry_with_its_key() -> None:
+    """The same for a connection lost during COMMIT: 'retry with the same idempotency key to be
+    sure' was said to a command that had none."""
+    from evstore.log import postgres as pgmod
+
+    lost = asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle of operation")
+    keyless = pgmod._storage_error(lost, "running a command", committing=True, keyed=False)
+    assert keyless.details["outcome_unknown"] is True
+    assert "may or may not have been committed" in keyless.message
+    assert "same idempotency key" not in keyless.message, keyless.message
+    keyed = pgmod._storage_error(lost, "running a command", committing=True)
+    assert "retry with the same idempotency key" in keyed.message
+
+
 async def test_a_command_timing_out_says_command_timeout_not_a_lost_connection(pg_url: str) -> None:
     """Regression: asyncpg's command_timeout raises TimeoutError, an OSError on Python 3.11, so a
     command that waited longer than command_timeout (here for a table lock another session held)

@@ -716,11 +716,16 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 
 def _storage_error(
-    exc: BaseException, doing: str, committing: bool | None = False, timeout: str = "command_timeout"
+    exc: BaseException,
+    doing: str,
+    committing: bool | None = False,
+    timeout: str = "command_timeout",
+    keyed: bool = True,
 ) -> err.StorageError:
     """``committing``: True while a command's COMMIT was in flight, False inside its transaction
     (rolled back), None for work that writes nothing of the caller's (reads, the sequencer).
-    ``timeout``: the setting a ``TimeoutError`` means ran out, as the message names it."""
+    ``timeout``: the setting a ``TimeoutError`` means ran out, as the message names it; ``keyed``:
+    the command carries an idempotency key (a retry with it is safe, without it is not)."""
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, TimeoutError):
@@ -734,7 +739,12 @@ def _storage_error(
     if committing is None:
         return err.StorageError(lead, sqlstate=sqlstate)
     outcome = (
-        "it may or may not have been committed (retry with the same idempotency key to be sure)"
+        (
+            "it may or may not have been committed (retry with the same idempotency key to be sure)"
+            if keyed
+            else "it may or may not have been committed (it was sent without an idempotency key: "
+            "look at the store before running it again)"
+        )
         if committing
         else "it was rolled back"
     )
@@ -1140,9 +1150,13 @@ class PostgresBackend:
             # The command is committed: whatever failed here (the sequencer timed out waiting for
             # its lock, the connection died), it must not be reported as rolled back.
             cause = exc.message if isinstance(exc, err.EvstoreError) else f"{type(exc).__name__}: {exc}"
+            hint = (
+                "retry with the same idempotency key to get its receipt"
+                if job.idempotency_key is not None
+                else "do not retry it (it was sent without an idempotency key: a retry runs it again)"
+            )
             raise err.StorageError(
-                f"The command was committed, but reading its positions failed ({cause}); retry "
-                "with the same idempotency key to get its receipt",
+                f"The command was committed, but reading its positions failed ({cause}); {hint}",
                 committed=True,
                 outcome_unknown=True,
             ) from None
@@ -1180,7 +1194,11 @@ class PostgresBackend:
                     raise
                 if isinstance(exc, asyncpg.PostgresError) or _is_connection_error(exc):
                     raise _storage_error(
-                        exc, "running a command", committing, self._timeout_named("command_timeout")
+                        exc,
+                        "running a command",
+                        committing,
+                        self._timeout_named("command_timeout"),
+                        keyed=job.idempotency_key is not None,
                     ) from None
                 raise
 
