@@ -1009,7 +1009,7 @@ async def test_a_command_waits_busy_timeout_for_a_held_write_lock_not_five_times
                 await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
             waited = time.monotonic() - started
             assert caught.value.code == "evstore.storage" and caught.value.details["sqlite_error"] == "busy"
-            assert 0.9 < waited < 2.5, waited
+            assert 0.9 < waited < 4.0, waited  # (five waits took 5.5 s; slack for a loaded machine)
             assert "longer than busy_timeout (1 s)" in caught.value.message
             other.execute("ROLLBACK")
             await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # the lock released: it goes through
