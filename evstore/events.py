@@ -409,6 +409,19 @@ def upcast(event_type: str, version: int, data: dict[str, Any]) -> dict[str, Any
     return data
 
 
+def describe_error(exc: Exception, whole: str = "payload", most: int = 5) -> str:
+    """One line saying what is wrong: for a validation error, each field and what is wrong with it
+    (``instance: Field required; colour: Extra inputs are not permitted``), not its first line
+    (``1 validation error for MigrationReverted``, which names neither)."""
+    if isinstance(exc, ValidationError):
+        errors = exc.errors(include_url=False, include_input=False)
+        said = [f"{'.'.join(str(p)[:80] for p in e['loc']) or whole}: {e['msg']}" for e in errors[:most]]
+        if len(errors) > most:
+            said.append(f"and {len(errors) - most} more")
+        return "; ".join(said)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def decode_event(
     event_type: str, version: int, data: str | dict[str, Any], position: int | None = None
 ) -> EventBase:
@@ -448,7 +461,7 @@ def decode_event(
         payload = upcast(event_type, version, payload)
         return cls.model_validate(payload)
     except (ValueError, ValidationError, SchemaVersionError, RecursionError) as exc:
-        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        why = "nested too deeply" if isinstance(exc, RecursionError) else describe_error(exc)
         raise CorruptEvent(
             f"Cannot decode {event_type}{where}: {why}".splitlines()[0],
             position=position,

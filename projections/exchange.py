@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
-from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event
+from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event, describe_error
 from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
@@ -151,7 +151,7 @@ class ChainCheck:
             raise _corrupt(exc.message, line, **exc.details) from None
         except ValueError as exc:
             raise _corrupt(
-                f"bad envelope at position {row.position}: {exc}",
+                f"bad envelope at position {row.position}: {describe_error(exc, 'metadata')}",
                 line,
                 position=row.position,
                 reason="envelope",

@@ -1011,3 +1011,42 @@ async def test_an_audit_with_history_finds_a_damaged_history_index(store_url: st
         await store.rebuild(full=True)
         assert [r.position async for r in store.history(c)] == [head - 1, head]
         assert (await store.audit(history=True)).clean
+
+
+@pytest.mark.parametrize(
+    ("what", "data", "meta", "names"),
+    [
+        ("an unknown field", {"colour": "red"}, None, "colour: Extra inputs are not permitted"),
+        ("a missing field", {"name": None}, None, "name: Field required"),
+        ("a field of the wrong type", {"name": 7}, None, "name: Input should be a valid string"),
+        ("metadata of the wrong type", {}, '{"request_id":5}', "request_id: Input should be a valid string"),
+        ("metadata that is no object", {}, "[1]", "metadata: Input should be an object"),
+    ],
+)
+async def test_a_refused_import_and_the_audit_name_the_field_that_is_wrong(
+    tmp_path: Path, what: str, data: dict[str, Any], meta: str | None, names: str
+) -> None:
+    """Regression: an import (or audit) of a row with an unknown, missing or mistyped payload field
+    said only 'Cannot decode ProviderUpdated at position 3: 1 validation error for ProviderUpdated',
+    and a bad metadata field spread pydantic's report with its URL over several lines: neither said
+    which field to fix. Now the one-line message names the field and what is wrong with it."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, VCPU=8)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    payload = {k: v for k, v in {"provider": rp, "name": "x", **data}.items() if v is not None}
+    bad = chained(last, "ProviderUpdated", payload, **({"meta": meta} if meta else {}))
+    append_row(lines, bad)
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        with pytest.raises(CorruptEvent) as caught:
+            await store.import_events(lambda: iter(lines))
+        assert await store.head() == 0
+    message = caught.value.message
+    assert f"line {len(lines)}:" in message and f"position {bad.position}" in message
+    assert names in message and "\n" not in message and "errors.pydantic.dev" not in message
+    if meta is None:  # (the audit reads a payload through the same decoder)
+        async with open_store(f"sqlite:///{tmp_path}/tampered.db") as store:
+            await make_provider(store, VCPU=8)
+            await _append(await _sqlite(store), chained(await _tail(store), "ProviderUpdated", payload))
+            [found] = (await store.audit()).integrity
+            assert names in found.message, found.message
