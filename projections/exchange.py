@@ -166,7 +166,11 @@ class ChainCheck:
             )
         if recorded.tzinfo is None:
             raise _corrupt(
-                f"recorded_at of position {row.position} has no time zone", line, position=row.position
+                f"recorded_at of position {row.position} has no time zone (evstore's form is UTC with "
+                "microseconds, e.g. 2026-01-02T03:04:05.000006+00:00)",
+                line,
+                position=row.position,
+                reason="naive_time",
             )
         # Readers find positions by time comparing the stored text (it sorts as the times do only
         # in one form), and the hash covers the text: a time in any other form is refused.

@@ -1050,3 +1050,20 @@ async def test_a_refused_import_and_the_audit_name_the_field_that_is_wrong(
             await _append(await _sqlite(store), chained(await _tail(store), "ProviderUpdated", payload))
             [found] = (await store.audit()).integrity
             assert names in found.message, found.message
+
+
+async def test_an_import_with_a_time_without_zone_is_refused_with_the_audits_reason(tmp_path: Path) -> None:
+    """Regression: every other refusal of an import carries ``details['reason']`` (the audit calls
+    this one ``naive_time``); a recorded_at without a time zone carried none, and its message did
+    not say what form the time must take."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, VCPU=8)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    bad = chained(last, "ProviderUpdated", {"provider": rp, "name": "x"}, at="2099-01-01T00:00:00.000000")
+    append_row(lines, bad)
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        with pytest.raises(CorruptEvent, match=r"no time zone .*\+00:00") as caught:
+            await store.import_events(lambda: iter(lines))
+        assert caught.value.details == {"line": len(lines), "position": bad.position, "reason": "naive_time"}
+        assert await store.head() == 0
