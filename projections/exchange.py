@@ -17,6 +17,7 @@ from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput
 from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event, describe_error
+from evstore.schema import CANONICAL_UUID
 from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
@@ -138,6 +139,14 @@ class ChainCheck:
                 line,
                 position=row.position,
                 reason="hash_chain",
+            )
+        if not CANONICAL_UUID.match(row.event_id):
+            raise _corrupt(
+                f"event id {row.event_id!r:.80} of position {row.position} is not a uuid in canonical form "
+                "(lower case, with dashes), as every event id evstore writes is",
+                line,
+                position=row.position,
+                reason="envelope",
             )
         if self.fold and row.event_id in self.event_ids:  # (fold=False: a second pass, see there)
             raise _corrupt(

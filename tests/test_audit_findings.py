@@ -1067,3 +1067,24 @@ async def test_an_import_with_a_time_without_zone_is_refused_with_the_audits_rea
             await store.import_events(lambda: iter(lines))
         assert caught.value.details == {"line": len(lines), "position": bad.position, "reason": "naive_time"}
         assert await store.head() == 0
+
+
+@pytest.mark.parametrize("event_id", ["garbage", "", "01A2436A-2ECA-7612-9570-A82F3B5B57FA", "x" * 10_000])
+async def test_an_import_whose_event_id_is_no_uuid_is_refused(tmp_path: Path, event_id: str) -> None:
+    """Regression: an event id is a uuid (SPEC 3; evstore writes nothing else), but an import took
+    'garbage', an empty id or 10,000 characters - hash-chained, so the audit then called them
+    clean. Refused, naming the position, nothing written."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, VCPU=8)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    row = chained(last, "ProviderUpdated", {"provider": rp, "name": "x"})
+    text = json.dumps({"provider": rp, "name": "x"}, separators=(",", ":"))
+    digest = event_hash(last.hash, row.position, event_id, row.type, 1, text, row.metadata, row.recorded_at)
+    append_row(lines, row._replace(event_id=event_id, hash=digest))
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        with pytest.raises(CorruptEvent, match="is not a uuid in canonical form") as caught:
+            await store.import_events(lambda: iter(lines))
+        assert caught.value.details == {"line": len(lines), "position": row.position, "reason": "envelope"}
+        assert len(caught.value.message) < 300
+        assert await store.head() == 0
