@@ -329,7 +329,7 @@ def demo(
     """
 
     async def work() -> int:
-        from evstore.demo import run_demo
+        from evstore.demo import COUNTS, run_demo
         from evstore.store import open_store
 
         if db is None and url is None and not os.environ.get("EVSTORE_URL"):
@@ -360,7 +360,8 @@ def demo(
                     "url": shown(target),
                     "seed": seed,
                     "head": report.head,
-                    "counts": dict(sorted(report.counts.items())),
+                    # (every count, 0 included, as the table shows them)
+                    "counts": {k: report.counts[k] for k in sorted({*COUNTS, *report.counts})},
                     "rejected": dict(sorted(report.rejected.items())),
                     "deleted_mid_migration": [list(p) for p in report.deleted_mid_migration],
                     "rejected_reverts": [list(p) for p in report.rejected_reverts],

@@ -69,6 +69,21 @@ class InstancePlan:
     delete_first: bool  # in a race: the delete task is started before the revert task
 
 
+#: every count a demo keeps (0 until it happens), as its summary lists them
+COUNTS = (
+    "builds",
+    "builds_failed",
+    "migrations_started",
+    "resizes_started",
+    "confirmed",
+    "reverted",
+    "migrations_no_valid_host",
+    "deletes",
+    "races_delete_won",
+    "races_revert_won",
+)
+
+
 @dataclass(slots=True)
 class DemoReport:
     """What happened, for printing and for tests."""

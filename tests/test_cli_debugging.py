@@ -126,7 +126,11 @@ def test_state_views_and_bad_points(tmp_path: Path) -> None:
 
 def test_diff_lists_the_providers_created_and_deleted(tmp_path: Path) -> None:
     db = str(tmp_path / "cloud.db")
-    _json("demo", "--db", db, "--instances", "4", "--nodes", "2")
+    demo = _json("demo", "--db", db, "--instances", "4", "--nodes", "2")
+    # demo --json gives every count the table shows, those that stayed 0 too (it left them out)
+    shown = {"builds", "migrations_no_valid_host", "races_delete_won", "races_revert_won"}
+    assert shown <= set(demo["counts"])
+    assert 0 in demo["counts"].values()
     both = _json("diff", "0", "4", "--db", db)
     assert len(both["providers_created"]) == 2
     human = evstore("diff", "0", "4", "--db", db)
