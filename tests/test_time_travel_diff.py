@@ -170,3 +170,62 @@ async def test_a_provider_deleted_and_created_again_in_between_is_in_both_lists(
     assert (d.providers_deleted, d.providers_created) == ([b], [b])
     d = await store.diff(start, start + 1)  # deleted only
     assert (d.providers_deleted, d.providers_created) == ([b], [])
+
+
+async def test_each_label_alone_and_a_new_generation_make_a_change(store: AllocationStore) -> None:
+    """Each of project, user and consumer type rewritten alone (the same allocations, released
+    and written again) is a change, and so is a write of the same allocations (a new
+    generation); the change shows the consumer as it is now."""
+    p, c = await make_provider(store, "n", VCPU=8), new_uuid()
+    fields: dict[str, Any] = {"project_id": "project-A", "user_id": "alice", "consumer_type": "INSTANCE"}
+    await store.set_allocations(c, {p: {"VCPU": 2}}, **fields, generation=None)
+    for rewrite in ({"project_id": "project-B"}, {"user_id": "bob"}, {"consumer_type": "MIGRATION"}):
+        start = await store.head()
+        await store.release(c)
+        fields = {**fields, **rewrite}
+        await store.set_allocations(c, {p: {"VCPU": 2}}, **fields, generation=None)
+        change = (await store.diff(start, await store.head())).consumer(c)
+        assert change is not None and change.change == "changed", rewrite
+        assert change.consumer_type == fields["consumer_type"], rewrite
+    start = await store.head()
+    generation = (await store.allocations(c)).generation
+    await store.set_allocations(c, {p: {"VCPU": 2}}, **fields, generation=generation)
+    change = (await store.diff(start, await store.head())).consumer(c)
+    assert change is not None and change.change == "changed"
+    assert change.before == change.after == {p: {"VCPU": 2}}
+
+
+async def test_a_migration_change_names_its_instance(store: AllocationStore) -> None:
+    rp, instance, migration = await make_provider(store, VCPU=8), new_uuid(), new_uuid()
+    await allocate(store, instance, {rp: {"VCPU": 2}})
+    start = await store.head()
+    await store.start_migration(instance, migration)
+    change = (await store.diff(start, await store.head())).consumer(migration)
+    assert change is not None and change.change == "created"
+    assert (change.on_behalf_of, change.consumer_type) == (instance, "MIGRATION")
+
+
+async def test_a_diff_lists_things_in_one_order_and_only_what_moved(store: AllocationStore) -> None:
+    """Usage deltas by provider name then class (not by uuid), only for classes whose usage moved;
+    providers and consumers by uuid; event counts by type."""
+    lo, hi = sorted([await make_provider(store, VCPU=8, MEMORY_MB=8) for _ in range(2)])
+    await store.rename_provider(lo, "zulu")
+    await store.rename_provider(hi, "alpha")
+    await allocate(store, new_uuid(), {lo: {"VCPU": 1}})
+    start = await store.head()
+    created = [new_uuid() for _ in range(6)]
+    for uuid in created:
+        await store.create_provider(uuid, f"rp-{uuid}")
+    consumers = [new_uuid() for _ in range(6)]
+    await allocate(store, consumers[0], {lo: {"MEMORY_MB": 1}, hi: {"VCPU": 1}})
+    for consumer in consumers[1:]:
+        await allocate(store, consumer, {hi: {"MEMORY_MB": 1}})
+    d = await store.diff(start, await store.head())
+    assert [(u.name, u.provider, u.resource_class, u.delta) for u in d.usage] == [
+        ("alpha", hi, "MEMORY_MB", 5),
+        ("alpha", hi, "VCPU", 1),
+        ("zulu", lo, "MEMORY_MB", 1),  # (zulu's VCPU, held all along, did not move)
+    ]
+    assert d.providers_created == sorted(created)
+    assert [c.consumer for c in d.consumers] == sorted(consumers)
+    assert list(d.to_dict()["events_by_type"]) == ["AllocationsReplaced", "ProviderCreated"]
