@@ -224,6 +224,44 @@ async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_
             assert change.after == {src: {"VCPU": 2}} and revert.position in change.positions
 
 
+async def test_diff_names_a_leak_of_what_a_live_consumer_held_and_the_leaks_release(tmp_path: Path) -> None:
+    """An imported log gives a deleted instance back exactly what it held when live (a resize on
+    the same host, reverted by an older writer after the delete): over the delete and the revert
+    its allocations are the same, and it is still "leaked"; a second tombstone that releases the
+    leak is "released" (it was deleted already), not "deleted"."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        await source.start_migration(instance, migration)
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        tombstone = (await source.delete_consumer(instance)).position
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    revert = chained(
+        last,
+        "MigrationReverted",
+        {"migration": migration, "instance": instance, "allocations": {src: {"VCPU": 2}}, "replaced": {},
+         "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
+         "instance_generation": 2, "provider_generations": {}},
+    )  # fmt: skip
+    append_row(lines, revert)
+    again = chained(
+        revert,
+        "ConsumerDeleted",
+        {"consumer": instance, "released": {src: {"VCPU": 2}}, "migrations_released": {}},
+    )
+    append_row(lines, again)
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        change = (await store.diff(tombstone - 1, revert.position)).consumer(instance)
+        assert change is not None and change.change == "leaked"
+        assert change.before == change.after == {src: {"VCPU": 2}}
+        change = (await store.diff(revert.position, again.position)).consumer(instance)
+        assert change is not None and change.change == "released"
+        assert (change.before, change.after) == ({src: {"VCPU": 2}}, {})
+
+
 async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_path: Path) -> None:
     """An older writer's delete released the instance but not its migration's allocations."""
     async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
