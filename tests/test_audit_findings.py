@@ -621,6 +621,8 @@ async def test_rows_stored_with_other_types_or_nested_too_deep_are_findings(
         report = await store.audit()
         assert {f.details.get("reason") for f in report.integrity} == reasons
         assert {f.positions for f in report.integrity} == {(2,)}
+        if "CAST(data" in change:  # (the finding names the column stored with another type)
+            assert any("data (bytes) stored with the wrong type" in f.message for f in report.integrity)
         if "CAST" not in change:  # (readers decode a BLOB's JSON as its text)
             with pytest.raises(CorruptEvent, match="position 2"):
                 await store.read(0, 10)
@@ -1126,3 +1128,100 @@ async def test_an_import_whose_event_id_is_no_uuid_is_refused(tmp_path: Path, ev
         assert caught.value.details == {"line": len(lines), "position": row.position, "reason": "envelope"}
         assert len(caught.value.message) < 300
         assert await store.head() == 0
+
+
+def _two_sided_state() -> Any:
+    """A replayed state (the truth) of one provider and one migration consumer."""
+    from projections.state import ConsumerState, ProviderState, State
+
+    rp, mig, inst = new_uuid(), new_uuid(), new_uuid()
+    state = State(position=9, custom_classes={"CUSTOM_A"})
+    state.providers[rp] = ProviderState(rp, "rp", None, rp, 3, {"VCPU": Inventory(total=8)}, {"VCPU": 2})
+    state.consumers[mig] = ConsumerState(
+        mig, "p", "u", "MIGRATION", 1, {rp: {"VCPU": 2}}, False, None, inst, 7, "INSTANCE"
+    )
+    return state
+
+
+def test_compare_states_names_each_field_that_differs_and_which_side_has_what() -> None:
+    """The drift finding of each provider and consumer field alone (no other field differing, no
+    generic 'differs from its replay'), the consumer's allocation position, which side lacks a
+    provider, both directions of custom classes, and long values shortened."""
+    import dataclasses
+
+    from projections.audit import compare_states
+    from projections.persisted import clone
+
+    truth = _two_sided_state()
+    [(rp, prov)] = truth.providers.items()
+    [(mig, cons)] = truth.consumers.items()
+    provider_changes: dict[str, Any] = {
+        "name": "x" * 200,
+        "parent": new_uuid(),
+        "root": new_uuid(),
+        "generation": 4,
+        "inventories": {"VCPU": Inventory(total=9)},
+    }
+    for attr, value in provider_changes.items():
+        have = clone(truth)
+        have.providers[rp] = dataclasses.replace(prov, **{attr: value})
+        [finding] = compare_states(truth, have)
+        assert (finding.kind, finding.details) == ("drift", {"provider": rp, "field": attr}), attr
+        assert attr != "name" or "'" + "x" * 116 + "...," in finding.message  # (shortened)
+    have = clone(truth)  # (a stored 0 means what no entry means: only the generation differs)
+    have.providers[rp] = dataclasses.replace(prov, generation=4, usages={"VCPU": 2, "PCPU": 0})
+    assert [f.details.get("field") for f in compare_states(truth, have)] == ["generation"]
+    have.providers[rp] = dataclasses.replace(prov, usages={"VCPU": 5})
+    [finding] = compare_states(truth, have)
+    assert finding.details == {"provider": rp, "resource_class": "VCPU", "projection": 5, "replay": 2}
+    for attr, value in {"on_behalf_of": new_uuid(), "instance_type": "OTHER", "deleted_at": 8}.items():
+        have = clone(truth)
+        have.consumers[mig] = dataclasses.replace(cons, **{attr: value})
+        [finding] = compare_states(truth, have)
+        assert finding.details == {"consumer": mig, "field": attr} and finding.positions == (7,), attr
+    have = clone(truth)
+    del have.providers[rp]
+    [finding] = compare_states(truth, have)
+    assert "missing from the projection" in finding.message
+    assert "extra in the projection" in compare_states(have, truth)[0].message
+    have = clone(truth)
+    have.custom_classes = {"CUSTOM_B"}
+    [finding] = compare_states(truth, have)
+    assert finding.details == {"resource_classes": ["CUSTOM_A", "CUSTOM_B"]}
+
+
+def test_a_consumer_that_names_an_instance_by_a_bad_id_is_an_integrity_finding() -> None:
+    from evstore.events import ValueCheck
+    from projections.audit import consumer_id_findings
+
+    state = _two_sided_state()
+    [c] = state.consumers.values()
+    assert consumer_id_findings(state, ValueCheck()) == []
+    c.on_behalf_of = "Not-A-UUID"
+    [finding] = consumer_id_findings(state, ValueCheck())
+    assert finding.details == {"reason": "invalid_value", "consumer": c.uuid}
+    assert "instance of a consumer" in finding.message and finding.positions == (7,)
+
+
+async def test_finding_builders_on_edge_states() -> None:
+    """usage_not_held: a held amount of 0 (an imported log's, reported as a value no command
+    writes) is held nothing, as the count has no entry; _cite_last_events: findings stand as
+    they are when the history index cannot answer."""
+    from evstore.errors import EvstoreError
+    from projections.audit import Finding, _cite_last_events, usage_not_held
+
+    state = _two_sided_state()
+    [prov] = state.providers.values()
+    [c] = state.consumers.values()
+    assert usage_not_held(state) == []
+    c.allocations = {prov.uuid: {"VCPU": 2, "MEMORY_MB": 0}}
+    assert usage_not_held(state) == []
+    c.allocations = {prov.uuid: {"VCPU": 3}}
+    [finding] = usage_not_held(state)
+    assert (finding.details["counted"], finding.details["held"]) == ({"VCPU": 2}, {"VCPU": 3})
+
+    async def unanswerable(keys: list[str], head: int) -> dict[str, int]:
+        raise EvstoreError("the index cannot answer")
+
+    drift = [Finding("drift", "Provider differs", (), {"provider": prov.uuid})]
+    assert await _cite_last_events(drift, unanswerable, 9) == drift
