@@ -197,6 +197,37 @@ async def test_usage_lists_every_inventory_class(store: AllocationStore) -> None
         await store.usage(new_uuid())
 
 
+async def test_a_tombstone_and_a_migration_link_holding_nothing_read_back_as_they_are(
+    store: AllocationStore,
+) -> None:
+    """A deleted instance keeps its owner, type and tombstone position (and no generation); the
+    link its migration keeps (released by the delete) shows no owner, type or generation - live
+    and in time travel. Views compare with any object that says it equals them (as a dict does)."""
+    from unittest.mock import ANY
+
+    rp, inst, mig = await make_provider(store, VCPU=8), new_uuid(), new_uuid()
+    await allocate(
+        store, inst, {rp: {"VCPU": 2}}, project_id="acme", user_id="alice", consumer_type="BAREMETAL"
+    )
+    await store.start_migration(inst, mig)
+    await allocate(
+        store, inst, {rp: {"VCPU": 1}}, project_id="acme", user_id="alice", consumer_type="BAREMETAL"
+    )
+    deleted_at = (await store.delete_consumer(inst)).position
+    for view in (store, await store.state_at(deleted_at)):
+        tomb, link = await view.allocations(inst), await view.allocations(mig)
+        assert (tomb.allocations, tomb.project_id, tomb.user_id, tomb.consumer_type) == (
+            {},
+            "acme",
+            "alice",
+            "BAREMETAL",
+        )
+        assert (tomb.generation, tomb.deleted, tomb.deleted_at) == (None, True, deleted_at)
+        assert (link.allocations, link.project_id, link.user_id, link.consumer_type) == ({}, None, None, None)
+        assert (link.generation, link.deleted, link.on_behalf_of) == (None, False, inst)
+    assert await store.allocations(inst) == ANY and await store.usage(rp) == ANY
+
+
 async def test_project_usages_by_consumer_type(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=64, DISK_GB=1000)
     await allocate(store, new_uuid(), {rp: {"VCPU": 2, "DISK_GB": 10}}, project_id="acme", user_id="alice")
