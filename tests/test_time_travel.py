@@ -285,3 +285,35 @@ def test_a_snapshot_is_checked_against_its_digest() -> None:
     assert decode_state(text) == state
     with pytest.raises(ValueError, match="does not match its digest"):
         decode_state(text.replace('{"VCPU":2}', '{"VCPU":3}'))
+    # (a header of another format, its digest still matching the text after it)
+    with pytest.raises(InvalidInput, match="Unsupported snapshot format 5"):
+        decode_state(text.replace(f'"format":{SNAPSHOT_FORMAT}', '"format":5', 1))
+
+
+async def test_a_provider_slice_starts_from_its_latest_slice_snapshot(tmp_path: Path) -> None:
+    """state_at(provider=) folds only the provider's events after its latest slice snapshot at or
+    before the position (a slice whose header says another position is not used); fold_to
+    refuses an interval below 1."""
+    async with open_store(f"sqlite:///{tmp_path}/s.db", snapshot_every=10) as store:
+        await random_workload(store, seed=5, commands=40)
+        head = await store.head()
+        taken = await store.take_snapshots()
+        assert taken and head > taken[-1]
+        rp = sorted(u for u, _ in await store.providers())[0]
+        backend = store.backend
+        real = backend.read_entities
+        afters: list[int] = []
+
+        async def spy(entities: list[str], after: int, limit: int, until: int | None = None) -> list[Any]:
+            afters.append(after)
+            return await real(entities, after, limit, until)
+
+        backend.read_entities = spy  # type: ignore[method-assign]
+        try:
+            sliced = await store.state_at(position=head, provider=rp)
+        finally:
+            del backend.read_entities
+        assert afters[0] == taken[-1]
+        assert await sliced.usage(rp) == await store.usage(rp)
+        with pytest.raises(InvalidInput, match="positive"):
+            await snapshots.fold_to(backend, head, every=0)  # type: ignore[arg-type]
