@@ -141,6 +141,14 @@ async def test_taking_snapshots_at_a_smaller_interval_fills_in_before_the_latest
         assert (await store.state_at(position=15)).state == truth
 
 
+async def test_a_snapshot_is_taken_at_the_head_when_the_head_is_a_multiple(tmp_path: Path) -> None:
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        await random_workload(store, seed=4, commands=20)
+        head = await store.head()
+    async with open_store(f"sqlite:///{tmp_path}/s.db", snapshot_every=head) as store:
+        assert await store.take_snapshots() == [head]
+
+
 async def test_state_at_a_time_and_the_queries_on_it(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=8)
     c = new_uuid()
