@@ -174,6 +174,8 @@ async def test_uuids_accept_str_or_uuid_and_come_back_lowercase(store: Allocatio
     view = await store.allocations(c)
     assert view.allocations == {str(rp): {"VCPU": 1}}
     assert (await store.provider_allocations(rp)) == {str(c): {"VCPU": 1}}
+    upper = await store.allocations(str(c).upper())  # (a query normalises as a command does)
+    assert (upper.consumer, upper.allocations) == (str(c), {str(rp): {"VCPU": 1}})
 
 
 async def test_usage_lists_every_inventory_class(store: AllocationStore) -> None:
@@ -253,6 +255,11 @@ async def test_project_usages_by_consumer_type(store: AllocationStore) -> None:
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}}, project_id="acme", consumer_type="UNKNOWN")
     untyped = await store.usages("acme", consumer_type="unknown")  # (what a v1 event upcasts to)
     assert untyped.by_consumer_type == {"unknown": {"VCPU": 1, "consumer_count": 1}}
+    # a reserved type keeps the user filter; the arguments are checked as a command's are
+    assert (await store.usages("acme", user_id="bob", consumer_type="all")).usages == {"VCPU": 5}
+    for bad in ({"project_id": ""}, {"user_id": ""}, {"consumer_type": "not a type"}):
+        with pytest.raises(InvalidInput):
+            await store.usages(**{"project_id": "acme", **bad})
 
 
 async def test_idempotent_commands_append_once(store: AllocationStore) -> None:
