@@ -260,6 +260,8 @@ async def test_project_usages_by_consumer_type(store: AllocationStore) -> None:
     for bad in ({"project_id": ""}, {"user_id": ""}, {"consumer_type": "not a type"}):
         with pytest.raises(InvalidInput):
             await store.usages(**{"project_id": "acme", **bad})
+    with pytest.raises(InvalidInput, match="batch_size"):  # (0 would skip the validating pass)
+        await store.import_events(lambda: iter([]), batch_size=0)
 
 
 async def test_idempotent_commands_append_once(store: AllocationStore) -> None:

@@ -83,6 +83,8 @@ async def test_diff_by_time_and_bad_bounds(store: AllocationStore) -> None:
     by_time = await store.diff(before, datetime.now(UTC))
     assert [x.consumer for x in by_time.of_change("created")] == [c]
     head = await store.head()
+    same = await store.diff(head, head)  # (a == b: nothing changed)
+    assert (same.from_position, same.to_position, same.consumers, same.usage) == (head, head, [], [])
     with pytest.raises(InvalidInput):
         await store.diff(head, 1)
     with pytest.raises(InvalidInput):
