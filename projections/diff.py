@@ -135,7 +135,7 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
     # keeps getting turns - the GIL is handed over every few milliseconds)
     before = await asyncio.to_thread(clone, start)
     state = start
-    touched: dict[str, list[int]] = {}
+    touched: dict[str, list[int]] = {}  # "consumer:<uuid>" -> the events that named it
     #: (provider, class) -> the events that changed what some consumer holds of it (see _moved)
     moved: dict[tuple[str, str], list[int]] = {}
     recreated: set[str] = set()  # providers deleted in between that exist at the end
@@ -154,8 +154,9 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
             held = {k[9:]: _allocations(state, k[9:]) for k in named if k.startswith("consumer:")}
             changed = evolve_noting_providers(state, event, raw.position)
             counts[raw.type] = counts.get(raw.type, 0) + 1
-            for entity in named | {f"provider:{p}" for p in changed}:
-                touched.setdefault(entity, []).append(raw.position)
+            for entity in named:
+                if entity.startswith("consumer:"):  # (providers' events: see moved)
+                    touched.setdefault(entity, []).append(raw.position)
             for key in _moved(state, held, changed):
                 moved.setdefault(key, []).append(raw.position)
             if raw.type == "ProviderDeleted":
