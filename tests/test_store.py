@@ -86,6 +86,30 @@ async def test_store_options_are_checked_before_anything_runs(
             pass
 
 
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("create", "create must be true or false, got ''"),
+        ("synchronous", "synchronous must be"),
+        ("busy_timeout", "busy_timeout must be"),
+        ("synchronus", "Unknown SQLite store option"),
+        ("busy_timeout=5&foo", "Unknown SQLite store option"),
+    ],
+)
+async def test_a_url_option_without_a_value_is_refused_not_dropped(
+    tmp_path: Path, query: str, says: str
+) -> None:
+    """Regression (helper-56): ``sqlite:///x.db?create`` or a misspelt ``?synchronus`` (no ``=``)
+    was dropped without a word and the store opened - and created the file - with the defaults;
+    the same key in a PostgreSQL URL is refused."""
+    with pytest.raises(InvalidInput, match=says):
+        async with open_store(f"sqlite:///{tmp_path}/o.db?{query}"):
+            pass
+    assert not (tmp_path / "o.db").exists()
+    async with open_store(f"sqlite:///{tmp_path}/o.db?&synchronous=NORMAL&") as store:  # (empty parts)
+        assert await store.head() == 0
+
+
 async def test_open_store_is_awaitable_and_a_plain_with_is_a_typed_error(tmp_path: Path) -> None:
     # `store = await open_store(url)` (a newcomer's first guess, as aiosqlite.connect allows) raised
     # a bare TypeError naming contextlib's private class; `with open_store(url)` another one.

@@ -692,7 +692,9 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     query = ""
     if "?" in rest:
         rest, query = rest.split("?", 1)
-    pairs = [part.split("=", 1) for part in query.split("&") if "=" in part]
+    # (a key without ``=`` is a key with an empty value, checked as any other: ``?create`` and a
+    # misspelt ``?synchronus`` were dropped without a word, and the store opened with defaults)
+    pairs = [part.split("=", 1) if "=" in part else [part, ""] for part in query.split("&") if part]
     options = dict(pairs)
     if len(options) < len(pairs):
         twice = sorted({k for k, _ in pairs if [n for n, _ in pairs].count(k) > 1})
