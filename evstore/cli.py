@@ -143,7 +143,13 @@ def fail(code: str, message: str, exit_code: int = EXIT_ERROR) -> NoReturn:
 
 
 def sqlite_url(path: Path) -> str:
-    return "sqlite:///" + str(path.expanduser().absolute())
+    text = str(path.expanduser().absolute())
+    if "?" in text:  # (a store URL's options start there: the rest would name another file)
+        raise err.InvalidInput(
+            f"{path} has a '?' in it, which a store URL reads as the start of its options, so "
+            "evstore cannot name that file: rename it (or its directory)"
+        )
+    return "sqlite:///" + text
 
 
 def given_path(value: str, option: str, *, must_exist: bool, what: str = "file") -> Path:

@@ -184,3 +184,20 @@ def test_an_import_into_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
         assert _error(done) == (1, "evstore.invalid_input"), (store, done.stderr)
         assert "FIFO" in done.stderr, done.stderr
     assert fifo.is_fifo()
+
+
+def test_a_db_path_with_a_question_mark_is_refused_not_cut_at_it(tmp_path: Path) -> None:
+    """Regression (helper-56): ``evstore demo --db 'we?ird.db'`` exited 0 having written its store
+    to a file named ``we`` (the path became ``sqlite:///.../we?ird.db``, whose ``?`` starts the
+    URL's options), and ``evstore stats --db 'we?ird.db'`` then said there was no database."""
+    weird = tmp_path / "we?ird.db"
+    export = tmp_path / "x.jsonl"
+    export.write_text("")
+    for command in (["demo"], ["import", str(export)]):
+        done = evstore(*command, "--db", str(weird))
+        assert _error(done) == (1, "evstore.invalid_input"), (command, done.stderr)
+        assert "'?'" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl"]  # (no "we")
+    weird.write_bytes(b"")  # a file of that name exists: it is still not opened as "we"
+    done = evstore("stats", "--db", str(weird))
+    assert _error(done) == (1, "evstore.invalid_input") and "'?'" in done.stderr, done.stderr
