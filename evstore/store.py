@@ -299,6 +299,40 @@ def _validate_key(key: object) -> str | None:
     return validate_name(key, "idempotency_key", 255)  # (text the database can store: no lone surrogate)
 
 
+def _log_context(job: Job) -> dict[str, Any]:
+    """What every log line about a queued command says of it."""
+    return {
+        "command": job.metadata["command"],
+        "request_id": job.metadata.get("request_id"),
+        "consumer": sorted(job.needs.consumers) or None,
+        "provider": sorted(job.needs.providers) or None,
+    }
+
+
+def _log_outcome(context: dict[str, Any], outcome: Outcome, **extra: Any) -> None:
+    """``command.accepted`` or ``command.rejected`` for a command's outcome."""
+    if isinstance(outcome, Receipt):
+        if context["provider"] is None:  # (a command naming consumers: the providers it changed)
+            context["provider"] = sorted(outcome.provider_generations) or None
+        _command_log.get().info(
+            "command.accepted",
+            positions=list(outcome.positions),
+            position=outcome.position,
+            replayed=outcome.replayed,
+            **context,
+            **extra,
+        )
+    else:
+        _command_log.get().info(
+            "command.rejected", code=outcome.code, error=outcome.message, **context, **extra
+        )
+
+
+def _log_not_run(job: Job) -> None:
+    """A queued command whose caller was cancelled before it began: it did not run."""
+    _command_log.get().info("command.cancelled", **_log_context(job), caller_cancelled=True)
+
+
 def _waiting(fut: asyncio.Future[Receipt]) -> bool:
     """Whether a command's caller still waits for it (not cancelled, not answered)."""
     return not fut.done()
@@ -536,6 +570,8 @@ class AllocationStore:
             job, fut = queue.popleft()
             if not fut.done():
                 batch.append((job, fut))
+            elif fut.cancelled() and self._loop is not None:  # (logged on the loop, not this thread)
+                self._loop.call_soon_threadsafe(_log_not_run, job)
         if not batch:
             return None
         return [j for j, _ in batch], batch
@@ -550,13 +586,20 @@ class AllocationStore:
                 exc = err.StorageError(f"Storage failure: {exc!r}")
             outcomes = [exc] * len(batch)
         appended = False
-        for (_, fut), outcome in zip(batch, outcomes, strict=True):
+        for (job, fut), outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, Receipt):
                 appended = appended or bool(outcome.positions)
                 if not fut.done():
                     fut.set_result(outcome)
             elif not fut.done():
                 fut.set_exception(outcome)
+            if fut.cancelled():
+                # Its caller was cancelled (a timeout, a shutdown) once the command had begun: no
+                # one hears the outcome, so the log says whether it committed.
+                if isinstance(outcome, err.EvstoreError) and outcome.details.get("not_run"):
+                    _log_not_run(job)
+                else:
+                    _log_outcome(_log_context(job), outcome, caller_cancelled=True)
         if appended:
             self._appended.set()
             self._appended = asyncio.Event()
@@ -599,30 +642,26 @@ class AllocationStore:
         fut: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
         self._queue.append((job, fut))
         self._wake.set()
-        context = {
-            "command": meta["command"],
-            "request_id": meta.get("request_id"),
-            "consumer": sorted(n.consumers) or None,
-            "provider": sorted(n.providers) or None,
-        }
         try:
             receipt = await fut
         except err.EvstoreError as exc:
             # (the future holds the error, whose traceback holds this frame: a reference cycle,
             # left for the cyclic collector with the command and all it names, unless let go)
             del fut
-            _command_log.get().info("command.rejected", code=exc.code, error=exc.message, **context)
+            _log_outcome(_log_context(job), exc)
             exc.__dict__["_evstore_logged"] = True  # (not again by the method: _logs_rejections)
             raise
-        if context["provider"] is None:  # (a command naming consumers: the providers it changed)
-            context["provider"] = sorted(receipt.provider_generations) or None
-        _command_log.get().info(
-            "command.accepted",
-            positions=list(receipt.positions),
-            position=receipt.position,
-            replayed=receipt.replayed,
-            **context,
-        )
+        except asyncio.CancelledError:
+            # Cancelled once the outcome had arrived (before this task resumed): it is logged
+            # here. Otherwise the future was cancelled with the caller, and the writer logs what
+            # became of the command (see _deliver and _take_batch).
+            if fut.done() and not fut.cancelled():
+                failed = fut.exception()
+                outcome = failed if isinstance(failed, err.EvstoreError) else fut.result()
+                _log_outcome(_log_context(job), outcome, caller_cancelled=True)
+            del fut
+            raise
+        _log_outcome(_log_context(job), receipt)
         return receipt
 
     # --- commands -------------------------------------------------------------------------

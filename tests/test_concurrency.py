@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import logging
 import os
 import random
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from evstore import (
     AllocationStore,
@@ -132,6 +135,83 @@ async def test_cancelled_commands_are_all_or_nothing(store: AllocationStore) -> 
     # the store is still usable
     await allocate(store, new_uuid(), {rp: {"VCPU": 5}})
     assert (await store.audit()).clean
+
+
+async def test_the_log_says_what_became_of_a_command_whose_caller_was_cancelled(
+    store: AllocationStore,
+) -> None:
+    """Regression (helper-56): a command whose caller was cancelled (a timeout, a shutdown) once
+    the writer had taken it still committed - README: "whole or absent" - but no log line said
+    so: ``command.accepted`` was logged by the caller after its await, which a cancelled caller
+    never reaches, and a command dropped before it began was not logged either. An operator could
+    not tell from the log which it was (45 of 200 such commands committed silently on SQLite,
+    138 on PostgreSQL). Now each ends in ``command.accepted`` (``caller_cancelled=True``) when it
+    committed, ``command.cancelled`` when it did not run."""
+    rp = await make_provider(store, VCPU=100_000)
+    rng = random.Random(56)
+    consumers: dict[str, str] = {}
+    cancelled: set[str] = set()
+    # the test session filters info logs out (conftest); let them through here
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    with contextlib.ExitStack() as stack:
+        stack.callback(
+            structlog.configure, wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
+        )
+        logs = stack.enter_context(structlog.testing.capture_logs())
+        for wave in range(20):
+            tasks: dict[str, asyncio.Task[Any]] = {}
+            for i in range(10):
+                request_id, consumer = f"req-{wave}-{i}", new_uuid()
+                consumers[request_id] = consumer
+                tasks[request_id] = asyncio.create_task(
+                    store.set_allocations(
+                        consumer,
+                        {rp: {"VCPU": 1}},
+                        project_id="p",
+                        user_id="u",
+                        consumer_type="INSTANCE",
+                        generation=None,
+                        metadata={"request_id": request_id},
+                    )
+                )
+            await asyncio.sleep(0)  # (each has queued its command)
+            for task in tasks.values():
+                for _ in range(rng.randint(0, 4)):
+                    await asyncio.sleep(0)
+                if rng.random() < 0.3:
+                    await asyncio.sleep(0.001)
+                task.cancel()
+            for request_id, task in tasks.items():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                if task.cancelled():
+                    cancelled.add(request_id)
+
+        def said() -> dict[str, list[dict[str, Any]]]:
+            lines: dict[str, list[dict[str, Any]]] = {}
+            for line in logs:
+                if line.get("request_id") in cancelled:
+                    lines.setdefault(line["request_id"], []).append(line)
+            return lines
+
+        async with asyncio.timeout(10):  # (the writer logs them as it finishes them)
+            while len(said()) < len(cancelled):
+                await asyncio.sleep(0.01)
+    assert cancelled
+    committed = set()
+    for request_id, lines in said().items():
+        assert len(lines) == 1, lines
+        line = lines[0]
+        assert line["caller_cancelled"] is True and line["command"] == "WriteAllocations", line
+        assert line["consumer"] == [consumers[request_id]], line
+        held = (await store.allocations(consumers[request_id])).allocations
+        if line["event"] == "command.accepted":
+            assert held == {rp: {"VCPU": 1}} and line["position"] is not None, line
+            committed.add(request_id)
+        else:
+            assert line["event"] == "command.cancelled" and held == {}, line
+    assert committed  # (those were silent)
+    assert (await store.usage(rp))["VCPU"] == len(consumers) - len(cancelled) + len(committed)
 
 
 async def test_timeout_around_a_command_behaves(store: AllocationStore) -> None:

@@ -1091,7 +1091,7 @@ class PostgresBackend:
         await self._slots.acquire(order)
         try:
             if wanted is not None and not wanted():
-                return err.StorageError("Not run: its caller stopped waiting before it began")
+                return err.StorageError("Not run: its caller stopped waiting before it began", not_run=True)
             return await self._run_job(job, ended)
         except err.EvstoreError as exc:
             return exc
