@@ -657,8 +657,10 @@ class AllocationStore:
             # became of the command (see _deliver and _take_batch).
             if fut.done() and not fut.cancelled():
                 failed = fut.exception()
-                outcome = failed if isinstance(failed, err.EvstoreError) else fut.result()
-                _log_outcome(_log_context(job), outcome, caller_cancelled=True)
+                if failed is None:
+                    _log_outcome(_log_context(job), fut.result(), caller_cancelled=True)
+                elif isinstance(failed, err.EvstoreError):  # (anything else: the cancellation goes on)
+                    _log_outcome(_log_context(job), failed, caller_cancelled=True)
             del fut
             raise
         _log_outcome(_log_context(job), receipt)
