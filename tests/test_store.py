@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -1610,3 +1612,33 @@ async def test_inventories_and_provider_read_back_what_was_written(store: Alloca
     await store.delete_provider(child)
     with pytest.raises(evstore.ProviderNotFound):
         await store.inventories(child)
+
+
+def test_a_store_its_program_never_closed_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    """Regression (helper-56): ``store = await open_store(url)`` and no ``close()`` - a program that
+    forgot, or ended on an error - hung at exit for ever on SQLite: aiosqlite's connection threads
+    are not daemons, and once the loop was gone nothing could close them. The process now exits;
+    what was committed is there when the store is opened again."""
+    db = tmp_path / "unclosed.db"
+    script = (
+        "import asyncio, sys\n"
+        "from evstore import open_store\n"
+        "async def main():\n"
+        "    store = await open_store(sys.argv[1])\n"
+        "    await store.create_provider('6b143df3-2c73-42b9-b8cc-a015a322dab3', 'unclosed')\n"
+        "asyncio.run(main())\n"
+        "print('ended', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, f"sqlite:///{db}"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0 and "ended" in proc.stdout, proc.stderr[-2000:]
+
+    async def reopened() -> None:
+        async with open_store(f"sqlite:///{db}") as store:
+            assert await store.head() == 1
+            assert await store.providers() == [("6b143df3-2c73-42b9-b8cc-a015a322dab3", "unclosed")]
+            assert (await store.audit()).clean
+
+    asyncio.run(reopened())

@@ -759,7 +759,16 @@ class SqliteBackend:
         return self.path == ":memory:"
 
     async def _connect(self) -> aiosqlite.Connection:
-        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        pending = aiosqlite.connect(self.path, isolation_level=None)
+        # A daemon thread: a store its program never closed must not keep the process from
+        # exiting (aiosqlite's thread is not one, and once the loop is gone nothing can close the
+        # connection: the interpreter waited for it for ever). Ending then is a crash of an idle
+        # writer, which SQLite's WAL recovers from on the next open; commands still queued had no
+        # one left to answer. (``_thread``: aiosqlite's, pinned in pyproject as ``_execute`` is.)
+        thread = getattr(pending, "_thread", None)
+        if isinstance(thread, threading.Thread):
+            thread.daemon = True
+        conn = await pending
         try:
             await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
             if not self.memory:
