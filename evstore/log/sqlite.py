@@ -775,8 +775,8 @@ class SqliteBackend:
                 await conn.execute("PRAGMA journal_mode = WAL")
             await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
         except BaseException:
-            # aiosqlite's worker thread is not a daemon: an unclosed connection keeps the
-            # process alive after the error.
+            # (closed, not left to the daemon thread: its file handle and thread would stay
+            # until the process ends)
             await conn.close()
             raise
         return conn
