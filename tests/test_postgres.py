@@ -322,6 +322,17 @@ async def test_unknown_options_are_refused(pg_url: str) -> None:
             pass
 
 
+async def test_a_misspelt_url_option_is_invalid_input_naming_evstores_options(pg_url: str) -> None:
+    """Regression (helper-56): ``?pool_sise=3`` went to the server as a setting and came back as
+    evstore.storage 'Cannot connect ...: unrecognized configuration parameter' - a storage
+    failure, with nothing saying it came from the URL."""
+    with pytest.raises(InvalidInput, match="unrecognized configuration parameter") as caught:
+        async with open_store(f"{pg_url}&pool_sise=3"):
+            pass
+    assert "pool_size" in caught.value.message and "check its spelling" in caught.value.message
+    assert caught.value.code == "evstore.invalid_input"
+
+
 # --- parallel writers -------------------------------------------------------------------------
 
 

@@ -837,6 +837,15 @@ class PostgresBackend:
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if getattr(exc, "sqlstate", None) == "42704" and "configuration parameter" in text:
+                # (the URL's other ?k=v go to the server as settings: a misspelt option of ours
+                # comes back as the server's refusal of a setting it does not know)
+                raise err.InvalidInput(
+                    f"Cannot connect to PostgreSQL at {self.safe_url}: {text}. A ?k=v in the URL that "
+                    f"is not one of evstore's options ({', '.join(OPTIONS)}) is sent to the server as "
+                    "a setting: check its spelling",
+                    url=self.safe_url,
+                ) from None
             raise err.StorageError(
                 f"Cannot connect to PostgreSQL at {self.safe_url}: {text}", url=self.safe_url
             ) from None
