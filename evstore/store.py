@@ -1037,6 +1037,8 @@ class AllocationStore:
         return self._subscribe(after, batch_size)
 
     async def _subscribe(self, after: int, batch_size: int) -> AsyncGenerator[RecordedEvent, None]:
+        if self._closing:  # (closed before the first iteration: not "while it followed")
+            raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
         if after and after > (head := await self._backend.head()):
             raise err.InvalidInput(
                 f"position {after} is beyond the head of the log ({head}): not a position of this "

@@ -128,6 +128,9 @@ async def test_open_store_is_awaitable_and_a_plain_with_is_a_typed_error(tmp_pat
         await store.close()
     with pytest.raises(evstore.StoreClosed):
         await store.head()
+    # (not "closed while this subscriber followed it": it never did)
+    with pytest.raises(evstore.StoreClosed, match=r"^The store is closed"):
+        await anext(store.subscribe())
     with pytest.raises(InvalidInput, match="snapshot_every"):
         await open_store(url, snapshot_every=0)
     async with open_store(url) as store:  # the context manager works as before
