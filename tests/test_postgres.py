@@ -233,6 +233,29 @@ async def test_a_lock_timeout_in_the_url_does_not_fail_a_committed_command(pg_ur
         assert (await store.audit()).clean
 
 
+async def test_a_statement_timeout_in_the_url_does_not_fail_a_committed_command(pg_url: str) -> None:
+    """Regression (helper-59): lock_timeout no longer reached the sequencer's wait for its lock,
+    but statement_timeout (the URL's, or a DBA's on the role or database) still cancelled it:
+    while another process's run held the lock past the timeout, a command that had committed was
+    reported as failed ("committed, but reading its positions failed"; without an idempotency key,
+    "do not retry"). The sequencer's wait is not bounded by it now; the commands' statements are."""
+    async with open_store(pg_url + "&statement_timeout=100ms") as store:
+        rp = await make_provider(store, VCPU=4)
+        async with _another_client_holding(pg_url, store, "!sequencer") as (_, tr):
+            claim = asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}}))
+            await asyncio.sleep(0.6)  # six times the statement_timeout
+            assert not claim.done()
+            await tr.rollback()
+        await asyncio.wait_for(claim, 10)  # (raised StorageError, committed=True, before the fix)
+        assert (await store.usage(rp))["VCPU"] == 1
+        # the setting still applies to everything else evstore's sessions run
+        async with pg(store)._connection() as conn:
+            assert await conn.fetchval("SHOW statement_timeout") == "100ms"
+            with pytest.raises(asyncpg.QueryCanceledError):
+                await conn.execute("SELECT pg_sleep(0.5)")
+        assert (await store.audit()).clean
+
+
 async def test_transactions_run_at_read_committed_whatever_the_default(pg_url: str) -> None:
     """Regression (helper-29): with default_transaction_isolation=serializable (a role's or a
     database's default, or the URL's), audits, rebuilds and head reads failed with serialization

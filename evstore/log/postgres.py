@@ -1339,12 +1339,24 @@ class PostgresBackend:
 
     async def _sequence_with_retry(self, wait: bool, want: list[int]) -> tuple[int, list[int | None]]:
         last: BaseException | None = None
+        unbounded = False
         for _ in range(3):
             try:
                 async with self._connection() as conn:
-                    # one statement, its own transaction: the run commits before its lock is released
-                    return await _sequence(conn, self._key("!sequencer"), wait, want)
+                    if not unbounded:
+                        # one statement, its own transaction: the run commits before its lock is released
+                        return await _sequence(conn, self._key("!sequencer"), wait, want)
+                    async with conn.transaction():
+                        await conn.execute("SET LOCAL statement_timeout = 0")
+                        return await _sequence(conn, self._key("!sequencer"), wait, want)
             except DB_ERRORS as exc:
+                if isinstance(exc, asyncpg.QueryCanceledError) and not unbounded:
+                    # A statement_timeout (the URL's, the role's, the database's) cancelled the
+                    # wait for the lock, which another run held: the commands waiting for these
+                    # positions have committed, so wait as long as it takes, as for lock_timeout
+                    # (the function sets that one; a statement's timer is armed before it runs)
+                    last, unbounded = exc, True
+                    continue
                 if (
                     not _is_connection_error(exc)
                     and getattr(exc, "sqlstate", None) not in RETRYABLE_SQLSTATES
