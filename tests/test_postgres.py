@@ -1255,6 +1255,39 @@ async def test_a_command_timing_out_says_command_timeout_not_a_lost_connection(p
         assert (await store.audit()).clean
 
 
+async def test_a_command_failing_on_a_server_error_or_no_connection_says_it_was_not_committed(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (helper-59): a command refused by the server inside its transaction (a
+    lock_timeout a DBA set on the role, a statement_timeout) or that could not get a connection
+    at all (the server restarting) failed with a StorageError that said neither that it was
+    rolled back nor that it was not run, and had no ``outcome_unknown``: only a lost connection
+    said so, though these are as certain."""
+    async with open_store(pg_url + "&lock_timeout=50ms") as store:
+        rp = await make_provider(store, VCPU=8)
+        consumer = new_uuid()
+        async with _another_client_holding(pg_url, store, f"consumer:{consumer}") as (_, tr):
+            with pytest.raises(StorageError) as caught:
+                await allocate(store, consumer, {rp: {"VCPU": 2}})
+            await tr.rollback()
+        assert caught.value.details["sqlstate"] == "55P03"
+        assert caught.value.details["outcome_unknown"] is False
+        assert "lock timeout" in caught.value.message and "it was rolled back" in caught.value.message
+        assert (await store.allocations(consumer)).allocations == {}
+
+        async def refused(*args: Any, **kwargs: Any) -> Any:  # (a server down or restarting)
+            raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(asyncpg.pool.Pool, "acquire", refused)
+            with pytest.raises(StorageError) as caught:
+                await allocate(store, consumer, {rp: {"VCPU": 2}})
+        assert caught.value.details["outcome_unknown"] is False
+        assert "Connect call failed" in caught.value.message and "not run" in caught.value.message
+        await allocate(store, consumer, {rp: {"VCPU": 2}})  # the server back: it goes through
+        assert await store.head() == 3 and (await store.audit()).clean
+
+
 def test_a_connection_killed_under_asyncpg_counts_as_lost() -> None:
     """A pooled connection the server killed surfaces as asyncpg's InternalClientError ('cannot
     switch to state ...'), and its proxy refuses is_closed(): both were taken for bugs, so a

@@ -735,7 +735,11 @@ def _storage_error(
     elif _is_connection_error(exc):
         lead = f"Lost the connection to PostgreSQL while {doing}: {text}"
     else:
-        return err.StorageError(f"PostgreSQL error while {doing}: {text}", sqlstate=sqlstate)
+        lead = f"PostgreSQL error while {doing}: {text}"
+        if committing is None:
+            return err.StorageError(lead, sqlstate=sqlstate)
+        # the server answered with an error: the transaction is rolled back, also at COMMIT
+        return err.StorageError(f"{lead}; it was rolled back", sqlstate=sqlstate, outcome_unknown=False)
     if committing is None:
         return err.StorageError(lead, sqlstate=sqlstate)
     outcome = (
@@ -919,7 +923,9 @@ class PostgresBackend:
         return option if value is None else f"{option} ({value:g} s)"
 
     @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[Any]:
+    async def _connection(self, command: bool = False) -> AsyncIterator[Any]:
+        """A pooled connection. ``command``: it is for a command's transaction, which a failure
+        to get one leaves not run (said in the error, with ``outcome_unknown`` False)."""
         pool = self._pool
         if pool is None:
             raise err.StoreClosed("The store is closed")
@@ -930,10 +936,15 @@ class PostgresBackend:
                 raise err.StoreClosed("The store is closed") from None
             raise _storage_error(exc, "connecting", None) from None
         except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
-            # (nothing was sent on it: no claim about a transaction, which the caller knows better)
-            raise _storage_error(
+            # (nothing was sent on it: no claim about a transaction, but for a command's)
+            failed = _storage_error(
                 exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
-            ) from None
+            )
+            if command:
+                failed = err.StorageError(
+                    f"{failed.message}; the command was not run", **failed.details, outcome_unknown=False
+                )
+            raise failed from None
         except ValueError as exc:  # (min_pool_size=0: the URL is first parsed here; see _malformed)
             raise self._malformed(exc) from None
         try:
@@ -1175,7 +1186,7 @@ class PostgresBackend:
 
     async def _attempt(self, job: Job, keys: set[int]) -> tuple[Receipt, list[int]] | err.EvstoreError:
         """One transaction for ``job``: the receipt (with seqs, not positions yet) or its error."""
-        async with self._connection() as conn:
+        async with self._connection(command=True) as conn:
             committing = False
             tx = conn.transaction()
             try:
@@ -1682,7 +1693,7 @@ class PostgresBackend:
                 finally:
                     await conn.execute("DROP TABLE IF EXISTS staged_entities")
             except DB_ERRORS as exc:
-                raise _storage_error(exc, "checking the history index") from None
+                raise _storage_error(exc, "checking the history index", None) from None
 
     async def stats(self) -> dict[str, Any]:
         async with self._connection() as conn:
