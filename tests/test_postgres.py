@@ -7,11 +7,13 @@ Everything that is not about PostgreSQL runs on it through the ``store`` fixture
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
 import random
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -1557,3 +1559,43 @@ async def test_pg_upgrade_refold_is_not_lost_when_the_first_open_fails_after_mig
         assert report.clean, [f.message for f in report.findings]
         await store.revert_migration(mig)
         assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
+
+
+async def test_reads_on_pooled_connections_the_server_closed_are_tried_again(pg_url: str) -> None:
+    """Regression (helper-59): a read handed a pooled connection that the server had closed while
+    it sat idle (a restart, pg_terminate_backend, a firewall), before asyncpg noticed, failed
+    with evstore.storage - once per such connection; commands already retried. A read is safe to
+    repeat: it now runs again on a fresh connection."""
+    app = f"evt_idle_{new_uuid()[:8]}"
+    async with open_store(f"{pg_url}&application_name={app}", pool_size=2, min_pool_size=2) as store:
+        rp = await make_provider(store, VCPU=4)
+        await asyncio.gather(store.head(), store.usage(rp))  # (both connections made, now idle)
+
+        async def terminate() -> int:
+            conn = await asyncpg.connect(pg_url)
+            try:
+                return int(
+                    await conn.fetchval(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                        app,
+                    )
+                )
+            finally:
+                await conn.close()
+
+        async def head() -> Any:
+            return await store.head()
+
+        async def usage() -> Any:
+            return dict(await store.usage(rp))
+
+        async def positions() -> Any:
+            return [e.position for e in await store.read(0, 10)]
+
+        for read, expected in ((head, 2), (usage, {"VCPU": 0}), (positions, [1, 2])):
+            # Killed from another thread while this loop is blocked: asyncpg cannot notice first.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                assert pool.submit(asyncio.run, terminate()).result() >= 1
+            time.sleep(0.3)  # (the backends exit; the loop still does not run)
+            assert await read() == expected

@@ -83,7 +83,7 @@ import random
 import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
@@ -113,6 +113,7 @@ from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
 
 log = structlog.get_logger("evstore.postgres")
+T = TypeVar("T")
 
 SCHEMA_VERSION = 6
 
@@ -1397,11 +1398,31 @@ class PostgresBackend:
 
     # --- reading --------------------------------------------------------------------------
 
+    async def _read(self, doing: str, work: Callable[[Any], Awaitable[T]]) -> T:
+        """``work`` on a pooled connection; once more on another if that one turns out dead (the
+        server, a restart or a firewall closed it while it sat idle in the pool, before asyncpg
+        noticed). A read is safe to repeat; failing one per such connection is noise a caller
+        cannot act on. (Commands retry the same way: _StaleConnection.)"""
+        for attempt in range(2):
+            async with self._connection() as conn:
+                try:
+                    return await work(conn)
+                except DB_ERRORS as exc:
+                    if attempt == 0 and _is_connection_error(exc) and not isinstance(exc, TimeoutError):
+                        # (the pool's other idle connections are likely dead too - a restart, a
+                        # failover: each is replaced at its next acquire, this one at its release)
+                        if self._pool is not None:
+                            await self._pool.expire_connections()
+                        continue
+                    raise _storage_error(exc, doing, None, self._timeout_named("command_timeout")) from None
+        raise AssertionError("unreachable")
+
     async def head(self) -> int:
-        async with self._connection() as conn:
-            await self._guard(self._catch_up(conn), "reading the head")
-            value = await self._guard(conn.fetchval("SELECT max(position) FROM events"), "reading the head")
-            return int(value or 0)
+        async def work(conn: Any) -> int:
+            await self._catch_up(conn)
+            return int(await conn.fetchval("SELECT max(position) FROM events") or 0)
+
+        return await self._read("reading the head", work)
 
     async def read_raw(self, after: int, limit: int) -> list[RawEvent]:
         return list(map(RawEvent._make, await self._read_rows(EVENT_COLUMNS, after, limit)))
@@ -1412,11 +1433,14 @@ class PostgresBackend:
 
     async def _read_rows(self, columns: str, after: int, limit: int) -> list[Any]:
         sql = f"SELECT {columns} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
-        async with self._connection() as conn:
-            rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
-            if len(rows) < limit and await self._guard(self._catch_up(conn), "reading the log"):
-                rows = await self._guard(conn.fetch(sql, after, limit), "reading the log")
-        return list(rows)
+
+        async def work(conn: Any) -> list[Any]:
+            rows = await conn.fetch(sql, after, limit)
+            if len(rows) < limit and await self._catch_up(conn):
+                rows = await conn.fetch(sql, after, limit)
+            return list(rows)
+
+        return await self._read("reading the log", work)
 
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
         raws = await self.read_raw(after, limit)
@@ -1451,11 +1475,15 @@ class PostgresBackend:
         )
         last = until if until is not None else MAX_POSITION
         args = (sql, list(entities), after, limit, last)
-        async with self._connection() as conn:
-            rows = await self._guard(conn.fetch(*args), "reading history")
+
+        async def work(conn: Any) -> list[Any]:
+            rows = await conn.fetch(*args)
             # (as _read_rows: committed events a dead writer left unpositioned belong here too)
-            if len(rows) < limit and await self._guard(self._catch_up(conn), "reading history"):
-                rows = await self._guard(conn.fetch(*args), "reading history")
+            if len(rows) < limit and await self._catch_up(conn):
+                rows = await conn.fetch(*args)
+            return list(rows)
+
+        rows = await self._read("reading history", work)
         return [decode_raw(RawEvent(*r)) for r in rows]
 
     async def position_at(self, at: datetime) -> int:
@@ -1508,12 +1536,12 @@ class PostgresBackend:
 
     async def query(self, name: str, *args: Any) -> Any:
         fn = QUERIES[name]
-        async with self._connection() as conn:
-            try:
-                async with conn.transaction(isolation="repeatable_read", readonly=True):
-                    found = await fn(conn, *args)
-            except DB_ERRORS as exc:
-                raise _storage_error(exc, f"querying {name}", None) from None
+
+        async def work(conn: Any) -> Any:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                return await fn(conn, *args)
+
+        found = await self._read(f"querying {name}", work)
         if isinstance(found, ConsumerState) and (pending := _unpositioned_tombstones([found])):
             # a tombstone committed but not positioned yet (its writer has not run the sequencer,
             # or died first): its position, not its -seq
