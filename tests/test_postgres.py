@@ -218,43 +218,31 @@ async def test_a_malformed_port_in_the_urls_query_is_invalid_input(query: str, m
     assert "Secret1" not in str(info.value) and info.value.code == "evstore.invalid_input"
 
 
-async def test_a_lock_timeout_in_the_url_does_not_fail_a_committed_command(pg_url: str) -> None:
-    """Regression (helper-29): the sequencer, which positions a command's events after its
-    COMMIT, waited for its lock under the URL's lock_timeout: when another process's run held it
-    longer, a command that had committed was reported as failed (outcome unknown). The sequencer
-    now waits as long as it takes; the entity locks of a command still obey the setting."""
-    async with open_store(pg_url + "&lock_timeout=50ms") as store:
+@pytest.mark.parametrize(("setting", "value"), [("lock_timeout", "50ms"), ("statement_timeout", "100ms")])
+async def test_a_timeout_in_the_url_does_not_fail_a_committed_command(
+    pg_url: str, setting: str, value: str
+) -> None:
+    """Regression (helper-29, lock_timeout; helper-59, statement_timeout - the URL's, or a DBA's on
+    the role or database): the sequencer, which positions a command's events after its COMMIT,
+    waited for its lock under the setting, so while another process's run held the lock past it,
+    a command that had committed was reported as failed ("committed, but reading its positions
+    failed"; without an idempotency key, "do not retry"). The sequencer's wait is not bounded by
+    either now; the commands' own statements and locks still are."""
+    async with open_store(f"{pg_url}&{setting}={value}") as store:
         rp = await make_provider(store, VCPU=4)
         async with _another_client_holding(pg_url, store, "!sequencer") as (_, tr):
             claim = asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}}))
-            await asyncio.sleep(0.5)  # ten times the lock_timeout
+            await asyncio.sleep(0.6)  # six times the timeout or more
             assert not claim.done()
             await tr.rollback()
-        await asyncio.wait_for(claim, 10)  # (raised StorageError, outcome unknown, before the fix)
-        assert (await store.usage(rp))["VCPU"] == 1
-        assert (await store.audit()).clean
-
-
-async def test_a_statement_timeout_in_the_url_does_not_fail_a_committed_command(pg_url: str) -> None:
-    """Regression (helper-59): lock_timeout no longer reached the sequencer's wait for its lock,
-    but statement_timeout (the URL's, or a DBA's on the role or database) still cancelled it:
-    while another process's run held the lock past the timeout, a command that had committed was
-    reported as failed ("committed, but reading its positions failed"; without an idempotency key,
-    "do not retry"). The sequencer's wait is not bounded by it now; the commands' statements are."""
-    async with open_store(pg_url + "&statement_timeout=100ms") as store:
-        rp = await make_provider(store, VCPU=4)
-        async with _another_client_holding(pg_url, store, "!sequencer") as (_, tr):
-            claim = asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}}))
-            await asyncio.sleep(0.6)  # six times the statement_timeout
-            assert not claim.done()
-            await tr.rollback()
-        await asyncio.wait_for(claim, 10)  # (raised StorageError, committed=True, before the fix)
+        await asyncio.wait_for(claim, 10)  # (raised StorageError before the fix)
         assert (await store.usage(rp))["VCPU"] == 1
         # the setting still applies to everything else evstore's sessions run
         async with pg(store)._connection() as conn:
-            assert await conn.fetchval("SHOW statement_timeout") == "100ms"
-            with pytest.raises(asyncpg.QueryCanceledError):
-                await conn.execute("SELECT pg_sleep(0.5)")
+            assert await conn.fetchval(f"SHOW {setting}") == value
+            if setting == "statement_timeout":
+                with pytest.raises(asyncpg.QueryCanceledError):
+                    await conn.execute("SELECT pg_sleep(0.5)")
         assert (await store.audit()).clean
 
 
