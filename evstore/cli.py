@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import stat
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -578,10 +580,11 @@ def events_table(title: str) -> Table:
     return table
 
 
-def add_event_row(table: Table, recorded: Any, names: Names) -> None:
+def event_row(recorded: Any, names: Names) -> tuple[str, str, str, str, str]:
+    """One event's cells in an :func:`events_table`."""
     meta = recorded.metadata
     who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
-    table.add_row(
+    return (
         str(recorded.position),
         recorded.recorded_at.isoformat(timespec="microseconds"),
         recorded.type,
@@ -627,27 +630,48 @@ def history(
         key = normalize_uuid(uuid)
         async with open_existing(resolve_url(db, url)) as store:
             names = await provider_names(store)
-            found: list[Any] = []
-            try:
-                async for recorded in store.history(key):
-                    found.append(recorded)
-            except err.CorruptEvent:
-                # a damaged row: the events before it first (as tail does), then the error; with
-                # --json only the error (a document that stops short would look complete)
-                if found and not json_out:
-                    table = events_table(f"History of {safe(names.get(key, key))} (up to a damaged event)")
-                    for recorded in found:
-                        add_event_row(table, recorded, names)
-                    console().print(table)
-                raise
-        if not found:  # (with --json too: the same exit code either way)
-            raise err.NotFound(f"no event in this log touches {key}")
-        if json_out:
-            emit_json({"uuid": key, "events": [event_json(r, names) for r in found]})
-            return EXIT_OK
+            # Neither the decoded events nor the whole document are kept (a busy provider's
+            # history is a good part of the log: 112k events of a 400k-event log took 1.3 GB):
+            # with --json each event's text goes to a temporary file, printed once the history
+            # was read whole (a damaged row: only the error); the table keeps only its cells.
+            rows: list[tuple[str, ...]] = []
+            count = 0
+            with tempfile.TemporaryFile("w+", encoding="utf-8") as spool:
+                try:
+                    async for recorded in store.history(key):
+                        if json_out:
+                            if count:
+                                spool.write(",\n")
+                            text = json.dumps(event_json(recorded, names), indent=2, default=str)
+                            spool.write("    " + text.replace("\n", "\n    "))
+                        else:
+                            rows.append(event_row(recorded, names))
+                        count += 1
+                except err.CorruptEvent:
+                    # a damaged row: the events before it first (as tail does), then the error; with
+                    # --json only the error (a document that stops short would look complete)
+                    if rows:
+                        table = events_table(
+                            f"History of {safe(names.get(key, key))} (up to a damaged event)"
+                        )
+                        for row in rows:
+                            table.add_row(*row)
+                        console().print(table)
+                    raise
+                if not count:  # (with --json too: the same exit code either way)
+                    raise err.NotFound(f"no event in this log touches {key}")
+                if json_out:
+                    # (the bytes emit_json prints for {"uuid": key, "events": [...]})
+                    sys.stdout.write(f'{{\n  "uuid": {json.dumps(key)},\n  "events": [\n')
+                    spool.seek(0)
+                    shutil.copyfileobj(spool, sys.stdout)
+                    sys.stdout.write("\n  ]\n}\n")
+                    sys.stdout.flush()
+                    return EXIT_OK
         table = events_table(f"History of {safe(names.get(key, key))}")
-        for recorded in found:
-            add_event_row(table, recorded, names)
+        for row in rows:
+            table.add_row(*row)
+        del rows
         console().print(table)
         return EXIT_OK
 
@@ -1218,9 +1242,6 @@ def import_(
     if not export_file.is_file():
         # a pipe (`evstore export ... | evstore import /dev/stdin`), FIFO or `<(...)`: the import
         # reads its input twice (validating, then writing), and a pipe is empty the second time
-        import shutil
-        import tempfile
-
         with tempfile.NamedTemporaryFile(
             "wb", prefix="evstore-import-", suffix=".jsonl", delete=False
         ) as copy:

@@ -224,3 +224,60 @@ def test_history_shows_the_events_before_a_damaged_row(tmp_path: Path) -> None:
     assert rows == [str(p) for p in story[:-1]], done.stdout
     as_json = evstore("history", consumer, "--db", str(db), "--json")  # (only the error: no half document)
     assert as_json.returncode == 1 and as_json.stdout == "", as_json.stdout
+
+
+def test_history_does_not_keep_every_event_of_a_busy_provider(tmp_path: Path) -> None:
+    """Regression (review 24, helper-60): `evstore history` kept every event it read (decoded,
+    ~2.7 KB each) until the end, then built the whole JSON document in memory as well: the
+    history of one provider of a 400k-event log (112k events) peaked at ~1.3 GB with --json.
+    Now --json spools the encoded events to a temporary file and the table keeps only its cells,
+    so no decoded event outlives its row. Checked structurally: the decoded events still alive
+    when the store's history runs out (before: all of them; now at most the last batch read)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.test_cli_support import REPO, demo_db
+
+    db = demo_db(tmp_path / "s.db", seed=3, instances=60, nodes=2)
+    with sqlite3.connect(db) as conn:
+        provider, count = conn.execute(
+            "SELECT substr(entity, 10), count(*) FROM event_entities WHERE entity LIKE 'provider:%' "
+            "GROUP BY entity ORDER BY 2 DESC LIMIT 1"
+        ).fetchone()
+    assert count >= 100
+    script = textwrap.dedent(
+        """
+        import gc, sys
+        from evstore.events import RecordedEvent
+        from evstore.store import AllocationStore
+        plain = AllocationStore._history
+        async def counted(self, key, batch_size):
+            # (batches of 10: the last batch read may stay referenced by its future)
+            async for recorded in plain(self, key, 10):
+                yield recorded
+            del recorded
+            gc.collect()
+            alive = sum(1 for o in gc.get_objects() if type(o) is RecordedEvent)
+            print(f"ALIVE {alive}", file=sys.stderr)
+        AllocationStore._history = counted
+        from evstore.cli import main
+        main(sys.argv[1:])
+        """
+    )
+    for extra in ([], ["--json"]):
+        done = subprocess.run(
+            [sys.executable, "-c", script, "history", provider, "--db", str(db), *extra],
+            capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
+            env={**{k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}, "COLUMNS": "250"},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        alive = int(done.stderr.split("ALIVE ")[1].split()[0])
+        assert alive <= 12, (extra, alive, count)
+        if extra:
+            events = json.loads(done.stdout)["events"]
+            assert len(events) == count
+            assert [e["position"] for e in events] == sorted(e["position"] for e in events)
+        else:
+            assert sum(1 for line in done.stdout.splitlines() if line.startswith("│ ")) >= count
