@@ -1157,16 +1157,10 @@ async def test_a_committed_command_whose_positions_time_out_is_not_called_rolled
                 generation=None, idempotency_key="claim-1",
             )  # fmt: skip
 
-        other = await asyncpg.connect(pg_url)
-        try:
-            tx = other.transaction()
-            await tx.start()
-            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key("!sequencer"))
+        async with _another_client_holding(pg_url, store, "!sequencer") as (_, tx):
             with pytest.raises(StorageError) as caught:
                 await claim()
             await tx.rollback()
-        finally:
-            await other.close()
         assert caught.value.details["committed"] is True
         assert caught.value.details["outcome_unknown"] is True
         assert "rolled back" not in caught.value.message
@@ -1186,16 +1180,10 @@ async def test_a_committed_command_without_a_key_is_not_told_to_retry_with_its_k
     async with open_store(pg_url, command_timeout=0.5) as store:
         await make_provider(store, VCPU=8)
         late = new_uuid()
-        other = await asyncpg.connect(pg_url)
-        try:
-            tx = other.transaction()
-            await tx.start()
-            await other.execute("SELECT pg_advisory_xact_lock($1)", pg(store)._key("!sequencer"))
+        async with _another_client_holding(pg_url, store, "!sequencer") as (_, tx):
             with pytest.raises(StorageError) as caught:
                 await store.create_provider(late, "late")
             await tx.rollback()
-        finally:
-            await other.close()
         message = caught.value.message
         assert caught.value.details["committed"] is True
         assert "same idempotency key" not in message, message
