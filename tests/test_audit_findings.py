@@ -188,11 +188,13 @@ async def test_the_first_broken_position_of_the_hash_chain_is_reported(sqlite_ur
         assert not report.drift and not report.leaks
 
 
-async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_leak(tmp_path: Path) -> None:
-    """An older writer (Placement-style revert) gave allocations back to a deleted instance."""
+async def _deleted_mid_migration(tmp_path: Path, *, same_host: bool) -> tuple[list[str], Any, str, str, int]:
+    """An export of a store where an instance (2 VCPU on src) started a migration, was placed on
+    dst (or src again: a resize on the same host) and was deleted, and the Placement-style revert
+    an older writer would then have recorded: (lines, the revert's row, src, instance, tombstone)."""
     async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
         src = await make_provider(source, "src", VCPU=8)
-        dst = await make_provider(source, "dst", VCPU=8)
+        dst = src if same_host else await make_provider(source, "dst", VCPU=8)
         instance, migration = new_uuid(), new_uuid()
         await allocate(source, instance, {src: {"VCPU": 2}})
         await source.start_migration(instance, migration)
@@ -208,6 +210,12 @@ async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_
          "instance_generation": 2, "provider_generations": {}},
     )  # fmt: skip
     append_row(lines, revert)
+    return lines, revert, src, instance, tombstone
+
+
+async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_leak(tmp_path: Path) -> None:
+    """An older writer (Placement-style revert) gave allocations back to a deleted instance."""
+    lines, revert, src, instance, tombstone = await _deleted_mid_migration(tmp_path, same_host=False)
     async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
         await store.import_events(lambda: iter(lines))
         report = await store.audit()
@@ -229,23 +237,7 @@ async def test_diff_names_a_leak_of_what_a_live_consumer_held_and_the_leaks_rele
     the same host, reverted by an older writer after the delete): over the delete and the revert
     its allocations are the same, and it is still "leaked"; a second tombstone that releases the
     leak is "released" (it was deleted already), not "deleted"."""
-    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
-        src = await make_provider(source, "src", VCPU=8)
-        instance, migration = new_uuid(), new_uuid()
-        await allocate(source, instance, {src: {"VCPU": 2}})
-        await source.start_migration(instance, migration)
-        await allocate(source, instance, {src: {"VCPU": 2}})
-        tombstone = (await source.delete_consumer(instance)).position
-        lines = [line async for line in source.export()]
-        last = await _tail(source)
-    revert = chained(
-        last,
-        "MigrationReverted",
-        {"migration": migration, "instance": instance, "allocations": {src: {"VCPU": 2}}, "replaced": {},
-         "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
-         "instance_generation": 2, "provider_generations": {}},
-    )  # fmt: skip
-    append_row(lines, revert)
+    lines, revert, src, instance, tombstone = await _deleted_mid_migration(tmp_path, same_host=True)
     again = chained(
         revert,
         "ConsumerDeleted",
