@@ -1104,6 +1104,37 @@ async def test_open_with_create_false_refuses_a_database_without_a_store(tmp_pat
         assert await store.head() == 1
 
 
+@pytest.mark.parametrize("create", ["false", "true", 0, 1, None])
+async def test_a_create_keyword_that_is_not_a_bool_is_refused_on_every_backend(
+    store_url: str, create: object
+) -> None:
+    """Regression (helper-r25b): the SQLite backend turned its keywords into text before parsing
+    them as URL text, so ``open_store(url, create="false")`` (or ``0``, ``1``) opened a SQLite
+    store - ``"false"`` refusing to create it - where PostgreSQL refuses the same keyword as
+    ``create must be true or false``; ``create=None`` was reported as ``got 'none'``."""
+    with pytest.raises(InvalidInput, match="create must be") as caught:
+        async with open_store(store_url, create=create):
+            pass
+    assert repr(create) in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [({"busy_timeout": "30"}, "busy_timeout must be a number"), ({"synchronous": 2}, "got 2$")],
+)
+async def test_sqlite_keywords_are_typed_as_postgresqls_are(
+    sqlite_url: str, option: dict[str, object], says: str
+) -> None:
+    """Regression (helper-r25b): ``busy_timeout="30"`` opened a store, where PostgreSQL's
+    ``command_timeout="30"`` and every store's ``poll_interval="0.2"`` are refused: only the
+    URL's ``?k=v`` are text."""
+    with pytest.raises(InvalidInput, match=says):
+        async with open_store(sqlite_url, **option):
+            pass
+    async with open_store(sqlite_url, busy_timeout=2, synchronous="normal", create=True) as store:
+        assert await store.head() == 0
+
+
 async def test_events_carry_well_formed_ids_and_the_command_that_wrote_them(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=8)
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}})

@@ -712,12 +712,31 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
 OPTIONS = ("synchronous", "busy_timeout", "create")
 
 
+def _check_keyword_options(options: dict[str, Any]) -> None:
+    """Keywords are typed, as PostgreSQL's are: only the URL's ``?k=v`` are text to parse (a
+    keyword ``create="false"`` or ``create=0`` refused a missing store here but is refused itself
+    on PostgreSQL; ``busy_timeout="30"`` opened here where ``command_timeout="30"`` is refused)."""
+    create = options.get("create", False)
+    if not isinstance(create, bool):
+        raise err.InvalidInput(f"create must be True or False, got {create!r:.40}", field="create")
+    timeout = options.get("busy_timeout", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise err.InvalidInput(
+            f"busy_timeout must be a number of seconds from 0 to 86400, got {timeout!r:.40}",
+            field="busy_timeout",
+        )
+    sync = options.get("synchronous", "FULL")
+    if not isinstance(sync, str):
+        raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r:.40}")
+
+
 class SqliteBackend:
     """Log and projection in one SQLite file; one writer connection, one reader connection."""
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         path, url_options = parse_sqlite_url(url)
+        _check_keyword_options(options)
         merged = {**url_options, **{k: str(v) for k, v in options.items()}}
         unknown = sorted(set(merged) - set(OPTIONS))
         if unknown:
