@@ -1316,11 +1316,17 @@ class AllocationStore:
 def make_backend(url: str, **options: Any) -> Backend:
     if not isinstance(url, str):
         raise err.InvalidInput("url must be a string such as sqlite:///evstore.db")
+    postgres = url.startswith(("postgresql://", "postgres://"))
+    if "\x00" in url or (postgres and "%00" in url):
+        # (neither a file name nor a PostgreSQL connection can hold one, %-encoded in a libpq URL:
+        # SQLite raised a bare ValueError from os.stat, PostgreSQL a storage error - the server
+        # refused the startup packet - for what is the caller's input)
+        raise err.InvalidInput(f"The store URL {err.redact_url(url)!r} contains a NUL character")
     if url.startswith("sqlite:"):
         from evstore.log.sqlite import SqliteBackend
 
         return SqliteBackend(url, **options)
-    if url.startswith(("postgresql://", "postgres://")):
+    if postgres:
         try:
             from evstore.log.postgres import PostgresBackend  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:

@@ -1104,6 +1104,28 @@ async def test_open_with_create_false_refuses_a_database_without_a_store(tmp_pat
         assert await store.head() == 1
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///{tmp}/a\x00b.db",  # was a bare ValueError (embedded null byte) from os.stat
+        "postgresql://u@127.0.0.1:1/x\x00",  # was evstore.storage: cannot connect
+        "postgresql://u@127.0.0.1:1/x?search_path=a%00b",
+        "postgresql://u:se\x00cret@127.0.0.1:1/x",
+    ],
+)
+async def test_a_nul_in_the_store_url_is_invalid_input_on_every_backend(tmp_path: Path, url: str) -> None:
+    """Regression (helper-r25b): a NUL in the URL - which no file name and no PostgreSQL
+    connection can hold - was a bare ValueError on SQLite and a storage error (the server
+    refusing the startup packet) on PostgreSQL, for what is the caller's input."""
+    with pytest.raises(InvalidInput, match="contains a NUL character") as caught:
+        async with asyncio.timeout(10), open_store(url.format(tmp=tmp_path)):
+            pass
+    assert "secret" not in caught.value.message and "cret" not in caught.value.message
+    async with open_store(f"sqlite:///{tmp_path}/a%00b.db") as store:  # (SQLite: a literal name)
+        assert await store.head() == 0
+    assert (tmp_path / "a%00b.db").exists()
+
+
 @pytest.mark.parametrize("create", ["false", "true", 0, 1, None])
 async def test_a_create_keyword_that_is_not_a_bool_is_refused_on_every_backend(
     store_url: str, create: object
