@@ -233,12 +233,21 @@ def _command_id() -> str:
     return f"{random_bits(128) & _UUID4_CLEAR | _UUID4_SET:032x}"
 
 
+#: (the log's readers decode JSON at most 200 levels deep; deeper metadata was reported as "not
+#: valid unicode text", or past Python's recursion limit as "not JSON-serialisable")
+_METADATA_TOO_DEEP = (
+    "metadata is nested too deeply: the log's readers decode at most 200 levels of lists and mappings"
+)
+
+
 def _metadata_json(meta: dict[str, Any], check: bool) -> str:
     """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
     caller values) as every reader of the log decodes it: from that text."""
     try:
         text = _METADATA_ENCODER.encode(meta)
-    except (TypeError, ValueError, RecursionError):
+    except RecursionError:
+        raise err.InvalidInput(_METADATA_TOO_DEEP) from None
+    except (TypeError, ValueError):
         raise err.InvalidInput(
             "metadata values must be JSON-serialisable (strings, numbers other than NaN and Infinity, "
             "booleans, null, lists and mappings)"
@@ -247,6 +256,8 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
         try:
             Metadata.model_validate_json(text)
         except ValidationError as exc:
+            if any("recursion limit" in e["msg"] for e in exc.errors()):
+                raise err.InvalidInput(_METADATA_TOO_DEEP) from None
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}"
                 if e["loc"]

@@ -965,6 +965,30 @@ async def test_metadata_readers_could_not_decode_is_refused_and_nothing_is_writt
     assert event.metadata.request_id == "req-1"
 
 
+async def test_metadata_nested_too_deeply_is_refused_saying_so(store: AllocationStore) -> None:
+    """Regression (helper-r25b): metadata nested 200 levels or more - which the log's readers
+    cannot decode - was refused as 'a value is not valid unicode text (Invalid JSON: recursion
+    limit exceeded ...)', and past Python's recursion limit as 'must be JSON-serialisable': a
+    person looks for a bad character or type that is not there."""
+
+    def nested(depth: int, kind: type) -> object:
+        value: object = "leaf"
+        for _ in range(depth):
+            value = {"n": value} if kind is dict else [value]
+        return value
+
+    head = await store.head()
+    for depth, kind in ((254, dict), (254, list), (5000, dict), (5000, list)):
+        with pytest.raises(InvalidInput, match="nested too deeply") as caught:
+            await store.create_provider(new_uuid(), "node", metadata={"x": nested(depth, kind)})
+        assert "unicode" not in caught.value.message
+    assert await store.head() == head
+    rp = new_uuid()
+    await store.create_provider(rp, "node", metadata={"x": nested(100, dict)})  # (deep, but readable)
+    [event] = [e async for e in store.history(rp)]
+    assert event.metadata.model_extra is not None and "x" in event.metadata.model_extra
+
+
 async def test_set_inventory_on_a_provider_that_has_a_custom_class(store: AllocationStore) -> None:
     """Updating one class checked every class the provider holds against the custom classes the
     slice loaded - only the one named - so any provider with a CUSTOM_ inventory refused it."""
