@@ -127,7 +127,9 @@ def validate_name(value: object, what: str, max_len: int = 255) -> str:
 
 def validate_consumer_type(value: object) -> str:
     if not isinstance(value, str) or not RC_PATTERN.fullmatch(value) or len(value) > 255:
-        raise InvalidInput(f"consumer_type must match ^[A-Z0-9_]+$, got {value!r:.80}")
+        raise InvalidInput(
+            f"consumer_type must match ^[A-Z0-9_]+$ (at most 255 characters), got {value!r:.80}"
+        )
     return value
 
 
@@ -136,7 +138,7 @@ def validate_generation(value: object, what: str = "generation", nullable: bool 
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 2**62:
         raise InvalidInput(
-            f"{what} must be a non-negative integer{' or None' if nullable else ''}, got {value!r}"
+            f"{what} must be an integer from 0 to 2**62{' or None' if nullable else ''}, got {value!r}"
         )
     return value
 

@@ -965,6 +965,23 @@ async def test_metadata_readers_could_not_decode_is_refused_and_nothing_is_writt
     assert event.metadata.request_id == "req-1"
 
 
+async def test_a_value_out_of_range_is_refused_naming_the_range(store: AllocationStore) -> None:
+    """Regression (helper-r25b): a consumer type of 256 capitals was refused as 'consumer_type
+    must match ^[A-Z0-9_]+$' (it does: its length is what is wrong), and a generation above 2**62
+    as 'must be a non-negative integer' (it is one): messages a person cannot act on."""
+    rp = await make_provider(store, VCPU=8)
+    head = await store.head()
+    with pytest.raises(InvalidInput, match="at most 255 characters"):
+        await _put(store, {rp: {"VCPU": 1}}, consumer_type="A" * 256)
+    with pytest.raises(InvalidInput, match="at most 255 characters"):
+        await store.usages("p", consumer_type="A" * 256)
+    with pytest.raises(InvalidInput, match=r"from 0 to 2\*\*62 or None, got 4611686018427387905"):
+        await _put(store, {rp: {"VCPU": 1}}, generation=2**62 + 1)
+    with pytest.raises(InvalidInput, match=r"from 0 to 2\*\*62, got 9223372036854775807"):
+        await store.set_inventories(rp, {"VCPU": Inventory(total=8)}, generation=2**63 - 1)
+    assert await store.head() == head
+
+
 async def test_metadata_nested_too_deeply_is_refused_saying_so(store: AllocationStore) -> None:
     """Regression (helper-r25b): metadata nested 200 levels or more - which the log's readers
     cannot decode - was refused as 'a value is not valid unicode text (Invalid JSON: recursion
