@@ -567,6 +567,18 @@ def _migration_and_instance(
         )
     if not mig.allocations:
         raise err.NotFound(f"Migration {migration} holds no allocations", consumer=migration)
+    if giving_back and inst.on_behalf_of is not None:
+        # The instance was taken as the migration consumer of another instance since (its uuid
+        # given to start_migration, or a move written into it): giving it allocations would
+        # replace what it holds for that instance, or, that instance deleted, leak them.
+        raise err.InvalidInput(
+            f"Instance {inst.uuid} of migration {migration} is itself the migration consumer of "
+            f"instance {inst.on_behalf_of}; it cannot take allocations back while it is one "
+            f"(revert or confirm migration {inst.uuid} first)",
+            consumer=inst.uuid,
+            migration=migration,
+            on_behalf_of=inst.on_behalf_of,
+        )
     return mig, inst
 
 

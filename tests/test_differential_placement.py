@@ -586,6 +586,10 @@ class Sequence:
                 if mig.on_behalf_of is None or not mig.allocations:
                     return None
                 inst = await store.allocations(mig.on_behalf_of)
+                if inst.on_behalf_of is not None:
+                    # the instance was taken as another instance's migration since: evstore refuses
+                    # to revert into it (it would replace what it holds for that instance)
+                    return None
                 # Nova sends the instance's own type; evstore's migration kept it (an absent
                 # instance is gone from the state): the MigrationStarted that made it a migration
                 started = [r async for r in store.history(mig.consumer) if r.type == "MigrationStarted"]

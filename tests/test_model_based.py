@@ -253,7 +253,7 @@ class StoreMachine(RuleBasedStateMachine):
             for p in m.allocs:
                 self.model.pgen[p] += 1
 
-    def _migration_outcome(self, mig: str) -> tuple[str, MConsumer | None]:
+    def _migration_outcome(self, mig: str, giving_back: bool) -> tuple[str, MConsumer | None]:
         m = self.model.c(mig)
         if m.deleted:
             return "ConsumerDeleted", None
@@ -264,11 +264,13 @@ class StoreMachine(RuleBasedStateMachine):
             return "ConsumerDeleted", None
         if not m.allocs:
             return "NotFound", None
+        if giving_back and inst.behalf is not None:
+            return "InvalidInput", None  # the instance is now another instance's migration
         return "ok", inst
 
     @rule(mig=st.sampled_from(CONSUMERS))
     def revert_migration(self, mig: str) -> None:
-        expected, inst = self._migration_outcome(mig)
+        expected, inst = self._migration_outcome(mig, giving_back=True)
         got = self.run(self.store.revert_migration(mig))
         assert got == expected
         if inst is not None:
@@ -280,7 +282,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(mig=st.sampled_from(CONSUMERS))
     def confirm_migration(self, mig: str) -> None:
-        expected, inst = self._migration_outcome(mig)
+        expected, inst = self._migration_outcome(mig, giving_back=False)
         got = self.run(self.store.confirm_migration(mig))
         assert got == expected
         if inst is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from evstore import AllocationStore, ConsumerDeleted, Inventory
+from evstore import AllocationStore, ConsumerDeleted, InvalidInput, Inventory
 from tests.conftest import allocate, make_provider, new_uuid
 
 FLAVOR = {"VCPU": 2, "MEMORY_MB": 1024, "DISK_GB": 20}
@@ -179,6 +179,67 @@ async def test_a_plain_write_to_the_migration_of_a_deleted_instance_is_rejected(
         await store.start_migration(other, migration)
     assert await store.head() == head
     assert (await store.allocations(other)).allocations == {src: FLAVOR}
+    report = await store.audit()
+    assert report.clean, report.findings
+
+
+@pytest.mark.parametrize("via", ["start_migration", "write_allocations"])
+async def test_a_revert_into_an_instance_taken_as_another_instances_migration_is_refused(
+    store: AllocationStore, via: str
+) -> None:
+    """Regression (rev25 black-box lifecycle probe): instance B's resize is in flight (migration M
+    holds B's source) when B's uuid is taken as the migration consumer of instance A. Reverting M
+    then "gave back" B's source to B by replacing what B held for A: A's allocations vanished
+    silently; and once A was deleted (releasing what B held for it, B still linked to A), the
+    revert gave allocations to a migration of a deleted instance, a leak the audit reported. The
+    revert is refused now, nothing is appended, and A's migration can still be reverted."""
+    src, dst = await cloud(store)
+    instance_b, migration, instance_a = new_uuid(), new_uuid(), new_uuid()
+    await allocate(store, instance_b, {src: FLAVOR})
+    await store.start_migration(instance_b, migration)
+    await allocate(store, instance_a, {dst: NEW_FLAVOR})
+    if via == "start_migration":
+        await store.start_migration(instance_a, instance_b)
+    else:  # Nova's move_allocations, recognised as a move
+        await store.write_allocations(
+            {
+                instance_a: _entry({}, 1, "INSTANCE"),
+                instance_b: _entry({dst: NEW_FLAVOR}, None, "MIGRATION"),
+            }
+        )
+    assert (await store.allocations(instance_b)).on_behalf_of == instance_a
+    head = await store.head()
+    with pytest.raises(InvalidInput, match="itself the migration consumer of instance") as caught:
+        await store.revert_migration(migration)
+    assert caught.value.details["on_behalf_of"] == instance_a
+    assert await store.head() == head
+    assert (await store.allocations(instance_b)).allocations == {dst: NEW_FLAVOR}  # still A's
+    # A's own migration comes back whole; then M's revert gives B its source again
+    await store.revert_migration(instance_b)
+    assert (await store.allocations(instance_a)).allocations == {dst: NEW_FLAVOR}
+    await store.revert_migration(migration)
+    assert (await store.allocations(instance_b)).allocations == {src: FLAVOR}
+    assert (await store.audit()).clean
+
+
+async def test_a_revert_into_the_released_migration_of_a_deleted_instance_does_not_leak(
+    store: AllocationStore,
+) -> None:
+    """The second half of the regression above: A deleted while B held its allocations; the
+    revert of B's own migration M gave B allocations while B was still A's migration (the audit
+    found a leak: "migration holds resources for deleted instance"). Refused, nothing written."""
+    src, dst = await cloud(store)
+    instance_b, migration, instance_a = new_uuid(), new_uuid(), new_uuid()
+    await allocate(store, instance_b, {src: FLAVOR})
+    await store.start_migration(instance_b, migration)
+    await allocate(store, instance_a, {dst: NEW_FLAVOR})
+    await store.start_migration(instance_a, instance_b)
+    await store.delete_consumer(instance_a)
+    head = await store.head()
+    with pytest.raises(InvalidInput):
+        await store.revert_migration(migration)
+    assert await store.head() == head
+    assert (await store.allocations(instance_b)).allocations == {}
     report = await store.audit()
     assert report.clean, report.findings
 
