@@ -545,7 +545,12 @@ def _migration_and_instance(
     before this rule, or imported)."""
     mig = state.consumer(migration)
     if mig.deleted:
-        _check_consumer_generation(mig, mig.generation)
+        raise err.ConsumerDeleted(
+            f"Consumer {migration} was deleted at position {mig.deleted_at} (whatever it held was "
+            f"released then): there is no migration of it to {'revert' if giving_back else 'confirm'}",
+            consumer=migration,
+            deleted_at=mig.deleted_at,
+        )
     if mig.on_behalf_of is None:
         raise err.NotFound(
             f"Consumer {migration} holds no allocations for a migration in progress", consumer=migration
