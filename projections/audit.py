@@ -2,7 +2,7 @@
 
 Findings, each naming the positions of the events that produced it:
 - ``integrity``: undecodable rows, unknown types or schema versions, position gaps or disorder,
-  a broken hash chain (the first broken position);
+  a broken hash chain (the first broken position), a log that lost its last events;
 - ``drift``: every difference between the persisted projection and a replay of the log;
 - ``leak``: allocations held by a tombstoned consumer, or by a migration for a tombstoned instance;
 - ``over_capacity``: usage above capacity (possible after an inventory shrink), since which event.
@@ -612,6 +612,7 @@ async def audit(
         drift = await asyncio.to_thread(compare_states, replayed, persisted_state)
         if last_positions is not None:
             drift = await _cite_last_events(drift, last_positions, report.head)
+        report.findings.extend(truncation_findings(persisted_state))
         report.findings.extend(drift)
     report.findings.extend(leak_findings(replayed))
     report.findings.extend(held_on_unknown_providers(replayed))
@@ -625,6 +626,36 @@ async def audit(
     if check_history is not None:
         report.findings.extend(history_findings(await check_history()))
     return report
+
+
+def truncation_findings(persisted: State) -> list[Finding]:
+    """A projection that records changes by events the log does not hold (read in the same
+    transaction): the log lost its last events. The hash chain cannot show a lost tail, and the
+    differences alone read as drift, which a rebuild "repairs" by forgetting those events.
+    (SQLite keeps the position, past the head; PostgreSQL the event's ``-seq``, which only an
+    event row in the log turns into a position.)"""
+    head = persisted.position
+    lost: list[tuple[int, str, str]] = []
+    for uuid, c in persisted.consumers.items():
+        for what, position in (("deleted", c.deleted_at), ("allocations changed", c.allocated_at)):
+            if isinstance(position, int) and not 0 < position <= head:
+                lost.append((position, _label(uuid), what))
+    if not lost:
+        return []
+    position, consumer, what = max(lost)
+    at = f"at position {position}" if position > head else "by an event the log no longer holds"
+    return [
+        Finding(
+            "integrity",
+            f"The log ends at position {head}, but the projection records changes to "
+            f"{len({c for _, c, _ in lost})} consumer(s) by events it does not hold (e.g. consumer "
+            f"{consumer} {what} {at}): the log lost its last events (deleted, or restored from an older "
+            "copy). A replay, and so `evstore rebuild`, would forget them (a tombstone among them for "
+            "good): restore the log from a backup or an export before rebuilding",
+            tuple(sorted({p for p, _, _ in lost if p > head})),
+            {"reason": "log_truncated", "head": head},
+        )
+    ]
 
 
 def history_findings(check: HistoryCheck) -> list[Finding]:

@@ -1217,3 +1217,28 @@ async def test_finding_builders_on_edge_states() -> None:
 
     drift = [Finding("drift", "Provider differs", (), {"provider": prov.uuid})]
     assert await _cite_last_events(drift, unanswerable, 9) == drift
+
+
+async def test_a_log_that_lost_its_last_events_is_an_integrity_finding(store_url: str) -> None:
+    """Regression (rev25-d): with the log's last row deleted - a tombstone - the audit called the
+    difference drift ("projection has 0, replay gives 2"), which `evstore rebuild` is documented
+    to fix: a rebuild then forgot the tombstone for good. The projection records a position past
+    the end of the log, so the audit says the log lost its tail, and where."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        deleted_at = (await store.delete_consumer(c)).position
+        await store.backend.tamper(  # type: ignore[attr-defined]
+            "DELETE FROM events WHERE position = " + ("?" if store_url.startswith("sqlite") else "$1"),
+            (deleted_at,),
+        )
+        report = await store.audit()
+        [lost] = report.integrity
+        assert lost.details == {"reason": "log_truncated", "head": deleted_at - 1}
+        assert f"ends at position {deleted_at - 1}" in lost.message
+        assert f"consumer {c} deleted" in lost.message
+        if store_url.startswith("sqlite"):  # (PostgreSQL's projection holds the lost event's -seq)
+            assert lost.positions == (deleted_at,) and f"at position {deleted_at}" in lost.message
+        assert "rebuild" in lost.message
+        assert report.drift  # (the differences are still listed)
