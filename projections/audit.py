@@ -364,8 +364,7 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
         for attr in ("name", "parent", "root", "generation", "inventories"):
             if getattr(want, attr) != getattr(have, attr):
                 add(
-                    f"Provider {uuid} {attr}: projection has {_short(getattr(have, attr))}, "
-                    f"replay gives {_short(getattr(want, attr))}",
+                    f"Provider {uuid} {attr}{_difference(getattr(have, attr), getattr(want, attr))}",
                     (),
                     provider=uuid,
                     field=attr,
@@ -411,8 +410,7 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
         ):
             if getattr(cw, attr) != getattr(ch, attr):
                 add(
-                    f"Consumer {uuid} {attr}: projection has {_short(getattr(ch, attr))}, "
-                    f"replay gives {_short(getattr(cw, attr))}",
+                    f"Consumer {uuid} {attr}{_difference(getattr(ch, attr), getattr(cw, attr))}",
                     positions,
                     consumer=uuid,
                     field=attr,
@@ -432,6 +430,38 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
 
 def _label(key: object) -> str:
     return key if isinstance(key, str) else repr(key)
+
+
+def _difference(have: Any, want: Any) -> str:
+    """How a projection's value differs from the replay's, to follow its name: the whole values
+    when small; for mappings (inventories, allocations) only the entries that differ, and for an
+    inventory only its fields that differ, so that no cut hides the difference."""
+    if not (isinstance(have, Mapping) and isinstance(want, Mapping)):
+        return f": projection has {_short(have)}, replay gives {_short(want)}"
+    found = _entries_differing(have, want, "")
+    shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+    return f" differ at {shown}"
+
+
+_ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "nothing"})()
+
+
+def _entries_differing(have: Any, want: Any, path: str) -> list[str]:
+    if isinstance(have, Mapping) and isinstance(want, Mapping):
+        out = []
+        for key in sorted(have.keys() | want.keys(), key=_label):
+            h, w = have.get(key, _ABSENT), want.get(key, _ABSENT)
+            if h != w:
+                out.extend(_entries_differing(h, w, f"{path}.{_label(key)}" if path else _label(key)))
+        return out
+    fields = getattr(type(have), "model_fields", None)
+    if fields is not None and type(have) is type(want):  # (an inventory: the fields that differ)
+        names = [n for n in fields if getattr(have, n) != getattr(want, n)]
+        if names:
+            have_text = ", ".join(f"{n}={getattr(have, n)!r}" for n in names)
+            want_text = ", ".join(f"{n}={getattr(want, n)!r}" for n in names)
+            return [f"{path}: projection has {have_text}, replay gives {want_text}"]
+    return [f"{path}: projection has {_short(have)}, replay gives {_short(want)}"]
 
 
 def _short(value: Any) -> str:

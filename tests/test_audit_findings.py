@@ -1242,3 +1242,29 @@ async def test_a_log_that_lost_its_last_events_is_an_integrity_finding(store_url
             assert lost.positions == (deleted_at,) and f"at position {deleted_at}" in lost.message
         assert "rebuild" in lost.message
         assert report.drift  # (the differences are still listed)
+
+
+async def test_a_drifted_inventory_or_allocation_is_named_by_what_differs(sqlite_url: str) -> None:
+    """Regression (rev25-d): a drift in one class of a provider's inventories, or in one amount
+    of a consumer's allocations on several providers, was reported as both whole mappings cut at
+    120 characters ("projection has {'DISK_GB': Inventory(total=100000, ...), ..., replay gives
+    {'VCPU': ...'MEMOR..."): the difference itself was cut off. The finding names it."""
+    async with open_store(sqlite_url) as store:
+        rps = [await make_provider(store, VCPU=64, MEMORY_MB=1 << 20, DISK_GB=100000) for _ in range(3)]
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2, "MEMORY_MB": 2048, "DISK_GB": 20} for rp in rps})
+        backend = await _sqlite(store)
+        await backend.tamper(
+            "UPDATE p_providers SET inventories = replace(inventories, '\"VCPU\":[64,', '\"VCPU\":[65,') "
+            "WHERE uuid = ?",
+            (rps[2],),
+        )
+        await backend.tamper(
+            "UPDATE p_allocations SET used = 3 WHERE consumer = ? AND provider = ? AND rc = 'VCPU'",
+            (c, rps[2]),
+        )
+        report = await store.audit()
+        by_field = {f.details.get("field"): f.message for f in report.drift}
+        assert "VCPU: projection has total=65, replay gives total=64" in by_field["inventories"]
+        assert f"{rps[2]}.VCPU: projection has 3, replay gives 2" in by_field["allocations"]
+        assert all(len(message) < 400 for message in by_field.values())
