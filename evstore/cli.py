@@ -1083,22 +1083,8 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
 
         target = resolve_url(db, url)
         async with open_existing(target) as store:
-            raw = dict(await store.stats())
-            snaps = await store.snapshot_positions()
-        # The same keys on every backend; what only one backend has (PostgreSQL: events committed
-        # but not yet given a position, the pool size) goes under "backend", with its name.
-        common = ("head", "events_by_type", "db_bytes")
-        found = {
-            "url": shown(target),
-            "backend": {
-                "name": "sqlite" if target.startswith("sqlite:") else "postgresql",
-                **{k: v for k, v in raw.items() if k not in common},
-            },
-            "head": raw.get("head", 0),
-            "events_by_type": dict(sorted(raw.get("events_by_type", {}).items())),
-            "db_bytes": raw.get("db_bytes"),
-            "snapshot_positions": snaps,
-        }
+            found = {"url": shown(target), **await store.stats()}
+        snaps = found["snapshot_positions"]
         if json_out:
             emit_json(found)
             return EXIT_OK
@@ -1114,9 +1100,9 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
             table.add_row(safe(etype), str(count))
         out.print(table)
         out.print(f"snapshots at positions: {', '.join(map(str, snaps)) or 'none'}")
-        if raw.get("unpositioned"):
+        if found["backend"].get("unpositioned"):
             out.print(
-                f"{raw['unpositioned']} committed event(s) not yet given a position "
+                f"{found['backend']['unpositioned']} committed event(s) not yet given a position "
                 "(the next command or read of the log positions them)"
             )
         return EXIT_OK

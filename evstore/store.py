@@ -1188,9 +1188,22 @@ class AllocationStore:
         return StateView(await self._fold_to(position))
 
     async def stats(self) -> dict[str, Any]:
-        """Counts for operators (``evstore stats``): ``head``, ``events_by_type`` and, per backend,
-        the database's size."""
-        return await self._backend.stats()
+        """Counts for operators, what ``evstore stats --json`` prints (without its ``url``), with
+        the same keys on every backend: ``backend`` (its ``name`` and what only it has:
+        PostgreSQL's ``unpositioned``, events committed but not yet given a position, and
+        ``pool_size``), ``head``, ``events_by_type``, ``db_bytes`` and ``snapshot_positions``."""
+        raw = dict(await self._backend.stats())
+        common = ("head", "events_by_type", "db_bytes")
+        return {
+            "backend": {
+                "name": "sqlite" if self.url.startswith("sqlite:") else "postgresql",
+                **{k: v for k, v in raw.items() if k not in common},
+            },
+            "head": raw.get("head", 0),
+            "events_by_type": dict(sorted(raw.get("events_by_type", {}).items())),
+            "db_bytes": raw.get("db_bytes"),
+            "snapshot_positions": await self.snapshot_positions(),
+        }
 
     # --- snapshots, diff, export and import (time travel and debugging) ---------------------
 

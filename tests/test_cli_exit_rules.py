@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from evstore import open_store
+from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import demo_db, evstore
 
 
@@ -127,6 +129,24 @@ def test_stats_json_has_the_same_keys_on_both_backends(tmp_path: Path) -> None:
     assert pg["backend"] == {"name": "postgresql", "unpositioned": 0, "pool_size": 10}
     for key in ("head", "events_by_type", "snapshot_positions"):
         assert pg[key] == lite[key], key
+
+
+async def test_the_apis_stats_are_the_clis_without_the_url(store_url: str) -> None:
+    """Regression (rev25-d): store.stats() answered the backend's raw counts - no
+    snapshot_positions, and PostgreSQL's unpositioned and pool_size beside head on one backend
+    only - while `evstore stats --json`, documented with the same keys on both backends, had
+    them under "backend": two shapes for one question."""
+    async with open_store(store_url, snapshot_every=2) as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert await store.take_snapshots() == [2]
+        stats = await store.stats()
+    cli = json.loads(evstore("stats", "--url", store_url, "--json").stdout)
+    del cli["url"]
+    assert isinstance(stats["db_bytes"], int) and isinstance(cli["db_bytes"], int)
+    stats["db_bytes"] = cli["db_bytes"]  # (SQLite's WAL is checkpointed into the file on close)
+    assert stats == cli
+    assert list(stats) == ["backend", "head", "events_by_type", "db_bytes", "snapshot_positions"]
 
 
 def test_state_json_at_the_head_is_the_same_read_now_or_with_at(tmp_path: Path) -> None:

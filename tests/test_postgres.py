@@ -732,7 +732,7 @@ async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_
         with pytest.raises(StorageError):
             await allocate(writer, c, {rp: {"VCPU": 3}})
         # committed, not yet positioned: the reader positions it rather than waiting forever
-        assert (await reader.stats())["unpositioned"] == 1
+        assert (await reader.stats())["backend"]["unpositioned"] == 1
         events = await reader.read(0, 10)
         assert [e.type for e in events][-1] == "AllocationsReplaced"
         assert await reader.head() == 3
@@ -815,7 +815,7 @@ async def test_a_shared_sequencer_run_positions_the_events_of_every_task_sharing
         backend._seq_lock.release()
         assert await replay == [1]
         assert await waiter is None  # shared the replay's run
-        assert (await store.stats())["unpositioned"] == 0
+        assert (await store.stats())["backend"]["unpositioned"] == 0
         assert await backend._positions_of([pending]) == (3,)
 
 
