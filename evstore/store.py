@@ -298,6 +298,19 @@ def _position(value: object, what: str = "position") -> int:
     return value
 
 
+def _aware_time(value: object, what: str = "at") -> datetime:
+    """A time argument: a timezone-aware datetime, refused in one wording everywhere otherwise."""
+    if isinstance(value, datetime) and value.utcoffset() is not None:
+        return value
+    got = "a naive datetime" if isinstance(value, datetime) else f"{type(value).__name__} {value!r:.60}"
+    hint = " (a string: datetime.fromisoformat(text))" if isinstance(value, str) else ""
+    raise err.InvalidInput(
+        f"{what} must be a timezone-aware datetime, e.g. datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC), "
+        f"got {got}{hint}",
+        field=what,
+    )
+
+
 def _count(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_POSITION:
         raise err.InvalidInput(f"{what} must be an integer from 1 to 2**63-1, got {value!r:.60}", field=what)
@@ -1140,9 +1153,7 @@ class AllocationStore:
         if at is not None:
             if to_position is not None:
                 raise err.InvalidInput("replay takes at most one of to_position or at=")
-            if not isinstance(at, datetime):
-                raise err.InvalidInput(f"at must be a timezone-aware datetime, got {type(at).__name__}")
-            to_position = await self.position_of(at)
+            to_position = await self.position_of(_aware_time(at))
         if to_position is not None:
             _position(to_position, "to_position")
             head = await self._backend.head()
@@ -1169,9 +1180,7 @@ class AllocationStore:
         if (position is None) == (at is None):
             raise err.InvalidInput("state_at needs exactly one of position= or at=")
         if at is not None:
-            if not isinstance(at, datetime) or at.utcoffset() is None:
-                raise err.InvalidInput("at must be a timezone-aware datetime")
-            position = await self.position_of(at)
+            position = await self.position_of(_aware_time(at))
         position = _position(position)
         head = await self._backend.head()
         if position > head:  # (as diff and the CLI: a position the log has not reached yet)
@@ -1237,9 +1246,8 @@ class AllocationStore:
 
     async def position_of(self, point: int | datetime) -> int:
         """A position given as itself or as a timezone-aware time (the last event at or before it)."""
-        if isinstance(point, datetime):
-            if point.utcoffset() is None:  # (naive: no tzinfo, or one that gives no offset)
-                raise err.InvalidInput("a time must be timezone-aware (e.g. 2026-01-02T03:04:05+00:00)")
+        if isinstance(point, datetime | str):
+            point = _aware_time(point, "a time")  # (naive: no tzinfo, or one that gives no offset)
             try:
                 point.astimezone(UTC)
             except OverflowError:  # within hours of datetime.min or .max: not a time UTC can say

@@ -225,6 +225,25 @@ async def test_replay_to_a_time(store: AllocationStore) -> None:
         await store.replay(allocated, at=between)
     with pytest.raises(InvalidInput, match="datetime"):
         await store.replay(at=allocated)  # type: ignore[arg-type]
+    # (rev25: one wording, naming what was given, for replay, state_at, position_of and diff: a
+    # string said "at must be a timezone-aware datetime" in state_at, "got str" in replay, and was
+    # "an integer position" in diff)
+    text = between.isoformat()
+    for call in (
+        lambda: store.replay(at=text),  # type: ignore[arg-type]
+        lambda: store.state_at(at=text),  # type: ignore[arg-type]
+        lambda: store.position_of(text),  # type: ignore[arg-type]
+        lambda: store.diff(text, allocated),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidInput, match=r"timezone-aware datetime, e\.g\. .* got str '.*isoformat"):
+            await call()
+    for call in (
+        lambda: store.replay(at=datetime.now()),
+        lambda: store.state_at(at=datetime.now()),
+        lambda: store.diff(0, datetime.now()),
+    ):
+        with pytest.raises(InvalidInput, match="got a naive datetime"):
+            await call()
 
 
 async def test_snapshots_of_an_older_format_are_made_again(tmp_path: Path) -> None:
