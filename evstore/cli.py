@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -345,10 +346,10 @@ def demo(
             where = f"--db {DEFAULT_DEMO_DB}"
         elif db is not None and url is None:
             target = sqlite_url(_fresh_file(given_path(db, "--db", must_exist=False, what="database file")))
-            where = f"--db {db}"
+            where = f"--db {shlex.quote(str(db))}"
         else:
             target = resolve_url(db, url, must_exist=False)
-            where = f"--url '{shown(target)}'"
+            where = f"--url {shlex.quote(shown(target))}"
             if target.startswith("sqlite:"):  # (a file the demo wrote is replaced, however named)
                 from evstore.log.sqlite import parse_sqlite_url
 
@@ -405,7 +406,8 @@ def demo(
             if report.rejected_reverts and target not in ("sqlite://", "sqlite:///:memory:"):
                 # (an in-memory store is gone once the demo ends: nothing to try it on)
                 inst, _ = report.rejected_reverts[0]
-                out.print(f"Try: evstore history {inst} {safe(where)}")
+                # (one line, however narrow the terminal, and quoted for the shell: pasted, it runs)
+                out.print(f"Try: evstore history {inst} {safe(where)}", soft_wrap=True)
         return EXIT_OK if audit.clean else EXIT_FINDINGS
 
     run(work)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -242,3 +243,23 @@ def test_audit_history_checks_the_history_index(tmp_path: Path) -> None:
     [finding] = json.loads(done.stdout)["findings"]
     assert finding["kind"] == "integrity" and finding["details"]["reason"] == "history_index"
     assert finding["positions"] == [5]
+
+
+def test_the_demos_try_line_is_one_command_that_runs_as_printed(tmp_path: Path) -> None:
+    """Regression (review 25, helper-e): the demo's closing "Try: evstore history ..." pasted the
+    --db path unquoted (a directory with a space split it into two arguments) and let rich wrap
+    the line at the terminal's width (``--url '...'`` went to a line of its own), so the command
+    it suggested did not run as printed."""
+    folder = tmp_path / "my clouds"
+    folder.mkdir()
+    db = folder / "it's.db"
+    narrow = {"COLUMNS": "80"}
+    for how in (["--db", str(db)], ["--url", f"sqlite:///{db}"]):
+        done = evstore("demo", *how, "--instances", "20", "--nodes", "3", env=narrow)
+        assert done.returncode == 0, done.stderr
+        [hint] = [line for line in done.stdout.splitlines() if line.startswith("Try: ")]
+        argv = shlex.split(hint.removeprefix("Try: "))
+        assert argv[:2] == ["evstore", "history"] and argv[-1] in (str(db), f"sqlite:///{db}"), hint
+        tried = evstore(*argv[1:], "--json")
+        assert tried.returncode == 0, tried.stderr
+        assert json.loads(tried.stdout)["events"]
