@@ -1271,7 +1271,7 @@ class AllocationStore:
 
     def export(self, batch_size: int = 1000) -> AsyncGenerator[str, None]:
         """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py),
-        each line without its newline (``f.write(line + "\n")``; ``import_events`` takes them
+        each line without its newline (``f.write(line + "\\n")``; ``import_events`` takes them
         either way). The argument is checked at the call."""
         _count(batch_size, "batch_size")
         return self._export(batch_size)

@@ -97,3 +97,12 @@ def test_mistakes_in_the_same_calls_are_reported(tmp_path: Path) -> None:
     result = _mypy(tmp_path, WRONG)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "set_allocations" in result.stdout and "generation" in result.stdout, result.stdout
+
+
+def test_the_export_docstring_shows_its_example_as_written() -> None:
+    """Regression (review 25, helper-e): ``help(AllocationStore.export)`` showed its example as
+    ``f.write(line + "`` and ``")`` on two lines: the docstring's ``"\\n"`` was a real newline."""
+    from evstore import AllocationStore
+
+    doc = AllocationStore.export.__doc__ or ""
+    assert 'f.write(line + "\\n")' in doc, doc
