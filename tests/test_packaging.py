@@ -1,0 +1,30 @@
+"""What ``pip install .`` promises: the declared dependency ranges are ones evstore runs with."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lower_bounds() -> dict[str, tuple[int, ...]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    bounds = {}
+    for requirement in project["dependencies"]:
+        found = re.match(r"([A-Za-z0-9_.-]+).*?>=\s*([0-9.]+)", requirement)
+        assert found, f"{requirement!r} has no lower bound"
+        bounds[found[1].lower()] = tuple(int(part) for part in found[2].split("."))
+    return bounds
+
+
+def test_the_declared_minimums_are_versions_the_cli_runs_with() -> None:
+    """Regression (review 25, helper-e): pyproject said ``typer>=0.12`` and ``rich>=13``. With
+    typer 0.12-0.25 ``evstore`` died at import (``No module named 'typer._click'``: the CLI takes
+    click's exceptions from the copy typer vendors since 0.26), and with rich before 14.3 a piped
+    ``import``/``rebuild`` error was no longer one line (a disabled progress bar printed a newline
+    as it stopped). The CLI's tests pass with typer 0.26.0, rich 14.3.0 and the other minimums."""
+    bounds = _lower_bounds()
+    assert bounds["typer"] >= (0, 26), bounds["typer"]
+    assert bounds["rich"] >= (14, 3), bounds["rich"]
