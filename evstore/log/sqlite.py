@@ -783,8 +783,9 @@ class SqliteBackend:
         # exiting (aiosqlite's thread is not one, and once the loop is gone nothing can close the
         # connection: the interpreter waited for it for ever). Ending then is a crash of an idle
         # writer, which SQLite's WAL recovers from on the next open; commands still queued had no
-        # one left to answer. (``_thread``: aiosqlite's, pinned in pyproject as ``_execute`` is.)
-        thread = getattr(pending, "_thread", None)
+        # one left to answer. (``_thread``: aiosqlite's, pinned in pyproject as ``_execute`` is;
+        # before 0.22 the connection was itself the thread.)
+        thread = pending if isinstance(pending, threading.Thread) else getattr(pending, "_thread", None)
         if isinstance(thread, threading.Thread):
             thread.daemon = True
         conn = await pending
