@@ -28,3 +28,14 @@ def test_the_declared_minimums_are_versions_the_cli_runs_with() -> None:
     bounds = _lower_bounds()
     assert bounds["typer"] >= (0, 26), bounds["typer"]
     assert bounds["rich"] >= (14, 3), bounds["rich"]
+
+
+def test_the_postgres_extra_asks_for_an_asyncpg_that_takes_a_reset() -> None:
+    """Regression (review 25, helper-e): the ``postgres`` extra said ``asyncpg>=0.29``; with 0.29
+    every PostgreSQL open failed as ``evstore.internal: TypeError: connect() got an unexpected
+    keyword argument 'reset'`` (``create_pool(reset=...)`` is new in asyncpg 0.30)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("postgres", "test"):
+        [asyncpg] = [r for r in extras[extra] if r.startswith("asyncpg")]
+        found = re.search(r">=\s*([0-9.]+)", asyncpg)
+        assert found and tuple(int(p) for p in found[1].split(".")) >= (0, 30), (extra, asyncpg)
