@@ -39,3 +39,11 @@ def test_the_postgres_extra_asks_for_an_asyncpg_that_takes_a_reset() -> None:
         [asyncpg] = [r for r in extras[extra] if r.startswith("asyncpg")]
         found = re.search(r">=\s*([0-9.]+)", asyncpg)
         assert found and tuple(int(p) for p in found[1].split(".")) >= (0, 30), (extra, asyncpg)
+
+
+def test_the_version_is_the_same_in_pyproject_and_the_package() -> None:
+    """``evstore --version`` prints ``evstore.__version__``, written out by hand next to
+    pyproject's: a release that bumps one must bump the other (helper-65 noticed nothing checked)."""
+    import evstore
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"] == evstore.__version__
