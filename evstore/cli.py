@@ -957,7 +957,7 @@ def tail(
             async for recorded in _following(store, start, follow):
                 if not follow and recorded.position > head:
                     break
-                if recorded.type == "ProviderCreated":
+                if recorded.type in ("ProviderCreated", "ProviderUpdated"):  # (a rename, too)
                     names[recorded.event["provider"]] = recorded.event["name"]
                 if json_out:
                     print(json.dumps(event_json(recorded, names), default=str), flush=True)

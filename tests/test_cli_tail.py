@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from evstore import open_store
+from evstore import Inventory, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import REPO, demo_db, evstore
 
@@ -118,6 +118,27 @@ def test_piped_tail_prints_one_line_per_event_whatever_the_width(tmp_path: Path)
         done = evstore("tail", "--after", "0", "--no-follow", "--db", str(db), env={"COLUMNS": columns})
         assert done.returncode == 0, done.stderr
         assert len(done.stdout.splitlines()) == head
+
+
+def test_tail_names_a_renamed_provider_by_its_new_name(tmp_path: Path) -> None:
+    """Regression (helper r25a): tail learnt names from ProviderCreated but not from
+    ProviderUpdated, so after a rename every line about the provider still said its old name
+    ("inventory of old-name" right after "renamed to new-name"), followed or not."""
+    db = tmp_path / "r.db"
+
+    async def write() -> None:
+        async with open_store(f"sqlite:///{db}") as store:
+            rp = new_uuid()
+            await store.create_provider(rp, "old-name")
+            await store.rename_provider(rp, "new-name")
+            await store.set_inventories(rp, {"VCPU": Inventory(total=8)}, generation=0)
+
+    asyncio.run(write())
+    for args in (("--json",), ()):
+        done = evstore("tail", "--db", str(db), "--after", "0", "--no-follow", *args)
+        assert done.returncode == 0, done.stderr
+        last = done.stdout.splitlines()[-1]
+        assert "inventory of new-name" in (json.loads(last)["summary"] if args else last), last
 
 
 async def test_a_following_tail_outlives_a_storage_failure(capsys: pytest.CaptureFixture[str]) -> None:
