@@ -159,6 +159,23 @@ async def test_rows_whose_envelope_readers_cannot_decode_are_integrity_findings(
         assert "request_id" in report.integrity[0].message
 
 
+async def test_a_reader_says_which_field_of_a_damaged_envelope_is_wrong(sqlite_url: str) -> None:
+    """Regression (helper r25a): read, subscribe, history and tail said only "Cannot decode the
+    envelope at position N: 1 validation error for Metadata" (the first line of pydantic's
+    message), where the audit and import name the field: now they all do."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        bad_meta = chained(
+            await _tail(store), "ProviderUpdated", {"provider": rp, "name": "x"}, meta='{"actor":5}'
+        )
+        await _append(await _sqlite(store), bad_meta)
+        with pytest.raises(CorruptEvent, match=r"position 3: actor: Input should be a valid string"):
+            await store.read(0, 10)
+        with pytest.raises(CorruptEvent, match=r"position 3: actor: "):
+            async for _ in store.subscribe():
+                pass
+
+
 async def test_an_export_whose_metadata_readers_cannot_decode_is_refused(tmp_path: Path) -> None:
     async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
         rp = await make_provider(source, VCPU=8)

@@ -33,7 +33,7 @@ import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
-from evstore.events import EVENT_TYPES, EventBase, Metadata, RecordedEvent, decode_event
+from evstore.events import EVENT_TYPES, EventBase, Metadata, RecordedEvent, decode_event, describe_error
 from evstore.log import (
     GENESIS_HASH,
     HISTORY_EXAMPLES,
@@ -144,7 +144,9 @@ def decode_raw(raw: RawEvent) -> RecordedEvent:
         recorded_at = parse_time(raw.recorded_at)
     except ValueError as exc:
         raise err.CorruptEvent(
-            f"Cannot decode the envelope at position {raw.position}: {exc}".splitlines()[0],
+            # (each field and what is wrong with it, as the audit says: not pydantic's first
+            # line, "1 validation error for Metadata", which names neither)
+            f"Cannot decode the envelope at position {raw.position}: {describe_error(exc, 'metadata')}",
             position=raw.position,
             reason="undecodable",
         ) from None
