@@ -78,9 +78,38 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable JSON 
 # --- plumbing -----------------------------------------------------------------------------------
 
 
+class _LibraryLog(logging.Handler):
+    """The libraries' own log lines (asyncpg's pool while a server restarts: "Failed to restore
+    the pool connection floor; retrying") as one line each on stderr, the exception named in it;
+    its traceback only with -vv. (Unhandled, Python printed each with its traceback.)"""
+
+    def __init__(self, tracebacks: bool) -> None:
+        super().__init__()
+        self.tracebacks = tracebacks
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = visible(record.getMessage())
+            exc = record.exc_info[1] if record.exc_info else None
+            if exc is not None and not self.tracebacks:
+                why = str(exc).splitlines()[0] if str(exc).strip() else ""
+                text += f" ({type(exc).__name__}{': ' if why else ''}{visible(why)})"
+            elif exc is not None:
+                text += "\n" + logging.Formatter().formatException(record.exc_info).rstrip()  # type: ignore[arg-type]
+            print(f"{record.levelname.lower()}: {record.name}: {text}", file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
 def configure_logging(verbosity: int) -> None:
-    """structlog to stderr: WARNING by default, INFO with -v, DEBUG with -vv."""
+    """structlog to stderr: WARNING by default, INFO with -v, DEBUG with -vv; the libraries'
+    logging likewise, one line a record (:class:`_LibraryLog`)."""
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _LibraryLog)]:
+        root.removeHandler(handler)
+    root.addHandler(_LibraryLog(tracebacks=verbosity >= 2))
+    root.setLevel(level)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

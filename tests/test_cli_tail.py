@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -170,3 +171,37 @@ async def test_a_following_tail_outlives_a_storage_failure(capsys: pytest.Captur
             async for r in _following(Flaky(failure), 0, follow=follow):
                 seen.append(r.position)
         assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("verbose", [0, 2])
+def test_a_library_warning_is_one_line_on_stderr_unless_debugging(verbose: int) -> None:
+    """Regression (helper r25a): while the PostgreSQL server restarted under `evstore tail
+    --follow --url ...`, asyncpg's pool logged "Failed to restore the pool connection floor;
+    retrying" with exc_info, and with no handler configured Python printed each one with a
+    30-line traceback on the tail's stderr, between tail's own one-line "trying again" notes.
+    A library's warning is now one line naming the exception; -vv keeps the traceback."""
+    script = textwrap.dedent(
+        f"""
+        import logging
+        from evstore.cli import configure_logging
+        configure_logging({verbose})
+        try:
+            raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+        except OSError:
+            logging.getLogger("asyncpg.pool").warning(
+                "Failed to restore the pool connection floor; retrying", exc_info=True
+            )
+        logging.getLogger("asyncpg.pool").info("not shown by default")
+        """
+    )
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    said = "warning: asyncpg.pool: Failed to restore the pool connection floor; retrying"
+    why = "ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 5432)"
+    if verbose:
+        assert lines[0] == said and lines[1] == "Traceback (most recent call last):", done.stderr
+        assert why in lines and "info: asyncpg.pool: not shown by default" in lines
+    else:
+        assert lines == [f"{said} ({why})"], done.stderr
