@@ -298,6 +298,22 @@ def _position(value: object, what: str = "position") -> int:
     return value
 
 
+def _contiguous(after: int, batch: list[RecordedEvent]) -> list[RecordedEvent]:
+    """``batch`` (events read after ``after``) if its positions follow on without a hole; else
+    ``CorruptEvent`` at the first missing position (the events before it are read with a limit
+    that stops short of it). Positions are gap-free by construction (README, Guarantees): a hole
+    is rows deleted by hand, which a reader skipping it would hide from whoever follows the log."""
+    for expected, recorded in enumerate(batch, after + 1):
+        if recorded.position != expected:
+            raise err.CorruptEvent(
+                f"Position {expected} is missing from the log (the next event is at "
+                f"{recorded.position}): rows were deleted from it; `evstore audit` lists the damage",
+                position=expected,
+                reason="position_gap",
+            )
+    return batch
+
+
 def _aware_time(value: object, what: str = "at") -> datetime:
     """A time argument: a timezone-aware datetime, refused in one wording everywhere otherwise."""
     if isinstance(value, datetime) and value.utcoffset() is not None:
@@ -1013,8 +1029,12 @@ class AllocationStore:
         return await self._backend.head()
 
     async def read(self, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
-        """Recorded events after ``after``, in order (at most ``limit``)."""
-        return await self._backend.read(_position(after, "after"), _count(limit, "limit"))
+        """Recorded events after ``after``, in order (at most ``limit``).
+
+        A hole in the positions (rows deleted from the log by hand) is a ``CorruptEvent``
+        naming the first missing position, as a damaged row is: never skipped in silence."""
+        after = _position(after, "after")
+        return _contiguous(after, await self._backend.read(after, _count(limit, "limit")))
 
     def history(
         self, uuid: str | _uuid.UUID, *, batch_size: int = 1000
@@ -1074,7 +1094,7 @@ class AllocationStore:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
             signal = self._appended
             try:
-                batch = await self._backend.read(after, batch_size)
+                batch = _contiguous(after, await self._backend.read(after, batch_size))
             except err.CorruptEvent as exc:
                 # Deliver what comes before the damaged row first (a debugging tool must show the
                 # events leading up to it), then raise.

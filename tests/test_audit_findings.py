@@ -1285,3 +1285,32 @@ async def test_a_drifted_inventory_or_allocation_is_named_by_what_differs(sqlite
         assert "VCPU: projection has total=65, replay gives total=64" in by_field["inventories"]
         assert f"{rps[2]}.VCPU: projection has 3, replay gives 2" in by_field["allocations"]
         assert all(len(message) < 400 for message in by_field.values())
+
+
+async def test_a_hole_in_the_log_stops_readers_at_it_instead_of_being_skipped(store_url: str) -> None:
+    """Regression (helper-61): with a row deleted from the middle of the log, ``read``,
+    ``subscribe`` (and so ``evstore tail``) went from the event before the hole to the one after
+    it without a word - only the audit said "Position gap" - so a consumer following the log
+    would drift unnoticed. They give the events before the hole, then ``CorruptEvent`` naming the
+    missing position, as for a damaged row."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        for _ in range(3):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        head = await store.head()
+        hole = head - 1
+        await store.backend.tamper(  # type: ignore[attr-defined]
+            "DELETE FROM events WHERE position = " + ("?" if store_url.startswith("sqlite") else "$1"),
+            (hole,),
+        )
+        assert [e.position for e in await store.read(0, hole - 1)] == list(range(1, hole))
+        for after in (0, hole - 1):
+            with pytest.raises(CorruptEvent, match=f"Position {hole} is missing") as caught:
+                await store.read(after, 100)
+            assert caught.value.details == {"position": hole, "reason": "position_gap"}
+        seen: list[int] = []
+        with pytest.raises(CorruptEvent, match=f"Position {hole} is missing"):
+            async for recorded in store.subscribe(0, batch_size=2):
+                seen.append(recorded.position)
+        assert seen == list(range(1, hole))
+        assert [e.position for e in await store.read(hole, 10)] == [head]  # (after the hole: fine)
