@@ -154,3 +154,27 @@ async def test_two_tasks_opening_one_store_both_get_it(tmp_path: Path) -> None:
     await store.close()
     with pytest.raises(StoreClosed):
         await store.open()
+
+
+async def test_postgres_reads_waiting_for_a_connection_when_close_begins_raise_store_closed() -> None:
+    """Review 25: reads queued for a pooled connection when ``close()`` began were handed one
+    by asyncpg (its ``Pool.close`` waits only for the connections held when it began) and then
+    had it closed under them: ``StorageError`` ("Lost the connection to PostgreSQL ...: got
+    result for unknown protocol state 3"), which a caller takes for a server fault, instead of
+    ``StoreClosed`` (plus asyncpg's "Future exception was never retrieved")."""
+    from tests.pg import fresh_database_url
+
+    url = fresh_database_url()
+    async with open_store(url):
+        pass  # (the tables exist: the reads below only wait for connections)
+    errors: list[str] = []
+    for _ in range(5):
+        store = await open_store(url, pool_size=2)
+        reads = [asyncio.create_task(store.snapshot_positions()) for _ in range(20)]
+        for _ in range(3):  # (the first two hold the connections, the others wait for them)
+            await asyncio.sleep(0)
+        await store.close()
+        for outcome in await asyncio.gather(*reads, return_exceptions=True):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, StoreClosed):
+                errors.append(f"{type(outcome).__name__}: {outcome}")
+    assert not errors, f"{len(errors)}/100 reads racing close() were not StoreClosed: {errors[:2]}"

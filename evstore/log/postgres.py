@@ -948,6 +948,13 @@ class PostgresBackend:
             raise failed from None
         except ValueError as exc:  # (min_pool_size=0: the URL is first parsed here; see _malformed)
             raise self._malformed(exc) from None
+        if self._pool is None:
+            # close() began while this waited for a connection: asyncpg's Pool.close waits only
+            # for the connections held when it began, so it hands this one over and then closes
+            # it under its holder (a read would fail as a lost connection, not a closed store)
+            with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
+                await pool.release(conn)
+            raise err.StoreClosed("The store is closed")
         try:
             yield conn
         finally:
