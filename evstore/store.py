@@ -646,9 +646,11 @@ class AllocationStore:
 
     def _fail_queued(self, exc: err.EvstoreError) -> None:
         while self._queue:
-            _, fut = self._queue.popleft()
+            job, fut = self._queue.popleft()
             if not fut.done():
                 fut.set_exception(exc)
+            elif fut.cancelled():  # (its caller was cancelled too: a shutdown cancelling every task)
+                _log_not_run(job)
 
     async def _submit(
         self,

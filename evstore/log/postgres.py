@@ -1114,9 +1114,15 @@ class PostgresBackend:
         ended: asyncio.Future[None],
         wanted: Callable[[], bool] | None,
     ) -> Outcome:
-        if before:
-            await asyncio.wait(before)
-        await self._slots.acquire(order)
+        try:
+            if before:
+                await asyncio.wait(before)
+            await self._slots.acquire(order)
+        except asyncio.CancelledError:
+            # Cancelled before it began (a shutdown cancelling every task, this one too): it was
+            # not run, and that is what its caller, or the log for a caller cancelled as well,
+            # hears - not that its outcome is unknown
+            return err.StorageError("Not run: cancelled before it began", not_run=True)
         try:
             if wanted is not None and not wanted():
                 return err.StorageError("Not run: its caller stopped waiting before it began", not_run=True)
