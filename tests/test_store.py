@@ -1102,6 +1102,24 @@ async def test_opening_a_store_takes_no_write_lock(tmp_path: Path) -> None:
         other.close()
 
 
+async def test_creating_a_store_in_a_file_held_locked_says_busy_timeout(tmp_path: Path) -> None:
+    """Regression (helper-66): a new store's first open, with another connection holding the
+    file's lock past busy_timeout, failed as a bare "Cannot open ...: database is locked", where a
+    command in the same situation names busy_timeout and what to change."""
+    path = tmp_path / "store.db"
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(evstore.StorageError, match=r"longer than busy_timeout \(0\.2 s\)"):
+            async with open_store(f"sqlite:///{path}", busy_timeout=0.2):
+                pass
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    async with open_store(f"sqlite:///{path}") as store:  # (the lock released: it opens)
+        assert await store.head() == 0
+
+
 async def test_a_command_waits_busy_timeout_for_a_held_write_lock_not_five_times_it(tmp_path: Path) -> None:
     """Regression: a command retried its whole transaction five times when another connection
     held the write lock, each attempt waiting busy_timeout in SQLite itself: busy_timeout=1 failed

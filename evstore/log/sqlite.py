@@ -844,6 +844,11 @@ class SqliteBackend:
                     " (evstore needs to write the file and its directory, for its -wal and -shm files, "
                     "even to read it: work on a writable copy)"
                 )
+            elif "locked" in str(exc):  # (as a command says it: what waited, and what to change)
+                hint = (
+                    f" (another connection held it locked for longer than busy_timeout "
+                    f"({self.busy_timeout:g} s): retry, or open the store with a longer busy_timeout)"
+                )
             raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}") from None
         except BaseException:
             await self.close()
