@@ -55,6 +55,30 @@ def test_an_empty_db_is_an_empty_option_as_an_empty_url_is(tmp_path: Path) -> No
             assert "is a directory" not in done.stderr and "is empty" in done.stderr, done.stderr
 
 
+async def test_a_missing_directory_for_a_new_database_is_not_found_as_exports_is(tmp_path: Path) -> None:
+    """Regression (helper-65): ``demo`` or ``import`` with ``--db no-such-dir/x.db`` (and
+    ``open_store`` of such a URL) said ``evstore.storage`` where ``export -o no-such-dir/x.jsonl``
+    says ``evstore.not_found``, the README's code for a path that does not exist."""
+    import evstore as api
+
+    target = tmp_path / "no-such-dir" / "x.db"
+    dump = tmp_path / "d.jsonl"
+    db = demo_db(tmp_path / "demo.db", instances=4)
+    assert evstore("export", "--db", str(db), "-o", str(dump)).returncode == 0
+    for done in (
+        evstore("demo", "--db", str(target), "--instances", "4"),
+        evstore("import", str(dump), "--db", str(target)),
+    ):
+        assert _error(done) == (1, "evstore.not_found"), done.stderr
+        assert "no-such-dir does not exist" in done.stderr
+    try:
+        async with open_store(f"sqlite:///{target}"):
+            raise AssertionError("opened a store in a directory that does not exist")
+    except api.NotFound as exc:
+        assert "does not exist" in exc.message
+    assert not target.parent.exists()
+
+
 def test_a_missing_input_file_is_not_found_as_a_missing_database_is(tmp_path: Path) -> None:
     missing_db = evstore("audit", "--db", str(tmp_path / "missing.db"))
     assert _error(missing_db) == (1, "evstore.not_found")

@@ -807,7 +807,8 @@ class SqliteBackend:
         if not self.memory:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
-                raise err.StorageError(f"Cannot open {self.url}: directory {parent} does not exist")
+                # (NotFound, as every missing path is, export's -o directory included: README)
+                raise err.NotFound(f"Cannot open {self.url}: directory {parent} does not exist")
             kind = await asyncio.to_thread(not_a_regular_file, self.path)
             if kind is not None:  # (SQLite would wait for ever on a FIFO's other end)
                 raise err.InvalidInput(
