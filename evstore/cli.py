@@ -1008,23 +1008,76 @@ def tail(
     run(work, interrupt_code=EXIT_OK)
 
 
+#: PostgreSQL's answers when the store's tables or its schema are gone (dropped while followed)
+GONE_SQLSTATES = frozenset({"42P01", "3F000"})
+
+
 async def _following(store: Any, after: int, follow: bool) -> Any:
     """``store.subscribe(after)``; when following, a storage failure (a server restart, a lost
     connection) is reported on stderr and the subscription starts again after the last event
     delivered, once a second has passed, instead of ending the follow. A damaged row, a schema
-    of another version or a closed store still end it."""
+    of another version or a closed store still end it, and so does a store that is gone (its
+    SQLite file removed or replaced - ``evstore demo`` replaces its file -, its PostgreSQL tables
+    dropped): ``evstore.not_found``, not a follow of nothing for ever."""
     fatal = (err.CorruptEvent, err.SchemaVersionError, err.StoreClosed)
-    while True:
-        try:
-            async for recorded in store.subscribe(after):
-                after = recorded.position
-                yield recorded
-            return
-        except err.StorageError as exc:
-            if not follow or isinstance(exc, fatal):
+    gone: list[str] = []  # (why the store was closed under the subscriber, if it was)
+    watch = asyncio.ensure_future(_file_gone(store, gone)) if follow else None
+    try:
+        while True:
+            try:
+                async for recorded in store.subscribe(after):
+                    after = recorded.position
+                    yield recorded
+                return
+            except err.StoreClosed:
+                if gone:
+                    raise err.NotFound(gone[0]) from None
                 raise
-            note(f"reading the log failed ({exc.code}: {exc.message.splitlines()[0][:200]}); trying again")
-            await asyncio.sleep(1)
+            except err.StorageError as exc:
+                if exc.details.get("sqlstate") in GONE_SQLSTATES:
+                    raise err.NotFound(
+                        f"The store's tables are gone ({exc.message.splitlines()[0][:200]}): it was "
+                        "dropped while tail followed it"
+                    ) from None
+                if not follow or isinstance(exc, fatal):
+                    raise
+                why = exc.message.splitlines()[0][:200]
+                note(f"reading the log failed ({exc.code}: {why}); trying again")
+                await asyncio.sleep(1)
+    finally:
+        if watch is not None:
+            watch.cancel()
+
+
+async def _file_gone(store: Any, gone: list[str], every: float = 1.0) -> None:
+    """For a followed SQLite store: wait until its file is removed or replaced by another (the
+    subscriber would follow the unlinked file for ever, printing nothing), then close the store
+    (ending the subscriber), having said in ``gone`` what happened. Never ends for other stores."""
+    url = str(getattr(store, "url", ""))
+    path = ":memory:"
+    if url.startswith("sqlite:"):
+        from evstore.log.sqlite import parse_sqlite_url
+
+        path, _ = parse_sqlite_url(url)
+    if path == ":memory:":  # (also every PostgreSQL store)
+        await asyncio.Event().wait()
+    try:
+        first = await asyncio.to_thread(os.stat, path)
+    except OSError:
+        await asyncio.Event().wait()
+    while True:
+        await asyncio.sleep(every)
+        try:
+            now: os.stat_result | None = await asyncio.to_thread(os.stat, path)
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            continue
+        if now is None or (now.st_dev, now.st_ino) != (first.st_dev, first.st_ino):
+            what = "removed" if now is None else "replaced by another file"
+            gone.append(f"The database {path} was {what} while tail followed it: run tail again")
+            await store.close()
+            return
 
 
 # --- maintenance: rebuild, snapshot, stats, export, import --------------------------------------

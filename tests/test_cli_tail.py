@@ -205,3 +205,52 @@ def test_a_library_warning_is_one_line_on_stderr_unless_debugging(verbose: int) 
         assert why in lines and "info: asyncpg.pool: not shown by default" in lines
     else:
         assert lines == [f"{said} ({why})"], done.stderr
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_following_tail_ends_when_its_database_file_is_removed_or_replaced(
+    tmp_path: Path, how: str
+) -> None:
+    """Regression (helper-61): `tail --follow` kept following a database file that was removed,
+    or replaced (as `evstore demo` replaces its file), printing nothing, for ever. It ends with
+    `evstore.not_found`, saying what happened to the file."""
+    db = demo_db(tmp_path / "c.db", instances=4, nodes=2)
+    proc = _start_tail("--db", str(db))
+    try:
+        if how == "removed":
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{db}{suffix}").unlink(missing_ok=True)
+        else:
+            assert evstore("demo", "--db", str(db), "--instances", "4", "--nodes", "2").returncode == 0
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert err.strip().endswith(
+        f"error: evstore.not_found: The database {db} was {how}"
+        + ("" if how == "removed" else " by another file")
+        + " while tail followed it: run tail again"
+    ), err
+
+
+def test_a_following_tail_ends_when_its_postgresql_schema_is_dropped(pg_url: str) -> None:
+    """Regression (helper-61): with the store's schema dropped, `tail --follow --url ...` said
+    "relation events does not exist; trying again" every second, for ever."""
+    from tests.pg import run_sync
+
+    asyncio.run(_write_three_events(pg_url))
+    proc = _start_tail("--url", pg_url)
+    try:
+        schema = pg_url.split("search_path=")[1].split("&")[0]
+
+        async def drop() -> None:
+            async with open_store(pg_url) as store:
+                await store.backend.tamper(f'DROP SCHEMA "{schema}" CASCADE')  # type: ignore[attr-defined]
+
+        run_sync(drop())
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert "error: evstore.not_found: The store's tables are gone" in err, err
+    assert err.count("trying again") <= 1, err
