@@ -976,6 +976,7 @@ def tail(
                 raise err.InvalidInput(f"position {start} is beyond the head of the log ({head})")
             names = await provider_names(store)
             out = console()
+            file = await _file_of(store)  # (before "following": what the file must stay)
             if follow:
                 note(f"following {shown(store.url)} after position {start} (Ctrl-C to stop)")
             else:
@@ -983,7 +984,7 @@ def tail(
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK
-            async for recorded in _following(store, start, follow):
+            async for recorded in _following(store, start, follow, file):
                 if not follow and recorded.position > head:
                     break
                 if recorded.type in ("ProviderCreated", "ProviderUpdated"):  # (a rename, too)
@@ -1012,16 +1013,17 @@ def tail(
 GONE_SQLSTATES = frozenset({"42P01", "3F000"})
 
 
-async def _following(store: Any, after: int, follow: bool) -> Any:
+async def _following(store: Any, after: int, follow: bool, file: os.stat_result | None = None) -> Any:
     """``store.subscribe(after)``; when following, a storage failure (a server restart, a lost
     connection) is reported on stderr and the subscription starts again after the last event
     delivered, once a second has passed, instead of ending the follow. A damaged row, a schema
     of another version or a closed store still end it, and so does a store that is gone (its
     SQLite file removed or replaced - ``evstore demo`` replaces its file -, its PostgreSQL tables
-    dropped): ``evstore.not_found``, not a follow of nothing for ever."""
+    dropped): ``evstore.not_found``, not a follow of nothing for ever. ``file``: the SQLite
+    file's ``os.stat`` when the store was opened (:func:`_file_of`), what it must stay."""
     fatal = (err.CorruptEvent, err.SchemaVersionError, err.StoreClosed)
     gone: list[str] = []  # (why the store was closed under the subscriber, if it was)
-    watch = asyncio.ensure_future(_file_gone(store, gone)) if follow else None
+    watch = asyncio.ensure_future(_file_gone(store, file, gone)) if follow and file else None
     try:
         while True:
             try:
@@ -1049,22 +1051,34 @@ async def _following(store: Any, after: int, follow: bool) -> Any:
             watch.cancel()
 
 
-async def _file_gone(store: Any, gone: list[str], every: float = 1.0) -> None:
+def _path_of(store: Any) -> str | None:
+    """The file of a SQLite store (None: in memory, or PostgreSQL)."""
+    url = str(getattr(store, "url", ""))
+    if not url.startswith("sqlite:"):
+        return None
+    from evstore.log.sqlite import parse_sqlite_url
+
+    path, _ = parse_sqlite_url(url)
+    return None if path == ":memory:" else path
+
+
+async def _file_of(store: Any) -> os.stat_result | None:
+    """``os.stat`` of a SQLite store's file, taken as it is opened (None: no file to watch)."""
+    path = _path_of(store)
+    if path is None:
+        return None
+    try:
+        return await asyncio.to_thread(os.stat, path)
+    except OSError:
+        return None
+
+
+async def _file_gone(store: Any, first: os.stat_result, gone: list[str], every: float = 1.0) -> None:
     """For a followed SQLite store: wait until its file is removed or replaced by another (the
     subscriber would follow the unlinked file for ever, printing nothing), then close the store
-    (ending the subscriber), having said in ``gone`` what happened. Never ends for other stores."""
-    url = str(getattr(store, "url", ""))
-    path = ":memory:"
-    if url.startswith("sqlite:"):
-        from evstore.log.sqlite import parse_sqlite_url
-
-        path, _ = parse_sqlite_url(url)
-    if path == ":memory:":  # (also every PostgreSQL store)
-        await asyncio.Event().wait()
-    try:
-        first = await asyncio.to_thread(os.stat, path)
-    except OSError:
-        await asyncio.Event().wait()
+    (ending the subscriber), having said in ``gone`` what happened."""
+    path = _path_of(store)
+    assert path is not None
     while True:
         await asyncio.sleep(every)
         try:
