@@ -321,7 +321,16 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
     classes = list(dict.fromkeys(rc for _, rc, _ in rows))
     for rc in classes:
         if not is_known_class(rc, state.custom_classes) and not _in_use(state, rc, changes, named):
-            raise err.UnknownResourceClass(f"No such resource class {rc}.", resource_class=rc)
+            # (Placement's PUT /allocations/{c} wording, naming the first consumer asking for it)
+            asking = next(
+                (ch.consumer for ch in changes if any(rc in res for res in ch.new.values())),
+                changes[0].consumer,
+            )
+            raise err.UnknownResourceClass(
+                f"Unable to allocate inventory for consumer {asking}: No such resource class {rc}.",
+                resource_class=rc,
+                consumer=asking,
+            )
     # 4. every provider has inventory of at least one class of the command.
     class_set = set(classes)
     missing = [p for p in named if not class_set & state.providers[p].inventories.keys()]
@@ -640,24 +649,41 @@ def _in_use(state: State, rc: str, changes: list[_Change], named: list[str]) -> 
     return any(rc in res for ch in changes for res in state.consumer(ch.consumer).allocations.values())
 
 
-def _check_inventories(state: State, inventories: dict[str, Inventory]) -> None:
+def _check_inventories(state: State, provider: str, inventories: dict[str, Inventory]) -> None:
     """Placement's order after the generation: reserved above total (Placement checks each
-    record's capacity as it reads the body), unknown classes, then what only evstore refuses."""
+    record's capacity as it reads the body), unknown classes, then what only evstore refuses.
+    The messages begin with Placement's detail for the same refusal."""
     for rc, inv in inventories.items():
         if inv.reserved > inv.total:
-            _refuse_inventory(rc, inv)
+            _refuse_inventory(
+                provider,
+                rc,
+                inv,
+                f"Invalid inventory for '{rc}' on resource provider '{provider}'. "
+                "The reserved value is greater than total. ",
+            )
     for rc in inventories:
         if not is_known_class(rc, state.custom_classes):
-            raise err.UnknownResourceClass(f"Unknown resource class in inventory: {rc}", resource_class=rc)
+            raise err.UnknownResourceClass(
+                f"Unknown resource class in inventory for resource provider {provider}: "
+                f"No such resource class {rc}.",
+                provider=provider,
+                resource_class=rc,
+            )
     for rc, inv in inventories.items():
         if inv.problems():
-            _refuse_inventory(rc, inv)
+            _refuse_inventory(
+                provider, rc, inv, f"Invalid inventory for '{rc}' on resource provider '{provider}': "
+            )
 
 
-def _refuse_inventory(rc: str, inv: Inventory) -> NoReturn:
+def _refuse_inventory(provider: str, rc: str, inv: Inventory, what: str) -> NoReturn:
     problems = inv.problems()
     raise err.InvalidInventoryValue(
-        f"Invalid inventory for {rc}: {'; '.join(problems)}", resource_class=rc, problems=problems
+        f"Unable to update inventory for resource provider {provider}: {what}({'; '.join(problems)})",
+        provider=provider,
+        resource_class=rc,
+        problems=problems,
     )
 
 
@@ -678,7 +704,9 @@ def _set_inventories(
             expected=prov.generation,
             got=generation,
         )
-    _check_inventories(state, inventories if changed is None else {rc: inventories[rc] for rc in changed})
+    _check_inventories(
+        state, provider, inventories if changed is None else {rc: inventories[rc] for rc in changed}
+    )
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
         raise err.InventoryInUse(
@@ -754,7 +782,11 @@ def _rename_provider(state: State, command: RenameProvider) -> list[ev.EventBase
 
 
 def _delete_provider(state: State, command: DeleteProvider) -> list[ev.EventBase]:
-    prov = _provider(state, command.provider)
+    prov = state.providers.get(command.provider)
+    if prov is None:  # (Placement's DELETE wording)
+        raise err.ProviderNotFound(
+            f"No resource provider with uuid {command.provider} found for delete", provider=command.provider
+        )
     # (Placement's order: children first, then allocations)
     if any(p.parent == prov.uuid for p in state.providers.values()):
         raise err.CannotDeleteParent(

@@ -936,6 +936,67 @@ def test_allocation_refusals_begin_with_placements_detail(placement_peer: Placem
         asyncio.run(main(Path(tmp)))
 
 
+def test_inventory_and_provider_refusals_carry_placements_detail(placement_peer: PlacementPeer) -> None:
+    """Regression (rev25, helper-i): refusals outside allocation writes lost facts Placement's detail
+    gives. An unknown class in ``set_inventories`` said ``Unknown resource class in inventory:
+    CUSTOM_X`` and ``reserved > total`` said ``Invalid inventory for VCPU: ...``, neither naming the
+    provider; an unknown class in an allocation did not name the consumer (Placement's PUT does);
+    deleting a missing provider dropped Placement's "for delete". Each refusal is made on both; the
+    kind must agree and evstore's message must begin with Placement's detail (evstore may add
+    amounts after it)."""
+    rp, consumer, missing = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
+    entry = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "consumer_generation": None}
+
+    async def scenario(store: AllocationStore, tmp: Path) -> None:
+        await asyncio.to_thread(placement_peer.reset, tmp / "placement.sqlite")
+        await placement_peer.acall("POST", "/resource_providers", {"uuid": rp, "name": "rp"})
+        await store.create_provider(rp, "rp")
+        body = {"resource_provider_generation": 0, "inventories": {"VCPU": {"total": 4}}}
+        assert (await placement_peer.acall("PUT", f"/resource_providers/{rp}/inventories", body))[0] == 200
+        await store.set_inventories(rp, {"VCPU": {"total": 4}}, 0)
+        unknown = {"VCPU": {"total": 4}, "CUSTOM_NEVER_CREATED": {"total": 1}}
+        over = {"VCPU": {"total": 4, "reserved": 5}}
+        allocation = {"allocations": {rp: {"resources": {"CUSTOM_NEVER_CREATED": 1}}}} | entry
+        refusals: list[tuple[str, str, Any, Callable[[], Any]]] = [
+            (
+                "PUT",
+                f"/resource_providers/{rp}/inventories",
+                {"resource_provider_generation": 1, "inventories": unknown},
+                lambda: store.set_inventories(rp, unknown, 1),
+            ),
+            (
+                "PUT",
+                f"/resource_providers/{rp}/inventories",
+                {"resource_provider_generation": 1, "inventories": over},
+                lambda: store.set_inventories(rp, over, 1),
+            ),
+            (
+                "PUT",
+                f"/allocations/{consumer}",
+                allocation,
+                lambda: allocate(
+                    store, consumer, {rp: {"CUSTOM_NEVER_CREATED": 1}}, project_id="p", user_id="u"
+                ),
+            ),
+            ("DELETE", f"/resource_providers/{missing}", None, lambda: store.delete_provider(missing)),
+        ]
+        for method, path, request, run in refusals:
+            status, answer = await placement_peer.acall(method, path, request)
+            assert status >= 400, (path, answer)
+            detail = answer["errors"][0]["detail"].split("\n\n", 1)[1].strip()
+            with pytest.raises(EvstoreError) as caught:
+                await run()
+            assert evstore_kind(caught.value) == placement_kind(status, answer), (path, caught.value)
+            assert caught.value.message.startswith(detail), (caught.value.message, detail)
+
+    async def main(tmp: Path) -> None:
+        async with open_store(f"sqlite:///{tmp}/evstore.db") as store:
+            await scenario(store, tmp)
+
+    with tempfile.TemporaryDirectory(prefix="evstore-diff-") as tmp, structlog.testing.capture_logs():
+        asyncio.run(main(Path(tmp)))
+
+
 # --- regression tests for evstore bugs found by the differential test --------------------------------
 # Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app) and
 # needs no Placement peer. Found by the first campaigns; fixed in evstore (inventory checks now run
