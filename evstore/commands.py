@@ -651,16 +651,18 @@ def _in_use(state: State, rc: str, changes: list[_Change], named: list[str]) -> 
 
 def _check_inventories(state: State, provider: str, inventories: dict[str, Inventory]) -> None:
     """Placement's order after the generation: reserved above total (Placement checks each
-    record's capacity as it reads the body), unknown classes, then what only evstore refuses.
-    The messages begin with Placement's detail for the same refusal."""
+    record's capacity as it reads the body), then unknown classes. The messages begin with
+    Placement's detail for the same refusal. (What only evstore refuses comes after everything
+    Placement checks, the classes in use too: see :func:`_check_sanity`.)"""
     for rc, inv in inventories.items():
         if inv.reserved > inv.total:
+            problems = "; ".join(inv.problems())
             _refuse_inventory(
                 provider,
                 rc,
                 inv,
                 f"Invalid inventory for '{rc}' on resource provider '{provider}'. "
-                "The reserved value is greater than total. ",
+                f"The reserved value is greater than total. ({problems})",
             )
     for rc in inventories:
         if not is_known_class(rc, state.custom_classes):
@@ -670,20 +672,28 @@ def _check_inventories(state: State, provider: str, inventories: dict[str, Inven
                 provider=provider,
                 resource_class=rc,
             )
+
+
+def _check_sanity(provider: str, inventories: dict[str, Inventory]) -> None:
+    """evstore's own refusals (``min_unit > max_unit``), which Placement accepts: checked last, so
+    that a command Placement refuses is refused for Placement's reason."""
     for rc, inv in inventories.items():
         if inv.problems():
+            problems = "; ".join(inv.problems())
             _refuse_inventory(
-                provider, rc, inv, f"Invalid inventory for '{rc}' on resource provider '{provider}': "
+                provider,
+                rc,
+                inv,
+                f"Invalid inventory for '{rc}' on resource provider '{provider}': {problems}",
             )
 
 
 def _refuse_inventory(provider: str, rc: str, inv: Inventory, what: str) -> NoReturn:
-    problems = inv.problems()
     raise err.InvalidInventoryValue(
-        f"Unable to update inventory for resource provider {provider}: {what}({'; '.join(problems)})",
+        f"Unable to update inventory for resource provider {provider}: {what}",
         provider=provider,
         resource_class=rc,
-        problems=problems,
+        problems=inv.problems(),
     )
 
 
@@ -704,9 +714,8 @@ def _set_inventories(
             expected=prov.generation,
             got=generation,
         )
-    _check_inventories(
-        state, provider, inventories if changed is None else {rc: inventories[rc] for rc in changed}
-    )
+    checked = inventories if changed is None else {rc: inventories[rc] for rc in changed}
+    _check_inventories(state, provider, checked)
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
         raise err.InventoryInUse(
@@ -714,6 +723,7 @@ def _set_inventories(
             provider=provider,
             resource_classes=removed_in_use,
         )
+    _check_sanity(provider, checked)
     return [
         ev.InventoriesReplaced(provider=provider, inventories=inventories, generation=prov.generation + 1)
     ]

@@ -774,6 +774,20 @@ def test_inventory_values_are_checked_after_provider_generation_then_classes_the
         when(state, SetInventory(RP1, "VCPU", odd, 2))
 
 
+def test_a_class_in_use_is_reported_before_evstores_own_inventory_refusals() -> None:
+    # Regression (rev25, helper-i): min_unit > max_unit (refused by evstore only) was checked
+    # before the classes in use, so a PUT /inventories that removes VCPU in use and sets DISK_GB
+    # with min_unit 3 > max_unit 2 got evstore.inventory.invalid where the real Placement 16
+    # answers 409 placement.inventory.inuse (it accepts min_unit > max_unit).
+    state = cloud(VCPU=Inventory(total=8), DISK_GB=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 2}})))  # generation 2
+    odd = Inventory(total=4, min_unit=3, max_unit=2)
+    with pytest.raises(err.InventoryInUse):
+        when(state, SetInventories(RP1, {"DISK_GB": odd}, 2))
+    with pytest.raises(err.InvalidInventory, match=f"resource provider '{RP1}': min_unit \\(3\\)"):
+        when(state, SetInventories(RP1, {"VCPU": Inventory(total=8), "DISK_GB": odd}, 2))
+
+
 def test_releasing_a_tombstoned_consumer_is_not_found() -> None:
     state = cloud(VCPU=Inventory(total=8))
     when(state, one(write(C1, {RP1: {"VCPU": 1}})))
