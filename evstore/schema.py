@@ -13,7 +13,7 @@ import uuid as _uuid
 from collections.abc import Mapping
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import os_resource_classes
 from pydantic import (
@@ -163,12 +163,29 @@ class Inventory(BaseModel):
     step_size: int = Field(default=1, ge=1, le=MAX_INT)
     allocation_ratio: float = Field(default=1.0, gt=0, le=3.40282e38)
 
-    def __init__(self, /, **data: Any) -> None:
-        # Bad values are bad input: a typed evstore error (also a ValueError), not pydantic's.
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}") from None
+    if TYPE_CHECKING:
+        # What type checkers see: the fields (the ``**data`` below would hide them, and a
+        # misspelt or mistyped field would pass ``mypy --strict`` and pyright).
+        def __init__(
+            self,
+            /,
+            *,
+            total: int,
+            reserved: int = 0,
+            min_unit: int = 1,
+            max_unit: int = MAX_INT,
+            step_size: int = 1,
+            allocation_ratio: float | Decimal | Fraction = 1.0,
+        ) -> None: ...
+
+    else:
+
+        def __init__(self, /, **data: Any) -> None:
+            # Bad values are bad input: a typed evstore error (also a ValueError), not pydantic's.
+            try:
+                super().__init__(**data)
+            except ValidationError as exc:
+                raise InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}") from None
 
     @field_validator("allocation_ratio", mode="before")
     @classmethod
@@ -254,11 +271,32 @@ class ConsumerAllocations(BaseModel):
         default=None, ge=0, le=2**62, validation_alias=AliasChoices("consumer_generation", "generation")
     )
 
-    def __init__(self, /, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise InvalidInput(f"Invalid consumer allocations: {pydantic_message(exc)}") from None
+    if TYPE_CHECKING:
+        # What type checkers see (see Inventory); ``generation`` is an alias of
+        # ``consumer_generation``, and provider uuids may be ``uuid.UUID``.
+        def __init__(
+            self,
+            /,
+            *,
+            allocations: (
+                Mapping[str, Mapping[str, int]]
+                | Mapping[_uuid.UUID, Mapping[str, int]]
+                | Mapping[str | _uuid.UUID, Mapping[str, int]]
+            ),
+            project_id: str,
+            user_id: str,
+            consumer_type: str,
+            consumer_generation: int | None = None,
+            generation: int | None = None,
+        ) -> None: ...
+
+    else:
+
+        def __init__(self, /, **data: Any) -> None:
+            try:
+                super().__init__(**data)
+            except ValidationError as exc:
+                raise InvalidInput(f"Invalid consumer allocations: {pydantic_message(exc)}") from None
 
     @field_validator("project_id", "user_id")
     @classmethod

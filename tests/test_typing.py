@@ -106,3 +106,53 @@ def test_the_export_docstring_shows_its_example_as_written() -> None:
 
     doc = AllocationStore.export.__doc__ or ""
     assert 'f.write(line + "\\n")' in doc, doc
+
+
+#: the value types' constructors as the README writes them, and with the mistakes a checker must see
+CONSTRUCTORS = """
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+from evstore import ConsumerAllocations, Inventory
+
+ok = [
+    Inventory(total=16, allocation_ratio=4.0),
+    Inventory(total=16, reserved=1, min_unit=1, max_unit=8, step_size=1, allocation_ratio=Decimal("1.5")),
+]
+body = ConsumerAllocations(
+    allocations={uuid.uuid4(): {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE",
+    consumer_generation=None,
+)
+also = ConsumerAllocations(
+    allocations={"rp": {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=3
+)
+"""
+
+CONSTRUCTOR_MISTAKES = """
+from evstore import ConsumerAllocations, Inventory
+
+a = Inventory(totl=16)  # line 4
+b = Inventory(total="16")  # line 5
+c = ConsumerAllocations(  # line 6
+    alocations={}, project_id="p", user_id="u", consumer_type="INSTANCE"
+)
+d = ConsumerAllocations(allocations={"rp": {"VCPU": 1}}, project_id=1, user_id="u", consumer_type="X")  # 9
+"""
+
+
+def test_value_types_construct_as_documented(tmp_path: Path) -> None:
+    result = _mypy(tmp_path, CONSTRUCTORS)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mistakes_in_value_type_constructors_are_reported(tmp_path: Path) -> None:
+    """Regression (review 25, helper-h): ``Inventory`` and ``ConsumerAllocations`` declared
+    ``__init__(self, /, **data: Any)`` (to turn pydantic's errors into evstore's), which hid the
+    fields from type checkers: ``Inventory(totl=16)`` and ``Inventory(total="16")`` passed
+    ``mypy --strict`` and pyright, and failed only when run."""
+    result = _mypy(tmp_path, CONSTRUCTOR_MISTAKES)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for line in (4, 5, 6, 9):
+        assert f"service.py:{line}: error" in result.stdout, result.stdout
