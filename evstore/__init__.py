@@ -84,13 +84,15 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'evstore' has no attribute {name!r}")
-    import importlib
+if not TYPE_CHECKING:  # (to a type checker a module __getattr__ says that every name exists)
 
-    return getattr(importlib.import_module(module), name)
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'evstore' has no attribute {name!r}")
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:

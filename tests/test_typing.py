@@ -156,3 +156,30 @@ def test_mistakes_in_value_type_constructors_are_reported(tmp_path: Path) -> Non
     assert result.returncode == 1, result.stdout + result.stderr
     for line in (4, 5, 6, 9):
         assert f"service.py:{line}: error" in result.stdout, result.stdout
+
+
+MISSPELT_NAMES = """
+import evstore
+from evstore import ConsumerDeletd  # line 3
+
+
+def handle(exc: Exception) -> bool:
+    return isinstance(exc, evstore.CapacityExeeded)  # line 7
+"""
+
+
+def test_a_misspelt_name_from_evstore_is_reported(tmp_path: Path) -> None:
+    """Regression (review 25, helper-h): the module ``__getattr__`` that loads the store lazily
+    told type checkers that *every* name exists in ``evstore`` (as ``Any``): ``from evstore import
+    ConsumerDeletd`` or ``except evstore.CapacityExeeded:`` passed ``mypy --strict`` and pyright."""
+    result = _mypy(tmp_path, MISSPELT_NAMES)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "service.py:3: error" in result.stdout and "service.py:7: error" in result.stdout, result.stdout
+
+
+def test_every_exported_name_is_known_to_type_checkers(tmp_path: Path) -> None:
+    import evstore
+
+    names = ", ".join(evstore.__all__)
+    result = _mypy(tmp_path, f"from evstore import {names}\n\nprint({names})\n")
+    assert result.returncode == 0, result.stdout + result.stderr
