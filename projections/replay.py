@@ -162,7 +162,9 @@ class StateView:
         self._in_scope("provider", uuid)
         prov = self.state.providers.get(uuid)
         if prov is None:
-            raise ProviderNotFound(f"No resource provider with uuid {uuid} found at position {self.position}")
+            raise ProviderNotFound(
+                f"No resource provider with uuid {uuid} found at position {self.position}", provider=uuid
+            )
         return prov
 
     async def usage(self, provider: str | UUID) -> ProviderUsage:
@@ -187,7 +189,9 @@ class StateView:
         uuid = normalize_uuid(provider, "provider uuid")
         self._in_scope("provider", uuid)
         if uuid not in self.state.providers:
-            raise ProviderNotFound(f"No resource provider with uuid {uuid} found at position {self.position}")
+            raise ProviderNotFound(
+                f"No resource provider with uuid {uuid} found at position {self.position}", provider=uuid
+            )
         return provider_allocations(self.state, uuid)
 
     async def usages(

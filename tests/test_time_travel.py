@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evstore import AllocationStore, InvalidInput, open_store
+from evstore import AllocationStore, InvalidInput, ProviderNotFound, open_store
 from evstore.log.sqlite import SqliteBackend
 from projections import snapshots
 from projections.replay import replay
@@ -344,3 +344,18 @@ async def test_a_provider_slice_starts_from_its_latest_slice_snapshot(tmp_path: 
         assert await sliced.usage(rp) == await store.usage(rp)
         with pytest.raises(InvalidInput, match="positive"):
             await snapshots.fold_to(backend, head, every=0)  # type: ignore[arg-type]
+
+
+async def test_a_view_names_the_missing_provider_in_details_as_the_store_does(store: AllocationStore) -> None:
+    """Regression (review 25, helper-h): ``ProviderNotFound`` from a ``state_at`` view carried no
+    ``details`` at all, where the live store's (the same query, the same error) carries
+    ``{"provider": uuid}``: a handler reading ``exc.details["provider"]`` got a KeyError."""
+    await make_provider(store, VCPU=4)
+    missing = new_uuid()
+    view = await store.state_at(position=await store.head())
+    for query in ("usage", "inventories", "provider", "provider_allocations"):
+        with pytest.raises(ProviderNotFound) as live:
+            await getattr(store, query)(missing)
+        with pytest.raises(ProviderNotFound) as then:
+            await getattr(view, query)(missing)
+        assert then.value.details == live.value.details == {"provider": missing}, query
