@@ -786,7 +786,9 @@ def _rename_provider(state: State, command: RenameProvider) -> list[ev.EventBase
         return []
     if _name_taken(state, command.name, command.provider):
         raise err.DuplicateName(
-            f"Conflicting resource provider {command.name} already exists.", name=command.name
+            f"Conflicting resource provider {command.name} already exists.",
+            provider=command.provider,
+            name=command.name,
         )
     return [ev.ProviderUpdated(provider=prov.uuid, name=command.name)]
 

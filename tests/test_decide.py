@@ -818,3 +818,16 @@ def test_uuids_are_normalised_to_lowercase_dashed_text(given: object, expected: 
 def test_malformed_uuids_are_refused_even_near_the_canonical_form(given: object) -> None:
     with pytest.raises(err.InvalidInput, match="Malformed consumer uuid"):
         normalize_uuid(given, "consumer uuid")
+
+
+def test_a_duplicate_name_on_rename_names_the_provider_as_on_create() -> None:
+    """Regression (review 25, helper-h): ``DuplicateName`` from ``rename_provider`` carried only
+    ``{"name": ...}``, where the same error from ``create_provider`` carries ``provider`` too:
+    a handler logging ``exc.details["provider"]`` got a KeyError for the rename."""
+    state = given(*provider(RP1, "rp1"), *provider(RP2, "rp2"))
+    with pytest.raises(err.DuplicateName) as created:
+        when(state, CreateProvider(RP3, "rp1"))
+    with pytest.raises(err.DuplicateName) as renamed:
+        when(state, RenameProvider(RP2, "rp1"))
+    assert created.value.details == {"provider": RP3, "name": "rp1"}
+    assert renamed.value.details == {"provider": RP2, "name": "rp1"}
