@@ -418,6 +418,10 @@ class AllocationStore:
         """The URL the store was opened with."""
         return self._impl.url
 
+    def __repr__(self) -> str:
+        # (the URL as every message shows it: a password never reaches a debugger's or a log's text)
+        return f"AllocationStore({err.redact_url(self.url)!r}{', closed' if self._closing else ''})"
+
     @property
     def backend(self) -> Backend:
         """The storage backend (SQLite or PostgreSQL) under the store."""

@@ -145,6 +145,14 @@ class StateView:
         #: ``provider:<u>`` / ``consumer:<u>`` when only that entity's slice was folded
         self.scope = scope
 
+    def __repr__(self) -> str:
+        if self.scope is not None:
+            return f"StateView(position={self.position}, scope={self.scope!r})"
+        return (
+            f"StateView(position={self.position}, providers={len(self.state.providers)}, "
+            f"consumers={len(self.state.consumers)})"
+        )
+
     def _in_scope(self, kind: str, uuid: str) -> None:
         if self.scope is not None and self.scope != f"{kind}:{uuid}":
             raise InvalidInput(

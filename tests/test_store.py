@@ -1762,3 +1762,21 @@ def test_a_store_its_program_never_closed_does_not_keep_the_process_alive(tmp_pa
             assert (await store.audit()).clean
 
     asyncio.run(reopened())
+
+
+async def test_a_store_and_a_view_say_what_they_are_when_printed(tmp_path: Path) -> None:
+    """Regression (review 25, helper-h): ``repr(store)`` was ``<evstore.store.AllocationStore
+    object at 0x...>`` and ``repr(await store.state_at(...))`` ``<projections.replay.StateView
+    object at 0x...>``: in a debugger or a log line, nothing said which store, or which position
+    and slice a view was folded for (the other results print their fields)."""
+    url = f"sqlite:///{tmp_path / 'shown.db'}"
+    async with open_store(url) as store:
+        assert repr(store) == f"AllocationStore({url!r})"
+        rp = await make_provider(store, VCPU=4)
+        whole = await store.state_at(position=2)
+        assert repr(whole) == "StateView(position=2, providers=1, consumers=0)"
+        one = await store.state_at(position=1, provider=rp)
+        assert repr(one) == f"StateView(position=1, scope='provider:{rp}')"
+    assert repr(store) == f"AllocationStore({url!r}, closed)"
+    hidden = evstore.AllocationStore(make_backend("postgresql://evstore:s3cret@db.example:5432/evstore"))
+    assert repr(hidden) == "AllocationStore('postgresql://evstore:***@db.example:5432/evstore')"
