@@ -772,6 +772,15 @@ class RecordedEvent:
     def entities(self) -> set[str]:
         return self.event.entities()
 
+    def __hash__(self) -> int:
+        # (the generated hash reached the payload's dicts and raised TypeError for most events;
+        # equal recorded events have the same position and id)
+        return hash((self.position, self.event_id))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event and its envelope as plain JSON-ready values (as ``to_json``)."""
+        return self.to_json()
+
     def to_json(self) -> dict[str, Any]:
         return {
             "position": self.position,

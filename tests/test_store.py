@@ -1780,3 +1780,26 @@ async def test_a_store_and_a_view_say_what_they_are_when_printed(tmp_path: Path)
     assert repr(store) == f"AllocationStore({url!r}, closed)"
     hidden = evstore.AllocationStore(make_backend("postgresql://evstore:s3cret@db.example:5432/evstore"))
     assert repr(hidden) == "AllocationStore('postgresql://evstore:***@db.example:5432/evstore')"
+
+
+async def test_recorded_events_hash_and_results_have_to_dict(store: AllocationStore) -> None:
+    """Regression (review 25, helper-h): ``RecordedEvent`` is a frozen dataclass, so it looked
+    hashable, but ``hash()`` of one raised ``TypeError: unhashable type: 'dict'`` for every event
+    carrying allocations or inventories (a set of delivered events, to drop a subscriber's
+    duplicates, failed on them and worked on a ProviderCreated); and of the results the README
+    describes, a receipt and a recorded event had no ``to_dict()`` (``RecordedEvent.to_json()``
+    answers a dict, ``Receipt.to_json()`` a string)."""
+    rp = await make_provider(store, VCPU=4)
+    receipt = await store.set_allocations(
+        new_uuid(), {rp: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+    )
+    first, again = await store.read(), await store.read()
+    assert len({*first, *again}) == len(first) == 3
+    assert [hash(e) for e in first] == [hash(e) for e in again]
+    assert json.loads(json.dumps(first[-1].to_dict())) == first[-1].to_json()
+    assert json.loads(json.dumps(receipt.to_dict())) == {
+        "positions": [3],
+        "consumer_generations": receipt.consumer_generations,
+        "provider_generations": {rp: 2},
+        "replayed": False,
+    }

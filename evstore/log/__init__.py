@@ -78,6 +78,15 @@ class Receipt:
         """The last position appended (``None`` when the command appended nothing)."""
         return self.positions[-1] if self.positions else None
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as plain JSON-ready values."""
+        return {
+            "positions": list(self.positions),
+            "consumer_generations": dict(self.consumer_generations),
+            "provider_generations": dict(self.provider_generations),
+            "replayed": self.replayed,
+        }
+
     def to_json(self) -> str:
         return json.dumps(
             {
