@@ -721,6 +721,15 @@ class Metadata(BaseModel):
     command: str | None = None
     command_id: str | None = None
 
+    @property
+    def idempotency_key(self) -> str | None:
+        """The command's idempotency key (evstore writes it; ``None`` for a command sent without).
+
+        A property over the extra keys, not a field: what readers accept and what ``model_dump``
+        shows of stored metadata stay as they were."""
+        value = (self.__pydantic_extra__ or {}).get("idempotency_key")
+        return None if value is None else str(value)
+
 
 #: what every reader checks a stored metadata text against, as a dict
 METADATA_VALIDATOR = _payload_validator(Metadata, extra="allow")

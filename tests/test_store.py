@@ -1803,3 +1803,19 @@ async def test_recorded_events_hash_and_results_have_to_dict(store: AllocationSt
         "provider_generations": {rp: 2},
         "replayed": False,
     }
+
+
+async def test_every_metadata_key_evstore_writes_reads_as_an_attribute(store: AllocationStore) -> None:
+    """Regression (review 25, helper-h): evstore writes ``command``, ``command_id`` and
+    ``idempotency_key`` into every event's metadata (README), but only the first two were
+    fields of ``Metadata``: ``event.metadata.idempotency_key`` raised AttributeError on an event
+    written without a key (and was a type error for mypy and pyright on every event)."""
+    await store.create_provider(new_uuid(), "keyed", idempotency_key="k-1")
+    await store.create_provider(new_uuid(), "plain", metadata={"tenant": "t"})
+    keyed, plain = await store.read()
+    assert keyed.metadata.idempotency_key == "k-1"
+    assert plain.metadata.idempotency_key is None
+    assert plain.metadata.command == "CreateProvider" and plain.metadata.model_extra == {"tenant": "t"}
+    # (what is stored and shown is unchanged: the key only where there is one)
+    assert keyed.to_json()["metadata"]["idempotency_key"] == "k-1"
+    assert "idempotency_key" not in plain.to_json()["metadata"]

@@ -183,3 +183,14 @@ def test_every_exported_name_is_known_to_type_checkers(tmp_path: Path) -> None:
     names = ", ".join(evstore.__all__)
     result = _mypy(tmp_path, f"from evstore import {names}\n\nprint({names})\n")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_metadata_evstore_writes_is_typed(tmp_path: Path) -> None:
+    """(review 25, helper-h: ``.idempotency_key`` was no attribute of ``Metadata`` for mypy)"""
+    source = (
+        "from evstore import RecordedEvent\n\n\n"
+        "def keys(e: RecordedEvent) -> tuple[str | None, str | None, str | None]:\n"
+        "    return e.metadata.request_id, e.metadata.command_id, e.metadata.idempotency_key\n"
+    )
+    result = _mypy(tmp_path, source)
+    assert result.returncode == 0, result.stdout + result.stderr
