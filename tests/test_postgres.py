@@ -740,6 +740,42 @@ async def test_events_of_a_writer_that_died_after_commit_are_still_delivered(pg_
         assert (await reader.audit()).clean
 
 
+async def test_a_read_only_session_reads_and_audits_while_events_wait_for_positions(pg_url: str) -> None:
+    """Regression (rev25_g): a session that cannot write (``default_transaction_read_only`` on its
+    role or database, a hot standby, a role with SELECT only) tried to position every committed
+    event it found unpositioned - which, with writers running, is most of the time (between each
+    commit and its sequencing) - and its head(), read(), subscribe and audit failed with "cannot
+    execute UPDATE in a read-only transaction". It reads the positioned prefix; the audit waits
+    for the writers to position what they committed, and says what to do if none does."""
+    read_only = f"{pg_url}&default_transaction_read_only=on"
+    async with open_store(pg_url) as writer, open_store(read_only, create=False) as reader:
+        rp = await make_provider(writer, VCPU=4)
+        pg(writer)._after_commit = _die_after_commit
+        with pytest.raises(StorageError):
+            await allocate(writer, new_uuid(), {rp: {"VCPU": 1}})
+        # committed, not positioned: the reader cannot position it, and does not fail trying
+        assert await reader.head() == 2
+        assert [e.position for e in await reader.read(0, 10)] == [1, 2]
+        assert [e.position async for e in reader.history(rp)] == [1, 2]
+        audit = asyncio.ensure_future(reader.audit())
+        await asyncio.sleep(0.3)
+        assert not audit.done(), "the audit waits for the event to be positioned"
+        assert await writer.head() == 3  # a session that can write positions it as it reads
+        assert (await audit).clean
+        assert [e.position for e in await reader.read(0, 10)] == [1, 2, 3]
+
+        # nobody positions it: the audit gives up and says why
+        with pytest.raises(StorageError):
+            await allocate(writer, new_uuid(), {rp: {"VCPU": 1}})
+        pg(reader).POSITIONS_WAIT = 0.3
+        with pytest.raises(StorageError, match="cannot assign them") as raised:
+            await reader.audit()
+        assert "read-only" in raised.value.message
+        pg(writer)._after_commit = None
+        assert await writer.head() == 4
+        assert (await reader.audit()).clean
+
+
 async def test_history_shows_the_events_of_a_writer_that_died_after_commit(pg_url: str) -> None:
     """Regression (helper-27): history() read positioned rows only and never caught up, so an
     event that queries already showed (committed, its writer dead before the sequencing) was

@@ -667,6 +667,16 @@ class _Relock(Exception):
         self.keys = keys
 
 
+class _CannotPosition(Exception):
+    """This session cannot run the sequencer (read-only, or no UPDATE on ``events``), and
+    ``pending`` committed events wait for positions."""
+
+    def __init__(self, pending: int, cause: str) -> None:
+        super().__init__()
+        self.pending = pending
+        self.cause = cause
+
+
 class _StaleConnection(Exception):
     """A pooled connection was dead before the command sent anything."""
 
@@ -686,6 +696,10 @@ def _unpositioned_tombstones(consumers: Iterable[ConsumerState]) -> list[int]:
     ``p_consumers_resolved``: a position written before the sequencer ran is ``-seq``)."""
     return sorted({-c.deleted_at for c in consumers if c.deleted_at is not None and c.deleted_at < 0})
 
+
+#: what the sequencer raises in a session that cannot write: read-only (the role's or the
+#: database's default_transaction_read_only, a hot standby), or a role without UPDATE on events
+CANNOT_WRITE = (asyncpg.exceptions.ReadOnlySQLTransactionError, asyncpg.exceptions.InsufficientPrivilegeError)
 
 #: what a database call can raise: errors of the server, of the connection, of asyncpg's state
 DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
@@ -1401,7 +1415,13 @@ class PostgresBackend:
         """
         if not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"):
             return 0
-        return (await _sequence(conn, self._key("!sequencer"), False, []))[0]
+        try:
+            return (await _sequence(conn, self._key("!sequencer"), False, []))[0]
+        except CANNOT_WRITE:
+            # A session that cannot write (a read-only role or database, a hot standby, SELECT
+            # only) reads the positioned prefix, gap-free as always: the writers position what
+            # they commit (with writers running, there is nearly always such an event)
+            return 0
 
     async def _guard(self, awaitable: Awaitable[Any], doing: str) -> Any:
         try:
@@ -1510,21 +1530,44 @@ class PostgresBackend:
             )
         return int(value or 0)
 
+    #: how long a session that cannot write waits for other sessions to position the events
+    #: committed before it took the fence (see :meth:`load_state`)
+    POSITIONS_WAIT = 10.0
+
     async def load_state(self) -> State:
-        """The whole persisted projection, exactly as of the head it reports (writers wait meanwhile)."""
+        """The whole persisted projection, exactly as of the head it reports (writers wait meanwhile).
+
+        A session that cannot run the sequencer (read-only, SELECT only) cannot position the
+        events committed before it took the fence, which the projection already reflects: it
+        lets go of the fence and tries again until their writers (or any session that can write)
+        have positioned them, for up to ``POSITIONS_WAIT`` seconds."""
+        deadline = asyncio.get_running_loop().time() + self.POSITIONS_WAIT
         async with self._connection() as conn:
-            try:
-                async with conn.transaction():
-                    await self._fenced(conn)
-                    return await _load_all(conn)
-            except DB_ERRORS as exc:
-                raise _storage_error(exc, "loading the projection", None) from None
+            while True:
+                try:
+                    async with conn.transaction():
+                        await self._fenced(conn, can_wait=True)
+                        return await _load_all(conn)
+                except _CannotPosition as exc:
+                    if asyncio.get_running_loop().time() >= deadline:
+                        raise err.StorageError(
+                            f"{exc.pending} committed events have no positions yet, and this session "
+                            f"cannot assign them ({exc.cause}: a read-only role or database, a hot "
+                            "standby, or no UPDATE on the events table): a session that can write "
+                            "assigns them as it commits or reads (any evstore command or read with "
+                            "such a role), then run this again",
+                            unpositioned=exc.pending,
+                        ) from None
+                except DB_ERRORS as exc:
+                    raise _storage_error(exc, "loading the projection", None) from None
+                await asyncio.sleep(0.05)
 
     #: how long one attempt to take the fence waits (see :meth:`_fenced`)
     FENCE_ATTEMPT_MS = 200
 
-    async def _fenced(self, conn: Any) -> None:
+    async def _fenced(self, conn: Any, can_wait: bool = False) -> None:
         """Inside a transaction: hold writers back, and position every committed event.
+        ``can_wait``: a session that cannot position them raises :class:`_CannotPosition`.
 
         The fence is an exclusive advisory lock that every command takes shared. PostgreSQL grants
         lock requests in order, so while the fence is waited for, new commands queue behind the
@@ -1545,7 +1588,15 @@ class PostgresBackend:
             except asyncpg.LockNotAvailableError:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.5)
-        await _sequence(conn, self._key("!sequencer"), True, [])
+        if not can_wait:
+            await _sequence(conn, self._key("!sequencer"), True, [])
+            return
+        try:
+            async with conn.transaction():  # (a savepoint: the fence stays held)
+                await _sequence(conn, self._key("!sequencer"), True, [])
+        except CANNOT_WRITE as exc:
+            pending = int(await conn.fetchval("SELECT count(*) FROM events WHERE position IS NULL"))
+            raise _CannotPosition(pending, str(exc).splitlines()[0]) from None
 
     async def query(self, name: str, *args: Any) -> Any:
         fn = QUERIES[name]
