@@ -1086,6 +1086,21 @@ async def test_a_tombstone_not_positioned_yet_is_reported_at_its_position(pg_url
         assert (await reader.audit()).clean
 
 
+async def test_a_read_only_session_waits_for_a_tombstones_position(pg_url: str) -> None:
+    """Regression (rev25_g): a session that cannot write, finding a tombstone committed but not
+    positioned yet, ran the sequencer itself, and ``allocations(c)`` of a consumer deleted a
+    moment before failed with "cannot execute UPDATE in a read-only transaction". It waits for
+    the writer to position it."""
+    read_only = f"{pg_url}&default_transaction_read_only=on"
+    async with open_store(pg_url) as writer, open_store(read_only, create=False) as reader:
+        async with _deleted_not_positioned_yet(writer) as (_, c):
+            viewing = asyncio.ensure_future(reader.allocations(c))
+            await asyncio.sleep(0.3)
+            assert not viewing.done(), "it waits for the tombstone's position"
+        view = await viewing
+        assert view.deleted and view.deleted_at == 4
+
+
 async def test_a_tombstone_not_positioned_yet_is_positioned_even_with_one_attempt(pg_url: str) -> None:
     """Found by review (helper-49): a command whose slice holds a tombstone not positioned yet
     rolls back, positions it and decides again - but that round counted as a failed attempt, so

@@ -1388,6 +1388,11 @@ class PostgresBackend:
                     async with conn.transaction():
                         await conn.execute("SET LOCAL statement_timeout = 0")
                         return await _sequence(conn, self._key("!sequencer"), wait, want)
+            except CANNOT_WRITE as exc:
+                if not want:
+                    raise _storage_error(exc, "assigning positions", None) from None
+                # (a session that cannot write: the writers of these committed events position them)
+                return 0, await self._positioned_by_others(want, str(exc).splitlines()[0])
             except DB_ERRORS as exc:
                 if isinstance(exc, asyncpg.QueryCanceledError) and not unbounded:
                     # A statement_timeout (the URL's, the role's, the database's) cancelled the
@@ -1406,6 +1411,27 @@ class PostgresBackend:
                 last = exc  # sequencing is idempotent: try again on a fresh connection
         assert last is not None
         raise _storage_error(last, "assigning positions", None, self._timeout_named("command_timeout"))
+
+    async def _positioned_by_others(self, want: list[int], cause: str) -> list[int | None]:
+        """The positions of committed events this session cannot position itself (see
+        CANNOT_WRITE), once other sessions have: for up to ``POSITIONS_WAIT`` seconds."""
+        deadline = asyncio.get_running_loop().time() + self.POSITIONS_WAIT
+        while True:
+            async with self._connection() as conn:
+                found = await self._guard(
+                    conn.fetchval("SELECT evstore_positions($1)", want), "reading positions"
+                )
+            if None not in found or asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        if None in found:
+            raise err.StorageError(
+                f"Committed events have no positions yet, and this session cannot assign them ({cause}: a "
+                "read-only role or database, a hot standby, or no UPDATE on the events table): a session "
+                "that can write assigns them as it commits or reads, then run this again",
+                seqs=[s for s, p in zip(want, found, strict=True) if p is None],
+            )
+        return list(found)
 
     async def _catch_up(self, conn: Any) -> int:
         """Position events left by a writer that died between its commit and the sequencing.
