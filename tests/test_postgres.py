@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -1626,3 +1627,32 @@ async def test_reads_on_pooled_connections_the_server_closed_are_tried_again(pg_
                 assert pool.submit(asyncio.run, terminate()).result() >= 1
             time.sleep(0.3)  # (the backends exit; the loop still does not run)
             assert await read() == expected
+
+
+async def test_a_pool_larger_than_the_server_allows_waits_for_its_own_connections(pg_url: str) -> None:
+    """Regression (rev25_g): with ``pool_size`` above what the server lets the role have
+    (``max_connections``, the role's ``CONNECTION LIMIT``), every command or read that needed one
+    more connection failed at once with "too many connections" - 32 of 40 concurrent commands,
+    5 of them committed but reported as failed (their sequencing needed a connection). They
+    wait for one of the pool's connections instead, as for a full pool."""
+    parts = urlsplit(pg_url)
+    schema = dict(parse_qsl(parts.query))["search_path"]
+    role = f"evt_limited_{os.getpid()}"
+    admin = await asyncpg.connect(pg_url)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN NOSUPERUSER CONNECTION LIMIT 2")
+        await admin.execute(f'GRANT USAGE, CREATE ON SCHEMA "{schema}" TO {role}')
+        limited = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rsplit('@', 1)[-1]}"))
+        async with open_store(limited, pool_size=6) as store:
+            providers = [await make_provider(store, VCPU=100) for _ in range(6)]
+            receipts = await asyncio.gather(
+                *(allocate(store, new_uuid(), {providers[i % 6]: {"VCPU": 1}}) for i in range(24)),
+                *(store.head() for _ in range(6)),
+            )
+            assert len(receipts) == 30
+            assert await store.head() == 12 + 24
+            assert (await store.audit()).clean
+    finally:
+        await admin.execute(f"DROP OWNED BY {role} CASCADE")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()

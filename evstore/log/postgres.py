@@ -945,7 +945,7 @@ class PostgresBackend:
         if pool is None:
             raise err.StoreClosed("The store is closed")
         try:
-            conn = await pool.acquire()
+            conn = await self._acquire(pool)
         except asyncpg.exceptions.InterfaceError as exc:
             if self._pool is None or "clos" in str(exc):
                 raise err.StoreClosed("The store is closed") from None
@@ -955,6 +955,13 @@ class PostgresBackend:
             failed = _storage_error(
                 exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
             )
+            if isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
+                failed = err.StorageError(
+                    f"{failed.message} (waited {self._timeout_named('connect_timeout')} for one of the "
+                    f"pool's; pool_size is {self.pool_size}: lower it, or raise the server's "
+                    "max_connections or the role's CONNECTION LIMIT)",
+                    **failed.details,
+                )
             if command:
                 failed = err.StorageError(
                     f"{failed.message}; the command was not run", **failed.details, outcome_unknown=False
@@ -974,6 +981,24 @@ class PostgresBackend:
         finally:
             with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
                 await pool.release(conn)
+
+    async def _acquire(self, pool: Any) -> Any:
+        """``pool.acquire()``; when the server refuses the pool another connection (too many
+        for ``max_connections`` or the role's ``CONNECTION LIMIT``: ``pool_size`` is more than
+        it allows), the next connection the pool's holders release, for up to
+        ``connect_timeout`` - as when all ``pool_size`` connections are busy - rather than
+        failing the command or read that happened to need one more."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        pause = 0.005
+        while True:
+            try:
+                return await pool.acquire()
+            except asyncpg.exceptions.TooManyConnectionsError:
+                if loop.time() + pause > deadline or self._pool is None:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     async def _migrate(self) -> None:
         async with self._connection() as conn:
