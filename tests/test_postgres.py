@@ -1656,3 +1656,29 @@ async def test_a_pool_larger_than_the_server_allows_waits_for_its_own_connection
         await admin.execute(f"DROP OWNED BY {role} CASCADE")
         await admin.execute(f"DROP ROLE IF EXISTS {role}")
         await admin.close()
+
+
+async def test_a_store_found_further_along_the_search_path_shares_its_locks(pg_url: str) -> None:
+    """Regression (rev25_g): lock keys were made from current_schema(), the first schema of the
+    search_path that exists, though the tables were found further along it (a role's
+    ``search_path = "$user", public`` once a schema named after the role exists, empty). Two
+    processes using one store through different search_paths then took different locks - the
+    fence, the sequencer's, every entity's - and rebuild copied into the empty schema and failed."""
+    parts = urlsplit(pg_url)
+    query = dict(parse_qsl(parts.query))
+    store_schema, empty = query["search_path"], f"{query['search_path']}_first"
+    admin = await asyncpg.connect(pg_url)
+    try:
+        await admin.execute(f'CREATE SCHEMA "{empty}"')
+        along = with_search_path(pg_url, f'"{empty}", "{store_schema}"')
+        async with open_store(pg_url) as direct:
+            rp = await make_provider(direct, VCPU=4)
+            async with open_store(along, create=False) as further:
+                assert pg(further)._key("!fence") == pg(direct)._key("!fence")
+                await allocate(further, new_uuid(), {rp: {"VCPU": 1}})
+                assert await further.rebuild() == 3
+                assert (await direct.usage(rp)) == {"VCPU": 1}
+                assert (await further.audit()).clean
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{empty}" CASCADE')
+        await admin.close()

@@ -655,6 +655,21 @@ async def _reset_connection(conn: Any) -> None:
         await conn.execute("ROLLBACK")
 
 
+#: the schema of the table (or view) an unqualified name $1 resolves to through the search_path
+SCHEMA_OF = (
+    "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.oid = to_regclass($1)"
+)
+
+#: the schema of the store: the first of the search_path holding its evstore_meta, else the first
+#: that exists. (A scan of pg_class, not to_regclass: that would cache the name's absence in this
+#: session, and the open's check after waiting for another open's migration would believe it.)
+STORE_SCHEMA = (
+    "SELECT coalesce((SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.relname = 'evstore_meta' AND n.nspname = ANY(current_schemas(false)) "
+    "ORDER BY array_position(current_schemas(false), n.nspname) LIMIT 1), current_schema())"
+)
+
 #: take every advisory lock of $1 that is free, without waiting; true if all of them were
 TRY_LOCK = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest($1::bigint[]) AS k"
 
@@ -1003,7 +1018,11 @@ class PostgresBackend:
     async def _migrate(self) -> None:
         async with self._connection() as conn:
             try:
-                schema = await conn.fetchval("SELECT current_schema()")
+                # The schema that holds the store: the first of the search_path to hold one (the
+                # one every unqualified name resolves to), else where it is to be created. Lock
+                # keys are made from it: processes sharing the tables share the locks, whatever
+                # the search_path each names them by.
+                schema = await conn.fetchval(STORE_SCHEMA)
                 if schema is None and not self.create:  # (nothing to open: no store there)
                     raise err.NotFound(
                         f"No evstore store at {self.safe_url}: no schema of its search_path exists "
@@ -1853,7 +1872,8 @@ class PostgresBackend:
                 size = await conn.fetchval(
                     "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
                     "JOIN pg_namespace n ON n.oid = c.relnamespace "
-                    "WHERE n.nspname = current_schema() AND c.relkind = 'r'"
+                    f"WHERE n.nspname = ({SCHEMA_OF}) AND c.relkind = 'r'",
+                    "events",
                 )
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "reading statistics", None) from None
@@ -2180,7 +2200,8 @@ class _StagedHistory:
 
 async def _copy(conn: Any, table: str, rows: list[tuple[Any, ...]]) -> None:
     if rows:
-        schema = await conn.fetchval("SELECT current_schema()")
+        # (the table the unqualified statements name: the search_path's first schema may be another)
+        schema = await conn.fetchval(SCHEMA_OF, table)
         await conn.copy_records_to_table(table, records=rows, schema_name=schema)
 
 
