@@ -34,7 +34,7 @@ import asyncio
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -880,6 +880,18 @@ def test_revert_of_an_absent_instance_of_another_type(placement_peer: PlacementP
     )
 
 
+def _run_side_by_side(scenario: Callable[[AllocationStore, Path], Awaitable[None]]) -> None:
+    """Run ``scenario(store, tmp)`` on a fresh evstore SQLite store, beside a Placement database in
+    the same temporary directory (the scenario resets the peer onto it)."""
+
+    async def main(tmp: Path) -> None:
+        async with open_store(f"sqlite:///{tmp}/evstore.db") as store:
+            await scenario(store, tmp)
+
+    with tempfile.TemporaryDirectory(prefix="evstore-diff-") as tmp, structlog.testing.capture_logs():
+        asyncio.run(main(Path(tmp)))
+
+
 def test_allocation_refusals_begin_with_placements_detail(placement_peer: PlacementPeer) -> None:
     """Regression (rev24, helper-55): the capacity and missing-inventory refusals began "Unable to
     create allocation ..." and "Inventory for ...", where Placement's 409 detail (the text a caller
@@ -928,12 +940,7 @@ def test_allocation_refusals_begin_with_placements_detail(placement_peer: Placem
             assert evstore_kind(caught.value) == placement_kind(status, answer)
             assert caught.value.message.startswith(detail), (caught.value.message, detail)
 
-    async def main(tmp: Path) -> None:
-        async with open_store(f"sqlite:///{tmp}/evstore.db") as store:
-            await scenario(store, tmp)
-
-    with tempfile.TemporaryDirectory(prefix="evstore-diff-") as tmp, structlog.testing.capture_logs():
-        asyncio.run(main(Path(tmp)))
+    _run_side_by_side(scenario)
 
 
 def test_inventory_and_provider_refusals_carry_placements_detail(placement_peer: PlacementPeer) -> None:
@@ -989,12 +996,7 @@ def test_inventory_and_provider_refusals_carry_placements_detail(placement_peer:
             assert evstore_kind(caught.value) == placement_kind(status, answer), (path, caught.value)
             assert caught.value.message.startswith(detail), (caught.value.message, detail)
 
-    async def main(tmp: Path) -> None:
-        async with open_store(f"sqlite:///{tmp}/evstore.db") as store:
-            await scenario(store, tmp)
-
-    with tempfile.TemporaryDirectory(prefix="evstore-diff-") as tmp, structlog.testing.capture_logs():
-        asyncio.run(main(Path(tmp)))
+    _run_side_by_side(scenario)
 
 
 # --- regression tests for evstore bugs found by the differential test --------------------------------
