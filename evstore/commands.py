@@ -585,10 +585,16 @@ def _migration_and_instance(
         # The instance was taken as the migration consumer of another instance since (its uuid
         # given to start_migration, or a move written into it): giving it allocations would
         # replace what it holds for that instance, or, that instance deleted, leak them.
+        # (whether that instance is deleted is not known here: a command loads one link of the
+        # chain. Deleted, its migration can be neither reverted nor confirmed - both refused as
+        # ConsumerDeleted - and only a confirm of this migration releases what it holds.)
+        then = (
+            f"revert or confirm migration {inst.uuid} first; if instance {inst.on_behalf_of} was "
+            f"deleted, neither can run any more: confirm migration {migration} to release what it holds"
+        )
         raise err.InvalidInput(
             f"Instance {inst.uuid} of migration {migration} is itself the migration consumer of "
-            f"instance {inst.on_behalf_of}; it cannot take allocations back while it is one "
-            f"(revert or confirm migration {inst.uuid} first)",
+            f"instance {inst.on_behalf_of}; it cannot take allocations back while it is one ({then})",
             consumer=inst.uuid,
             migration=migration,
             on_behalf_of=inst.on_behalf_of,

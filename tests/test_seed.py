@@ -236,10 +236,17 @@ async def test_a_revert_into_the_released_migration_of_a_deleted_instance_does_n
     await store.start_migration(instance_a, instance_b)
     await store.delete_consumer(instance_a)
     head = await store.head()
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput) as caught:
         await store.revert_migration(migration)
+    # (not only "revert or confirm migration B first": neither can run once A is deleted)
+    assert f"confirm migration {migration} to release what it holds" in caught.value.message
+    for undo in (store.revert_migration, store.confirm_migration):
+        with pytest.raises(ConsumerDeleted):
+            await undo(instance_b)
     assert await store.head() == head
     assert (await store.allocations(instance_b)).allocations == {}
+    await store.confirm_migration(migration)  # (what the message says releases M's)
+    assert (await store.allocations(migration)).allocations == {}
     report = await store.audit()
     assert report.clean, report.findings
 
