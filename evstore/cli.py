@@ -110,6 +110,8 @@ def configure_logging(verbosity: int) -> None:
         root.removeHandler(handler)
     root.addHandler(_LibraryLog(tracebacks=verbosity >= 2))
     root.setLevel(level)
+    # (aiosqlite logs two debug lines per database call: at -vv they buried evstore's own lines)
+    logging.getLogger("aiosqlite").setLevel(max(level, logging.INFO))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -1090,7 +1092,8 @@ async def _file_gone(store: Any, first: os.stat_result, gone: list[str], every: 
         if now is None or (now.st_dev, now.st_ino) != (first.st_dev, first.st_ino):
             what = "removed" if now is None else "replaced by another file"
             gone.append(f"The database {path} was {what} while tail followed it: run tail again")
-            await store.close()
+            with contextlib.suppress(Exception):  # (its error would go unheard in this task)
+                await store.close()
             return
 
 

@@ -254,3 +254,13 @@ def test_a_following_tail_ends_when_its_postgresql_schema_is_dropped(pg_url: str
     assert proc.returncode == 1, err
     assert "error: evstore.not_found: The store's tables are gone" in err, err
     assert err.count("trying again") <= 1, err
+
+
+def test_debug_verbosity_does_not_print_aiosqlites_per_call_lines(tmp_path: Path) -> None:
+    """Regression (helper-70): once -vv set the root logger to DEBUG, aiosqlite's two debug lines
+    per database call ("executing <function ...>", "operation ... completed") went to stderr:
+    30 lines for one `evstore -vv stats`, ~10 a second for an idle `tail --follow -vv`."""
+    db = demo_db(tmp_path / "c.db", instances=4, nodes=2)
+    done = evstore("-vv", "stats", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert "aiosqlite" not in done.stderr, done.stderr
