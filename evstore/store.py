@@ -1038,22 +1038,9 @@ class AllocationStore:
         """Recorded events after ``after``, in order (at most ``limit``).
 
         A hole in the positions (rows deleted from the log by hand) is a ``CorruptEvent``
-        naming the first missing position, as a damaged row is: never skipped in silence. An
-        ``after`` beyond the head is refused (``InvalidInput``), as ``subscribe`` refuses it: a
-        poller holding a checkpoint from another store would otherwise wait for ever."""
+        naming the first missing position, as a damaged row is: never skipped in silence."""
         after = _position(after, "after")
-        batch = _contiguous(after, await self._backend.read(after, _count(limit, "limit")))
-        if not batch and after:
-            await self._refuse_beyond_head(after)
-        return batch
-
-    async def _refuse_beyond_head(self, after: int) -> None:
-        if after > (head := await self._backend.head()):
-            raise err.InvalidInput(
-                f"position {after} is beyond the head of the log ({head}): not a position of this "
-                "store (a checkpoint from another store, or from before a restore?)",
-                field="after",
-            )
+        return _contiguous(after, await self._backend.read(after, _count(limit, "limit")))
 
     def history(
         self, uuid: str | _uuid.UUID, *, batch_size: int = 1000
@@ -1102,8 +1089,12 @@ class AllocationStore:
     async def _subscribe(self, after: int, batch_size: int) -> AsyncGenerator[RecordedEvent, None]:
         if self._closing:  # (closed before the first iteration: not "while it followed")
             raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
-        if after:
-            await self._refuse_beyond_head(after)
+        if after and after > (head := await self._backend.head()):
+            raise err.InvalidInput(
+                f"position {after} is beyond the head of the log ({head}): not a position of this "
+                "store (a checkpoint from another store, or from before a restore?)",
+                field="after",
+            )
         while True:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
