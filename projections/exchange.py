@@ -10,6 +10,7 @@ bit for bit. :class:`ChainCheck` refuses anything that is not a complete, unbrok
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,6 +23,7 @@ from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
 EXPORT_VERSION = 1
+_HEX64 = re.compile("[0-9a-f]{64}")
 ROW_FIELDS = ("position", "event_id", "type", "schema_version", "data", "metadata", "recorded_at", "hash")
 
 
@@ -79,10 +81,21 @@ def parse_header(text: str) -> ExportHeader:
             1,
             reason="header",
         )
-    try:
-        return ExportHeader(int(raw["events"]), int(raw["head"]), str(raw["head_hash"]))
-    except (KeyError, TypeError, ValueError, OverflowError):
-        raise _corrupt("malformed export header", 1, reason="header") from None
+    events, head, head_hash = raw.get("events"), raw.get("head"), raw.get("head_hash")
+    # (as evstore writes them: counts are JSON integers, the hash a string; "7", 7.9 or true
+    # are a header something else wrote, not coerced into one)
+    if not (
+        all(type(v) is int and v >= 0 for v in (events, head))
+        and isinstance(head_hash, str)
+        and _HEX64.fullmatch(head_hash)
+    ):
+        raise _corrupt(
+            "malformed export header (events and head must be integers, head_hash a 64-digit hex hash)",
+            1,
+            reason="header",
+        )
+    assert isinstance(events, int) and isinstance(head, int)  # (for mypy)
+    return ExportHeader(events, head, head_hash)
 
 
 def parse_row(text: str, line: int) -> ExportRow:
@@ -274,6 +287,13 @@ def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterat
             "validated): nothing was imported",
             line_no,
             reason="changed",
+        )
+    if count == header.events and check.expected - 1 == header.head and check.prev_hash != header.head_hash:
+        raise _corrupt(
+            f"the file's {count} events end with hash {check.prev_hash}, but its header's head_hash is "
+            f"{header.head_hash}: the header or the last row was altered",
+            line_no,
+            reason="truncated",
         )
     if count != header.events or check.expected - 1 != header.head or check.prev_hash != header.head_hash:
         raise _corrupt(

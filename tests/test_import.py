@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from evstore import AllocationStore, ConsumerDeleted, CorruptEvent, DuplicateName, StorageError, open_store
+from evstore import (
+    AllocationStore,
+    ConsumerDeleted,
+    CorruptEvent,
+    DuplicateName,
+    StorageError,
+    open_store,
+)
 from evstore.log import GENESIS_HASH
 from projections.exchange import parse_row, row_line
 from tests.conftest import allocate, make_provider, new_uuid
@@ -230,3 +237,34 @@ async def test_an_import_killed_midway_leaves_the_store_empty(tmp_path: Path) ->
             assert (await store.usage(rp))["VCPU"] == 2999
             assert (await store.audit()).clean
     assert outcomes  # (which ones happen depends on the machine's speed; each is checked above)
+
+
+async def test_a_header_whose_final_hash_alone_is_wrong_is_refused_saying_so(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression: a header whose counts match the rows but whose ``head_hash`` does not was
+    refused as "the file ends after N events at position N, but its header promises N events up
+    to position N" - counts that agree, and nothing about the hash that does not."""
+    lines, _, _ = await _source(tmp_path, consumers=5)
+    header = json.loads(lines[0])
+    header["head_hash"] = "0" * 64
+    with pytest.raises(CorruptEvent, match="head_hash") as info:
+        await store.import_events(lambda: [json.dumps(header), *lines[1:]])
+    assert "promises" not in info.value.message
+    assert info.value.details["reason"] == "truncated"
+    assert await store.head() == 0
+
+
+@pytest.mark.parametrize("field,value", [("events", "7"), ("events", 7.9), ("head", True), ("head_hash", 5)])
+async def test_a_header_with_a_field_of_the_wrong_type_is_refused(
+    store: AllocationStore, tmp_path: Path, field: str, value: object
+) -> None:
+    """Regression: the header's fields were coerced (``int("7")``, ``int(7.9)``, ``int(True)``,
+    ``str(5)``), so a header no evstore writes was taken, or refused later as a count mismatch."""
+    lines, _, _ = await _source(tmp_path, consumers=5)
+    header = json.loads(lines[0])
+    header[field] = value
+    with pytest.raises(CorruptEvent, match="malformed export header") as info:
+        await store.import_events(lambda: [json.dumps(header), *lines[1:]])
+    assert info.value.details["reason"] == "header"
+    assert await store.head() == 0
