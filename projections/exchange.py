@@ -280,6 +280,12 @@ def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterat
         count += 1
         yield row
     if header is None:
+        if check.ends_at is not None:  # (a second pass: the first one read a whole export)
+            raise InvalidInput(
+                "open_lines() gave no lines the second time it was called: it is called twice (to "
+                "validate, then to import) and must return the export's lines anew each time (e.g. "
+                "`lambda: open(path)`, not an open file or a generator): nothing was imported"
+            )
         raise InvalidInput("the export file is empty")
     if check.ends_at is not None and check.prev_hash != check.ends_at:
         raise _corrupt(

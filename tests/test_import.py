@@ -19,6 +19,7 @@ from evstore import (
     ConsumerDeleted,
     CorruptEvent,
     DuplicateName,
+    InvalidInput,
     StorageError,
     open_store,
 )
@@ -267,4 +268,17 @@ async def test_a_header_with_a_field_of_the_wrong_type_is_refused(
     with pytest.raises(CorruptEvent, match="malformed export header") as info:
         await store.import_events(lambda: [json.dumps(header), *lines[1:]])
     assert info.value.details["reason"] == "header"
+    assert await store.head() == 0
+
+
+async def test_open_lines_answering_a_one_shot_iterator_is_refused_saying_so(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression: ``import_events(lambda: f)`` with an open file (or a generator) validated the
+    whole file, then found it exhausted on the second call and said "the export file is empty"."""
+    lines, _, _ = await _source(tmp_path, consumers=5)
+    once = iter(lines)
+    with pytest.raises(InvalidInput, match="called twice") as info:
+        await store.import_events(lambda: once)
+    assert "empty" not in info.value.message
     assert await store.head() == 0
