@@ -1230,7 +1230,8 @@ def export(
 
     async def work() -> int:
 
-        async with open_existing(resolve_url(db, url)) as store:
+        source = resolve_url(db, url)
+        async with open_existing(source) as store:
             head = await store.head()
             if output is None:
                 async for line in store.export():
@@ -1238,6 +1239,7 @@ def export(
                 sys.stdout.flush()
                 return EXIT_OK
             final, in_place = _export_target(output)
+            _refuse_own_database(source, final)
             sink_path = final if in_place else final.with_name(final.name + ".partial")
             try:
                 # (in place: appending, as a shell's >> or a pipe expects; never truncating)
@@ -1263,6 +1265,30 @@ def export(
         return EXIT_OK
 
     run(work)
+
+
+def _refuse_own_database(url: str, output: Path) -> None:
+    """``export -o`` naming the SQLite database it exports (or its -wal, -shm or -journal file)
+    would replace the store with its export: refused before anything is written."""
+    if not url.startswith("sqlite:"):
+        return
+    from evstore.log.sqlite import parse_sqlite_url
+
+    path, _ = parse_sqlite_url(url)
+    if path == ":memory:":
+        return
+    database = Path(path).resolve()
+    own = [Path(f"{database}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")]
+    try:
+        hit = output.resolve() in own or (output.exists() and os.path.samefile(output, database))
+    except OSError:
+        hit = False
+    if hit:
+        fail(
+            "evstore.invalid_input",
+            f"--output {output} is the database being exported ({database}) or one of its files: "
+            "writing the export there would destroy the store; name another file",
+        )
 
 
 def _export_target(output: Path) -> tuple[Path, bool]:

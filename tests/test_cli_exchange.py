@@ -218,3 +218,18 @@ def test_import_refuses_another_applications_database(tmp_path: Path) -> None:
     empty = tmp_path / "empty.db"  # an empty file (no tables) still becomes a store
     empty.touch()
     assert evstore("import", str(dump), "--db", str(empty)).returncode == 0
+
+
+def test_export_refuses_to_write_over_the_database_it_exports(tmp_path: Path) -> None:
+    """Regression: ``evstore export --db store.db -o store.db`` (a slip for another name) renamed
+    the export over the database: the store was gone, and every later command said
+    ``evstore.storage: file is not a database``."""
+    source = demo_db(tmp_path / "store.db", instances=10)
+    before = source.read_bytes()
+    for target in (source, Path(f"{source}-wal"), tmp_path / "." / "store.db"):
+        done = evstore("export", "--db", str(source), "-o", str(target))
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.startswith("error: evstore.invalid_input: "), done.stderr
+        assert "database" in done.stderr
+    assert source.read_bytes() == before
+    assert evstore("audit", "--db", str(source)).returncode == 0
