@@ -1123,6 +1123,13 @@ def rebuild(
             "--full", help="Rewrite every row and rebuild every index (default: only what differs)."
         ),
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Rebuild even when the log lost its last events (the audit's log_truncated): forgets them.",
+        ),
+    ] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Refold the persisted projection from the log and repair it (snapshots are dropped too)."""
@@ -1134,7 +1141,7 @@ def rebuild(
             with progress_bar() as bar:
                 task = bar.add_task("rebuilding", total=head or 1)
                 folded = await store.rebuild(
-                    batch_size, lambda done, total: bar.update(task, completed=done), full=full
+                    batch_size, lambda done, total: bar.update(task, completed=done), full=full, force=force
                 )
                 bar.update(task, completed=head or 1)
         if json_out:

@@ -1143,9 +1143,15 @@ class AllocationStore:
         progress: Callable[[int, int], None] | None = None,
         *,
         full: bool = False,
+        force: bool = False,
     ) -> int:
         """Refold the persisted projection from the log and make it equal the fold; returns the
         events folded.
+
+        Refused (``CorruptEvent``, reason ``log_truncated``) when the projection records changes
+        by events the log no longer holds - the audit's ``log_truncated`` finding: the log lost
+        its last events, and a rebuild would forget them for good (a tombstone among them).
+        ``force=True`` rebuilds anyway, accepting the loss.
 
         On SQLite only the rows that differ are written (a sound projection: none) and missing or
         altered projection indexes are recreated; ``full=True`` rewrites every row and rebuilds
@@ -1153,9 +1159,22 @@ class AllocationStore:
         both backends writing the history index (what ``history`` and the entity slices of
         ``state_at`` read) again from the log.
         Snapshots are dropped too (they are re-made on demand by the current fold)."""
-        if not isinstance(full, bool):
-            raise err.InvalidInput(f"full must be True or False, got {full!r:.40}", field="full")
+        for name, flag in (("full", full), ("force", force)):
+            if not isinstance(flag, bool):
+                raise err.InvalidInput(f"{name} must be True or False, got {flag!r:.40}", field=name)
         _check_progress(progress, "progress(events_folded, head)")
+        if not force and (lost := await self._backend.lost_tail()) is not None:
+            head, position, consumer = lost
+            at = f"at position {position}" if position > head else "by an event the log no longer holds"
+            raise err.CorruptEvent(
+                f"The log ends at position {head}, but the projection records a change to consumer "
+                f"{consumer} {at}: the log lost its last events (deleted, or restored from an older "
+                "copy), and a rebuild would forget them for good. Restore the log from a backup or an "
+                "export first, or rebuild with force=True (`evstore rebuild --force`) to accept the loss",
+                reason="log_truncated",
+                head=head,
+                consumer=consumer,
+            )
         try:
             folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)
         except OverflowError:

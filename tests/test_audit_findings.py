@@ -1261,6 +1261,35 @@ async def test_a_log_that_lost_its_last_events_is_an_integrity_finding(store_url
         assert report.drift  # (the differences are still listed)
 
 
+async def test_a_rebuild_refuses_to_forget_what_a_lost_log_tail_held(store_url: str) -> None:
+    """Regression (helper-64's report): with the log's last events lost (a tombstone among them),
+    `rebuild` - the documented fix for drift - refolded the shorter log and the audit came back
+    clean: the tombstone was gone for good, and the deleted consumer could be written again. It
+    is refused (evstore.log.corrupt, log_truncated), nothing changed; force=True accepts the
+    loss. A sound store rebuilds as before, also with commands committing meanwhile."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        assert await store.rebuild() == await store.head()  # (sound: no refusal)
+        deleted_at = (await store.delete_consumer(c)).position
+        await store.backend.tamper(  # type: ignore[attr-defined]
+            "DELETE FROM events WHERE position = " + ("?" if store_url.startswith("sqlite") else "$1"),
+            (deleted_at,),
+        )
+        with pytest.raises(CorruptEvent, match=f"consumer {c} .*lost its last events") as caught:
+            await store.rebuild()
+        assert caught.value.details["reason"] == "log_truncated"
+        if store_url.startswith("sqlite"):  # (the projection still knows; PostgreSQL's tombstone
+            assert (await store.allocations(c)).deleted  # names a seq no event holds: it says so)
+        else:
+            with pytest.raises(ProjectionCorrupt, match="tombstone names events the log does not hold"):
+                await store.allocations(c)
+        assert [f.details["reason"] for f in (await store.audit()).integrity] == ["log_truncated"]
+        await store.rebuild(force=True)
+        assert not (await store.allocations(c)).deleted and (await store.audit()).clean
+
+
 async def test_a_drifted_inventory_or_allocation_is_named_by_what_differs(sqlite_url: str) -> None:
     """Regression (rev25-d): a drift in one class of a provider's inventories, or in one amount
     of a consumer's allocations on several providers, was reported as both whole mappings cut at

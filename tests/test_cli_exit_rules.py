@@ -245,3 +245,23 @@ def test_a_db_path_with_a_question_mark_is_refused_not_cut_at_it(tmp_path: Path)
     weird.write_bytes(b"")  # a file of that name exists: it is still not opened as "we"
     done = evstore("stats", "--db", str(weird))
     assert _error(done) == (1, "evstore.invalid_input") and "'?'" in done.stderr, done.stderr
+
+
+async def test_rebuild_refuses_a_log_that_lost_its_last_events_unless_forced(tmp_path: Path) -> None:
+    """`evstore rebuild` on a log whose last event (a tombstone) was deleted: refused, exit 1
+    `evstore.log.corrupt`, naming --force; with --force it rebuilds (helper-64's report)."""
+    import sqlite3
+
+    db = tmp_path / "t.db"
+    async with open_store(f"sqlite:///{db}") as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        last = (await store.delete_consumer(c)).position
+    with sqlite3.connect(db) as conn:
+        conn.execute("DELETE FROM events WHERE position = ?", (last,))
+    refused = evstore("rebuild", "--db", str(db))
+    assert _error(refused) == (1, "evstore.log.corrupt") and "--force" in refused.stderr, refused.stderr
+    forced = evstore("rebuild", "--db", str(db), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert evstore("audit", "--db", str(db)).returncode == 0

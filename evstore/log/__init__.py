@@ -136,6 +136,7 @@ class Backend(Protocol):
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
     ) -> int: ...
+    async def lost_tail(self) -> tuple[int, int, str] | None: ...
 
 
 def imported_entities(

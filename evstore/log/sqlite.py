@@ -1187,6 +1187,25 @@ class SqliteBackend:
             )
         )
 
+    async def lost_tail(self) -> tuple[int, int, str] | None:
+        """``(head, position, consumer)`` of the newest change the projection records past the
+        end of the log (the log lost its last events: a rebuild would forget them), else None.
+        The projection is read before the head, so a command committing between them only
+        raises the head."""
+
+        def q(conn: sqlite3.Connection) -> tuple[int, int, str] | None:
+            row = conn.execute(  # (max() with a bare column: the uuid of the row holding it)
+                "SELECT max(v), uuid FROM (SELECT deleted_at AS v, uuid FROM p_consumers "
+                "WHERE typeof(deleted_at) = 'integer' UNION ALL SELECT allocated_at, uuid "
+                "FROM p_consumers WHERE typeof(allocated_at) = 'integer')"
+            ).fetchone()
+            head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
+            if row is None or not isinstance(row[0], int) or row[0] <= head:
+                return None
+            return head, int(row[0]), str(row[1])
+
+        return await self._on_reader(q)
+
     async def check_history(self, batch_size: int) -> HistoryCheck:
         """The history index against the log (see :class:`HistoryCheck`), up to the position it
         is complete to (newer events are found by reads in their text, by design). The expected
