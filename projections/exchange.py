@@ -69,6 +69,7 @@ def _corrupt(message: str, line: int, **details: Any) -> CorruptEvent:
 
 
 def parse_header(text: str) -> ExportHeader:
+    text = text.removeprefix("\ufeff")  # (a byte-order mark an editor added when saving the file)
     try:
         raw = json.loads(text)
     except ValueError:

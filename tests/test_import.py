@@ -282,3 +282,13 @@ async def test_open_lines_answering_a_one_shot_iterator_is_refused_saying_so(
         await store.import_events(lambda: once)
     assert "empty" not in info.value.message
     assert await store.head() == 0
+
+
+async def test_an_export_saved_with_a_byte_order_mark_imports(store: AllocationStore, tmp_path: Path) -> None:
+    """Regression (helper-71): an export re-saved by an editor that adds a UTF-8 byte-order mark was
+    refused as "not an evstore export (the first line is not JSON)". The mark is not part of the
+    header (nor of the hash chain, which starts at the first row): it is skipped."""
+    lines, _, _ = await _source(tmp_path, consumers=5)
+    await store.import_events(lambda: ["\ufeff" + lines[0], *lines[1:]])
+    assert await store.head() == len(lines) - 1
+    assert (await store.audit()).clean
