@@ -1053,15 +1053,19 @@ async def _following(store: Any, after: int, follow: bool, file: os.stat_result 
             watch.cancel()
 
 
-def _path_of(store: Any) -> str | None:
-    """The file of a SQLite store (None: in memory, or PostgreSQL)."""
-    url = str(getattr(store, "url", ""))
+def _sqlite_file(url: str) -> str | None:
+    """The file of a SQLite store's URL (None: in memory, or PostgreSQL)."""
     if not url.startswith("sqlite:"):
         return None
     from evstore.log.sqlite import parse_sqlite_url
 
     path, _ = parse_sqlite_url(url)
     return None if path == ":memory:" else path
+
+
+def _path_of(store: Any) -> str | None:
+    """The file of a SQLite store (None: in memory, or PostgreSQL)."""
+    return _sqlite_file(str(getattr(store, "url", "")))
 
 
 async def _file_of(store: Any) -> os.stat_result | None:
@@ -1277,12 +1281,8 @@ def export(
 def _refuse_own_database(url: str, output: Path) -> None:
     """``export -o`` naming the SQLite database it exports (or its -wal, -shm or -journal file)
     would replace the store with its export: refused before anything is written."""
-    if not url.startswith("sqlite:"):
-        return
-    from evstore.log.sqlite import parse_sqlite_url
-
-    path, _ = parse_sqlite_url(url)
-    if path == ":memory:":
+    path = _sqlite_file(url)
+    if path is None:
         return
     database = Path(path).resolve()
     own = [Path(f"{database}{suffix}") for suffix in ("", "-wal", "-shm", "-journal")]

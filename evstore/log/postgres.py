@@ -712,6 +712,18 @@ def _unpositioned_tombstones(consumers: Iterable[ConsumerState]) -> list[int]:
     return sorted({-c.deleted_at for c in consumers if c.deleted_at is not None and c.deleted_at < 0})
 
 
+def _unpositioned_here(what: str, cause: str, **details: Any) -> err.StorageError:
+    """``what`` waits for positions that this session cannot assign (see CANNOT_WRITE), and
+    other sessions did not assign in time."""
+    return err.StorageError(
+        f"{what} have no positions yet, and this session cannot assign them ({cause}: a read-only "
+        "role or database, a hot standby, or no UPDATE on the events table): a session that can "
+        "write assigns them as it commits or reads (any evstore command or read with such a role), "
+        "then run this again",
+        **details,
+    )
+
+
 #: what the sequencer raises in a session that cannot write: read-only (the role's or the
 #: database's default_transaction_read_only, a hot standby), or a role without UPDATE on events
 CANNOT_WRITE = (asyncpg.exceptions.ReadOnlySQLTransactionError, asyncpg.exceptions.InsufficientPrivilegeError)
@@ -1470,12 +1482,8 @@ class PostgresBackend:
                 break
             await asyncio.sleep(0.05)
         if None in found:
-            raise err.StorageError(
-                f"Committed events have no positions yet, and this session cannot assign them ({cause}: a "
-                "read-only role or database, a hot standby, or no UPDATE on the events table): a session "
-                "that can write assigns them as it commits or reads, then run this again",
-                seqs=[s for s, p in zip(want, found, strict=True) if p is None],
-            )
+            missing = [s for s, p in zip(want, found, strict=True) if p is None]
+            raise _unpositioned_here(f"{len(missing)} committed event(s)", cause, seqs=missing)
         return list(found)
 
     async def _catch_up(self, conn: Any) -> int:
@@ -1621,13 +1629,8 @@ class PostgresBackend:
                         return await _load_all(conn)
                 except _CannotPosition as exc:
                     if asyncio.get_running_loop().time() >= deadline:
-                        raise err.StorageError(
-                            f"{exc.pending} committed events have no positions yet, and this session "
-                            f"cannot assign them ({exc.cause}: a read-only role or database, a hot "
-                            "standby, or no UPDATE on the events table): a session that can write "
-                            "assigns them as it commits or reads (any evstore command or read with "
-                            "such a role), then run this again",
-                            unpositioned=exc.pending,
+                        raise _unpositioned_here(
+                            f"{exc.pending} committed event(s)", exc.cause, unpositioned=exc.pending
                         ) from None
                 except DB_ERRORS as exc:
                     raise _storage_error(exc, "loading the projection", None) from None
