@@ -1135,6 +1135,7 @@ class AllocationStore:
             self._backend.load_state,
             last_positions=getattr(self._backend, "last_positions", None),
             check_history=None if check is None else functools.partial(check, 5000),
+            lost_tail=self._backend.lost_tail,
         )
 
     async def rebuild(
@@ -1164,16 +1165,8 @@ class AllocationStore:
                 raise err.InvalidInput(f"{name} must be True or False, got {flag!r:.40}", field=name)
         _check_progress(progress, "progress(events_folded, head)")
         if not force and (lost := await self._backend.lost_tail()) is not None:
-            head, position, consumer = lost
-            at = f"at position {position}" if position > head else "by an event the log no longer holds"
             raise err.CorruptEvent(
-                f"The log ends at position {head}, but the projection records a change to consumer "
-                f"{consumer} {at}: the log lost its last events (deleted, or restored from an older "
-                "copy), and a rebuild would forget them for good. Restore the log from a backup or an "
-                "export first, or rebuild with force=True (`evstore rebuild --force`) to accept the loss",
-                reason="log_truncated",
-                head=head,
-                consumer=consumer,
+                lost.message(), reason="log_truncated", head=lost.head, consumer=lost.consumer
             )
         try:
             folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)

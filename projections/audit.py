@@ -34,7 +34,7 @@ from projections.replay import FOLD_SLICE
 from projections.state import FOLDS, ConsumerState, State
 
 if TYPE_CHECKING:
-    from evstore.log import HistoryCheck
+    from evstore.log import HistoryCheck, LostTail
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,6 +603,7 @@ async def audit(
     progress: Callable[[int], None] | None = None,
     last_positions: LastPositions | None = None,
     check_history: Callable[[], Awaitable[HistoryCheck]] | None = None,
+    lost_tail: Callable[[], Awaitable[LostTail | None]] | None = None,
 ) -> AuditReport:
     """Run the full audit: a checked replay of every stored row against the persisted projection.
 
@@ -642,7 +643,8 @@ async def audit(
         drift = await asyncio.to_thread(compare_states, replayed, persisted_state)
         if last_positions is not None:
             drift = await _cite_last_events(drift, last_positions, report.head)
-        report.findings.extend(truncation_findings(persisted_state))
+        if lost_tail is not None and (lost := await lost_tail()) is not None:
+            report.findings.append(truncation_finding(lost))
         report.findings.extend(drift)
     report.findings.extend(leak_findings(replayed))
     report.findings.extend(held_on_unknown_providers(replayed))
@@ -658,34 +660,16 @@ async def audit(
     return report
 
 
-def truncation_findings(persisted: State) -> list[Finding]:
-    """A projection that records changes by events the log does not hold (read in the same
-    transaction): the log lost its last events. The hash chain cannot show a lost tail, and the
-    differences alone read as drift, which a rebuild "repairs" by forgetting those events.
-    (SQLite keeps the position, past the head; PostgreSQL the event's ``-seq``, which only an
-    event row in the log turns into a position.)"""
-    head = persisted.position
-    lost: list[tuple[int, str, str]] = []
-    for uuid, c in persisted.consumers.items():
-        for what, position in (("deleted", c.deleted_at), ("allocations changed", c.allocated_at)):
-            if isinstance(position, int) and not 0 < position <= head:
-                lost.append((position, _label(uuid), what))
-    if not lost:
-        return []
-    position, consumer, what = max(lost)
-    at = f"at position {position}" if position > head else "by an event the log no longer holds"
-    return [
-        Finding(
-            "integrity",
-            f"The log ends at position {head}, but the projection records changes to "
-            f"{len({c for _, c, _ in lost})} consumer(s) by events it does not hold (e.g. consumer "
-            f"{consumer} {what} {at}): the log lost its last events (deleted, or restored from an older "
-            "copy). A replay, and so `evstore rebuild`, would forget them (a tombstone among them for "
-            "good): restore the log from a backup or an export before rebuilding",
-            tuple(sorted({p for p, _, _ in lost if p > head})),
-            {"reason": "log_truncated", "head": head},
-        )
-    ]
+def truncation_finding(lost: LostTail) -> Finding:
+    """The log lost its last events (the backend's check, the one a rebuild refuses by): the hash
+    chain cannot show a lost tail, and the differences alone read as drift, which a rebuild would
+    "repair" by forgetting those events."""
+    return Finding(
+        "integrity",
+        lost.message(),
+        (lost.position,) if lost.position > lost.head else (),
+        {"reason": "log_truncated", "head": lost.head},
+    )
 
 
 def history_findings(check: HistoryCheck) -> list[Finding]:

@@ -1254,7 +1254,7 @@ async def test_a_log_that_lost_its_last_events_is_an_integrity_finding(store_url
         [lost] = report.integrity
         assert lost.details == {"reason": "log_truncated", "head": deleted_at - 1}
         assert f"ends at position {deleted_at - 1}" in lost.message
-        assert f"consumer {c} deleted" in lost.message
+        assert f"consumer {c} was deleted" in lost.message
         if store_url.startswith("sqlite"):  # (PostgreSQL's projection holds the lost event's -seq)
             assert lost.positions == (deleted_at,) and f"at position {deleted_at}" in lost.message
         assert "rebuild" in lost.message

@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from evstore.commands import Command, Needs
 from evstore.errors import CorruptEvent, EvstoreError
@@ -116,6 +116,32 @@ __all__ = ["GENESIS_HASH", "Backend", "Job", "Outcome", "PayloadRow", "RawEvent"
 PayloadRow = tuple[int, str, int, str]
 
 
+class LostTail(NamedTuple):
+    """The newest change the projection records by an event the log no longer holds: the log
+    lost its last events (the audit's ``log_truncated``; a rebuild would forget them)."""
+
+    head: int
+    #: past ``head`` (SQLite, or a position a rebuild wrote), or a lost event's ``-seq`` (PostgreSQL)
+    position: int
+    consumer: str
+    #: "deleted" or "allocations changed"
+    what: str
+
+    def message(self) -> str:
+        at = (
+            f"at position {self.position}"
+            if self.position > self.head
+            else "by an event the log no longer holds"
+        )
+        return (
+            f"The log ends at position {self.head}, but the projection records that consumer "
+            f"{self.consumer} was {self.what} {at}: the log lost its last events (deleted, or restored "
+            "from an older copy). A rebuild would forget them for good (a tombstone among them): "
+            "restore the log from a backup or an export, or rebuild with force=True (`evstore "
+            "rebuild --force`) to accept the loss"
+        )
+
+
 class Backend(Protocol):
     url: str
 
@@ -136,7 +162,7 @@ class Backend(Protocol):
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
     ) -> int: ...
-    async def lost_tail(self) -> tuple[int, int, str] | None: ...
+    async def lost_tail(self) -> LostTail | None: ...
 
 
 def imported_entities(

@@ -98,6 +98,7 @@ from evstore.log import (
     STORE_KEYWORDS,
     HistoryCheck,
     Job,
+    LostTail,
     Outcome,
     PayloadRow,
     RawEvent,
@@ -1829,26 +1830,26 @@ class PostgresBackend:
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "rebuilding the projection") from None
 
-    async def lost_tail(self) -> tuple[int, int, str] | None:
-        """``(head, position, consumer)`` of a change the projection records by an event the log
-        does not hold (the log lost its last events: a rebuild would forget them), else None;
-        ``position`` is the lost event's ``-seq`` when it was never positioned. One statement, one
-        snapshot: a command's projection rows commit with its event rows, and the positive
-        positions only a rebuild or an import writes are of positioned events. A ``-seq`` the
-        events' sequence never handed out is no lost event but a damaged projection, which a
-        rebuild repairs."""
+    async def lost_tail(self) -> LostTail | None:
+        """A change the projection records by an event the log does not hold (see
+        :class:`LostTail`; ``position`` is the lost event's ``-seq`` when it was never positioned),
+        else None. One statement, one snapshot: a command's projection rows commit with its event
+        rows, and the positive positions only a rebuild or an import writes are of positioned
+        events. A ``-seq`` the events' sequence never handed out is no lost event but a damaged
+        projection, which a rebuild repairs."""
         sql = (
             "WITH head AS (SELECT coalesce(max(position), 0) AS h FROM events), "
             "given AS (SELECT coalesce(pg_sequence_last_value("
             "pg_get_serial_sequence('events', 'seq')::regclass), 0) AS s) "
-            "SELECT head.h, t.v, c.uuid FROM p_consumers c "
-            "CROSS JOIN LATERAL (VALUES (c.deleted_at), (c.allocated_at)) AS t(v), head, given "
+            "SELECT head.h, t.v, c.uuid, t.what FROM p_consumers c CROSS JOIN LATERAL "
+            "(VALUES (c.deleted_at, 'deleted'), (c.allocated_at, 'allocations changed')) AS t(v, what), "
+            "head, given "
             "WHERE (t.v < 0 AND -t.v <= given.s AND NOT EXISTS (SELECT 1 FROM events e WHERE e.seq = -t.v)) "
             "OR t.v > head.h ORDER BY t.v DESC LIMIT 1"
         )
         async with self._connection() as conn:
             row = await self._guard(conn.fetchrow(sql), "checking the projection against the log")
-        return None if row is None else (int(row[0]), int(row[1]), str(row[2]))
+        return None if row is None else LostTail(int(row[0]), int(row[1]), str(row[2]), str(row[3]))
 
     async def check_history(self, batch_size: int) -> HistoryCheck:
         """The history index against the log (see :class:`HistoryCheck`): the expected rows are

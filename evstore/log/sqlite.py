@@ -40,6 +40,7 @@ from evstore.log import (
     MAX_POSITION,
     HistoryCheck,
     Job,
+    LostTail,
     Outcome,
     PayloadRow,
     RawEvent,
@@ -1187,22 +1188,21 @@ class SqliteBackend:
             )
         )
 
-    async def lost_tail(self) -> tuple[int, int, str] | None:
-        """``(head, position, consumer)`` of the newest change the projection records past the
-        end of the log (the log lost its last events: a rebuild would forget them), else None.
-        The projection is read before the head, so a command committing between them only
-        raises the head."""
+    async def lost_tail(self) -> LostTail | None:
+        """The newest change the projection records past the end of the log (see
+        :class:`LostTail`), else None. The projection is read before the head, so a command
+        committing between them only raises the head."""
 
-        def q(conn: sqlite3.Connection) -> tuple[int, int, str] | None:
-            row = conn.execute(  # (max() with a bare column: the uuid of the row holding it)
-                "SELECT max(v), uuid FROM (SELECT deleted_at AS v, uuid FROM p_consumers "
-                "WHERE typeof(deleted_at) = 'integer' UNION ALL SELECT allocated_at, uuid "
-                "FROM p_consumers WHERE typeof(allocated_at) = 'integer')"
+        def q(conn: sqlite3.Connection) -> LostTail | None:
+            row = conn.execute(  # (max() with bare columns: those of the row holding it)
+                "SELECT max(v), uuid, what FROM (SELECT deleted_at AS v, uuid, 'deleted' AS what "
+                "FROM p_consumers WHERE typeof(deleted_at) = 'integer' UNION ALL SELECT allocated_at, "
+                "uuid, 'allocations changed' FROM p_consumers WHERE typeof(allocated_at) = 'integer')"
             ).fetchone()
             head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
             if row is None or not isinstance(row[0], int) or row[0] <= head:
                 return None
-            return head, int(row[0]), str(row[1])
+            return LostTail(head, int(row[0]), str(row[1]), str(row[2]))
 
         return await self._on_reader(q)
 
