@@ -549,15 +549,21 @@ def describe(event: Any, names: Names, short: bool = False) -> str:
     def u(uuid: str) -> str:
         return uuid[:8] if short else uuid
 
+    def held_for(event: Any) -> str:  # (a migration consumer's event, in its instance's history too)
+        instance = event.on_behalf_of
+        return "" if instance is None else f" (migration of instance {u(instance)})"
+
     match event:
         case ev.AllocationsReplaced():
             return (
-                f"consumer {u(event.consumer)} ({event.consumer_type}) now holds "
+                f"consumer {u(event.consumer)} ({event.consumer_type}){held_for(event)} now holds "
                 f"{fmt_allocs(event.allocations, names)} (was {fmt_allocs(event.previous, names)}), "
                 f"generation {event.generation}"
             )
         case ev.AllocationsReleased():
-            return f"consumer {u(event.consumer)} released {fmt_allocs(event.released, names)}"
+            return (
+                f"consumer {u(event.consumer)}{held_for(event)} released {fmt_allocs(event.released, names)}"
+            )
         case ev.MigrationStarted():
             return (
                 f"instance {u(event.instance)} moved {fmt_allocs(event.allocations, names)} "
@@ -575,7 +581,7 @@ def describe(event: Any, names: Names, short: bool = False) -> str:
             )
         case ev.ConsumerDeleted():
             released = fmt_allocs(event.released, names)
-            text = f"consumer {u(event.consumer)} deleted (tombstone), released {released}"
+            text = f"consumer {u(event.consumer)}{held_for(event)} deleted (tombstone), released {released}"
             for migration, allocs in event.migrations_released.items():
                 text += f"; its migration {u(migration)} released {fmt_allocs(allocs, names)}"
             return text

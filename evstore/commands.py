@@ -450,6 +450,7 @@ def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.Eve
                 consumer_type=w.consumer_type,
                 generation=new_gen,
                 provider_generations=_bumps(state, _named_by(ch, state), bumped),
+                on_behalf_of=c.on_behalf_of,
             )
         )
     return events
@@ -489,7 +490,7 @@ def _release(state: State, command: Release) -> list[ev.EventBase]:
         raise err.NotFound(
             f"No allocations for consumer '{c.uuid}'{gone}", consumer=c.uuid, deleted=c.deleted
         )
-    return [ev.AllocationsReleased(consumer=c.uuid, released=c.allocations)]
+    return [ev.AllocationsReleased(consumer=c.uuid, released=c.allocations, on_behalf_of=c.on_behalf_of)]
 
 
 def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase]:
@@ -639,6 +640,7 @@ def _delete_consumer(state: State, command: DeleteConsumer) -> list[ev.EventBase
             consumer=c.uuid,
             released=c.allocations,
             migrations_released={m.uuid: m.allocations for m in state.migrations_for(c.uuid)},
+            on_behalf_of=c.on_behalf_of,
         )
     ]
 

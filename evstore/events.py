@@ -52,20 +52,42 @@ class EventBase(BaseModel):
         return str(self.__dict__["type"])
 
     def payload(self) -> dict[str, Any]:
-        """The stored JSON payload (without ``type``)."""
-        return self.model_dump(mode="json", exclude={"type"})
+        """The stored JSON payload (without ``type``; without ``on_behalf_of`` when it is None)."""
+        return self.model_dump(
+            mode="json", exclude=_NOT_STORED if self.__dict__.get("on_behalf_of") is None else _TYPE
+        )
 
     def payload_json(self) -> str:
         """:meth:`payload` as stored: compact JSON, encoded by pydantic-core (4x json.dumps)."""
-        return self.model_dump_json(exclude={"type"})
+        return self.model_dump_json(
+            exclude=_NOT_STORED if self.__dict__.get("on_behalf_of") is None else _TYPE
+        )
 
     def entities(self) -> set[str]:
         """``consumer:<uuid>`` / ``provider:<uuid>`` keys this event touches (the history index)."""
         raise NotImplementedError
 
 
+#: what a payload leaves out: the type (the row's own column), and ``on_behalf_of`` when it is None
+#: (events written before that field existed, and every event of a consumer that is no migration,
+#: are stored as they were)
+_TYPE: set[str] = {"type"}
+_NOT_STORED: set[str] = {"type", "on_behalf_of"}
+
+
 def _providers_of(allocs: Allocs) -> set[str]:
     return {f"provider:{p}" for p in allocs}
+
+
+def _held_for(instance: str | None) -> set[str]:
+    return set() if instance is None else {f"consumer:{instance}"}
+
+
+_ON_BEHALF_OF_DOC = (
+    "the instance this consumer held its allocations for when the event happened (it was a "
+    "migration consumer), so that the instance's history shows it; None otherwise, and in events "
+    "written before evstore recorded it"
+)
 
 
 class ResourceClassCreated(EventBase):
@@ -138,9 +160,15 @@ class AllocationsReplaced(EventBase):
     consumer_type: str
     generation: int | None
     provider_generations: dict[str, int] = Field(default_factory=dict)
+    on_behalf_of: str | None = Field(default=None, description=_ON_BEHALF_OF_DOC)
 
     def entities(self) -> set[str]:
-        return {f"consumer:{self.consumer}"} | _providers_of(self.allocations) | _providers_of(self.previous)
+        return (
+            {f"consumer:{self.consumer}"}
+            | _providers_of(self.allocations)
+            | _providers_of(self.previous)
+            | _held_for(self.on_behalf_of)
+        )
 
 
 class AllocationsReleased(EventBase):
@@ -149,9 +177,10 @@ class AllocationsReleased(EventBase):
     type: Literal["AllocationsReleased"] = "AllocationsReleased"
     consumer: str
     released: Allocs
+    on_behalf_of: str | None = Field(default=None, description=_ON_BEHALF_OF_DOC)
 
     def entities(self) -> set[str]:
-        return {f"consumer:{self.consumer}"} | _providers_of(self.released)
+        return {f"consumer:{self.consumer}"} | _providers_of(self.released) | _held_for(self.on_behalf_of)
 
 
 class MigrationStarted(EventBase):
@@ -214,9 +243,10 @@ class ConsumerDeleted(EventBase):
     consumer: str
     released: Allocs = Field(default_factory=dict)
     migrations_released: dict[str, Allocs] = Field(default_factory=dict)
+    on_behalf_of: str | None = Field(default=None, description=_ON_BEHALF_OF_DOC)
 
     def entities(self) -> set[str]:
-        keys = {f"consumer:{self.consumer}"} | _providers_of(self.released)
+        keys = {f"consumer:{self.consumer}"} | _providers_of(self.released) | _held_for(self.on_behalf_of)
         for migration, allocs in self.migrations_released.items():
             keys.add(f"consumer:{migration}")
             keys |= _providers_of(allocs)
@@ -609,6 +639,7 @@ _VALUE_KINDS = {
     "provider": "id",
     "instance": "id",
     "migration": "id",
+    "on_behalf_of": "id",
     "parent": "id",
     "root": "id",
     "allocations": "allocs",

@@ -168,3 +168,60 @@ async def test_history_gives_the_events_before_a_damaged_row_then_fails(store: A
             async for event in store.history(consumer, batch_size=batch_size):
                 got.append(event.position)
         assert got == positions[:2], batch_size
+
+
+@pytest.mark.parametrize("ending", ["delete", "release", "empty", "replace"])
+async def test_an_instance_history_shows_what_happened_to_its_migration(
+    store: AllocationStore, ending: str
+) -> None:
+    """Regression (stop 26): the events that ended or changed what a migration consumer held on an
+    instance's behalf without naming the instance (Nova deleting the migration consumer, or
+    emptying or rewriting its allocations with a plain write, as Nova's old revert did) were
+    missing from the instance's history: an operator following a leak lost the thread at the
+    migration. Such events now record the instance (``on_behalf_of``), and only they do."""
+    from evstore import ConsumerAllocations
+    from evstore import events as ev
+    from tests.conftest import allocate, make_provider, new_uuid
+
+    src, dst = await make_provider(store, VCPU=8), await make_provider(store, VCPU=8)
+    instance, migration, other = new_uuid(), new_uuid(), new_uuid()
+    await allocate(store, instance, {src: {"VCPU": 2}})
+    await allocate(store, other, {src: {"VCPU": 1}})
+    await store.start_migration(instance, migration)
+    await allocate(store, instance, {dst: {"VCPU": 2}}, generation=None)
+    if ending == "delete":
+        receipt = await store.delete_consumer(migration)
+    elif ending == "release":
+        receipt = await store.release(migration)
+    else:
+        body = {src: {"VCPU": 1}} if ending == "replace" else {}
+        receipt = await store.write_allocations(
+            {
+                migration: ConsumerAllocations(
+                    allocations=body,
+                    project_id="project",
+                    user_id="user",
+                    consumer_type="MIGRATION",
+                    generation=1,
+                )
+            }
+        )
+    await store.release(other)  # (an event of a consumer that is no migration: not the instance's)
+    [ended] = [e async for e in store.history(migration)][-1:]
+    assert ended.position == receipt.position
+    assert ended.event.on_behalf_of == instance  # type: ignore[attr-defined]
+    history = [e async for e in store.history(instance)]
+    assert history[-1].position == ended.position
+    from evstore.cli import describe
+
+    assert f"(migration of instance {instance})" in describe(ended.event, {})
+    assert [type(e.event).__name__ for e in history[:2]] == ["AllocationsReplaced", "MigrationStarted"]
+    # a consumer that is no migration records nothing (its stored payload is what it always was)
+    [released] = [e async for e in store.history(other)][-1:]
+    assert isinstance(released.event, ev.AllocationsReleased)
+    assert released.event.on_behalf_of is None
+    assert "on_behalf_of" not in released.event.payload_json()
+    # the instance's state at that position is unchanged by it: only its history names it
+    before = await store.state_at(position=ended.position - 1, consumer=instance)
+    after = await store.state_at(position=ended.position, consumer=instance)
+    assert (await before.allocations(instance)).to_dict() == (await after.allocations(instance)).to_dict()
