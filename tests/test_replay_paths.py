@@ -85,7 +85,7 @@ async def test_payload_validators_give_a_models_fields_and_its_errors(store: All
         assert PAYLOAD_VALIDATORS[etype][1](data) == decode_event(etype, version, data, position).__dict__
     validate = PAYLOAD_VALIDATORS["AllocationsReleased"][1]
     good = {"consumer": new_uuid(), "released": {new_uuid(): {"VCPU": 1}}}
-    assert validate(json.dumps(good)) == {"type": "AllocationsReleased", **good}
+    assert validate(json.dumps(good)) == {"type": "AllocationsReleased", **good, "on_behalf_of": None}
     # a defaulted field may be missing, as for the model
     assert validate(json.dumps({"consumer": good["consumer"], "released": {}}))["released"] == {}
     for bad in ({**good, "extra": 1}, {"released": {}}, {**good, "released": {"p": {"VCPU": "many"}}}):
