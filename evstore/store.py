@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import logging
 import uuid as _uuid
 from collections.abc import (
     AsyncGenerator,
@@ -102,6 +103,7 @@ class _BoundOnce:
         self._name = name
         self._config: dict[str, Any] | None = None
         self._bound: Any = None
+        self._info = True
 
     def get(self) -> Any:
         config = structlog.get_config()
@@ -109,7 +111,16 @@ class _BoundOnce:
         if seen is None or any(config[k] is not seen.get(k) for k in config):
             self._bound = structlog.get_logger(self._name).bind()
             self._config = config
+            # (structlog's own filtering loggers know their level: a host that logs warnings only
+            # drops every command line, so the line is not built; other wrappers are asked by logging)
+            enabled = getattr(self._bound, "is_enabled_for", None)
+            self._info = True if not callable(enabled) else bool(enabled(logging.INFO))
         return self._bound
+
+    def info_enabled(self) -> bool:
+        """Whether an info line would be emitted (True unless the logger says it filters it)."""
+        self.get()
+        return self._info
 
 
 _command_log = _BoundOnce("evstore")
@@ -349,8 +360,11 @@ def _log_context(job: Job) -> dict[str, Any]:
     }
 
 
-def _log_outcome(context: dict[str, Any], outcome: Outcome, **extra: Any) -> None:
+def _log_outcome(job: Job, outcome: Outcome, **extra: Any) -> None:
     """``command.accepted`` or ``command.rejected`` for a command's outcome."""
+    if not _command_log.info_enabled():
+        return
+    context = _log_context(job)
     if isinstance(outcome, Receipt):
         if context["provider"] is None:  # (a command naming consumers: the providers it changed)
             context["provider"] = sorted(outcome.provider_generations) or None
@@ -643,7 +657,7 @@ class AllocationStore:
                 if isinstance(outcome, err.EvstoreError) and outcome.details.get("not_run"):
                     _log_not_run(job)
                 else:
-                    _log_outcome(_log_context(job), outcome, caller_cancelled=True)
+                    _log_outcome(job, outcome, caller_cancelled=True)
         if appended:
             self._appended.set()
             self._appended = asyncio.Event()
@@ -694,7 +708,7 @@ class AllocationStore:
             # (the future holds the error, whose traceback holds this frame: a reference cycle,
             # left for the cyclic collector with the command and all it names, unless let go)
             del fut
-            _log_outcome(_log_context(job), exc)
+            _log_outcome(job, exc)
             exc.__dict__["_evstore_logged"] = True  # (not again by the method: _logs_rejections)
             raise
         except asyncio.CancelledError:
@@ -704,12 +718,12 @@ class AllocationStore:
             if fut.done() and not fut.cancelled():
                 failed = fut.exception()
                 if failed is None:
-                    _log_outcome(_log_context(job), fut.result(), caller_cancelled=True)
+                    _log_outcome(job, fut.result(), caller_cancelled=True)
                 elif isinstance(failed, err.EvstoreError):  # (anything else: the cancellation goes on)
-                    _log_outcome(_log_context(job), failed, caller_cancelled=True)
+                    _log_outcome(job, failed, caller_cancelled=True)
             del fut
             raise
-        _log_outcome(_log_context(job), receipt)
+        _log_outcome(job, receipt)
         return receipt
 
     # --- commands -------------------------------------------------------------------------
