@@ -41,6 +41,8 @@ if TYPE_CHECKING:
         AllocationsByConsumer,
         AllocationStore,
         ProviderAllocations,
+        StoreOpener,
+        StoreOptions,
         command_metadata,
         open_store,
     )
@@ -64,6 +66,9 @@ _LAZY = {
     "open_store": "evstore.store",
     "AllocationStore": "evstore.store",
     "command_metadata": "evstore.store",
+    # what open_store takes and answers (for annotations)
+    "StoreOpener": "evstore.store",
+    "StoreOptions": "evstore.store",
     # the allocation bodies' types (for annotations)
     "ProviderAllocations": "evstore.store",
     "AllocationsByConsumer": "evstore.store",
@@ -138,6 +143,8 @@ __all__ = [
     "StateView",
     "StorageError",
     "StoreClosed",
+    "StoreOpener",
+    "StoreOptions",
     "UnknownResourceClass",
     "UsageDelta",
     "WrongEventLoop",

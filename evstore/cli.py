@@ -29,7 +29,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Unpack
 
 import structlog
 import typer
@@ -45,7 +45,7 @@ from projections.invariants import format_amount
 from projections.state import State
 
 if TYPE_CHECKING:
-    from evstore.store import AllocationStore
+    from evstore.store import AllocationStore, StoreOptions
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -235,12 +235,15 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
     return chosen
 
 
-def open_existing(target: str, **options: Any) -> AbstractAsyncContextManager[AllocationStore]:
+def open_existing(
+    target: str, **options: Unpack[StoreOptions]
+) -> AbstractAsyncContextManager[AllocationStore]:
     """Open a store that must already exist: a database (file or PostgreSQL schema) without one is
     refused with NotFound, never turned into an empty store."""
     from evstore.store import open_store
 
-    return open_store(target, create=False, **options)
+    options["create"] = False
+    return open_store(target, **options)
 
 
 def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
@@ -1176,7 +1179,7 @@ def snapshot(
 
     async def work() -> int:
 
-        options: dict[str, Any] = {} if every is None else {"snapshot_every": every}
+        options: StoreOptions = {} if every is None else {"snapshot_every": every}
         async with open_existing(resolve_url(db, url), **options) as store:
             head = await store.head()
             with progress_bar() as bar:

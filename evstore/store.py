@@ -32,7 +32,7 @@ from collections.abc import (
 )
 from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any, Concatenate, ParamSpec, TypeAlias, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack
 
 import structlog
 from pydantic import BaseModel, ValidationError
@@ -1434,16 +1434,51 @@ _NOT_SYNC = (
 )
 
 
-class _StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
+class StoreOptions(TypedDict, total=False):
+    """The keywords of ``open_store`` (every one optional; see the README for each). A service that
+    reads them from its configuration can annotate that mapping with this type. The store's own:
+    ``max_batch``, ``poll_interval``, ``snapshot_every``; SQLite's: ``synchronous``,
+    ``busy_timeout``, ``create``; PostgreSQL's: ``pool_size``, ``min_pool_size``,
+    ``connect_timeout``, ``command_timeout``, ``max_retries``, ``statement_cache_size``,
+    ``create``. A backend refuses another backend's option (``InvalidInput``), as it refuses any
+    unknown one."""
+
+    #: commands per group commit (256)
+    max_batch: int
+    #: seconds between a subscriber's polls for other processes' appends (0.2)
+    poll_interval: float
+    #: events between time-travel snapshots (10,000)
+    snapshot_every: int
+    #: False: refuse a file or schema that holds no store instead of creating one (True)
+    create: bool
+    #: SQLite: OFF, NORMAL, FULL (the default) or EXTRA
+    synchronous: str
+    #: SQLite: seconds a transaction waits for another connection's write lock (30)
+    busy_timeout: float
+    #: PostgreSQL: connections in the pool (10)
+    pool_size: int
+    #: PostgreSQL: connections the pool keeps open (1)
+    min_pool_size: int
+    #: PostgreSQL: seconds to connect, and to wait for another open's migration (10)
+    connect_timeout: float
+    #: PostgreSQL: seconds a statement may take (None: no limit, the default)
+    command_timeout: float | None
+    #: PostgreSQL: retries of a deadlock or serialization failure (10)
+    max_retries: int
+    #: PostgreSQL: prepared statements cached per connection (100; 0 behind pgbouncer)
+    statement_cache_size: int
+
+
+class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
     """What ``open_store`` answers: ``async with`` it (the store is closed at the block's end), or
     await it for an open store the caller closes (as ``aiosqlite.connect`` and asyncpg's pools
     allow). A plain ``with`` is a typed error that says so."""
 
     __slots__ = ("_options", "_store", "_url")
 
-    def __init__(self, url: str, options: dict[str, Any]) -> None:
+    def __init__(self, url: str, options: StoreOptions) -> None:
         self._url = url
-        self._options = options
+        self._options: dict[str, Any] = dict(options)
         self._store: AllocationStore | None = None
 
     async def _open(self) -> AllocationStore:
@@ -1481,7 +1516,7 @@ class _StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         return None
 
 
-def open_store(url: str, **options: Any) -> _StoreOpener:
+def open_store(url: str, **options: Unpack[StoreOptions]) -> StoreOpener:
     """Open a store: ``async with open_store("sqlite:///evstore.db") as store: ...`` (closed at the
     block's end), or ``store = await open_store(url)`` (the caller then awaits ``store.close()``).
 
@@ -1493,7 +1528,7 @@ def open_store(url: str, **options: Any) -> _StoreOpener:
     NORMAL trades the last commits on power loss for speed), ``busy_timeout`` (seconds, 30),
     ``create`` (false: refuse a file holding no store); PostgreSQL ``pool_size``, ``min_pool_size``,
     ``connect_timeout``, ``command_timeout``, ``max_retries``, ``statement_cache_size``,
-    ``create`` (see the README). Unknown options are refused.
-    The store belongs to the running event loop.
+    ``create`` (see the README); their types are :class:`StoreOptions`. Unknown options are
+    refused (``InvalidInput``). The store belongs to the running event loop.
     """
-    return _StoreOpener(url, options)
+    return StoreOpener(url, options)

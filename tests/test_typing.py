@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -194,3 +195,79 @@ def test_the_metadata_evstore_writes_is_typed(tmp_path: Path) -> None:
     )
     result = _mypy(tmp_path, source)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+#: every documented ``open_store`` option, typed as the README gives them (both backends' and the store's)
+OPEN_STORE_OPTIONS = """
+from __future__ import annotations
+
+from evstore import AllocationStore, StoreOpener, StoreOptions, open_store
+
+
+def sqlite() -> StoreOpener:
+    return open_store(
+        "sqlite:///cloud.db", synchronous="NORMAL", busy_timeout=5, create=False, max_batch=64,
+        poll_interval=0.1, snapshot_every=1000,
+    )
+
+
+def postgres() -> StoreOpener:
+    return open_store(
+        "postgresql://db/evstore", pool_size=20, min_pool_size=2, connect_timeout=10,
+        command_timeout=30.0, max_retries=5, statement_cache_size=0, create=True,
+    )
+
+
+def from_config(config: StoreOptions) -> StoreOpener:
+    return open_store("sqlite:///cloud.db", **config)
+
+
+async def use() -> AllocationStore:
+    async with sqlite() as store:
+        pass
+    return await postgres()
+"""
+
+OPEN_STORE_MISTAKES = """
+from evstore import open_store
+
+a = open_store("sqlite:///cloud.db", pool_sise=20)  # line 4
+b = open_store("sqlite:///cloud.db", busy_timeout="30")  # line 5
+c = open_store("sqlite:///cloud.db", create="false")  # line 6
+"""
+
+
+def test_open_store_options_type_check_as_documented(tmp_path: Path) -> None:
+    result = _mypy(tmp_path, OPEN_STORE_OPTIONS)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mistakes_in_open_store_options_are_reported(tmp_path: Path) -> None:
+    """Regression (review 27, helper-72): ``open_store(url, **options: Any)`` returned the private
+    ``_StoreOpener``: a service could not annotate what it holds, and ``pool_sise=20`` or
+    ``busy_timeout="30"`` passed ``mypy --strict`` and failed only when the store opened."""
+    result = _mypy(tmp_path, OPEN_STORE_MISTAKES)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for line in (4, 5, 6):
+        assert f"service.py:{line}: error" in result.stdout, result.stdout
+
+
+def test_store_options_name_every_option_the_store_and_its_backends_take() -> None:
+    """``StoreOptions`` (what checkers see of ``open_store``'s keywords) stays the list the store
+    and both backends accept at run time, which still refuse anything else."""
+    pytest.importorskip("asyncpg")
+    from evstore import StoreOptions
+    from evstore.log import STORE_KEYWORDS, postgres, sqlite
+
+    accepted = {*STORE_KEYWORDS, *sqlite.OPTIONS, *postgres.OPTIONS}
+    assert set(StoreOptions.__optional_keys__) == accepted
+    assert not StoreOptions.__required_keys__
+
+
+async def test_an_unknown_open_store_option_is_still_refused_when_it_opens() -> None:
+    from evstore import InvalidInput, open_store
+
+    options: dict[str, Any] = {"pool_sise": 20}
+    with pytest.raises(InvalidInput, match="pool_sise"):
+        async with open_store("sqlite://", **options):
+            pass
