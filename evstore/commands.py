@@ -365,6 +365,9 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
                 f"Unable to allocate inventory: Inventory for '{rc}' on resource provider '{p}' invalid.",
                 provider=p,
                 resource_class=rc,
+                # (the keys of the refusal above, where several providers or classes can be named)
+                providers=[p],
+                resource_classes=[rc],
             )
         if amount < inv.min_unit or amount > inv.max_unit or amount % inv.step_size:
             raise err.ConstraintViolation(
@@ -488,7 +491,10 @@ def _release(state: State, command: Release) -> list[ev.EventBase]:
         # SPEC: NotFound when it holds nothing, a tombstoned consumer included (it never can).
         gone = f" (deleted at position {c.deleted_at})" if c.deleted else ""
         raise err.NotFound(
-            f"No allocations for consumer '{c.uuid}'{gone}", consumer=c.uuid, deleted=c.deleted
+            f"No allocations for consumer '{c.uuid}'{gone}",
+            consumer=c.uuid,
+            deleted=c.deleted,
+            deleted_at=c.deleted_at,  # (ConsumerDeleted's key for the tombstone's position)
         )
     return [ev.AllocationsReleased(consumer=c.uuid, released=c.allocations, on_behalf_of=c.on_behalf_of)]
 
@@ -510,7 +516,9 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
         _check_instance_alive(state, mig)
     if not inst.allocations:
         raise err.NotFound(
-            f"Instance {inst.uuid} holds no allocations to move to migration {mig.uuid}", consumer=inst.uuid
+            f"Instance {inst.uuid} holds no allocations to move to migration {mig.uuid}",
+            consumer=inst.uuid,
+            migration=mig.uuid,
         )
     if mig.allocations:
         raise _generation_conflict(
@@ -749,6 +757,7 @@ def _delete_inventory(state: State, command: DeleteInventory) -> list[ev.EventBa
             f"Inventory for '{rc}' on resource provider '{prov.uuid}' in use.",
             provider=prov.uuid,
             resource_class=rc,
+            resource_classes=[rc],  # (the key set_inventories' refusal names them by)
         )
     inventories = {k: v for k, v in prov.inventories.items() if k != rc}
     return [

@@ -77,7 +77,10 @@ class ConstraintViolation(EvstoreError):
 
 
 class InvalidInventory(EvstoreError):
-    """No usable inventory for an allocation, or an inventory record that cannot be."""
+    """No usable inventory for an allocation, or an inventory record that cannot be.
+
+    Refusing an allocation, ``details`` name the ``providers`` and ``resource_classes`` (lists:
+    one check names several), and ``provider`` and ``resource_class`` when one row decided."""
 
     code = "evstore.inventory.invalid"
 
@@ -89,6 +92,9 @@ class InvalidInventoryValue(InvalidInput, InvalidInventory):
 
 
 class InventoryInUse(EvstoreError):
+    """Removing inventory that allocations hold: ``details`` name the ``provider`` and the
+    ``resource_classes`` in use (and ``resource_class`` from ``delete_inventory``)."""
+
     code = "placement.inventory.inuse"
 
 

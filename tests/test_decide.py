@@ -831,3 +831,66 @@ def test_a_duplicate_name_on_rename_names_the_provider_as_on_create() -> None:
         when(state, RenameProvider(RP2, "rp1"))
     assert created.value.details == {"provider": RP3, "name": "rp1"}
     assert renamed.value.details == {"provider": RP2, "name": "rp1"}
+
+
+# --- one error, one shape of details ---------------------------------------------------------
+
+
+def test_every_invalid_inventory_names_its_providers_and_classes_under_the_same_keys() -> None:
+    """Regression (review 27, helper-72): ``InvalidInventory`` carried ``providers`` and
+    ``resource_classes`` (lists) when a provider had none of the command's classes, but only
+    ``provider`` and ``resource_class`` when one row's class was missing: a handler reading
+    ``exc.details["providers"]`` got a KeyError for the second."""
+    state = given(
+        *provider(RP1, "rp1", VCPU=Inventory(total=8)), *provider(RP2, "rp2", DISK_GB=Inventory(total=8))
+    )
+    with pytest.raises(err.InvalidInventory) as none_of_them:
+        when(state, one(write(C1, {RP1: {"VCPU": 1}, RP2: {"VCPU": 1}})))
+    with pytest.raises(err.InvalidInventory) as one_row:
+        when(state, one(write(C1, {RP1: {"VCPU": 1, "DISK_GB": 1}})))
+    assert none_of_them.value.details["providers"] == [RP2]
+    assert one_row.value.details["providers"] == [RP1]
+    assert one_row.value.details["resource_classes"] == ["DISK_GB"]
+    assert (one_row.value.details["provider"], one_row.value.details["resource_class"]) == (RP1, "DISK_GB")
+
+
+def test_every_inventory_in_use_names_its_classes_under_the_same_key() -> None:
+    """Regression (review 27, helper-72): ``set_inventories`` removing a class in use said
+    ``resource_classes``, ``delete_inventory`` of one only ``resource_class``."""
+    state = cloud(VCPU=Inventory(total=8), DISK_GB=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 1, "DISK_GB": 1}})))
+    with pytest.raises(err.InventoryInUse) as replaced:
+        when(state, SetInventories(RP1, {}, 2))
+    with pytest.raises(err.InventoryInUse) as deleted:
+        when(state, DeleteInventory(RP1, "VCPU"))
+    assert replaced.value.details["resource_classes"] == ["DISK_GB", "VCPU"]
+    assert deleted.value.details["resource_classes"] == ["VCPU"]
+    assert deleted.value.details["provider"] == replaced.value.details["provider"] == RP1
+
+
+def test_releasing_a_deleted_consumer_gives_the_position_of_its_tombstone_as_consumer_deleted_does() -> None:
+    """Regression (review 27, helper-72): the NotFound of ``release`` said "deleted at position
+    N" in its message but carried only ``deleted: True``; ``ConsumerDeleted`` carries the same
+    fact as ``deleted_at``."""
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}})))
+    when(state, DeleteConsumer(C1))
+    tombstone = state.position
+    with pytest.raises(err.NotFound) as released:
+        when(state, Release(C1))
+    with pytest.raises(err.ConsumerDeleted) as written:
+        when(state, one(write(C1, {RP1: {"VCPU": 1}})))
+    assert released.value.details["deleted_at"] == written.value.details["deleted_at"] == tombstone
+    assert released.value.details["deleted"] is True
+    with pytest.raises(err.NotFound) as never:
+        when(state, Release(C2))
+    assert never.value.details["deleted_at"] is None and never.value.details["deleted"] is False
+
+
+def test_a_migration_of_an_instance_holding_nothing_names_both_consumers() -> None:
+    """(review 27, helper-72: the NotFound of ``start_migration`` named only the instance, where
+    the other migration refusals name the migration too)"""
+    state = cloud(VCPU=Inventory(total=8))
+    with pytest.raises(err.NotFound) as info:
+        when(state, StartMigration(C1, MIG))
+    assert info.value.details == {"consumer": C1, "migration": MIG}
