@@ -805,7 +805,15 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> int:
-        """Replace the provider's whole inventory; returns the new provider generation."""
+        """Replace the provider's whole inventory; returns the new provider generation.
+
+        ``inventories``: ``{class: Inventory(total=..., ...)}`` (or a mapping of its fields);
+        ``generation``: the provider's current one (``(await store.inventories(p)).generation``).
+        Shrinking below current usage is allowed (the audit reports it as over capacity).
+        Raises ``ProviderNotFound``, ``ConcurrentUpdate`` (another generation),
+        ``InvalidInventory`` (``reserved > total``, ``min_unit > max_unit``: an
+        ``InvalidInput`` too), ``UnknownResourceClass``, ``InventoryInUse`` (removing a class
+        that allocations hold)."""
         puuid = normalize_uuid(provider, "provider uuid")
         if not isinstance(inventories, Mapping):
             raise err.InvalidInput("inventories must be a mapping of resource class to Inventory")
@@ -828,7 +836,11 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> int:
-        """Add or update one class of the provider's inventory; returns the new generation."""
+        """Add or update one class of the provider's inventory; returns the new generation.
+
+        ``inventory``: an ``Inventory`` (or a mapping of its fields); ``generation``: the
+        provider's current one. Raises ``ProviderNotFound``, ``ConcurrentUpdate``,
+        ``InvalidInventory`` and ``UnknownResourceClass`` as ``set_inventories`` does."""
         puuid = normalize_uuid(provider, "provider uuid")
         rc = validate_resource_class_name(resource_class)
         gen = validate_generation(generation, "provider generation", nullable=False)
@@ -861,7 +873,27 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
-        """Replace the allocations of one or more consumers atomically (Placement's POST /allocations)."""
+        """Replace the allocations of one or more consumers atomically (Placement's POST /allocations).
+
+        ``allocations``: ``{consumer: ConsumerAllocations(allocations=..., project_id=...,
+        user_id=..., consumer_type=..., consumer_generation=...)}`` (or a mapping of those
+        fields), each consumer's ``allocations`` as ``{provider: {class: amount}}`` - ``{}``
+        empties it. ``consumer_generation``: the consumer's current generation, or ``None`` (or
+        left out) for "I expect this consumer not to exist". Each consumer's allocations are
+        replaced, not added to. Emptying one consumer into another holding nothing (exactly its
+        allocations, same project and user) is recorded as a migration start (Nova's
+        ``move_allocations``). Returns the ``Receipt``: the positions appended and each
+        consumer's and provider's new generation.
+
+        Refused, with nothing written, in Placement's check order: ``ConcurrentUpdate`` (a
+        consumer generation that does not match: ``exc.details`` name the ``consumer``, the
+        stored generation ``expected`` and the one it ``got``), ``ConsumerDeleted`` (a
+        tombstoned consumer, or a migration of a deleted instance), ``ProviderNotFound``,
+        ``UnknownResourceClass``,
+        ``InvalidInventory`` (a provider without inventory of the class), ``ConstraintViolation``
+        (min_unit, max_unit, step_size), ``CapacityExceeded``; ``InvalidInput`` for a malformed
+        argument, ``IdempotencyConflict`` for a key used by another command.
+        """
         if not isinstance(allocations, Mapping) or not allocations:
             raise err.InvalidInput(
                 "write_allocations needs a non-empty mapping of consumer to ConsumerAllocations"
@@ -892,7 +924,20 @@ class AllocationStore:
     ) -> Receipt:
         """Replace one consumer's allocations (Placement's PUT /allocations/{consumer}).
 
-        ``generation=None`` means "I expect this consumer not to exist".
+        ``allocations``: ``{provider: {class: amount}}`` (``{}`` empties the consumer, which is
+        then absent again: its next write sends ``generation=None``). ``generation``: the
+        consumer's current one (``(await store.allocations(c)).generation``); ``generation=None``
+        means "I expect this consumer not to exist". Returns the ``Receipt`` (the consumer's new
+        generation in ``.consumer_generations``).
+
+        Refused, with nothing written, in Placement's check order: ``ConcurrentUpdate`` (a
+        consumer generation that does not match: ``exc.details`` name the ``consumer``, the
+        stored generation ``expected`` and the one it ``got``), ``ConsumerDeleted`` (a
+        tombstoned consumer, or a migration of a deleted instance), ``ProviderNotFound``,
+        ``UnknownResourceClass``,
+        ``InvalidInventory`` (a provider without inventory of the class), ``ConstraintViolation``
+        (min_unit, max_unit, step_size), ``CapacityExceeded``; ``InvalidInput`` for a malformed
+        argument, ``IdempotencyConflict`` for a key used by another command.
         """
         write = cmd.ConsumerWrite(
             normalize_uuid(consumer, "consumer uuid"),
@@ -912,7 +957,10 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
-        """Remove all of a consumer's allocations (Placement's DELETE /allocations/{consumer})."""
+        """Remove all of a consumer's allocations (Placement's DELETE /allocations/{consumer}):
+        no generation check, no provider generation bump; the consumer is absent again (not
+        deleted: ``delete_consumer`` tombstones). Raises ``NotFound`` when it holds nothing
+        (``exc.details["deleted_at"]``: its tombstone's position, if it was deleted)."""
         return await self._submit(
             cmd.Release(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
         )
@@ -976,7 +1024,11 @@ class AllocationStore:
         idempotency_key: str | None = None,
         metadata: Mapping[str, Any] | Metadata | None = None,
     ) -> Receipt:
-        """Tombstone a consumer: release its allocations and its migrations', forever."""
+        """Tombstone a consumer, forever: release its allocations and those of every migration
+        holding resources on its behalf, in one event. Any later write that would give it (or
+        such a migration) allocations - a late revert, a racing build - is refused with
+        ``ConsumerDeleted``. A consumer never seen, or absent, is tombstoned all the same;
+        deleting a deleted one changes nothing (the receipt has no positions)."""
         return await self._submit(
             cmd.DeleteConsumer(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
         )

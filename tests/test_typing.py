@@ -271,3 +271,64 @@ async def test_an_unknown_open_store_option_is_still_refused_when_it_opens() -> 
     with pytest.raises(InvalidInput, match="pool_sise"):
         async with open_store("sqlite://", **options):
             pass
+
+
+#: what ``help()`` of each write must tell a person: what it takes and what it raises
+WRITE_DOCS = {
+    "write_allocations": (
+        "ConsumerAllocations",
+        "consumer_generation",
+        "{provider: {class: amount}}",
+        "project_id",
+        "ConcurrentUpdate",
+        "ConsumerDeleted",
+        "ProviderNotFound",
+        "UnknownResourceClass",
+        "InvalidInventory",
+        "ConstraintViolation",
+        "CapacityExceeded",
+        "Receipt",
+    ),
+    "set_allocations": (
+        "{provider: {class: amount}}",
+        "generation=None",
+        "ConcurrentUpdate",
+        "ConsumerDeleted",
+        "ProviderNotFound",
+        "UnknownResourceClass",
+        "InvalidInventory",
+        "ConstraintViolation",
+        "CapacityExceeded",
+        "Receipt",
+    ),
+    "set_inventories": (
+        "Inventory",
+        "generation",
+        "ConcurrentUpdate",
+        "InventoryInUse",
+        "UnknownResourceClass",
+    ),
+    "set_inventory": (
+        "Inventory",
+        "generation",
+        "ConcurrentUpdate",
+        "UnknownResourceClass",
+        "ProviderNotFound",
+    ),
+    "release": ("NotFound", "generation"),
+    "delete_consumer": ("tombstone", "ConsumerDeleted", "migration"),
+}
+
+
+@pytest.mark.parametrize("method", sorted(WRITE_DOCS))
+def test_help_of_each_write_says_what_it_takes_and_raises(method: str) -> None:
+    """Regression (review 27, helper-72): ``help(AllocationStore.write_allocations)`` said only
+    "Replace the allocations of one or more consumers atomically": not the body's shape, the
+    generation rule or a single error; ``set_allocations`` and the inventory writes named no error."""
+    import inspect
+
+    from evstore import AllocationStore
+
+    doc = inspect.getdoc(getattr(AllocationStore, method)) or ""
+    missing = [word for word in WRITE_DOCS[method] if word not in doc]
+    assert not missing, f"{method}'s docstring does not mention {missing}:\n{doc}"
