@@ -195,14 +195,29 @@ def _logs_rejections(
 
 
 @contextlib.contextmanager
-def command_metadata(**metadata: Any) -> Iterator[None]:
-    """Attach metadata (``request_id``, ``correlation_id``, ``causation_id``, ``actor``...) to every
-    command issued in this context (it follows the current task and its children).
+def command_metadata(
+    *,
+    request_id: str | None = None,
+    correlation_id: str | None = None,
+    causation_id: str | None = None,
+    actor: str | None = None,
+    **metadata: Any,
+) -> Iterator[None]:
+    """Attach metadata (``request_id``, ``correlation_id``, ``causation_id``, ``actor``, and any
+    other JSON value under a key of the caller's) to every command issued in this context (it
+    follows the current task and its children); ``None`` leaves a key as the enclosing context
+    set it.
 
     ``command``, ``command_id`` and ``idempotency_key`` are written by evstore for each command;
     values given for them here or in ``metadata=`` are replaced."""
+    named = {
+        "request_id": request_id,
+        "correlation_id": correlation_id,
+        "causation_id": causation_id,
+        "actor": actor,
+    }
     current = dict(_command_metadata.get() or {})
-    current.update({k: v for k, v in metadata.items() if v is not None})
+    current.update({k: v for k, v in {**named, **metadata}.items() if v is not None})
     # refused here, where it was given, rather than by each command in it (evstore's own keys are
     # replaced by each command, so whatever was given for them does not matter)
     _metadata_json({k: v for k, v in current.items() if k not in _OWN_METADATA_KEYS}, True)

@@ -332,3 +332,24 @@ def test_help_of_each_write_says_what_it_takes_and_raises(method: str) -> None:
     doc = inspect.getdoc(getattr(AllocationStore, method)) or ""
     missing = [word for word in WRITE_DOCS[method] if word not in doc]
     assert not missing, f"{method}'s docstring does not mention {missing}:\n{doc}"
+
+
+COMMAND_METADATA = """
+from evstore import command_metadata
+
+with command_metadata(request_id="req-1", correlation_id="c", causation_id="x", actor="me", tenant="t"):
+    pass
+with command_metadata(request_id=5):  # line 6
+    pass
+with command_metadata(actor=["me"]):  # line 8
+    pass
+"""
+
+
+def test_command_metadata_shows_its_documented_keywords_to_checkers(tmp_path: Path) -> None:
+    """(review 27, helper-72: ``command_metadata(**metadata: Any)`` let ``request_id=5`` through
+    the checker, refused only when run; the documented keys are typed now, others still allowed)"""
+    result = _mypy(tmp_path, COMMAND_METADATA)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if ": error" in line]
+    assert [e.split(":")[1] for e in errors] == ["6", "8"], result.stdout
