@@ -567,6 +567,7 @@ def _migration_and_instance(
             f"Consumer {migration} was deleted at position {mig.deleted_at} (whatever it held was "
             f"released then): there is no migration of it to {'revert' if giving_back else 'confirm'}",
             consumer=migration,
+            migration=migration,  # (as the refusal for a deleted instance names it)
             deleted_at=mig.deleted_at,
         )
     if mig.on_behalf_of is None:

@@ -894,3 +894,16 @@ def test_a_migration_of_an_instance_holding_nothing_names_both_consumers() -> No
     with pytest.raises(err.NotFound) as info:
         when(state, StartMigration(C1, MIG))
     assert info.value.details == {"consumer": C1, "migration": MIG}
+
+
+def test_every_refused_revert_or_confirm_of_a_deleted_consumer_names_the_migration() -> None:
+    """(review 27, helper-72: a revert refused because its instance was deleted carried
+    ``migration``; one refused because the migration consumer itself was deleted did not)"""
+    state = cloud(VCPU=Inventory(total=8))
+    when(state, one(write(C1, {RP1: {"VCPU": 1}})))
+    when(state, StartMigration(C1, MIG))
+    when(state, DeleteConsumer(MIG))
+    for command in (RevertMigration(MIG), ConfirmMigration(MIG)):
+        with pytest.raises(err.ConsumerDeleted) as info:
+            when(state, command)
+        assert info.value.details["migration"] == info.value.details["consumer"] == MIG
