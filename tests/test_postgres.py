@@ -1687,3 +1687,94 @@ async def test_a_store_found_further_along_the_search_path_shares_its_locks(pg_u
     finally:
         await admin.execute(f'DROP SCHEMA IF EXISTS "{empty}" CASCADE')
         await admin.close()
+
+
+class _Partition:
+    """A TCP relay in front of the server that can stop relaying: a network partition (the
+    server alive, its answers - and new connections - held back until it heals)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.hostname is None or parts.port is None:
+            pytest.skip("the server's URL names no TCP host and port to relay")
+        self._upstream = (parts.hostname, parts.port)
+        self._parts = parts
+        self._healed = asyncio.Event()
+        self._healed.set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        netloc = self._parts.netloc.rsplit("@", 1)
+        netloc[-1] = f"127.0.0.1:{port}"
+        return urlunsplit(self._parts._replace(netloc="@".join(netloc)))
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.heal()
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def cut(self) -> None:
+        self._healed.clear()
+
+    def heal(self) -> None:
+        self._healed.set()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._healed.wait()
+            up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+            self._tasks.discard(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._healed.wait()
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+async def test_a_command_in_a_partition_fails_after_command_timeout_not_once_per_pooled_connection(
+    pg_url: str,
+) -> None:
+    """Regression (helper-74): a BEGIN that ran out of command_timeout was taken for a dead pooled
+    connection and the command tried again on the next one, up to max_retries: with
+    command_timeout=1 and a pool of 10, a command in a network partition failed after 18-21 s
+    (or, had the partition healed meanwhile, went through after them), where the README promises
+    that with command_timeout it fails as evstore.storage."""
+    partition = _Partition(pg_url)
+    async with partition as relayed, open_store(relayed, command_timeout=1, connect_timeout=3) as store:
+        rp = await make_provider(store, VCPU=100)
+        await asyncio.gather(*(make_provider(store, VCPU=1) for _ in range(24)))  # (pooled connections)
+        head = await store.head()
+        consumer = new_uuid()
+        loop = asyncio.get_running_loop()
+        partition.cut()
+        started = loop.time()
+        with pytest.raises(StorageError) as caught:
+            await allocate(store, consumer, {rp: {"VCPU": 2}})
+        took = loop.time() - started
+        partition.heal()
+        assert took < 3, f"failed after {took:.1f} s with command_timeout=1"
+        assert caught.value.details["outcome_unknown"] is False
+        assert "within command_timeout (1 s)" in caught.value.message, caught.value.message
+        assert "rolled back" in caught.value.message, caught.value.message
+        assert await store.head() == head, "the command that failed wrote nothing"
+        assert (await store.allocations(consumer)).allocations == {}
+        await allocate(store, consumer, {rp: {"VCPU": 2}})  # healed: the store works again
+        assert (await store.audit()).clean

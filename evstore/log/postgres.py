@@ -1278,8 +1278,10 @@ class PostgresBackend:
                 try:
                     await tx.start()
                 except DB_ERRORS as exc:
-                    if _is_connection_error(exc):
+                    if _is_connection_error(exc) and not isinstance(exc, TimeoutError):
                         raise _StaleConnection() from None  # nothing was sent: safe to retry
+                    # (a BEGIN that ran out of command_timeout is no dead connection: the server
+                    # did not answer - a partition - and the pool's next one would wait as long)
                     raise
                 outcome = await self._decide_and_append(conn, job, keys)
                 if isinstance(outcome, err.EvstoreError):
