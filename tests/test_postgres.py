@@ -1778,3 +1778,34 @@ async def test_a_command_in_a_partition_fails_after_command_timeout_not_once_per
         assert (await store.allocations(consumer)).allocations == {}
         await allocate(store, consumer, {rp: {"VCPU": 2}})  # healed: the store works again
         assert (await store.audit()).clean
+
+
+async def test_a_timed_out_statement_fails_after_command_timeout_not_twice_that(pg_url: str) -> None:
+    """Regression (helper-74): asyncpg cancels a statement that ran out of command_timeout, and
+    releasing its connection to the pool waited for that cancellation - up to command_timeout
+    again. Where the server does not answer (a partition) every command and read failed after
+    twice the timeout the caller set. The connection is closed instead."""
+    partition = _Partition(pg_url)
+    async with partition as relayed, open_store(relayed, command_timeout=1, connect_timeout=3) as store:
+        rp = await make_provider(store, VCPU=100)
+        await asyncio.gather(*(make_provider(store, VCPU=1) for _ in range(8)), store.head(), store.usage(rp))
+        head = await store.head()
+        consumer = new_uuid()
+        loop = asyncio.get_running_loop()
+        partition.cut()
+        took = {}
+        for name, call in (
+            ("command", lambda: allocate(store, consumer, {rp: {"VCPU": 2}})),
+            ("usage", lambda: store.usage(rp)),
+            ("head", store.head),
+        ):
+            started = loop.time()
+            with pytest.raises(StorageError) as caught:
+                await call()
+            took[name] = loop.time() - started
+            assert "within command_timeout (1 s)" in caught.value.message, caught.value.message
+        partition.heal()
+        assert max(took.values()) < 1.6, f"failed after {took} with command_timeout=1"
+        assert await store.head() == head and (await store.allocations(consumer)).allocations == {}
+        await allocate(store, consumer, {rp: {"VCPU": 2}})  # healed: the store works again
+        assert (await store.audit()).clean

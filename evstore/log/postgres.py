@@ -742,6 +742,18 @@ def _closed(conn: Any) -> bool:
         return True
 
 
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was raised while handling, asyncpg's ``TimeoutError`` (a statement
+    that ran out of ``command_timeout``: evstore's errors replace it ``from None``)."""
+    for _ in range(10):
+        if exc is None:
+            return False
+        if isinstance(exc, TimeoutError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _is_connection_error(exc: BaseException) -> bool:
     """``InternalClientError`` ("cannot switch to state ...; another operation is in progress"):
     what asyncpg raises on a pooled connection the server killed while it was idle."""
@@ -1006,6 +1018,14 @@ class PostgresBackend:
             raise err.StoreClosed("The store is closed")
         try:
             yield conn
+        except BaseException as exc:
+            if _timed_out(exc):
+                # asyncpg cancels a statement that ran out of command_timeout, and releasing the
+                # connection waits for that cancellation, up to command_timeout again: where the
+                # server does not answer (a partition), every failure took twice the timeout.
+                # Closed instead (the server rolls back what it held; the pool connects anew).
+                conn.terminate()
+            raise
         finally:
             with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
                 await pool.release(conn)
