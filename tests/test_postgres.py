@@ -1809,3 +1809,39 @@ async def test_a_timed_out_statement_fails_after_command_timeout_not_twice_that(
         assert await store.head() == head and (await store.allocations(consumer)).allocations == {}
         await allocate(store, consumer, {rp: {"VCPU": 2}})  # healed: the store works again
         assert (await store.audit()).clean
+
+
+def test_a_connection_killed_mid_transaction_is_named_by_the_servers_reason() -> None:
+    """Regression (helper-74): when the server ended a connection (pg_terminate_backend, an
+    idle_in_transaction_session_timeout, a restart) during an import, a rebuild or an audit of
+    the history index, what the caller read was asyncpg's complaint about the cleanup that
+    followed - the rollback of the transaction block, a DROP of the staged table - not the
+    reason: "Lost the connection to PostgreSQL while checking the history index: cannot call
+    Connection.execute(): connection has been released back to the pool" (which reads like a
+    bug of evstore's). The server's reason is named."""
+    from evstore.log import postgres as pgmod
+
+    reason = "terminating connection due to administrator command"
+
+    def cleanup_after_kill(complaint: str) -> BaseException:
+        try:
+            try:
+                raise asyncpg.exceptions.ConnectionDoesNotExistError(
+                    f"connection was closed in the middle of operation: {reason}"
+                )
+            finally:
+                raise asyncpg.InterfaceError(complaint)
+        except asyncpg.InterfaceError as exc:
+            return exc
+
+    for complaint, doing, committing in (
+        ("cannot call Connection.execute(): connection has been released back to the pool", "checking", None),
+        ("cannot call Transaction.__aexit__(): the underlying connection is closed", "importing", False),
+    ):
+        failed = pgmod._storage_error(cleanup_after_kill(complaint), doing, committing)
+        assert reason in failed.message, failed.message
+        assert "released back to the pool" not in failed.message and "__aexit__" not in failed.message
+        assert failed.message.startswith(f"Lost the connection to PostgreSQL while {doing}: ")
+    # a complaint of asyncpg's with nothing behind it is still named as it is
+    alone = asyncpg.InterfaceError("cannot perform operation: another operation is in progress")
+    assert "another operation is in progress" in pgmod._storage_error(alone, "reading").message

@@ -754,6 +754,20 @@ def _timed_out(exc: BaseException | None) -> bool:
     return False
 
 
+def _reason(exc: BaseException) -> BaseException:
+    """The error to name for ``exc``: when the server ends a connection inside a transaction
+    block or before a cleanup statement, asyncpg's complaint about that cleanup on the dead
+    connection ("cannot call Transaction.__aexit__(): the underlying connection is closed",
+    "... connection has been released back to the pool") replaces the server's reason, which it
+    was raised while handling."""
+    for _ in range(5):
+        context = exc.__context__
+        if not isinstance(exc, asyncpg.InterfaceError) or not isinstance(context, DB_ERRORS):
+            break
+        exc = context
+    return exc
+
+
 def _is_connection_error(exc: BaseException) -> bool:
     """``InternalClientError`` ("cannot switch to state ...; another operation is in progress"):
     what asyncpg raises on a pooled connection the server killed while it was idle."""
@@ -781,6 +795,7 @@ def _storage_error(
     (rolled back), None for work that writes nothing of the caller's (reads, the sequencer).
     ``timeout``: the setting a ``TimeoutError`` means ran out, as the message names it; ``keyed``:
     the command carries an idempotency key (a retry with it is safe, without it is not)."""
+    exc = _reason(exc)
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, TimeoutError):
