@@ -1845,3 +1845,25 @@ def test_a_connection_killed_mid_transaction_is_named_by_the_servers_reason() ->
     # a complaint of asyncpg's with nothing behind it is still named as it is
     alone = asyncpg.InterfaceError("cannot perform operation: another operation is in progress")
     assert "another operation is in progress" in pgmod._storage_error(alone, "reading").message
+
+
+def test_a_statement_timeout_says_where_to_raise_it() -> None:
+    """Regression (helper-74): a role's or database's low statement_timeout ended a long audit or
+    rebuild with "PostgreSQL error while reading the log: canceling statement due to statement
+    timeout", which does not say that the setting can be raised for evstore's sessions alone."""
+    from evstore.log import postgres as pgmod
+
+    timed_out = pgmod._storage_error(
+        asyncpg.exceptions.QueryCanceledError("canceling statement due to statement timeout"),
+        "reading the log",
+        None,
+    )
+    assert timed_out.code == "evstore.storage"
+    assert "?statement_timeout=0" in timed_out.message, timed_out.message
+    # a cancellation for another reason (pg_cancel_backend) is not blamed on the setting
+    cancelled = pgmod._storage_error(
+        asyncpg.exceptions.QueryCanceledError("canceling statement due to user request"),
+        "reading the log",
+        None,
+    )
+    assert "statement_timeout" not in cancelled.message

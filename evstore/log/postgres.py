@@ -806,6 +806,13 @@ def _storage_error(
         lead = f"Lost the connection to PostgreSQL while {doing}: {text}"
     else:
         lead = f"PostgreSQL error while {doing}: {text}"
+        if sqlstate == "57014" and "statement timeout" in text:
+            # (a role's or database's low statement_timeout ends a long audit or rebuild: say where
+            # to raise it, for evstore's sessions only)
+            lead += (
+                " (the statement_timeout of the URL, the role or the database ended it: raise it for "
+                "evstore's sessions, e.g. ?statement_timeout=0 in the store URL)"
+            )
         if committing is None:
             return err.StorageError(lead, sqlstate=sqlstate)
         # the server answered with an error: the transaction is rolled back, also at COMMIT
