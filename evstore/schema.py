@@ -293,6 +293,13 @@ class ConsumerAllocations(BaseModel):
     else:
 
         def __init__(self, /, **data: Any) -> None:
+            if "generation" in data and "consumer_generation" in data:
+                # (pydantic took one and called the other "Extra inputs are not permitted")
+                raise InvalidInput(
+                    "Invalid consumer allocations: give consumer_generation or its alias generation, "
+                    "not both",
+                    field="consumer_generation",
+                )
             try:
                 super().__init__(**data)
             except ValidationError as exc:

@@ -917,6 +917,16 @@ def test_the_value_models_refuse_bad_values_with_typed_errors() -> None:
         allocations={}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=3
     )
     assert ca.consumer_generation == 3
+    # (helper-72: both spellings at once were "generation: Extra inputs are not permitted")
+    with pytest.raises(InvalidInput, match="consumer_generation or its alias generation, not both"):
+        ConsumerAllocations(
+            allocations={},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            consumer_generation=1,
+            generation=2,
+        )
     for wrong in (True, "2", 3.0, -1):  # were coerced to 1, 2 and 3 past the generation check
         with pytest.raises(InvalidInput, match="generation: Input should be"):
             ConsumerAllocations(
