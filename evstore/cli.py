@@ -898,7 +898,9 @@ def diff(
         not_empty(b, "B", "a position or an ISO time with a zone")
         async with open_existing(resolve_url(db, url)) as store:
             result = await store.diff(parse_point(a, "A"), parse_point(b, "B"))
-            names = await provider_names(store)
+            # (names as the usage deltas give them, at b or else at a; today's only for a
+            # provider neither end holds: allocations an imported log left on an absent one)
+            names = {**await provider_names(store), **result.provider_names}
         if json_out:
             emit_json(result.to_dict())
             return EXIT_OK

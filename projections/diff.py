@@ -83,6 +83,10 @@ class Diff:
     providers_created: list[str] = field(default_factory=list)
     providers_deleted: list[str] = field(default_factory=list)
     events_by_type: dict[str, int] = field(default_factory=dict)
+    #: the name of every provider the diff names (usage, consumers' allocations, created or
+    #: deleted) as it was at ``b``, or at ``a`` for one gone by then: what the usage deltas say,
+    #: not what the provider is called today (it may have been renamed or deleted since)
+    provider_names: dict[str, str] = field(default_factory=dict)
 
     def of_change(self, kind: ChangeKind) -> list[ConsumerChange]:
         return [c for c in self.consumers if c.change == kind]
@@ -99,6 +103,7 @@ class Diff:
             "providers_deleted": self.providers_deleted,
             "usage": [u.to_dict() for u in self.usage],
             "consumers": [c.to_dict() for c in self.consumers],
+            "provider_names": dict(sorted(self.provider_names.items())),
         }
 
 
@@ -246,4 +251,11 @@ def _describe(
                 known.on_behalf_of if known is not None else None,
             )
         )
+    named = {*result.providers_created, *result.providers_deleted, *(u.provider for u in result.usage)}
+    for change in result.consumers:
+        named.update(change.before, change.after)
+    for uuid in sorted(named):
+        known_provider = state.providers.get(uuid) or before.providers.get(uuid)
+        if known_provider is not None:
+            result.provider_names[uuid] = known_provider.name
     return result

@@ -141,6 +141,52 @@ def test_diff_lists_the_providers_created_and_deleted(tmp_path: Path) -> None:
         assert uuid in human.stdout.replace("\n", "")
 
 
+def test_diff_names_providers_as_they_were_not_as_they_are_today(tmp_path: Path) -> None:
+    # The consumers table and the providers created/deleted used today's names: a provider
+    # deleted since showed as a bare uuid (or an 8-character stub in a consumer's allocations),
+    # and a renamed one under a name the usage table of the same diff did not use.
+    db = tmp_path / "c.db"
+    host, child, server = (
+        "5b1e4c1e-0c5f-4c55-8a38-3f0d2b0d4e11",
+        "7c3a2b1d-4e5f-4a6b-8c7d-9e0f1a2b3c4d",
+        "9d2f1a3b-7a4e-4f0e-9a55-0c3e2b1d6f22",
+    )
+
+    async def seed() -> tuple[int, int]:
+        async with open_store(f"sqlite:///{db}") as store:
+            await store.create_provider(host, "compute-1")
+            await store.set_inventories(host, {"VCPU": {"total": 8}}, generation=0)
+            await store.create_provider(child, "compute-1-numa0", parent=host)
+            await store.set_inventories(child, {"VCPU": {"total": 8}}, generation=0)
+            await store.set_allocations(
+                server, {child: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE",
+                generation=None,
+            )  # fmt: skip
+            start = await store.head()
+            await store.delete_consumer(server)
+            await store.delete_provider(child)
+            end = await store.head()
+            await store.rename_provider(host, "compute-1-renamed")  # (after the span asked about)
+            await store.set_allocations(
+                server.replace("9d", "8d", 1), {host: {"VCPU": 1}}, project_id="p", user_id="u",
+                consumer_type="INSTANCE", generation=None,
+            )  # fmt: skip
+            return start, end
+
+    start, end = asyncio.run(seed())
+    human = evstore("diff", str(start), str(end), "--db", str(db))
+    assert human.returncode == 0, human.stderr
+    text = human.stdout.replace("\n", "")
+    assert f"providers deleted (1): compute-1-numa0 ({child})" in text
+    [row] = [line for line in human.stdout.splitlines() if server in line]
+    assert "compute-1-numa0: VCPU=2" in row, row
+    change = _json("diff", str(start), str(end), "--db", str(db))
+    assert change["providers_deleted"] == [child]
+    assert change["provider_names"] == {child: "compute-1-numa0"}
+    renamed = _json("diff", "0", str(end), "--db", str(db))
+    assert renamed["provider_names"][host] == "compute-1"  # (its name then; renamed later)
+
+
 def test_rebuild_snapshot_and_stats(tmp_path: Path) -> None:
     db = tmp_path / "c.db"
     demo = _json("demo", "--db", str(db), "--instances", "30", "--nodes", "3")
