@@ -545,8 +545,9 @@ def fmt_allocs(allocs: dict[str, dict[str, int]], names: Names) -> str:
     return "; ".join(parts)
 
 
-def describe(event: Any, names: Names, short: bool = False) -> str:
-    """One line saying what an event did, for people (``short``: consumer uuids cut to 8 characters)."""
+def describe(event: Any, names: Names, short: bool = False, learned: Names | None = None) -> str:
+    """One line saying what an event did, for people (``short``: consumer uuids cut to 8 characters;
+    ``learned``: the names the events listed before this one gave, see :func:`learn_name`)."""
     from evstore import events as ev
 
     def u(uuid: str) -> str:
@@ -598,7 +599,9 @@ def describe(event: Any, names: Names, short: bool = False) -> str:
             parent = f" under {names.get(event.parent, event.parent)}" if event.parent else ""
             return f"provider {event.name} ({event.provider}) created{parent}"
         case ev.ProviderUpdated():
-            return f"provider {event.provider} renamed to {event.name}"
+            old = (learned or {}).get(event.provider)  # (today's name is no clue to the old one)
+            was = f" from {old}" if old is not None and old != event.name else ""
+            return f"provider {event.provider} renamed{was} to {event.name}"
         case ev.ProviderDeleted():
             return f"provider {names.get(event.provider, event.provider)} deleted"
         case ev.ResourceClassCreated():
@@ -606,9 +609,18 @@ def describe(event: Any, names: Names, short: bool = False) -> str:
     return str(event.event_type)
 
 
-def event_json(recorded: Any, names: Names) -> dict[str, Any]:
+def learn_name(names: Names, learned: Names, recorded: Any) -> None:
+    """After describing ``recorded``: the name its provider has from then on (created, renamed),
+    so that a listing in log order (``history``, ``tail``) names each provider as it was called
+    at each event, not as it is called today (or, once deleted, not at all). ``learned`` keeps
+    only the names the listing's own events gave (what a rename was renamed from)."""
+    if recorded.type in ("ProviderCreated", "ProviderUpdated"):
+        names[recorded.event["provider"]] = learned[recorded.event["provider"]] = recorded.event["name"]
+
+
+def event_json(recorded: Any, names: Names, learned: Names | None = None) -> dict[str, Any]:
     out: dict[str, Any] = recorded.to_json()
-    out["summary"] = describe(recorded.event, names)
+    out["summary"] = describe(recorded.event, names, learned=learned)
     return out
 
 
@@ -622,7 +634,7 @@ def events_table(title: str) -> Table:
     return table
 
 
-def event_row(recorded: Any, names: Names) -> tuple[str, str, str, str, str]:
+def event_row(recorded: Any, names: Names, learned: Names | None = None) -> tuple[str, str, str, str, str]:
     """One event's cells in an :func:`events_table`."""
     meta = recorded.metadata
     who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
@@ -631,7 +643,7 @@ def event_row(recorded: Any, names: Names) -> tuple[str, str, str, str, str]:
         recorded.recorded_at.isoformat(timespec="microseconds"),
         recorded.type,
         safe(who),
-        safe(describe(recorded.event, names, short=True)),
+        safe(describe(recorded.event, names, short=True, learned=learned)),
     )
 
 
@@ -672,6 +684,7 @@ def history(
         key = normalize_uuid(uuid)
         async with open_existing(resolve_url(db, url)) as store:
             names = await provider_names(store)
+            learned: Names = {}  # (see learn_name)
             # Neither the decoded events nor the whole document are kept (a busy provider's
             # history is a good part of the log: 112k events of a 400k-event log took 1.3 GB):
             # with --json each event's text goes to a temporary file, printed once the history
@@ -684,10 +697,11 @@ def history(
                         if json_out:
                             if count:
                                 spool.write(",\n")
-                            text = json.dumps(event_json(recorded, names), indent=2, default=str)
+                            text = json.dumps(event_json(recorded, names, learned), indent=2, default=str)
                             spool.write("    " + text.replace("\n", "\n    "))
                         else:
-                            rows.append(event_row(recorded, names))
+                            rows.append(event_row(recorded, names, learned))
+                        learn_name(names, learned, recorded)
                         count += 1
                 except err.CorruptEvent:
                     # a damaged row: the events before it first (as tail does), then the error; with
@@ -988,6 +1002,7 @@ def tail(
             if start > head:  # (as state and diff: a position the log has not reached)
                 raise err.InvalidInput(f"position {start} is beyond the head of the log ({head})")
             names = await provider_names(store)
+            learned: Names = {}  # (see learn_name)
             out = console()
             file = await _file_of(store)  # (before "following": what the file must stay)
             if follow:
@@ -1000,20 +1015,19 @@ def tail(
             async for recorded in _following(store, start, follow, file):
                 if not follow and recorded.position > head:
                     break
-                if recorded.type in ("ProviderCreated", "ProviderUpdated"):  # (a rename, too)
-                    names[recorded.event["provider"]] = recorded.event["name"]
                 if json_out:
-                    print(json.dumps(event_json(recorded, names), default=str), flush=True)
+                    print(json.dumps(event_json(recorded, names, learned), default=str), flush=True)
                 else:
                     meta = recorded.metadata  # (as history shows it: request / actor)
                     who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
-                    what = describe(recorded.event, names, short=True)
+                    what = describe(recorded.event, names, short=True, learned=learned)
                     out.print(  # (never folded: one event, one line, for grep)
                         f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='microseconds')} "
                         f"{recorded.type:<20} {safe(who)}  {safe(what)}",
                         soft_wrap=True,
                     )
                     sys.stdout.flush()
+                learn_name(names, learned, recorded)
                 seen += 1
                 if (limit is not None and seen >= limit) or (not follow and recorded.position >= head):
                     break

@@ -187,6 +187,40 @@ def test_diff_names_providers_as_they_were_not_as_they_are_today(tmp_path: Path)
     assert renamed["provider_names"][host] == "compute-1"  # (its name then; renamed later)
 
 
+def test_history_names_a_provider_as_it_was_called_at_each_event(tmp_path: Path) -> None:
+    # history named every provider by today's name: "provider cn-040 created", then on the next
+    # line "inventory of renamed-393-bfdd", a name given 130,000 events later; a rename did not
+    # say what it renamed from, and a deleted provider's own events named it by uuid only.
+    db = tmp_path / "c.db"
+    host, gone = "5b1e4c1e-0c5f-4c55-8a38-3f0d2b0d4e11", "7c3a2b1d-4e5f-4a6b-8c7d-9e0f1a2b3c4d"
+
+    async def seed() -> None:
+        async with open_store(f"sqlite:///{db}") as store:
+            await store.create_provider(host, "cn-040")
+            await store.set_inventories(host, {"VCPU": {"total": 8}}, generation=0)
+            await store.rename_provider(host, "cn-040-new")
+            await store.set_inventories(host, {"VCPU": {"total": 16}}, generation=1)
+            await store.create_provider(gone, "cn-old")
+            await store.set_inventories(gone, {"VCPU": {"total": 8}}, generation=0)
+            await store.delete_provider(gone)
+
+    asyncio.run(seed())
+    human = evstore("history", host, "--db", str(db))
+    assert human.returncode == 0, human.stderr
+    text = " ".join(human.stdout.replace("│", " ").split())
+    assert "inventory of cn-040: VCPU=8" in text, text
+    assert f"provider {host} renamed from cn-040 to cn-040-new" in text, text
+    assert "inventory of cn-040-new: VCPU=16" in text, text
+    summaries = [e["summary"] for e in _json("history", host, "--db", str(db))["events"]]
+    assert summaries[1] == "inventory of cn-040: VCPU=8", summaries
+    deleted = [e["summary"] for e in _json("history", gone, "--db", str(db))["events"]]
+    assert deleted[1:] == ["inventory of cn-old: VCPU=8", "provider cn-old deleted"], deleted
+    # tail does the same, and says "from" only when the log it printed gave the old name
+    tail = evstore("tail", "--db", str(db), "--after", "2", "--no-follow")
+    assert tail.returncode == 0, tail.stderr
+    assert f"provider {host} renamed to cn-040-new" in tail.stdout, tail.stdout
+
+
 def test_rebuild_snapshot_and_stats(tmp_path: Path) -> None:
     db = tmp_path / "c.db"
     demo = _json("demo", "--db", str(db), "--instances", "30", "--nodes", "3")
