@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -479,9 +480,49 @@ def leak_findings(state: State) -> list[Finding]:
                 f"Consumer {leak.consumer} holds {leak.allocations} but {leak.reason} "
                 f"(allocated at position {leak.allocated_at}, tombstone at {leak.tombstone_position})",
                 positions,
-                {"consumer": leak.consumer, "allocations": leak.allocations, "reason": leak.reason},
+                {
+                    "consumer": leak.consumer,
+                    "allocations": leak.allocations,
+                    "reason": leak.reason,
+                    "allocated_at": leak.allocated_at,
+                    "deleted_at": leak.tombstone_position,
+                },
             )
         )
+    return out
+
+
+async def cite_requests(findings: list[Finding], read: ReadRows) -> list[Finding]:
+    """Leak findings with who asked for the two events that made each leak - the one that last
+    gave the allocations and the tombstone - as their request id and actor: what an operator
+    looks up in the other services' logs (the positions alone sent them to ``evstore history``
+    for it). Two rows read per leak; a row whose metadata does not decode (its own integrity
+    finding) or carries neither cites nothing."""
+    out = []
+    for finding in findings:
+        requests: dict[str, dict[str, str]] = {}
+        for what, key in (("allocated", "allocated_at"), ("deleted", "deleted_at")):
+            position = finding.details.get(key)
+            rows = await read(position - 1, 1) if isinstance(position, int) and position > 0 else []
+            if not rows or rows[0].position != position:
+                continue
+            try:
+                meta = json.loads(rows[0].metadata)
+            except ValueError:
+                continue
+            if isinstance(meta, dict):
+                cited = {k: meta[k] for k in ("request_id", "actor") if isinstance(meta.get(k), str)}
+                if cited:
+                    requests[what] = cited
+        if requests:
+            said = ", ".join(f"{what} by {' / '.join(cited.values())}" for what, cited in requests.items())
+            finding = Finding(
+                finding.kind,
+                f"{finding.message}; {said}",
+                finding.positions,
+                {**finding.details, "requests": requests},
+            )
+        out.append(finding)
     return out
 
 
@@ -646,7 +687,7 @@ async def audit(
         if lost_tail is not None and (lost := await lost_tail()) is not None:
             report.findings.append(truncation_finding(lost))
         report.findings.extend(drift)
-    report.findings.extend(leak_findings(replayed))
+    report.findings.extend(await cite_requests(leak_findings(replayed), read))
     report.findings.extend(held_on_unknown_providers(replayed))
     uncounted = usage_not_held(replayed)
     if uncounted and last_positions is not None:  # (one nobody holds anything on: its last event)

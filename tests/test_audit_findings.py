@@ -249,6 +249,42 @@ async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_
             assert change.after == {src: {"VCPU": 2}} and revert.position in change.positions
 
 
+async def test_a_leak_names_who_asked_for_its_allocation_and_its_tombstone(tmp_path: Path) -> None:
+    """Regression (helper-73): a leak finding gave two positions, sorted (which was the tombstone
+    only its message said), and no request id: the operator hunting the leak of bug 1848343 had to
+    run `evstore history` to learn which request - which conductor - recreated it."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        await source.start_migration(instance, migration)
+        deleted = await source.delete_consumer(
+            instance, metadata={"request_id": "req-del-1", "actor": "nova-api"}
+        )
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    revert = chained(
+        last,
+        "MigrationReverted",
+        {"migration": migration, "instance": instance, "allocations": {src: {"VCPU": 2}}, "replaced": {},
+         "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
+         "instance_generation": 2, "provider_generations": {}},
+        meta='{"request_id":"req-legacy-revert","actor":"legacy-conductor"}',
+    )  # fmt: skip
+    append_row(lines, revert)
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        [leak] = (await store.audit()).leaks
+    assert (leak.details["allocated_at"], leak.details["deleted_at"]) == (revert.position, deleted.position)
+    assert leak.details["requests"] == {
+        "allocated": {"request_id": "req-legacy-revert", "actor": "legacy-conductor"},
+        "deleted": {"request_id": "req-del-1", "actor": "nova-api"},
+    }
+    assert (
+        "allocated by req-legacy-revert / legacy-conductor, deleted by req-del-1 / nova-api" in leak.message
+    )
+
+
 async def test_diff_names_a_leak_of_what_a_live_consumer_held_and_the_leaks_release(tmp_path: Path) -> None:
     """An imported log gives a deleted instance back exactly what it held when live (a resize on
     the same host, reverted by an older writer after the delete): over the delete and the revert
