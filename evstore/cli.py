@@ -660,8 +660,16 @@ def parse_point(text: str, what: str = "--at") -> int | datetime:
             f"got {text!r}"
         ) from None
     if moment.tzinfo is None:
+        if _DATE_ONLY.fullmatch(text):  # (Python reads "2026-12-05+05:30" as 05:30, no zone)
+            raise err.InvalidInput(
+                f"{what} time {text!r} is a date without a time of day: give one, e.g. {text[:10]}T00:00:00Z"
+            )
         raise err.InvalidInput(f"{what} time {text!r} has no time zone: add Z or +00:00")
     return moment
+
+
+#: a date, with or without a zone, and no time of day (``2026-12-05Z``, ``2026-12-05+05:30``)
+_DATE_ONLY = re.compile(r"\d{4}-\d{2}-\d{2}([Zz]|[+-]\d{2}(:?\d{2})?)?")
 
 
 async def provider_names(store: Any) -> Names:

@@ -361,3 +361,22 @@ def test_history_does_not_keep_every_event_of_a_busy_provider(tmp_path: Path) ->
             assert [e["position"] for e in events] == sorted(e["position"] for e in events)
         else:
             assert sum(1 for line in done.stdout.splitlines() if line.startswith("│ ")) >= count
+
+
+def test_a_date_without_a_time_of_day_is_refused_as_such(tmp_path: Path) -> None:
+    # '2099-01-01Z' was refused with "has no time zone: add Z or +00:00" - it has one: Python
+    # reads a date with a zone as naive (and '2026-12-05+05:30' as 05:30), so the advice was wrong
+    db = tmp_path / "c.db"
+
+    async def seed() -> None:
+        async with open_store(f"sqlite:///{db}") as store:
+            await store.create_provider("5b1e4c1e-0c5f-4c55-8a38-3f0d2b0d4e11", "compute-1")
+
+    asyncio.run(seed())
+    for text in ("2099-01-01Z", "2026-12-05+05:30", "2026-12-05"):
+        done = evstore("state", "--at", text, "--db", str(db))
+        assert done.returncode == 1, done.stdout
+        assert done.stderr.startswith("error: evstore.invalid_input: "), done.stderr
+        assert "is a date without a time of day" in done.stderr and "add Z" not in done.stderr, done.stderr
+    naive = evstore("diff", "2026-12-05T04:05:27", "1", "--db", str(db))
+    assert "has no time zone: add Z or +00:00" in naive.stderr, naive.stderr
