@@ -603,7 +603,8 @@ def describe(event: Any, names: Names, short: bool = False, learned: Names | Non
             was = f" from {old}" if old is not None and old != event.name else ""
             return f"provider {event.provider} renamed{was} to {event.name}"
         case ev.ProviderDeleted():
-            return f"provider {names.get(event.provider, event.provider)} deleted"
+            parent = f" (a child of {names.get(event.parent, event.parent)})" if event.parent else ""
+            return f"provider {names.get(event.provider, event.provider)}{parent} deleted"
         case ev.ResourceClassCreated():
             return f"resource class {event.name} created"
     return str(event.event_type)

@@ -828,7 +828,7 @@ def _delete_provider(state: State, command: DeleteProvider) -> list[ev.EventBase
             f"Unable to delete resource provider {prov.uuid}: Resource provider has allocations.",
             provider=prov.uuid,
         )
-    return [ev.ProviderDeleted(provider=prov.uuid)]
+    return [ev.ProviderDeleted(provider=prov.uuid, parent=prov.parent)]
 
 
 def _create_resource_class(state: State, command: CreateResourceClass) -> list[ev.EventBase]:

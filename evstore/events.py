@@ -51,28 +51,30 @@ class EventBase(BaseModel):
         """The discriminator (``"AllocationsReplaced"``...), typed for callers of the base class."""
         return str(self.__dict__["type"])
 
+    #: fields added to this type after such events were first written: left out of the stored
+    #: payload when None, so that events without them are stored as they always were
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+
+    def _not_stored(self) -> set[str]:
+        if not self.OMITTED_WHEN_NONE:
+            return _TYPE
+        return {"type", *(f for f in self.OMITTED_WHEN_NONE if self.__dict__[f] is None)}
+
     def payload(self) -> dict[str, Any]:
-        """The stored JSON payload (without ``type``; without ``on_behalf_of`` when it is None)."""
-        return self.model_dump(
-            mode="json", exclude=_NOT_STORED if self.__dict__.get("on_behalf_of") is None else _TYPE
-        )
+        """The stored JSON payload (without ``type``, nor the ``OMITTED_WHEN_NONE`` fields that are None)."""
+        return self.model_dump(mode="json", exclude=self._not_stored())
 
     def payload_json(self) -> str:
         """:meth:`payload` as stored: compact JSON, encoded by pydantic-core (4x json.dumps)."""
-        return self.model_dump_json(
-            exclude=_NOT_STORED if self.__dict__.get("on_behalf_of") is None else _TYPE
-        )
+        return self.model_dump_json(exclude=self._not_stored())
 
     def entities(self) -> set[str]:
         """``consumer:<uuid>`` / ``provider:<uuid>`` keys this event touches (the history index)."""
         raise NotImplementedError
 
 
-#: what a payload leaves out: the type (the row's own column), and ``on_behalf_of`` when it is None
-#: (events written before that field existed, and every event of a consumer that is no migration,
-#: are stored as they were)
+#: what every payload leaves out: the type (the row's own column)
 _TYPE: set[str] = {"type"}
-_NOT_STORED: set[str] = {"type", "on_behalf_of"}
 
 
 def _providers_of(allocs: Allocs) -> set[str]:
@@ -124,9 +126,16 @@ class ProviderUpdated(EventBase):
 class ProviderDeleted(EventBase):
     type: Literal["ProviderDeleted"] = "ProviderDeleted"
     provider: str
+    #: the provider's parent when it was deleted, so that the parent's history shows it (as it
+    #: shows the child's creation); None for a root, and in events written before evstore recorded it
+    parent: str | None = None
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("parent",)
 
     def entities(self) -> set[str]:
-        return {f"provider:{self.provider}"}
+        keys = {f"provider:{self.provider}"}
+        if self.parent:
+            keys.add(f"provider:{self.parent}")
+        return keys
 
 
 class InventoriesReplaced(EventBase):
@@ -161,6 +170,7 @@ class AllocationsReplaced(EventBase):
     generation: int | None
     provider_generations: dict[str, int] = Field(default_factory=dict)
     on_behalf_of: str | None = Field(default=None, description=_ON_BEHALF_OF_DOC)
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("on_behalf_of",)
 
     def entities(self) -> set[str]:
         return (
@@ -178,6 +188,7 @@ class AllocationsReleased(EventBase):
     consumer: str
     released: Allocs
     on_behalf_of: str | None = Field(default=None, description=_ON_BEHALF_OF_DOC)
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("on_behalf_of",)
 
     def entities(self) -> set[str]:
         return {f"consumer:{self.consumer}"} | _providers_of(self.released) | _held_for(self.on_behalf_of)
@@ -244,6 +255,7 @@ class ConsumerDeleted(EventBase):
     released: Allocs = Field(default_factory=dict)
     migrations_released: dict[str, Allocs] = Field(default_factory=dict)
     on_behalf_of: str | None = Field(default=None, description=_ON_BEHALF_OF_DOC)
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("on_behalf_of",)
 
     def entities(self) -> set[str]:
         keys = {f"consumer:{self.consumer}"} | _providers_of(self.released) | _held_for(self.on_behalf_of)

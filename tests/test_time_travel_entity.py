@@ -225,3 +225,30 @@ async def test_an_instance_history_shows_what_happened_to_its_migration(
     before = await store.state_at(position=ended.position - 1, consumer=instance)
     after = await store.state_at(position=ended.position, consumer=instance)
     assert (await before.allocations(instance)).to_dict() == (await after.allocations(instance)).to_dict()
+
+
+async def test_a_parent_history_shows_its_child_deleted(store: AllocationStore) -> None:
+    """Regression (helper-73): a parent's history showed its child's creation (ProviderCreated
+    names the parent) but not its deletion: ProviderDeleted named only the child. It now records
+    the parent the child had, stored only when there is one (a root's deletion is stored as
+    before)."""
+    from evstore import events as ev
+    from evstore.cli import describe
+    from tests.conftest import make_provider
+
+    root = await make_provider(store, "root-1", VCPU=4)
+    child = await make_provider(store, "child-1", parent=root)
+    lone = await make_provider(store, "lone-1")
+    await store.delete_provider(child)
+    await store.delete_provider(lone)
+    history = [e async for e in store.history(root)]
+    assert [type(e.event).__name__ for e in history][-2:] == ["ProviderCreated", "ProviderDeleted"]
+    deleted = history[-1].event
+    assert isinstance(deleted, ev.ProviderDeleted) and deleted.provider == child and deleted.parent == root
+    assert (
+        describe(deleted, {root: "root-1", child: "child-1"})
+        == "provider child-1 (a child of root-1) deleted"
+    )
+    [gone] = [e.event async for e in store.history(lone)][-1:]
+    assert isinstance(gone, ev.ProviderDeleted) and gone.parent is None
+    assert gone.payload_json() == f'{{"provider":"{lone}"}}'
