@@ -1543,8 +1543,16 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the transaction a failure interrupted, if it is still open: SQLite rolls it back
+    itself on some errors (a full disk, for one), and a ROLLBACK then failed with 'cannot
+    rollback - no transaction is active', which the caller read instead of what went wrong."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
 
 
 def _refold_lost_projection(
@@ -1661,7 +1669,7 @@ def _import_all(
         conn.execute("COMMIT")
         return expected - 1
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
 
 
@@ -1882,7 +1890,7 @@ def _rebuild(
         conn.execute("COMMIT")
         return count
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
 
 
