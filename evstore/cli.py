@@ -1306,7 +1306,9 @@ def export(
                 if not in_place:
                     sink_path.unlink(missing_ok=True)  # (a failed export must not leave a disk full)
                 raise
-        note(f"exported {head} events to {output}")
+        # (what was written: the export reads its own head, after the one above, and writers
+        # may have appended in between)
+        note(f"exported {written} events to {output}")
         return EXIT_OK
 
     run(work)

@@ -233,3 +233,42 @@ def test_export_refuses_to_write_over_the_database_it_exports(tmp_path: Path) ->
         assert "database" in done.stderr
     assert source.read_bytes() == before
     assert evstore("audit", "--db", str(source)).returncode == 0
+
+
+_EXPORT_WHILE_A_WRITER_APPENDS = """
+import sys, uuid
+from evstore.cli import main
+from evstore.store import AllocationStore
+
+export = AllocationStore._export
+
+async def appended_meanwhile(self, batch_size):
+    # another process's command, committed after the CLI read the head and before the export began
+    await self.create_provider(str(uuid.uuid4()), "late")
+    async for line in export(self, batch_size):
+        yield line
+
+AllocationStore._export = appended_meanwhile
+main(sys.argv[1:])
+"""
+
+
+def test_export_reports_the_events_it_wrote_while_writers_append(tmp_path: Path) -> None:
+    """Regression (helper-75): `export -o` said 'exported N events' with N the head it read before
+    the export began, so with writers appending meanwhile the note counted fewer events than the
+    file (and its header) held: 1229 said, 1254 written, in a run beside four writers."""
+    source = demo_db(tmp_path / "source.db", instances=10)
+    dump = tmp_path / "log.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", _EXPORT_WHILE_A_WRITER_APPENDS, "export", "--db", str(source), "-o", dump],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = dump.read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["events"] == len(lines) - 1 == json.loads(lines[-1])["position"]
+    assert done.stderr.strip().splitlines()[-1] == f"exported {header['events']} events to {dump}"
