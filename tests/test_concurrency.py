@@ -408,6 +408,35 @@ async def test_two_writers_taking_turns_on_one_file_continue_each_others_log(tmp
         assert report.clean, report.findings
 
 
+async def test_an_upgrade_waiting_for_another_connections_lock_says_so_as_a_command_does(
+    tmp_path: Path,
+) -> None:
+    """Regression (helper-75): opening a store whose schema must be upgraded while another
+    connection held the write lock failed, after busy_timeout, with a bare 'SQLite error:
+    database is locked' (the open's hint, and the 'longer than busy_timeout ... retry' a command
+    says, were only for errors of the connection's pragmas, not of the schema's transaction)."""
+    import sqlite3
+
+    path = tmp_path / "v2.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=8)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("ALTER TABLE p_consumers DROP COLUMN instance_type")  # (what version 2 wrote)
+    conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    conn.execute("BEGIN IMMEDIATE")  # (another process, mid-command)
+    try:
+        with pytest.raises(StorageError) as info:
+            async with open_store(f"sqlite:///{path}?busy_timeout=0.2"):
+                pass
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+    assert "longer than busy_timeout (0.2 s)" in str(info.value), info.value
+    assert "retry, or open the store with a longer busy_timeout" in str(info.value)
+    async with open_store(f"sqlite:///{path}") as store:  # (upgraded once the lock is gone)
+        assert (await store.audit()).clean
+
+
 async def test_a_group_commit_that_rolls_back_is_forgotten(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -836,7 +836,10 @@ class SqliteBackend:
             )
         try:
             self._writer = await self._connect()
-            await self._on_writer(_ensure_schema)
+            # (creating or upgrading the schema waits for the write lock as a command does, and
+            # says so as a command does when it waited longer than busy_timeout: the hint below
+            # is for the connection's pragmas, whose errors _on_writer does not convert)
+            await self._on_writer(lambda conn: _retry_busy(lambda: _ensure_schema(conn), self.busy_timeout))
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
