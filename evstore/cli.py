@@ -25,7 +25,7 @@ import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from pathlib import Path
@@ -489,14 +489,42 @@ def _fresh_file(path: Path) -> Path:
             "files. Give another --db (or --url), or remove it yourself.",
         )
     removed = []
-    for suffix in ("", "-wal", "-shm"):
-        candidate = Path(str(path) + suffix)
-        if candidate.exists():
-            candidate.unlink()
-            removed.append(candidate.name)
+    with _alone_with(path):
+        for suffix in ("", "-wal", "-shm"):
+            candidate = Path(str(path) + suffix)
+            if candidate.exists():
+                candidate.unlink()
+                removed.append(candidate.name)
     if removed:
         note(f"removed existing {', '.join(removed)}")
     return path
+
+
+@contextlib.contextmanager
+def _alone_with(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the database at ``path`` (if there is one), or refuse: every
+    connection that has read it - a store, a tail, another demo - holds a shared lock for as
+    long as it is open, and removing its files under it would lose what it commits next."""
+    if not path.exists():
+        yield
+        return
+    conn = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        try:
+            conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+            conn.execute("BEGIN EXCLUSIVE")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            fail(
+                "evstore.storage",
+                f"{path} is open in another process (a store, a tail, another demo): removing it would "
+                "lose what that process writes next. Stop it and run the demo again, or give another "
+                "--db (or --url).",
+            )
+        yield
+    finally:
+        conn.close()
 
 
 @app.command()

@@ -263,3 +263,28 @@ def test_the_demos_try_line_is_one_command_that_runs_as_printed(tmp_path: Path) 
         tried = evstore(*argv[1:], "--json")
         assert tried.returncode == 0, tried.stderr
         assert json.loads(tried.stdout)["events"]
+
+
+async def test_demo_does_not_remove_a_database_another_process_has_open(tmp_path: Path) -> None:
+    """Regression (helper-75): `evstore demo` unlinked a previous demo's database, -wal and -shm
+    while other processes had it open: their later commands, acknowledged, went to the unlinked
+    file and were lost (two demos started 1.5 s apart both reported a clean audit; only the
+    second's log was left), and SQLite's own guide lists deleting a live -wal as corruption.
+    An open store holds a shared lock on the file: the demo now refuses while anyone does."""
+    from evstore import open_store
+    from tests.conftest import make_provider
+
+    db = demo_db(tmp_path / "cloud.db", instances=10)
+    async with open_store(f"sqlite:///{db}") as store:  # (another process, as the demo sees it)
+        head = await store.head()
+        for how in (("--db", str(db)), ("--url", f"sqlite:///{db}")):
+            done = evstore("demo", *how, "--instances", "10")
+            assert done.returncode == 1, done.stdout
+            assert done.stderr.startswith("error: evstore.storage: "), done.stderr
+            assert "open in another process" in done.stderr
+        await make_provider(store, VCPU=1)  # (acknowledged: it must be in the file)
+        assert await store.head() == head + 2
+    async with open_store(f"sqlite:///{db}") as store:
+        assert await store.head() == head + 2
+    done = evstore("demo", "--db", str(db), "--instances", "10")  # (once it is closed: replaced)
+    assert done.returncode == 1 and "not a database the demo wrote" in done.stderr  # (it is not, now)
