@@ -1517,7 +1517,7 @@ async def test_a_version_5_store_gets_the_sequencer_that_plans_its_lookups_once(
     assert len(rows) == 1 and "evstore_positions" not in rows[0]["prosrc"]
     assert "lock_timeout=0" in rows[0]["proconfig"]
     rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
-    assert rows[0]["value"] == str(SCHEMA_VERSION) == "6"
+    assert rows[0]["value"] == str(SCHEMA_VERSION) == "7"
 
 
 async def test_a_full_rebuild_writes_the_history_index_again(pg_url: str) -> None:
@@ -1867,3 +1867,24 @@ def test_a_statement_timeout_says_where_to_raise_it() -> None:
         None,
     )
     assert "statement_timeout" not in cancelled.message
+
+
+async def test_a_version_6_store_is_closed_to_an_evstore_that_refuses_the_new_payload_fields(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (stop 26): as on SQLite, an evstore of schema 6 refuses the optional payload
+    fields events gained (``on_behalf_of``, a ProviderDeleted's ``parent``) and called such events
+    corrupt in a store it could open. Opening a version-6 store marks it 7, which it refuses."""
+    from evstore.log import postgres as pgmod
+
+    async with open_store(pg_url) as store:
+        await pg(store).tamper("UPDATE evstore_meta SET value = '6' WHERE key = 'schema_version'")
+    async with open_store(pg_url) as store:
+        root = await make_provider(store, "root")
+        await store.delete_provider(await make_provider(store, "child", parent=root))
+    rows = await admin_fetch(pg_url, "SELECT value FROM evstore_meta WHERE key = 'schema_version'")
+    assert rows[0]["value"] == str(SCHEMA_VERSION) == "7"
+    monkeypatch.setattr(pgmod, "SCHEMA_VERSION", 6)  # (that evstore's own check)
+    with pytest.raises(SchemaVersionError, match="schema version 7; this evstore understands up to 6"):
+        async with open_store(pg_url):
+            pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import json
@@ -1824,3 +1825,34 @@ async def test_every_metadata_key_evstore_writes_reads_as_an_attribute(store: Al
     # (what is stored and shown is unchanged: the key only where there is one)
     assert keyed.to_json()["metadata"]["idempotency_key"] == "k-1"
     assert "idempotency_key" not in plain.to_json()["metadata"]
+
+
+async def test_a_store_opened_by_this_version_is_closed_to_one_that_refuses_its_new_payload_fields(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (stop 26): events gained optional payload fields (a migration consumer's
+    ``on_behalf_of``, a ProviderDeleted's ``parent``) that an evstore of schema version 3 refuses
+    (its events forbid unknown fields): it opened a store holding them and called those events
+    corrupt (CorruptEvent at their positions, in reads, history and the audit). Opening a
+    version-3 store now marks it version 4, which such an evstore refuses to open, saying to
+    upgrade."""
+    import evstore.log.sqlite as sqlite_backend
+
+    path = tmp_path / "v3.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=1)
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")  # (same tables)
+    async with open_store(f"sqlite:///{path}") as store:
+        root = await make_provider(store, "root")
+        child = await make_provider(store, "child", parent=root)
+        await store.delete_provider(child)  # (a payload an evstore of version 3 cannot read)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        [(version,)] = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+    assert version == str(SQLITE_SCHEMA_VERSION) == "4"
+    monkeypatch.setattr(sqlite_backend, "SCHEMA_VERSION", 3)  # (that evstore's own check)
+    with pytest.raises(
+        evstore.SchemaVersionError, match="schema version 4; this evstore understands up to 3"
+    ):
+        async with open_store(f"sqlite:///{path}"):
+            pass

@@ -116,7 +116,7 @@ from projections.state import ConsumerState, State, evolve
 log = structlog.get_logger("evstore.postgres")
 T = TypeVar("T")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -492,6 +492,10 @@ MIGRATIONS: tuple[str, ...] = (
                            FROM unnest(want) WITH ORDINALITY AS w(s, o) ORDER BY w.o);
     END $$;
     """,
+    # 7: no table changes. Events may carry payload fields an evstore of schema 6 or older refuses
+    # (on_behalf_of, a ProviderDeleted's parent): the version closes such a store to it, which
+    # would otherwise call those events corrupt.
+    "SELECT 1",
 )
 
 PROJECTION_TABLES = ("p_allocations", "p_consumers", "p_providers", "p_classes")

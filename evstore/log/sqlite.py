@@ -57,7 +57,11 @@ from projections.state import FOLDS, ConsumerState, State, evolve, fold_noting_p
 
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
 #: no longer a unique index in new stores (ids are time-ordered, with 74 random bits)
-SCHEMA_VERSION = 3
+#: 3: a migration's instance type (a column of p_consumers, refolded on open);
+#: 4: no table changes - events may carry payload fields an evstore of version 3 or older refuses
+#: (on_behalf_of, a ProviderDeleted's parent): the version closes such a store to it, which would
+#: otherwise call those events corrupt
+SCHEMA_VERSION = 4
 log = structlog.get_logger("evstore.sqlite")
 #: the history index (``event_entities``) is brought up to date once it lags this many events
 #: behind the log; reads look at the (at most this many) newest events themselves
