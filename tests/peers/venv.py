@@ -36,8 +36,14 @@ def cache_root() -> Path:
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")  # (closed by the with below)
+    except OSError as exc:  # an impossible or read-only cache: the peer is unavailable, saying why
+        raise PeerUnavailable(
+            f"cannot use the peers' cache {path.parent} (EVSTORE_PEERS_CACHE): {exc}"
+        ) from exc
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
