@@ -194,6 +194,21 @@ async def phase_pgsetup(args: argparse.Namespace) -> dict[str, Any]:
     return {"url": url, "schema": schema, "server": settings}
 
 
+async def phase_pgcheck(args: argparse.Namespace) -> dict[str, Any]:
+    """Can the runner use this server? One connection; why not, as one line (no traceback)."""
+    try:
+        import asyncpg  # type: ignore[import-untyped,unused-ignore]
+
+        conn = await asyncpg.connect(args.url, timeout=30)
+        try:
+            version = await conn.fetchval("SHOW server_version")
+        finally:
+            await conn.close()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"server_version": version}
+
+
 async def phase_pgdrop(args: argparse.Namespace) -> dict[str, Any]:
     import asyncpg  # type: ignore[import-untyped,unused-ignore]
 
@@ -366,6 +381,7 @@ PHASES = {
     "timetravel": phase_timetravel,
     "pgclient": phase_pgclient,
     "pgsetup": phase_pgsetup,
+    "pgcheck": phase_pgcheck,
     "pgdrop": phase_pgdrop,
     "logcost": phase_logcost,
 }

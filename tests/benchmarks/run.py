@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evstore.errors import redact_url
 from tests.benchmarks.workload import generate
 from tests.peers.venv import PLACEMENT_REQUIREMENTS, PeerUnavailable, ensure_venv, placement_python
 
@@ -64,18 +65,19 @@ def log(msg: str) -> None:
 # --- environments -----------------------------------------------------------------------------
 
 
-def placement_venv_python() -> Path | None:
-    """Placement's venv: the one the differential tests use (``tests.peers.venv``, built once)."""
+def placement_venv_python() -> tuple[Path | None, str]:
+    """Placement's venv: the one the differential tests use (``tests.peers.venv``, built once);
+    or None and why not."""
     log(f"Placement {PLACEMENT_VERSION}: using (or first building) its cached venv...")
     try:
-        return placement_python()
+        return placement_python(), ""
     except PeerUnavailable as exc:
         log(f"Placement is not installable: {exc}")
-        return None
+        return None, f"not installable: {exc}"
 
 
 def eventsourcing_python() -> tuple[str, str]:
-    """This interpreter if it has eventsourcing, else a cache venv that does."""
+    """This interpreter if it has eventsourcing, else a cache venv that does; or "" and why not."""
     probe = "import eventsourcing"
     if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
         return sys.executable, "this interpreter"
@@ -84,8 +86,8 @@ def eventsourcing_python() -> tuple[str, str]:
         python = ensure_venv("eventsourcing", ("eventsourcing",))
     except PeerUnavailable as exc:
         log(f"eventsourcing is not installable: {exc}")
-        return "", "not installable"
-    return str(python), f"installed by the benchmark into {python.parent.parent}"
+        return "", f"not installable: {exc}"
+    return str(python), f"a venv the benchmark installed it into ({python.parent.parent})"
 
 
 # --- running peers ----------------------------------------------------------------------------
@@ -125,6 +127,8 @@ def median_result(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def suite(args: argparse.Namespace) -> dict[str, Any]:
+    """Every phase; the working directory and the PostgreSQL schemas made for the run are removed
+    however the run ends (unless ``--keep``: then the databases stay, for a look)."""
     sizes = QUICK if args.quick else FULL
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="evstore-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -134,6 +138,30 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
         "code": code_version(),
         "sizes": vars_of(sizes),
     }
+    schemas: list[str] = []
+    try:
+        measure(args, out, sizes, workdir, schemas)
+    finally:
+        if args.postgres:
+            drop_schemas(args.postgres, schemas)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def drop_schemas(url: str, schemas: list[str]) -> None:
+    """Drop the schemas this run made (each once; one that cannot be dropped is reported)."""
+    while schemas:
+        schema = schemas.pop()
+        try:
+            run_peer(peer("evstore_peer", "pgdrop", "--url", url, "--schema", schema))
+        except (RuntimeError, subprocess.SubprocessError) as exc:
+            log(f"could not drop the PostgreSQL schema {schema} this run made: {exc}")
+
+
+def measure(
+    args: argparse.Namespace, out: dict[str, Any], sizes: Sizes, workdir: Path, schemas: list[str]
+) -> None:
     started = time.perf_counter()
 
     seq_w = generate(commands_per_stream=sizes.seq_commands, target_live=200, n_queries=sizes.queries)
@@ -151,11 +179,16 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
 
     es_python, es_how = eventsourcing_python()
     out["eventsourcing_env"] = es_how
-    placement_python = None if args.skip_placement else placement_venv_python()
+    skipped: dict[str, str] = {}
+    out["skipped"] = skipped
+    if not es_python:
+        skipped["eventsourcing"] = es_how
+    placement_python, why = (None, "--skip-placement") if args.skip_placement else placement_venv_python()
+    if placement_python is None:
+        skipped["placement"] = why
 
-    pg_url = args.postgres or os.environ.get("EVSTORE_TEST_POSTGRES_URL")
+    pg_url = args.postgres
     pg_ok = bool(pg_url) and postgres_backend_present()
-    schemas: list[str] = []
 
     def pg_schema() -> str:
         made = run_peer(peer("evstore_peer", "pgsetup", "--url", str(pg_url)))
@@ -238,8 +271,6 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
                 str(placement_python),
             )
         ]
-    else:
-        out["placement_skipped"] = "--skip-placement" if args.skip_placement else "install failed"
     out["log_cost"] = run_peer(peer("evstore_peer", "logcost"))
     out["sequential"] = {k: median_result(v) for k, v in seq.items()}
     out["concurrent"] = {k: median_result(v) for k, v in conc.items()}
@@ -266,8 +297,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
         f"peak RSS {out['export']['peak_rss_mb']:.0f} MiB"
     )
 
-    for schema in schemas:
-        run_peer(peer("evstore_peer", "pgdrop", "--url", str(pg_url), "--schema", schema))
+    drop_schemas(str(pg_url), schemas)
     if not pg_url:
         out["postgres"] = {"skipped": "no server given (--postgres URL or EVSTORE_TEST_POSTGRES_URL)"}
     elif not pg_ok:
@@ -278,9 +308,6 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     if code_version() != out["code"]:
         # every phase runs in a fresh process that imports the tree as it is at that moment
         out["code"]["changed_during_run"] = True
-    if not args.keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return out
 
 
 def postgres_backend_present() -> bool:
@@ -303,7 +330,7 @@ def postgres_scaling(url: str, workdir: Path, sizes: Sizes) -> dict[str, Any]:
     try:
         made = run_peer(peer("evstore_peer", "pgsetup", "--workload", str(path), "--url", url))
     except RuntimeError as exc:
-        return {"skipped": f"cannot use {url}: {str(exc)[-300:]}"}
+        return {"skipped": f"cannot use {redact_url(url)}: {str(exc)[-300:]}"}
     try:
         results = _pg_rounds(made["url"], path, sizes)
     finally:
@@ -441,15 +468,99 @@ def speedup(base: dict[str, Any] | None, other: dict[str, Any]) -> float:
     return float(base["ops_per_s"] / other["ops_per_s"])
 
 
-def mark(ratio: float, target: float | None) -> str:
-    if target is None:
+#: the time travel and audit targets are set on a log this long: a shorter one cannot judge them
+BIG_LOG = 1_000_000
+#: upper bounds: (section, key) -> (bound, unit, what is compared)
+LIMITS = {
+    ("time_travel", "consumer_at"): (50.0, "ms", "median"),
+    ("time_travel", "provider_at"): (50.0, "ms", "median"),
+    ("time_travel", "state_at"): (1000.0, "ms", "median"),
+    ("audit", "seconds"): (15.0, "s", "time"),
+}
+PG_SCALING = 3.0  # 8 clients on disjoint providers vs one
+NAMES = {
+    ("sequential", "placement"): "sequential commands: evstore vs Placement",
+    ("sequential", "eventsourcing"): "sequential commands: evstore vs eventsourcing",
+    ("sequential", "sqlite3"): "sequential commands: evstore vs raw sqlite3",
+    ("concurrent", "sqlite3"): "64 concurrent tasks: evstore vs raw sqlite3",
+    ("concurrent", "eventsourcing"): "64 concurrent tasks: evstore vs eventsourcing",
+    ("log_reads", "rebuild"): "rebuild vs raw read+json.loads",
+    ("log_reads", "replay"): "replay vs raw read+json.loads",
+    ("time_travel", "consumer_at"): "time travel: one consumer at a position",
+    ("time_travel", "provider_at"): "time travel: one provider at a position",
+    ("time_travel", "state_at"): "time travel: whole store at a position",
+    ("audit", "seconds"): "audit",
+    ("postgres", "scaling"): "PostgreSQL: 8 clients vs 1",
+}
+
+
+def verdicts(out: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every target of the issue, judged from this run's results: PASS, FAIL, "not measured" (with
+    why: a peer not installed, no PostgreSQL) or "not judged" (a log shorter than the target's)."""
+
+    def judged(key: tuple[str, str], value: float | None, goal: str, ok: bool, why: str) -> dict[str, Any]:
+        if value is None:
+            status = "not measured"
+        elif why:
+            status = "not judged"
+        else:
+            status = "PASS" if ok else "FAIL"
+        return {"target": NAMES[key], "goal": goal, "value": value, "status": status, "why": why}
+
+    skipped = out.get("skipped", {})
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for (section, system), target in TARGETS.items():
+        value: float | None = None
+        if section == "log_reads":
+            reads = out.get("log_reads", {})
+            raw, r = reads.get("sqlite3 read+json.loads"), reads.get(system)
+            if r and raw and raw["events_per_s"]:
+                value = r["events_per_s"] / raw["events_per_s"]
+        else:
+            results = out.get(section, {})
+            if system in results and "evstore" in results:
+                value = speedup(results["evstore"], results[system])
+        why = "" if value is not None else skipped.get(system, "not run")
+        goal = f">= {target:g}x"
+        found[(section, system)] = judged(
+            (section, system), value, goal, value is not None and value >= target, why
+        )
+    for (section, key), (bound, unit, what) in LIMITS.items():
+        result = out.get(section) or {}
+        events = result.get("head" if section == "time_travel" else "events", 0)
+        value = None
+        if section == "time_travel" and key in result:
+            value = result[key]["median_ms"]
+        elif section == "audit" and key in result:
+            value = result[key]
+        why = "" if value is not None else "not run"
+        if value is not None and events < BIG_LOG:
+            why = f"a {events:,}-event log; the target is for {BIG_LOG:,}"
+        goal = f"{what} <= {bound:g} {unit} at 1M events"
+        found[(section, key)] = judged((section, key), value, goal, value is not None and value <= bound, why)
+    pg = out.get("postgres", {})
+    value = pg.get("scaling")
+    found[("postgres", "scaling")] = judged(
+        ("postgres", "scaling"),
+        value,
+        f">= {PG_SCALING:g}x",
+        value is not None and value >= PG_SCALING,
+        "" if value is not None else str(pg.get("skipped", "not run")),
+    )
+    return found
+
+
+def mark(verdict: dict[str, Any] | None) -> str:
+    """The table's target column: the status and the goal."""
+    if verdict is None:
         return ""
-    return f"{'PASS' if ratio >= target else 'FAIL'} (>= {target:g}x)"
+    return f"{verdict['status']} ({verdict['goal']})"
 
 
 def table(out: dict[str, Any]) -> str:
     rows: list[tuple[str, ...]] = []
     head = ("phase", "system", "ops/s", "p50 ms", "p99 ms", "peak RSS MiB", "evstore is", "target")
+    judge = verdicts(out)
 
     def add_rate_rows(section: str, label: str) -> None:
         results = out.get(section, {})
@@ -457,7 +568,6 @@ def table(out: dict[str, Any]) -> str:
         for system, r in results.items():
             ratio = speedup(base, r)
             r["evstore_ratio"] = ratio
-            target = TARGETS.get((section, system))
             rows.append(
                 (
                     label,
@@ -467,9 +577,12 @@ def table(out: dict[str, Any]) -> str:
                     f"{r['p99_ms']:.2f}",
                     f"{r['peak_rss_mb']:.0f}",
                     "" if system == "evstore" else f"{ratio:,.2f}x",
-                    mark(ratio, target),
+                    mark(judge.get((section, system))),
                 )
             )
+        for (where, system), verdict in judge.items():
+            if where == section and system not in results:  # a peer that did not run: say so
+                rows.append((label, f"{system}: {verdict['why']}", "", "", "", "", "", mark(verdict)))
 
     add_rate_rows("sequential", "sequential commands")
     seq = out.get("sequential", {})
@@ -503,7 +616,7 @@ def table(out: dict[str, Any]) -> str:
                 "",
                 f"{r['peak_rss_mb']:.0f}",
                 "" if r is raw else f"{ratio:.2f}x of raw",
-                mark(ratio, TARGETS.get(("log_reads", name))),
+                mark(judge.get(("log_reads", name))),
             )
         )
     tt = out.get("time_travel")
@@ -522,11 +635,11 @@ def table(out: dict[str, Any]) -> str:
                     "time travel",
                     f"{what} ({tt['head']:,} events)",
                     "",
-                    f"{tt[key]['mean_ms']:.1f} mean",
+                    f"{tt[key]['median_ms']:.1f} median",
                     f"{tt[key]['max_ms']:.1f} max",
                     f"{tt['peak_rss_mb']:.0f}",
                     "",
-                    "",
+                    mark(judge.get(("time_travel", key))),
                 )
             )
     if tt and "take_snapshots_s" in tt:
@@ -553,19 +666,20 @@ def table(out: dict[str, Any]) -> str:
                 "",
                 f"{au['peak_rss_mb']:.0f}",
                 "",
-                "",
+                mark(judge[("audit", "seconds")]),
             )
         )
     pg = out.get("postgres", {})
     if "skipped" in pg:
-        rows.append(("postgresql", f"skipped: {pg['skipped']}", "", "", "", "", "", ""))
+        verdict = judge[("postgres", "scaling")]
+        rows.append(("postgresql", f"8 clients / 1: {verdict['why']}", "", "", "", "", "", mark(verdict)))
     else:
         for k in ("1_clients", "8_clients"):
             r = pg[k]
             rows.append(
                 (
                     "postgresql",
-                    k.replace("_", " "),
+                    "1 client" if k == "1_clients" else "8 clients",
                     f"{r['ops_per_s']:,.0f}",
                     f"{r['p50_ms']:.2f}",
                     f"{r['p99_ms']:.2f}",
@@ -574,7 +688,10 @@ def table(out: dict[str, Any]) -> str:
                     "",
                 )
             )
-        rows.append(("postgresql", "8 clients / 1 client", f"{pg['scaling']:.2f}x", "", "", "", "", ""))
+        verdict = judge[("postgres", "scaling")]
+        rows.append(
+            ("postgresql", "8 clients / 1 client", f"{pg['scaling']:.2f}x", "", "", "", "", mark(verdict))
+        )
 
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -588,7 +705,7 @@ def notes(out: dict[str, Any]) -> str:
     lines = [
         f"machine: {m['nproc']} CPUs, {m['cpu']}, Python {m['python']}, SQLite {m['sqlite']}",
         f"mode: {out['mode']}, duration {out['duration_s']:.0f} s; "
-        f"eventsourcing from {out.get('eventsourcing_env')}",
+        f"eventsourcing: {out.get('eventsourcing_env')}",
     ]
     code = out.get("code", {})
     if code:
@@ -626,25 +743,72 @@ def notes(out: dict[str, Any]) -> str:
         lines.append(
             f"eventsourcing {es.get('version')}: SQLite synchronous={es.get('synchronous')} (2 = FULL), WAL"
         )
+    for system, why in out.get("skipped", {}).items():
+        lines.append(f"{system}: NOT RUN ({why}); its targets are not measured")
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def check_json_path(path: str) -> str:
+    """Why the results could not be written to ``path`` at the end of the run ("" if they can):
+    asked before a run of up to 20 minutes, not after it."""
+    target = Path(path)
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        target.unlink(missing_ok=True)
+    return ""
+
+
+def check_postgres(url: str) -> str:
+    """Why the PostgreSQL server at ``url`` cannot be used ("" if it can): one connection, before
+    anything is measured."""
+    try:
+        result = run_peer(peer("evstore_peer", "pgcheck", "--url", url), timeout=120)
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        return str(exc).strip().splitlines()[-1]
+    return str(result.get("error", ""))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m tests.benchmarks.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, one round (about 2 minutes)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
-    p.add_argument("--postgres", metavar="URL", help="a PostgreSQL server for the scaling test")
+    p.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="a PostgreSQL server (a schema is made for each phase and dropped; default: "
+        "EVSTORE_TEST_POSTGRES_URL, if set)",
+    )
     p.add_argument("--skip-placement", action="store_true", help="do not install or run Placement")
     p.add_argument("--workdir", help="where the databases go (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the databases")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.json and (problem := check_json_path(args.json)):
+        p.error(f"--json {args.json}: cannot write there: {problem}")
+    source = "--postgres" if args.postgres else "EVSTORE_TEST_POSTGRES_URL"
+    args.postgres = args.postgres or os.environ.get("EVSTORE_TEST_POSTGRES_URL") or None
+    if args.postgres and postgres_backend_present() and (problem := check_postgres(args.postgres)):
+        p.error(f"{source}: cannot use the PostgreSQL server at {redact_url(args.postgres)}: {problem}")
     out = suite(args)
     rendered = table(out)  # also stores each row's ratio into out
+    out["targets"] = list(verdicts(out).values())
     print(rendered)
     print()
     print(notes(out))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        try:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        except OSError as exc:
+            log(f"could not write the results to {args.json}: {exc.strerror or exc}")
+            sys.exit(1)
         print(f"\nwrote {args.json}")
 
 
