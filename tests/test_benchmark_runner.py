@@ -177,3 +177,20 @@ def _main(monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
 
 def _must_not_run(args: Any) -> dict[str, Any]:
     raise AssertionError("the benchmark ran")
+
+
+def test_the_leak_count_of_evstore_is_measured_not_printed_as_zero() -> None:
+    # the footer used to say "(bug 1848343; evstore: 0)" whatever evstore's run left behind
+    out = _results(37_221)
+    out.update(mode="quick", duration_s=1.0, machine={"nproc": 2, "cpu": "x", "python": "3", "sqlite": "3"})
+    out["sequential"]["evstore"].update(leaked_consumers=3, deleted_consumers=40)
+    out["sequential"]["placement"].update(
+        operations=300,
+        http_requests=600,
+        leaked_consumers=11,
+        deleted_consumers=12,
+        durability={"synchronous": 2, "journal_mode": "wal"},
+    )
+    (line,) = [x for x in run.notes(out).splitlines() if x.startswith("Placement:")]
+    assert "11 of 12 deleted instances left holding allocations" in line
+    assert "3 of 40 for evstore" in line

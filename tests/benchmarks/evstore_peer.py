@@ -59,6 +59,7 @@ class Driver:
         self.store = store
         self.rec = rec
         self.owners: dict[str, tuple[str, str]] = {}
+        self.deleted: set[str] = set()  # instances deleted (the racing reverts must not revive them)
 
     async def run(self, op: Op) -> None:
         s = self.store
@@ -94,6 +95,7 @@ class Driver:
             elif kind == "confirm":
                 await s.confirm_migration(op[2])
             elif kind == "delete":
+                self.deleted.add(op[1])
                 await s.delete_consumer(op[1])
             else:
                 raise ValueError(kind)
@@ -131,7 +133,11 @@ async def phase_seq(args: argparse.Namespace) -> dict[str, Any]:
             await qdriver.query(op)
         qrec.stop()
         head = await store.head()
-    return rec.result(queries=qrec.result(), head=head)
+        # bug 1848343, counted as the Placement peer counts it: deleted instances holding allocations
+        leaked = sum([1 for c in sorted(driver.deleted) if await store.allocations(c)])
+    return rec.result(
+        queries=qrec.result(), head=head, leaked_consumers=leaked, deleted_consumers=len(driver.deleted)
+    )
 
 
 async def phase_conc(args: argparse.Namespace) -> dict[str, Any]:

@@ -236,6 +236,7 @@ def main() -> None:
         queries=qrec.result(),
         http_requests=requests,
         leaked_consumers=leaked,
+        deleted_consumers=len(nova.deleted),
         durability=check_durability(args.db),
         version=version("openstack-placement"),
         operations=len(ops),
