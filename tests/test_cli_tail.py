@@ -212,16 +212,20 @@ def test_a_following_tail_ends_when_its_database_file_is_removed_or_replaced(
     tmp_path: Path, how: str
 ) -> None:
     """Regression (helper-61): `tail --follow` kept following a database file that was removed,
-    or replaced (as `evstore demo` replaces its file), printing nothing, for ever. It ends with
-    `evstore.not_found`, saying what happened to the file."""
+    or replaced (another store copied over it), printing nothing, for ever. It ends with
+    `evstore.not_found`, saying what happened to the file. (`evstore demo` used to replace its
+    file so; it now refuses while another process, this tail too, has the file open.)"""
     db = demo_db(tmp_path / "c.db", instances=4, nodes=2)
+    other = demo_db(tmp_path / "other.db", instances=4, nodes=2) if how == "replaced" else None
     proc = _start_tail("--db", str(db))
     try:
-        if how == "removed":
+        if other is None:
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{db}{suffix}").unlink(missing_ok=True)
         else:
-            assert evstore("demo", "--db", str(db), "--instances", "4", "--nodes", "2").returncode == 0
+            refused = evstore("demo", "--db", str(db), "--instances", "4", "--nodes", "2")
+            assert refused.returncode == 1 and "is open in another process" in refused.stderr, refused
+            os.replace(other, db)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
