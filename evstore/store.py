@@ -294,19 +294,29 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
     return text
 
 
-def _fingerprint(command: cmd.Command) -> str:
+def _fingerprints(command: cmd.Command) -> tuple[str, str]:
+    """The fingerprint an idempotency key records for ``command``, and the one an evstore before
+    81f4e10 recorded for it where that differs ("" where it does not): a retry after the upgrade
+    of a command such a store accepted is that command."""
+
     def default(o: Any) -> Any:
         if isinstance(o, BaseModel):
             return o.model_dump()
         raise TypeError(type(o).__name__)
 
+    def digest(fields: dict[str, Any]) -> str:
+        payload = json.dumps([type(command).__name__, fields], default=default, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
     fields = asdict(command)
     if isinstance(command, cmd.WriteAllocations):
         # a mapping of consumers, as Placement's POST /allocations body is a JSON object: its order
         # is not part of the command (as the order of providers and classes is not; sort_keys)
-        fields["consumers"] = sorted(fields["consumers"], key=lambda w: str(w["consumer"]))
-    payload = json.dumps([type(command).__name__, fields], default=default, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
+        given = fields["consumers"]
+        fields["consumers"] = sorted(given, key=lambda w: str(w["consumer"]))
+        if fields["consumers"] != given:  # (older evstores hashed them in the order given)
+            return digest(fields), digest({**fields, "consumers": given})
+    return digest(fields), ""
 
 
 def _check_progress(value: object, signature: str) -> None:
@@ -712,7 +722,7 @@ class AllocationStore:
             _metadata_json(meta, from_caller),
             n,
             key,
-            _fingerprint(command) if key is not None else "",
+            *(_fingerprints(command) if key is not None else ("", "")),
         )
         fut: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
         self._queue.append((job, fut))

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -344,6 +345,43 @@ async def test_a_retried_write_allocations_with_its_consumers_in_another_order_i
         IdempotencyConflict
     ):  # the same consumers with their amounts swapped is another command
         await store.write_allocations({c2: body(1), c1: body(2)}, idempotency_key="req-w")
+
+
+async def test_a_key_an_older_evstore_recorded_for_a_write_allocations_still_replays(
+    store: AllocationStore,
+) -> None:
+    # Before 81f4e10 the fingerprint of write_allocations kept its consumers in the order given;
+    # since, it sorts them. A key such a store recorded for consumers not given in uuid order then
+    # refused every retry of that very command, the same body in the same order, after the upgrade
+    # (IdempotencyConflict, "already used for a different command"), for as long as the key lives.
+    rp = await make_provider(store, VCPU=8)
+    c1, c2 = sorted([new_uuid(), new_uuid()])
+    body = {
+        c2: ConsumerAllocations(
+            allocations={rp: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="I"
+        ),
+        c1: ConsumerAllocations(
+            allocations={rp: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="I"
+        ),
+    }
+    first = await store.write_allocations(body, idempotency_key="req-old")
+    # what the older evstore stored for it: the command hashed with its consumers as given (c2, c1)
+    given = [
+        {"consumer": c, "allocations": {rp: {"VCPU": a}}, "project_id": "p", "user_id": "u"}
+        | {"consumer_type": "I", "generation": None}
+        for c, a in ((c2, 2), (c1, 1))
+    ]
+    old = json.dumps(["WriteAllocations", {"consumers": given}], sort_keys=True)
+    await store.backend.tamper(  # type: ignore[attr-defined]
+        "UPDATE idempotency SET fingerprint = ? WHERE key = ?",
+        (hashlib.sha256(old.encode()).hexdigest(), "req-old"),
+    )
+    head = await store.head()
+    again = await store.write_allocations(body, idempotency_key="req-old")
+    assert again.replayed and again.positions == first.positions
+    assert await store.head() == head
+    with pytest.raises(IdempotencyConflict):  # another command under that key is still refused
+        await store.write_allocations({c1: body[c2], c2: body[c1]}, idempotency_key="req-old")
 
 
 async def test_an_idempotency_key_that_is_not_text_is_refused_alone(store: AllocationStore) -> None:

@@ -62,6 +62,13 @@ class Job:
     needs: Needs
     idempotency_key: str | None = None
     fingerprint: str = ""
+    #: what an older evstore recorded as ``fingerprint`` for this command, where that differs
+    #: (else ""): a key it stored for the command is this command's too
+    older_fingerprint: str = ""
+
+    def same_command(self, recorded: str) -> bool:
+        """Whether ``recorded``, the fingerprint stored with this job's key, is this command's."""
+        return recorded == self.fingerprint or (recorded == self.older_fingerprint != "")
 
 
 @dataclass(frozen=True, slots=True)

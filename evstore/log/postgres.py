@@ -1367,7 +1367,7 @@ class PostgresBackend:
             fence, to_lock = None, []
             row = await conn.fetchrow("SELECT fingerprint, receipt FROM idempotency WHERE key = $1", key)
             if row is not None:
-                if row["fingerprint"] != job.fingerprint:
+                if not job.same_command(row["fingerprint"]):
                     return err.IdempotencyConflict(
                         f"Idempotency key {key!r} was already used for a different command",
                         idempotency_key=key,

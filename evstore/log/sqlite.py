@@ -599,7 +599,7 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
     if key is not None:
         row = conn.execute("SELECT fingerprint, receipt FROM idempotency WHERE key = ?", (key,)).fetchone()
         if row is not None:
-            if row[0] != job.fingerprint:
+            if not job.same_command(row[0]):
                 raise err.IdempotencyConflict(
                     f"Idempotency key {key!r} was already used for a different command", idempotency_key=key
                 )
