@@ -1594,6 +1594,26 @@ async def test_pg_upgrade_refold_is_not_lost_when_the_first_open_fails_after_mig
         assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
 
 
+async def test_a_read_only_session_opening_an_older_store_is_told_it_needs_the_upgrade(pg_url: str) -> None:
+    """A read-only session (a hot standby, a read-only role or database) can read a store, but not
+    one an older evstore wrote: opening it upgrades it first. That was refused as "PostgreSQL
+    error while migrating: cannot execute ALTER FUNCTION in a read-only transaction" ("must be
+    owner of function evstore_sequence" for a role with SELECT only), which says neither that the
+    store is older nor what to do. It is now a SchemaVersionError that says both; nothing changes."""
+    async with open_store(pg_url) as store:
+        await make_provider(store, VCPU=8)
+        for sql in _downgrade_to_v4_sql():
+            await store.backend.tamper(sql)  # type: ignore[attr-defined]
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(f"{pg_url}&default_transaction_read_only=on", create=False):
+            pass
+    assert raised.value.details["found"] == 4
+    assert "schema version 4, written by an older evstore" in raised.value.message
+    assert "open it once with the role that owns the store, on the primary" in raised.value.message
+    async with open_store(pg_url) as store:  # (the owner upgrades it, and all is there)
+        assert await store.head() == 2 and (await store.audit()).clean
+
+
 async def test_reads_on_pooled_connections_the_server_closed_are_tried_again(pg_url: str) -> None:
     """Regression (helper-59): a read handed a pooled connection that the server had closed while
     it sat idle (a restart, pg_terminate_backend, a firewall), before asyncpg noticed, failed

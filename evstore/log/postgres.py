@@ -1075,6 +1075,7 @@ class PostgresBackend:
             pause = min(pause * 2, 0.1)
 
     async def _migrate(self) -> None:
+        found, upgrading = 0, False
         async with self._connection() as conn:
             try:
                 # The schema that holds the store: the first of the search_path to hold one (the
@@ -1145,6 +1146,7 @@ class PostgresBackend:
                             found=found,
                             supported=SCHEMA_VERSION,
                         )
+                    upgrading = 0 < found < SCHEMA_VERSION
                     for version in range(found, SCHEMA_VERSION):
                         await conn.execute(MIGRATIONS[version])
                     if 0 < found < 5:
@@ -1161,6 +1163,19 @@ class PostgresBackend:
                             str(SCHEMA_VERSION),
                         )
             except DB_ERRORS as exc:
+                if upgrading and isinstance(_reason(exc), CANNOT_WRITE):
+                    # (a read-only role, database or hot standby opening a store an older evstore
+                    # wrote: what it is missing is the upgrade, which only a writer can make)
+                    raise err.SchemaVersionError(
+                        f"The store at {self.safe_url} has schema version {found}, written by an "
+                        f"older evstore; this evstore needs {SCHEMA_VERSION} and upgrades it on "
+                        f"first open, which this session cannot do ({_reason(exc)}): open it once "
+                        "with the role that owns the store, on the primary (stop the older "
+                        "evstore processes first), or read it with the evstore that wrote it",
+                        url=self.safe_url,
+                        found=found,
+                        supported=SCHEMA_VERSION,
+                    ) from None
                 raise err.StorageError(
                     f"Cannot prepare the store at {self.safe_url}: {_storage_error(exc, 'migrating')}",
                     url=self.safe_url,
