@@ -22,7 +22,12 @@ from evstore.schema import CANONICAL_UUID
 from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
-EXPORT_VERSION = 1
+#: 2: the same lines; its events may carry the optional payload fields an evstore that writes version
+#: 1 refuses (a migration consumer's ``on_behalf_of``, a deleted child provider's ``parent``): such
+#: an evstore refuses the file by its header, instead of calling its events corrupt at their lines
+EXPORT_VERSION = 2
+#: what this evstore imports (version 1: any export an earlier evstore wrote)
+IMPORTED_EXPORT_VERSIONS = (1, 2)
 _HEX64 = re.compile("[0-9a-f]{64}")
 ROW_FIELDS = ("position", "event_id", "type", "schema_version", "data", "metadata", "recorded_at", "hash")
 
@@ -76,9 +81,11 @@ def parse_header(text: str) -> ExportHeader:
         raise _corrupt("not an evstore export (the first line is not JSON)", 1, reason="header") from None
     if not isinstance(raw, dict) or raw.get("format") != EXPORT_FORMAT:
         raise _corrupt(f"not an evstore export (no {EXPORT_FORMAT!r} header)", 1, reason="header")
-    if raw.get("version") != EXPORT_VERSION:
+    version = raw.get("version")
+    if type(version) is not int or version not in IMPORTED_EXPORT_VERSIONS:
         raise _corrupt(
-            f"export format version {raw.get('version')!r}; this evstore reads version {EXPORT_VERSION}",
+            f"export format version {version!r}; this evstore reads versions "
+            f"{', '.join(map(str, IMPORTED_EXPORT_VERSIONS))} (a newer evstore wrote it? upgrade evstore)",
             1,
             reason="header",
         )
@@ -96,7 +103,7 @@ def parse_header(text: str) -> ExportHeader:
             reason="header",
         )
     assert isinstance(events, int) and isinstance(head, int)  # (for mypy)
-    return ExportHeader(events, head, head_hash)
+    return ExportHeader(events, head, head_hash, version)
 
 
 def parse_row(text: str, line: int) -> ExportRow:

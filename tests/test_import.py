@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import signal
@@ -292,3 +293,29 @@ async def test_an_export_saved_with_a_byte_order_mark_imports(store: AllocationS
     await store.import_events(lambda: ["\ufeff" + lines[0], *lines[1:]])
     assert await store.head() == len(lines) - 1
     assert (await store.audit()).clean
+
+
+async def test_an_export_says_its_version_and_both_versions_import(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression (helper-79): exports now may hold events with optional payload fields an evstore
+    of export version 1 refuses (``on_behalf_of``, a deleted child provider's ``parent``); their
+    header still said version 1, so such an evstore read the file and called its events corrupt
+    at their lines ("on_behalf_of: Extra inputs are not permitted"). The header says version 2,
+    which it refuses by the header; this evstore imports both versions (a version-1 file is what
+    earlier evstores exported), and names the versions it reads for any other."""
+    lines, _, _ = await _source(tmp_path, consumers=5)
+    header = json.loads(lines[0])
+    assert header["version"] == 2
+    for version, accepted in ((1, True), (3, False), (True, False), ("2", False)):
+        header["version"] = version
+        edited = [json.dumps(header), *lines[1:]]
+        async with open_store(f"sqlite:///{tmp_path}/v{version!s}.db") as target:
+            if accepted:
+                assert await target.import_events(functools.partial(iter, edited)) == len(lines) - 1
+                assert (await target.audit()).clean
+            else:
+                with pytest.raises(CorruptEvent, match="this evstore reads versions 1, 2") as info:
+                    await target.import_events(functools.partial(iter, edited))
+                assert info.value.details["reason"] == "header"
+                assert await target.head() == 0
