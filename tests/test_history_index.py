@@ -339,3 +339,51 @@ async def test_a_history_through_past_the_head_is_not_trusted(
         await random_workload(store, 6, commands=20)
         await _check_reads(store, random.Random(6))
         await _check_index(store, path, 3)
+
+
+async def build(store: AllocationStore, provider: str, vcpu: int) -> None:
+    await store.set_allocations(
+        new_uuid(),
+        {provider: {"VCPU": vcpu}},
+        project_id="p",
+        user_id="u",
+        consumer_type="INSTANCE",
+        generation=None,
+    )
+
+
+@pytest.mark.parametrize("force_rebuild", [False, True])
+async def test_events_appended_where_a_lost_tail_was_are_indexed_as_themselves(
+    tmp_path: Path, force_rebuild: bool
+) -> None:
+    """Regression: the log lost its last events (rows deleted, an older copy restored) after the
+    history index had covered them. The index kept their rows, and the events appended next at
+    the same positions were taken as indexed once the head passed the old ``history_through``:
+    a provider's history listed events that never named it and missed its own, and
+    ``state_at(provider=)`` answered from them (here: 0 VCPU used where 20 were)."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        old = await make_provider(store, "old", VCPU=100)  # positions 1, 2
+        new = await make_provider(store, "new", VCPU=100)  # 3, 4
+        for _ in range(10):
+            await build(store, old, 1)
+    # (closed: the index covers positions 5-14, all of them on `old`)
+    with sqlite3.connect(path) as conn:
+        conn.execute("DELETE FROM events WHERE position > 4")
+    async with open_store(f"sqlite:///{path}") as store:
+        if force_rebuild:
+            await store.rebuild(force=True)
+        for _ in range(10):  # positions 5-14 again, all of them on `new`
+            await build(store, new, 2)
+        assert await store.usage(new) == {"VCPU": 20}
+        assert await (await store.state_at(14, provider=new)).usage(new) == {"VCPU": 20}
+        assert await (await store.state_at(14, provider=old)).usage(old) == {"VCPU": 0}
+        assert [e.position async for e in store.history(new)] == list(range(3, 15))
+        assert [e.position async for e in store.history(old)] == [1, 2]
+        await random_workload(store, 7, commands=30)
+        await _check_reads(store, random.Random(7))
+    through, rows = _index(path)  # (closed: the index is complete, and holds only what the log holds)
+    async with open_store(f"sqlite:///{path}") as store:
+        truth = await _truth(store)
+    assert through == truth[-1][0]
+    assert rows == {(k, p) for p, names in truth for k in names}

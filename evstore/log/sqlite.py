@@ -314,6 +314,24 @@ def history_through(conn: sqlite3.Connection) -> int:
     return through
 
 
+def drop_history_past_head(conn: sqlite3.Connection, head: int) -> None:
+    """In a write transaction, before it appends: a history index past the head of the log (the
+    log lost its last events - rows deleted, an older copy restored) holds the rows of events that
+    are gone. They are dropped, and the index taken as complete through the head (the events up to
+    it are the ones it indexed): else the events appended next at those positions would be taken
+    as indexed once the head passed the old ``history_through``, and a history read (and the
+    slices of ``state_at``) would find the vanished events' entities there instead of theirs."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'history_through'").fetchone()
+    try:
+        through = int(row[0]) if row is not None else 0
+    except (TypeError, ValueError):
+        return  # (damaged: history_through answers 0 and the writer indexes everything again)
+    if through > head:
+        log.warning("history_index.past_head_dropped", history_through=through, head=head)
+        conn.execute("DELETE FROM event_entities WHERE position > ?", (head,))
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(head),))
+
+
 def _history_of(
     conn: sqlite3.Connection, after: int, upto: int, known: Mapping[int, set[str]]
 ) -> list[tuple[str, int]]:
@@ -654,6 +672,8 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
         cache.begin(conn)
         tail = _read_tail(conn)
         start = tail.position
+        if cache.history_through is None:  # (first in this connection, or another one wrote since)
+            drop_history_past_head(conn, start)
         cache.prefetch_consumers(conn, jobs)
         for job in jobs:
             try:
