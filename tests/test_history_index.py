@@ -387,3 +387,29 @@ async def test_events_appended_where_a_lost_tail_was_are_indexed_as_themselves(
         truth = await _truth(store)
     assert through == truth[-1][0]
     assert rows == {(k, p) for p, names in truth for k in names}
+
+
+async def test_an_import_into_a_store_whose_events_were_deleted_keeps_none_of_their_index(
+    tmp_path: Path,
+) -> None:
+    """Regression: an older export imported back into the file whose log had lost its events
+    (deleted by hand: an import needs a store without events) kept the history rows of the
+    events that were gone; once the events appended after the import were indexed, a provider's
+    history listed them although they never named it."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        old = await make_provider(store, "old", VCPU=100)  # positions 1, 2
+        new = await make_provider(store, "new", VCPU=100)  # 3, 4
+        lines = [line async for line in store.export()]
+        for _ in range(10):  # positions 5-14, on `old`
+            await build(store, old, 1)
+    with sqlite3.connect(path) as conn:
+        conn.execute("DELETE FROM events")
+    async with open_store(f"sqlite:///{path}") as store:
+        await store.import_events(lambda: lines)
+        for _ in range(10):  # positions 5-14 again, on `new`
+            await build(store, new, 2)
+    async with open_store(f"sqlite:///{path}") as store:  # (closed: indexed through the head)
+        assert [e.position async for e in store.history(old)] == [1, 2]
+        assert [e.position async for e in store.history(new)] == list(range(3, 15))
+        await _check_index(store, path, 1)

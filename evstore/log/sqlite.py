@@ -1672,6 +1672,9 @@ def _import_all(
     try:
         if conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None:
             raise err.InvalidInput("import needs an empty store: this one already has events")
+        # (a log whose events were deleted by hand may have left their history rows: none is
+        # the imported events', and INSERT OR IGNORE would keep them under the same positions)
+        conn.execute("DELETE FROM event_entities")
         state = State(usages_deferred=True)
         expected = 1
         with gc_paused():
