@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import pydantic_core
 import structlog
 
-from evstore.errors import InvalidInput
+from evstore.errors import EvstoreError, InvalidInput
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
@@ -294,13 +294,17 @@ async def fold_to(
     progress: Callable[[int], None] | None = None,
     start_at: int | None = None,
     taken: frozenset[int] = frozenset(),
+    must_save: bool = False,
 ) -> State:
     """The state at ``position``: the nearest snapshot at or before it, plus the events since.
 
     On the way, a snapshot is saved at every multiple of ``every`` past the one it starts from
     (when ``save``), except at the positions in ``taken``, so the next question about this part
     of the log is answered faster. ``start_at``: start from the nearest snapshot at or before
-    that position instead (to fill the snapshots missing after it).
+    that position instead (to fill the snapshots missing after it). A snapshot that cannot be
+    saved (a session that cannot write: a read-only role or database, a hot standby; a full
+    disk) is only a question answered slower, and the fold goes on without saving, unless
+    ``must_save`` (the snapshots were what the caller asked for).
     """
     if every < 1:
         raise InvalidInput("snapshot interval must be a positive number of events")
@@ -323,18 +327,28 @@ async def fold_to(
                 if save and raw.position % every == 0 and raw.position not in taken:
                     await fold_payloads_yielding(state, rows[folded : i + 1])
                     folded = i + 1
-                    encoded = await asyncio.to_thread(encode_state, state)
-                    await backend.save_snapshot(raw.position, raw.hash, SNAPSHOT_FORMAT, encoded)
-                    if supports_provider_snapshots(backend):
-                        slices = sorted((await asyncio.to_thread(provider_slices, state)).items())
-                        await backend.save_provider_snapshots(  # type: ignore[attr-defined]
-                            raw.position, raw.hash, SNAPSHOT_FORMAT, slices
-                        )
+                    try:
+                        await _save(backend, state, raw.position, raw.hash)
+                    except EvstoreError as exc:
+                        if must_save:
+                            raise
+                        log.warning("snapshot.not_saved", position=raw.position, error=str(exc)[:200])
+                        save = False
             await fold_payloads_yielding(state, rows[folded:])
             after = batch[-1].position
             if progress is not None:
                 progress(after)
     return state
+
+
+async def _save(backend: SnapshotStore, state: State, position: int, event_hash: str) -> None:
+    encoded = await asyncio.to_thread(encode_state, state)
+    await backend.save_snapshot(position, event_hash, SNAPSHOT_FORMAT, encoded)
+    if supports_provider_snapshots(backend):
+        slices = sorted((await asyncio.to_thread(provider_slices, state)).items())
+        await backend.save_provider_snapshots(  # type: ignore[attr-defined]
+            position, event_hash, SNAPSHOT_FORMAT, slices
+        )
 
 
 async def take_snapshots(
@@ -350,5 +364,5 @@ async def take_snapshots(
     taken = frozenset(await backend.snapshot_positions(usable_in=SNAPSHOT_FORMAT))
     missing = next((p for p in range(every, at + 1, every) if p not in taken), None)
     if missing is not None:
-        await fold_to(backend, at, every, progress=progress, start_at=missing, taken=taken)
+        await fold_to(backend, at, every, progress=progress, start_at=missing, taken=taken, must_save=True)
     return await backend.snapshot_positions()

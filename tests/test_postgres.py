@@ -1908,3 +1908,27 @@ async def test_a_version_6_store_is_closed_to_an_evstore_that_refuses_the_new_pa
     with pytest.raises(SchemaVersionError, match="schema version 7; this evstore understands up to 6"):
         async with open_store(pg_url):
             pass
+
+
+async def test_a_read_only_session_time_travels_past_where_no_snapshot_is(pg_url: str) -> None:
+    """Found by review (helper-78): the README says a read-only role or database, or a hot
+    standby, can time-travel; but ``state_at`` (and ``diff``, and ``evstore state --at``) saves a
+    snapshot on the way at every multiple of ``snapshot_every`` that has none, and from such a
+    session that failed the question with evstore.storage "cannot execute INSERT in a read-only
+    transaction". A snapshot is a cache: the answer comes without it. Asked for explicitly
+    (``take_snapshots``), the failure is still reported."""
+    read_only = f"{pg_url}&default_transaction_read_only=on"
+    async with open_store(pg_url) as writer:
+        rp = await make_provider(writer, VCPU=100)  # positions 1, 2
+        consumers = [new_uuid() for _ in range(8)]
+        for c in consumers:  # 3-10
+            await allocate(writer, c, {rp: {"VCPU": 1}})
+    async with open_store(read_only, create=False, snapshot_every=4) as reader:
+        view = await reader.state_at(10)
+        assert await view.usage(rp) == {"VCPU": 8}
+        assert await (await reader.state_at(6)).usage(rp) == {"VCPU": 4}
+        changed = await reader.diff(5, 10)
+        assert [(u.before, u.after) for u in changed.usage] == [(3, 8)]
+        assert await reader.snapshot_positions() == []
+        with pytest.raises(StorageError, match="read-only"):
+            await reader.take_snapshots()
