@@ -148,6 +148,8 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
     after = start.position
     while after < to_position:
         batch = await read_raw(after, min(batch_size, to_position - after))
+        # (over a hole - rows deleted by hand - "the next N events" reach past to_position)
+        batch = [raw for raw in batch if raw.position <= to_position]
         if not batch:
             break
         for i, raw in enumerate(batch, start=1):
@@ -168,6 +170,7 @@ async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_s
                 recreated.add(event.provider)  # type: ignore[attr-defined]
             after = raw.position
     recreated &= state.providers.keys()
+    state.position = max(state.position, to_position)  # (a hole at to_position: the state there)
     return await asyncio.to_thread(_describe, before, state, touched, moved, recreated, counts)
 
 

@@ -75,13 +75,19 @@ async def replay(
                 batch = await pending
                 if not batch:
                     break
+                if to_position is not None and _position_of(batch[-1]) > to_position:
+                    # (over a hole - rows deleted by hand - "the next N events" reach past it)
+                    batch = [row for row in batch if _position_of(row) <= to_position]
+                    pending = None
+                    if not batch:
+                        break
                 if type(batch[0]) is tuple:  # (a RawEvent is a named tuple: not this case)
-                    pending = fetch(batch[-1][0])
+                    pending = None if pending is None else fetch(batch[-1][0])
                     await fold_payloads_yielding(state, batch)
                     if progress is not None:
                         progress(state.position)
                     continue
-                pending = fetch(batch[-1].position)
+                pending = None if pending is None else fetch(batch[-1].position)
                 for i, recorded in enumerate(batch, start=1):
                     if i % FOLD_SLICE == 0:
                         await asyncio.sleep(0)
@@ -101,7 +107,15 @@ async def replay(
             pending.cancel()
             with contextlib.suppress(BaseException):
                 await pending
+    if to_position is not None:
+        state.position = max(state.position, to_position)  # (a hole at to_position: the state there)
     return state
+
+
+def _position_of(row: Any) -> int:
+    """The position of a row ``read`` returned: a tuple's (or ``RawEvent``'s) first field, or a
+    :class:`RecordedEvent`'s."""
+    return row.position if isinstance(row, RecordedEvent) else int(row[0])
 
 
 def payload_fields(etype: str, version: int, data: str, position: int) -> Mapping[str, Any]:

@@ -319,6 +319,8 @@ async def fold_to(
         after = state.position
         while after < position:
             batch = await backend.read_raw(after, min(batch_size, position - after))
+            # (over a hole - rows deleted by hand - "the next N events" reach past ``position``)
+            batch = [raw for raw in batch if raw.position <= position]
             if not batch:
                 break
             rows = [(raw.position, raw.type, raw.schema_version, raw.data) for raw in batch]
@@ -338,6 +340,7 @@ async def fold_to(
             after = batch[-1].position
             if progress is not None:
                 progress(after)
+    state.position = max(state.position, position)  # (a hole at ``position``: the state there)
     return state
 
 

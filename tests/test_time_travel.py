@@ -359,3 +359,27 @@ async def test_a_view_names_the_missing_provider_in_details_as_the_store_does(st
         with pytest.raises(ProviderNotFound) as then:
             await getattr(view, query)(missing)
         assert then.value.details == live.value.details == {"provider": missing}, query
+
+
+async def test_time_travel_over_a_hole_never_folds_an_event_past_the_position(store_url: str) -> None:
+    """Found by review (helper-78): with a row deleted by hand (a hole, which ``read`` refuses as
+    evstore.log.corrupt and the audit lists), the folds read "the next N events" to reach a
+    position, and got one past it: ``state_at(8)``, ``replay(8)`` and ``diff(5, 8)`` answered the
+    state at position 9 (its event folded in, ``position == 9``); ``state_at(7)``, the hole
+    itself, answered position 8. They fold over the hole as the rebuild and the audit do, but
+    stop at the position asked about."""
+    async with open_store(store_url, snapshot_every=5) as store:
+        rp = await make_provider(store, VCPU=100)  # positions 1, 2
+        for _ in range(8):  # 3-10: 1 VCPU each
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        await store.take_snapshots()
+        await store.backend.tamper("DELETE FROM events WHERE position = 7")  # type: ignore[attr-defined]
+        for position, used in ((8, 5), (7, 4), (6, 4)):
+            view = await store.state_at(position)
+            assert (view.position, await view.usage(rp)) == (position, {"VCPU": used})
+            replayed = await store.replay(position)
+            assert replayed.position == position
+            assert replayed.providers[rp].usages == {"VCPU": used}
+            changed = await store.diff(5, position)
+            assert changed.to_position == position
+            assert [u.after for u in changed.usage] == [used]
