@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import pydantic_core
 import structlog
 
-from evstore.errors import EvstoreError, InvalidInput
+from evstore.errors import CorruptEvent, EvstoreError, InvalidInput
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
@@ -323,9 +323,24 @@ async def fold_to(
             batch = [raw for raw in batch if raw.position <= position]
             if not batch:
                 break
+            # A hole (rows deleted by hand): no snapshot at or after it, for a snapshot folded
+            # without the missing event would still match its position's hash once the row is
+            # put back, and answer without it for good.
+            hole = None
+            if batch[-1].position - after != len(batch):
+                hole = next(p for p, raw in enumerate(batch, after + 1) if raw.position != p)
             rows = [(raw.position, raw.type, raw.schema_version, raw.data) for raw in batch]
             folded = 0
             for i, raw in enumerate(batch):
+                if hole is not None and raw.position > hole and save:
+                    message = (
+                        f"Position {hole} is missing from the log (the next event is at {raw.position}): "
+                        "rows were deleted from it; `evstore audit` lists the damage"
+                    )
+                    if must_save:
+                        raise CorruptEvent(message, position=hole, reason="position_gap")
+                    log.warning("snapshot.not_saved", position=hole, error=message)
+                    save = False
                 if save and raw.position % every == 0 and raw.position not in taken:
                     await fold_payloads_yielding(state, rows[folded : i + 1])
                     folded = i + 1

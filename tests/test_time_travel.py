@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evstore import AllocationStore, InvalidInput, ProviderNotFound, open_store
+from evstore import AllocationStore, CorruptEvent, InvalidInput, ProviderNotFound, open_store
 from evstore.log.sqlite import SqliteBackend
 from projections import snapshots
 from projections.replay import replay
@@ -383,3 +383,28 @@ async def test_time_travel_over_a_hole_never_folds_an_event_past_the_position(st
             changed = await store.diff(5, position)
             assert changed.to_position == position
             assert [u.after for u in changed.usage] == [used]
+
+
+async def test_no_snapshot_is_saved_from_a_fold_over_a_hole(store_url: str) -> None:
+    """Found by review (helper-78): a snapshot saved while a row was missing from the log (a
+    fold over the hole, by state_at or take_snapshots) still matched the hash of the event at
+    its position once the row was put back (from a backup), so time travel kept answering
+    without that event: state_at(10) said 7 VCPU used where the log (and replay) says 8, for
+    good. A fold over a hole saves no snapshot; take_snapshots, asked to, says where the hole is."""
+    async with open_store(store_url, snapshot_every=5) as store:
+        rp = await make_provider(store, VCPU=100)  # positions 1, 2
+        for _ in range(8):  # 3-10: 1 VCPU each
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        tamper = store.backend.tamper  # type: ignore[attr-defined]
+        await tamper("CREATE TABLE backup AS SELECT * FROM events WHERE position = 7")
+        await tamper("DELETE FROM events WHERE position = 7")
+        assert await (await store.state_at(10)).usage(rp) == {"VCPU": 7}  # (over the hole)
+        with pytest.raises(CorruptEvent, match="Position 7 is missing") as raised:
+            await store.take_snapshots()
+        assert raised.value.code == "evstore.log.corrupt"
+        assert await store.snapshot_positions() == [5]
+        await tamper("INSERT INTO events SELECT * FROM backup")
+        assert (await store.audit()).clean
+        assert await (await store.state_at(10)).usage(rp) == {"VCPU": 8}
+        assert await (await store.state_at(10, provider=rp)).usage(rp) == {"VCPU": 8}
+        assert await store.take_snapshots() == [5, 10]
