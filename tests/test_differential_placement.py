@@ -1,16 +1,22 @@
 """Differential test: evstore against the real OpenStack Placement 16.0.0.
 
 Random Nova-like command sequences (single and multi-consumer writes with null, current and stale
-consumer generations; Nova-style swaps as ``move_allocations`` sends them; releases; inventory
-replacement, shrinking below usage and class deletion; provider creation and deletion; evstore's
-first-class migration commands against the POST a Nova would send) are applied to an evstore
-store and to Placement's own WSGI app (in-process, SQLite, microversion 1.39; see
-``tests/peers/``). After every step the test compares:
+consumer generations, two projects and two users; Nova-style swaps as ``move_allocations`` sends
+them; releases; inventory replacement, one-class updates, shrinking below usage and class
+deletion; a custom resource class created mid-sequence; provider creation (as roots, or children
+of existing, missing or deleted providers), renames (often to a taken name) and deletion (of
+parents too); evstore's first-class migration commands against the POST a Nova would send) are
+applied to an evstore store and to Placement's own WSGI app (in-process, SQLite, microversion
+1.39; see ``tests/peers/``). After every step the test compares:
 
 - the **outcome**: accepted, or which kind of rejection (``concurrent_update``, ``capacity``,
-  ``constraint``, ``invalid_inventory``, ``provider_not_found``, ``inventory_in_use``, ...);
-- the **full state**: for every provider its existence, generation and usages; for every consumer
-  its allocations, generation, project, user and type.
+  ``constraint``, ``invalid_inventory``, ``provider_not_found``, ``inventory_in_use``,
+  ``cannot_delete_parent``, ...);
+- the **state**: for every provider its existence, generation and usages; for every consumer its
+  allocations, generation, project, user and type; after an accepted step, what it can change of
+  every provider's name, parent and root, inventories and allocations (with the consumers'
+  generations: ``GET /resource_providers/{u}/allocations``) and of ``GET /usages`` per project
+  (by consumer type) and per project and user (``consumer_type=all``); see ``ASPECTS``.
 
 Any difference is an evstore bug, except the deliberate departures of SPEC.md, handled here so:
 
@@ -47,6 +53,7 @@ from hypothesis import strategies as st
 
 from evstore import (
     AllocationStore,
+    CannotDeleteParent,
     CapacityExceeded,
     ConcurrentUpdate,
     ConstraintViolation,
@@ -71,6 +78,7 @@ CLASSES = ("VCPU", "MEMORY_MB", "DISK_GB")
 N_PROVIDERS = 3  # P0 and P1 exist from the start; P2 must be created by the sequence
 N_CONSUMERS = 4
 PROJECTS = ("project-a", "project-b")
+USERS = ("user", "user-b")
 MAX_INT = 2147483647
 
 
@@ -100,6 +108,13 @@ class InvSpec:
 @dataclass(frozen=True)
 class CreateProvider:
     p: int
+    parent: int | None = None
+
+
+@dataclass(frozen=True)
+class RenameProvider:
+    p: int
+    name: int  # renamed "rp-{name}": often the name of another provider
 
 
 @dataclass(frozen=True)
@@ -129,12 +144,28 @@ class DeleteInventory:
 
 
 @dataclass(frozen=True)
+class UpdateInventory:
+    """``PUT .../inventories/{rc}`` of a class the provider has (``set_inventory``)."""
+
+    p: int
+    rc: str
+    inventory: InvSpec
+    stale: int
+
+
+@dataclass(frozen=True)
+class CreateResourceClass:
+    name: str
+
+
+@dataclass(frozen=True)
 class ConsumerSpec:
     c: int
     allocations: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]  # () = remove everything
     generation: str  # "null" | "current" | "stale"
     project: str
     consumer_type: str
+    user: str = USERS[0]
 
 
 @dataclass(frozen=True)
@@ -176,7 +207,10 @@ class ConfirmMigration:
 
 Step = (
     CreateProvider
+    | RenameProvider
     | DeleteProvider
+    | UpdateInventory
+    | CreateResourceClass
     | SetInventories
     | ShrinkInventory
     | DeleteInventory
@@ -225,7 +259,8 @@ consumers = st.integers(0, N_CONSUMERS - 1)
 classes = st.sampled_from(CLASSES)
 UNKNOWN_CLASS = "CUSTOM_NEVER_CREATED"
 # Now and then a custom class nobody created (400 in Placement, UnknownResourceClass in evstore).
-classes_or_unknown = st.sampled_from([*CLASSES * 4, UNKNOWN_CLASS])
+CUSTOM_CLASS = "CUSTOM_GOLD"  # unknown until a CreateResourceClass step creates it
+classes_or_unknown = st.sampled_from([*CLASSES * 4, UNKNOWN_CLASS, CUSTOM_CLASS])
 # Mostly the current generation, so that most writes get as far as the capacity checks.
 generations = st.sampled_from(["null"] + ["current"] * 6 + ["stale"])
 
@@ -265,6 +300,7 @@ consumer_specs = st.builds(
     generation=generations,
     project=st.sampled_from(PROJECTS),
     consumer_type=st.sampled_from(["INSTANCE", "INSTANCE", "MIGRATION"]),
+    user=st.sampled_from(USERS),
 )
 
 
@@ -297,7 +333,7 @@ def multi_writes(draw: st.DrawFn) -> Write:
 
 
 def _fields(spec: ConsumerSpec) -> tuple[Any, ...]:
-    return spec.allocations, spec.generation, spec.project, spec.consumer_type
+    return spec.allocations, spec.generation, spec.project, spec.consumer_type, spec.user
 
 
 swaps = st.builds(lambda pair, g1, g2: Swap(*pair, g1, g2), consumer_pairs(), generations, generations)
@@ -316,8 +352,28 @@ WEIGHTED_STEPS: list[st.SearchStrategy[Step]] = [
     *[st.builds(RevertMigration, consumers)] * 2,
     st.builds(ConfirmMigration, consumers),
     st.builds(CreateProvider, providers),
-    st.builds(DeleteProvider, providers),
+    # P2 (absent at first) as a child of P0 or P1, or of itself; then deleting its parent
+    *[st.builds(CreateProvider, st.just(N_PROVIDERS - 1), providers)] * 2,
+    st.builds(RenameProvider, providers, providers),
+    *[st.builds(DeleteProvider, providers)] * 2,
+    *[st.builds(UpdateInventory, providers, classes, inv_specs(), st.sampled_from([0, 0, 1]))] * 2,
+    st.builds(CreateResourceClass, st.just(CUSTOM_CLASS)),
 ]
+#: What else is compared after an accepted step of each kind, beyond every provider's generation
+#: and usages and every consumer's allocations: "tree" (names, parents, roots), "inventories",
+#: "allocations" (each provider's, with consumer generations, and ``GET /usages``).
+ASPECTS: dict[type, frozenset[str]] = {
+    CreateProvider: frozenset({"tree", "inventories"}),
+    RenameProvider: frozenset({"tree"}),
+    DeleteProvider: frozenset({"tree", "inventories"}),
+    SetInventories: frozenset({"inventories"}),
+    ShrinkInventory: frozenset({"inventories"}),
+    DeleteInventory: frozenset({"inventories"}),
+    UpdateInventory: frozenset({"inventories"}),
+    **dict.fromkeys(
+        (Write, Swap, Release, StartMigration, RevertMigration, ConfirmMigration), frozenset({"allocations"})
+    ),
+}
 steps: st.SearchStrategy[Step] = st.sampled_from(WEIGHTED_STEPS).flatmap(lambda strategy: strategy)
 programs = st.lists(steps, min_size=1, max_size=30)
 
@@ -334,7 +390,11 @@ def placement_kind(status: int, body: Any) -> str:
         return "not_found"
     if status == 400 and "that does not exist" in detail:
         return "provider_not_found"
+    if status == 400 and "parent provider UUID does not exist" in detail:
+        return "provider_not_found"  # (Placement's 400 for a missing parent; evstore's ProviderNotFound)
     if status == 409:
+        if code == "placement.resource_provider.cannot_delete_parent":
+            return "cannot_delete_parent"
         if "exceed the capacity" in detail:
             return "capacity"
         if "violate inventory constraints" in detail:
@@ -379,6 +439,8 @@ def evstore_kind(exc: EvstoreError | None) -> str:
             return "duplicate"
         case ProviderInUse():
             return "provider_in_use"
+        case CannotDeleteParent():
+            return "cannot_delete_parent"
         case InvalidInput():
             return "bad_request"
     return f"evstore {exc.code}: {exc.message[:160]}"
@@ -466,19 +528,60 @@ class Sequence:
                 f"Placement orphans {sorted(map(self.show_uuid, purged))} but the documented "
                 f"departures predict {sorted(map(self.show_uuid, expected_orphans))}"
             )
-        await self.compare_state()
+        # The queries beyond usage and allocations only after a change a step can make (a refusal
+        # changes nothing: the base state shows a trace); keeps the default run short.
+        await self.compare_state(
+            ASPECTS.get(type(step), frozenset()) if p_kind == "accepted" else frozenset()
+        )
 
     async def translate(self, step: Step) -> Any:
         """``(method, path, body, evstore coroutine factory, [(new consumer, empty)])`` or None."""
         store = self.store
         match step:
-            case CreateProvider(p):
+            case CreateProvider(p, parent):
                 u = self.providers[p]
+                parent_uuid = None if parent is None else self.providers[parent]
+                created: dict[str, Any] = {"uuid": u, "name": f"rp-{p}"}
+                if parent_uuid is not None:
+                    created["parent_provider_uuid"] = parent_uuid
                 return (
                     "POST",
                     "/resource_providers",
-                    {"uuid": u, "name": f"rp-{p}"},
-                    lambda: store.create_provider(u, f"rp-{p}"),
+                    created,
+                    lambda: store.create_provider(u, f"rp-{p}", parent_uuid),
+                    [],
+                )
+            case RenameProvider(p, n):
+                u = self.providers[p]
+                return (
+                    "PUT",
+                    f"/resource_providers/{u}",
+                    {"name": f"rp-{n}"},
+                    lambda: store.rename_provider(u, f"rp-{n}"),
+                    [],
+                )
+            case UpdateInventory(p, rc, spec, stale):
+                u = self.providers[p]
+                status, body = await self.peer.acall("GET", f"/resource_providers/{u}/inventories")
+                if status != 200 or not body["inventories"]:
+                    return None
+                if rc not in body["inventories"]:  # (evstore adds it, where Placement says 400)
+                    names = sorted(body["inventories"])
+                    rc = names[len(rc) % len(names)]  # (the hint: one the provider has)
+                gen = body["resource_provider_generation"] + stale
+                return (
+                    "PUT",
+                    f"/resource_providers/{u}/inventories/{rc}",
+                    {"resource_provider_generation": gen, **spec.as_dict()},
+                    lambda: store.set_inventory(u, rc, spec.as_dict(), gen),
+                    [],
+                )
+            case CreateResourceClass(name):
+                return (
+                    "PUT",
+                    f"/resource_classes/{name}",
+                    None,
+                    lambda: store.create_resource_class(name),
                     [],
                 )
             case DeleteProvider(p):
@@ -529,18 +632,19 @@ class Sequence:
                 s = await store.allocations(self.consumers[src])
                 d = await store.allocations(self.consumers[dst])
                 project = s.project_id or PROJECTS[0]
+                user = s.user_id or USERS[0]  # Nova sends the source's project and user for both
                 specs_body = {
                     s.consumer: {
                         "allocations": {},
                         "project_id": project,
-                        "user_id": "user",
+                        "user_id": user,
                         "consumer_type": s.consumer_type or "INSTANCE",
                         "consumer_generation": self.consumer_generation(src_choice, s.generation),
                     },
                     d.consumer: {
                         "allocations": self.placement_allocs(s.allocations),
                         "project_id": project,
-                        "user_id": "user",
+                        "user_id": user,
                         "consumer_type": "MIGRATION",
                         "consumer_generation": self.consumer_generation(dst_choice, d.generation),
                     },
@@ -635,7 +739,7 @@ class Sequence:
             body[u] = {
                 "allocations": self.placement_allocs(allocs),
                 "project_id": spec.project,
-                "user_id": "user",
+                "user_id": spec.user,
                 "consumer_type": spec.consumer_type,
                 "consumer_generation": self.consumer_generation(spec.generation, view.generation),
             }
@@ -689,7 +793,7 @@ class Sequence:
 
     # ---- state ----
 
-    async def placement_state(self) -> dict[str, Any]:
+    async def placement_state(self, aspects: frozenset[str]) -> dict[str, Any]:
         state: dict[str, Any] = {}
         for u in self.providers:
             status, body = await self.peer.acall("GET", f"/resource_providers/{u}/usages")
@@ -698,6 +802,29 @@ class Sequence:
             else:
                 assert status == 200, body
                 state[self.names[u]] = (body["resource_provider_generation"], body["usages"])
+                if "inventories" in aspects:
+                    _, invs = await self.peer.acall("GET", f"/resource_providers/{u}/inventories")
+                    state[f"{self.names[u]} inventories"] = invs["inventories"]
+                if "allocations" in aspects:
+                    _, held = await self.peer.acall("GET", f"/resource_providers/{u}/allocations")
+                    state[f"{self.names[u]} allocations"] = {
+                        self.show_uuid(c): (a["resources"], a["consumer_generation"])
+                        for c, a in held["allocations"].items()
+                    }
+        if "tree" in aspects:
+            _, listed = await self.peer.acall("GET", "/resource_providers")
+            state["tree"] = {
+                self.show_uuid(rp["uuid"]): (
+                    rp["name"],
+                    self.show_uuid(rp["parent_provider_uuid"] or "-"),
+                    self.show_uuid(rp["root_provider_uuid"]),
+                )
+                for rp in listed["resource_providers"]
+            }
+        for query in self.usage_queries() if "allocations" in aspects else []:
+            status, body = await self.peer.acall("GET", f"/usages?{query}")
+            assert status == 200, body
+            state[f"usages {query}"] = body["usages"]
         for u in self.consumers:
             status, body = await self.peer.acall("GET", f"/allocations/{u}")
             assert status == 200, body
@@ -711,7 +838,7 @@ class Sequence:
             )
         return state
 
-    async def evstore_state(self) -> dict[str, Any]:
+    async def evstore_state(self, aspects: frozenset[str]) -> dict[str, Any]:
         state: dict[str, Any] = {}
         for u in self.providers:
             try:
@@ -720,6 +847,27 @@ class Sequence:
                 state[self.names[u]] = None
             else:
                 state[self.names[u]] = (usage.generation, dict(usage.usages))
+                if "inventories" in aspects:
+                    state[f"{self.names[u]} inventories"] = {
+                        rc: inv.model_dump() for rc, inv in (await self.store.inventories(u)).items()
+                    }
+                if "allocations" in aspects:
+                    state[f"{self.names[u]} allocations"] = {
+                        self.show_uuid(c): (res, (await self.store.allocations(c)).generation)
+                        for c, res in (await self.store.provider_allocations(u)).items()
+                    }
+        if "tree" in aspects:
+            state["tree"] = {}
+            for u, _ in await self.store.providers():
+                rp = await self.store.provider(u)
+                parent = self.show_uuid(rp.parent or "-")
+                state["tree"][self.show_uuid(u)] = (rp.name, parent, self.show_uuid(rp.root))
+        for query in self.usage_queries() if "allocations" in aspects else []:
+            args = dict(part.split("=") for part in query.split("&"))
+            usages = await self.store.usages(
+                args["project_id"], args.get("user_id"), args.get("consumer_type")
+            )
+            state[f"usages {query}"] = usages.by_consumer_type
         for u in self.consumers:
             view = await self.store.allocations(u)
             allocs = {self.names[p]: dict(r) for p, r in view.allocations.items()}
@@ -733,13 +881,22 @@ class Sequence:
             )
         return state
 
-    async def compare_state(self) -> None:
-        expected, got = await self.placement_state(), await self.evstore_state()
+    @staticmethod
+    def usage_queries() -> list[str]:
+        """The ``GET /usages`` queries compared after an accepted allocation step (Placement's
+        answer at 1.39, per consumer type)."""
+        queries = [f"project_id={project}" for project in PROJECTS]
+        return queries + [
+            f"project_id={project}&user_id={USERS[1]}&consumer_type=all" for project in PROJECTS
+        ]
+
+    async def compare_state(self, aspects: frozenset[str] = frozenset()) -> None:
+        expected, got = await self.placement_state(aspects), await self.evstore_state(aspects)
         if expected != got:
             diff = [
-                f"  {k}: Placement {expected[k]} / evstore {got[k]}"
-                for k in expected
-                if expected[k] != got[k]
+                f"  {k}: Placement {expected.get(k)} / evstore {got.get(k)}"
+                for k in dict.fromkeys([*expected, *got])
+                if expected.get(k) != got.get(k)
             ]
             self.fail("state differs:\n" + "\n".join(diff))
 
