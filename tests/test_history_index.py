@@ -413,3 +413,35 @@ async def test_an_import_into_a_store_whose_events_were_deleted_keeps_none_of_th
         assert [e.position async for e in store.history(old)] == [1, 2]
         assert [e.position async for e in store.history(new)] == list(range(3, 15))
         await _check_index(store, path, 1)
+
+
+async def test_a_writer_does_not_index_another_process_events_with_the_keys_of_its_lost_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a writer keeps the history keys of the events it appended until the index
+    takes them (``_WriterCache.own``). The log lost those events (rows deleted by hand, an older
+    copy restored) while it was open, another process appended its own at the same positions and
+    ended without indexing them (killed); the writer's next catch-up (here: its close) indexed
+    the other process's events under the vanished events' keys - the history of ``new`` missed
+    them, and that of ``old`` listed events that never named it."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        old = await make_provider(store, "old", VCPU=100)  # positions 1, 2
+        new = await make_provider(store, "new", VCPU=100)  # 3, 4
+        for _ in range(6):
+            await build(store, old, 1)  # 5-10: this writer's, not indexed yet (the lag)
+        with sqlite3.connect(path) as conn:
+            conn.execute("DELETE FROM events WHERE position > 4")
+        with monkeypatch.context() as killed:  # (the other process ends without its close)
+            killed.setattr(sqlite_backend, "flush_history", lambda conn, cache: None)
+            async with open_store(f"sqlite:///{path}") as other:
+                for _ in range(6):
+                    await build(other, new, 2)  # 5-10 again, all of them on `new`
+        await build(store, new, 2)  # 11
+    through, rows = _index(path)
+    async with open_store(f"sqlite:///{path}") as store:
+        truth = await _truth(store)
+        assert [e.position async for e in store.history(new)] == list(range(3, 12))
+        assert [e.position async for e in store.history(old)] == [1, 2]
+    assert through == 11
+    assert rows == {(k, p) for p, names in truth for k in names}

@@ -373,12 +373,15 @@ def index_history(conn: sqlite3.Connection, cache: _WriterCache, tail: _Tail, fo
     events it appended (:attr:`_WriterCache.own`); those another connection appended are read off
     the events.
     """
-    for position, keys in tail.entity_rows:
-        cache.own[position] = keys
-    tail.entity_rows = []
-    if cache.history_through is None:
+    if cache.history_through is None:  # (another connection wrote since, or first here)
+        _forget_own_if_lost(conn, cache)
         cache.history_through = history_through(conn)
         cache.drop_own(upto=cache.history_through)  # (another connection indexed them meanwhile)
+    if tail.entity_rows:
+        for position, keys in tail.entity_rows:
+            cache.own[position] = keys
+        cache.own_tip = (tail.position, tail.hash)
+        tail.entity_rows = []
     through = cache.history_through
     if tail.position <= through or (tail.position - through < HISTORY_LAG and not force):
         return
@@ -387,6 +390,27 @@ def index_history(conn: sqlite3.Connection, cache: _WriterCache, tail: _Tail, fo
     conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(tail.position),))
     cache.history_through = tail.position
     cache.drop_own(upto=tail.position)
+
+
+def _forget_own_if_lost(conn: sqlite3.Connection, cache: _WriterCache) -> None:
+    """Forget the kept history keys (:attr:`_WriterCache.own`) unless the last event this writer
+    appended is still in the log, hash and all (the chain: so are all before it). Else the log
+    lost them (rows deleted, an older copy restored) and other events may stand at their
+    positions now: indexed under the kept keys, a history read would find the vanished events'
+    entities there instead of theirs. (Forgotten, the keys are read off the events.)"""
+    if not cache.own:
+        return
+    tip = cache.own_tip
+    row = (
+        None
+        if tip is None
+        else conn.execute("SELECT hash FROM events WHERE position = ?", (tip[0],)).fetchone()
+    )
+    if tip is None or row is None or row[0] != tip[1]:
+        if tip is not None:
+            log.warning("history_index.own_keys_lost", position=tip[0])
+        cache.own = {}
+        cache.own_tip = None
 
 
 def flush_history(conn: sqlite3.Connection, cache: _WriterCache) -> None:
@@ -446,6 +470,9 @@ class _WriterCache:
         #: hold yet. Facts about the log, not the projection: kept when the rest is forgotten,
         #: except the positions of a transaction that rolled back (drop_own).
         self.own: dict[int, set[str]] = {}
+        #: the position and hash of the last event whose keys ``own`` took: while the log holds
+        #: it, it holds every event ``own`` names (see _forget_own_if_lost)
+        self.own_tip: tuple[int, str] | None = None
         self.forget()
 
     def forget(self) -> None:
