@@ -113,14 +113,28 @@ class _BoundOnce:
             self._config = config
             # (structlog's own filtering loggers know their level: a host that logs warnings only
             # drops every command line, so the line is not built; other wrappers are asked by logging)
-            enabled = getattr(self._bound, "is_enabled_for", None)
-            self._info = True if not callable(enabled) else bool(enabled(logging.INFO))
+            self._info = _info_enabled(self._bound)
         return self._bound
 
     def info_enabled(self) -> bool:
         """Whether an info line would be emitted (True unless the logger says it filters it)."""
         self.get()
         return self._info
+
+
+def _info_enabled(bound: Any) -> bool:
+    """Whether ``bound`` says it emits info lines: asked only of a wrapper class that defines
+    ``is_enabled_for`` (structlog's filtering loggers, ``structlog.stdlib.BoundLogger``). The
+    generic ``structlog.BoundLogger`` answers any attribute with a method that logs it (through
+    the processors, to the wrapped logger, which has no such method: AttributeError); any other
+    doubt logs the line, as before this was asked."""
+    enabled = getattr(type(bound), "is_enabled_for", None)
+    if not callable(enabled):
+        return True
+    try:
+        return bool(enabled(bound, logging.INFO))
+    except Exception:
+        return True
 
 
 _command_log = _BoundOnce("evstore")

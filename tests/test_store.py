@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import io
 import json
 import logging
 import os
@@ -508,6 +509,47 @@ async def test_each_outcome_is_logged_with_context(store: AllocationStore) -> No
     assert rejected["event"] == "command.rejected"
     assert rejected["code"] == "evstore.allocation.capacity_exceeded"
     assert rejected["request_id"] == "req-9"
+
+
+@pytest.mark.parametrize("wrapper", ["generic", "stdlib", "filtering"])
+async def test_a_command_logs_through_any_structlog_wrapper_class(
+    store: AllocationStore, wrapper: str
+) -> None:
+    """Regression (8dd8d17): whether info lines are filtered was asked as
+    ``getattr(bound, "is_enabled_for")``; structlog's generic ``BoundLogger`` answers any
+    attribute with a method that logs, and the wrapped PrintLogger has no such method: every
+    command - committed - then raised AttributeError to its caller, and logged nothing."""
+    out = io.StringIO()
+    saved = structlog.get_config()
+    handler = logging.StreamHandler(out)
+    stdlib_logger = logging.getLogger("evstore")
+    level = stdlib_logger.level
+    if wrapper == "generic":
+        structlog.configure(
+            wrapper_class=structlog.BoundLogger, logger_factory=structlog.PrintLoggerFactory(out)
+        )
+    elif wrapper == "stdlib":
+        stdlib_logger.addHandler(handler)
+        stdlib_logger.setLevel(logging.INFO)
+        structlog.configure(
+            wrapper_class=structlog.stdlib.BoundLogger,
+            logger_factory=structlog.stdlib.LoggerFactory(),
+            processors=[structlog.processors.KeyValueRenderer()],
+        )
+    else:
+        structlog.configure(
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+            logger_factory=structlog.PrintLoggerFactory(out),
+        )
+    try:
+        rp = await make_provider(store, VCPU=1)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    finally:
+        structlog.configure(**saved)
+        stdlib_logger.removeHandler(handler)
+        stdlib_logger.setLevel(level)
+    assert (await store.usage(rp))["VCPU"] == 1
+    assert out.getvalue().count("command.accepted") == 3, out.getvalue()
 
 
 async def test_rejections_before_the_queue_are_logged_too(store: AllocationStore) -> None:
