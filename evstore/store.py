@@ -116,10 +116,10 @@ class _BoundOnce:
             self._info = _info_enabled(self._bound)
         return self._bound
 
-    def info_enabled(self) -> bool:
-        """Whether an info line would be emitted (True unless the logger says it filters it)."""
-        self.get()
-        return self._info
+    def for_info(self) -> Any:
+        """:meth:`get`, or None when the logger says it drops info lines (the line need not be built)."""
+        bound = self.get()
+        return bound if self._info else None
 
 
 def _info_enabled(bound: Any) -> bool:
@@ -401,13 +401,14 @@ def _log_context(job: Job) -> dict[str, Any]:
 
 def _log_outcome(job: Job, outcome: Outcome, **extra: Any) -> None:
     """``command.accepted`` or ``command.rejected`` for a command's outcome."""
-    if not _command_log.info_enabled():
+    logger = _command_log.for_info()
+    if logger is None:
         return
     context = _log_context(job)
     if isinstance(outcome, Receipt):
         if context["provider"] is None:  # (a command naming consumers: the providers it changed)
             context["provider"] = sorted(outcome.provider_generations) or None
-        _command_log.get().info(
+        logger.info(
             "command.accepted",
             positions=list(outcome.positions),
             position=outcome.position,
@@ -416,9 +417,7 @@ def _log_outcome(job: Job, outcome: Outcome, **extra: Any) -> None:
             **extra,
         )
     else:
-        _command_log.get().info(
-            "command.rejected", code=outcome.code, error=outcome.message, **context, **extra
-        )
+        logger.info("command.rejected", code=outcome.code, error=outcome.message, **context, **extra)
 
 
 def _log_not_run(job: Job) -> None:

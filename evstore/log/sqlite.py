@@ -296,12 +296,19 @@ def insert_appended(conn: sqlite3.Connection, tail: _Tail) -> None:
         tail.rows = []
 
 
-def history_through(conn: sqlite3.Connection) -> int:
-    """The position through which the history index (``event_entities``) is complete."""
+def _stored_history_through(conn: sqlite3.Connection) -> int | None:
+    """meta ``history_through`` as stored (0 when absent; None when damaged: not a number)."""
     row = conn.execute("SELECT value FROM meta WHERE key = 'history_through'").fetchone()
     try:
-        through = int(row[0]) if row is not None else 0
+        return int(row[0]) if row is not None else 0
     except (TypeError, ValueError):
+        return None
+
+
+def history_through(conn: sqlite3.Connection) -> int:
+    """The position through which the history index (``event_entities``) is complete."""
+    through = _stored_history_through(conn)
+    if through is None:
         return 0  # (damaged: reads then look at every event themselves, which is only slower)
     if through > 0:
         head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
@@ -321,12 +328,8 @@ def drop_history_past_head(conn: sqlite3.Connection, head: int) -> None:
     it are the ones it indexed): else the events appended next at those positions would be taken
     as indexed once the head passed the old ``history_through``, and a history read (and the
     slices of ``state_at``) would find the vanished events' entities there instead of theirs."""
-    row = conn.execute("SELECT value FROM meta WHERE key = 'history_through'").fetchone()
-    try:
-        through = int(row[0]) if row is not None else 0
-    except (TypeError, ValueError):
-        return  # (damaged: history_through answers 0 and the writer indexes everything again)
-    if through > head:
+    through = _stored_history_through(conn)
+    if through is not None and through > head:  # (damaged, None: history_through answers 0)
         log.warning("history_index.past_head_dropped", history_through=through, head=head)
         conn.execute("DELETE FROM event_entities WHERE position > ?", (head,))
         conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(head),))
