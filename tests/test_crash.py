@@ -77,6 +77,12 @@ async def _kill_writers(url: str, tmp_path: Path, kills: int, window: float = 0.
         # slow PostgreSQL run hung here once a child had logged that much before its kill.
         await asyncio.wait_for(proc.communicate(), 60)
         killed_mid_run += proc.returncode == -signal.SIGKILL
+        # An acknowledgement line longer than the child's write buffer is written in pieces, and
+        # the kill may land between them: the cut line is dropped (it claims nothing), or the next
+        # child's first line would be appended to it (a JSONDecodeError here once, at stop 27).
+        text = ack.read_text() if ack.exists() else ""
+        if not text.endswith("\n") and text:
+            ack.write_text(text[: text.rfind("\n") + 1])
 
         lines = [x for x in ack.read_text().splitlines() if x.endswith("}")]
         acked = [json.loads(x) for x in lines[acks_read:]]  # what this child was told succeeded
