@@ -1122,12 +1122,12 @@ class AllocationStore:
         if user_id is not None:
             validate_name(user_id, "user_id")
         if consumer_type in RESERVED_CONSUMER_TYPES:
-            rows = await self._backend.query("project_usages", project_id, user_id, None)
-            return reserved_type_usages(rows, consumer_type)
+            groups = await self._backend.query("project_usages", project_id, user_id, None)
+            return reserved_type_usages(groups, consumer_type)
         if consumer_type is not None:
             validate_consumer_type(consumer_type)
-        rows = await self._backend.query("project_usages", project_id, user_id, consumer_type)
-        return ProjectUsages.from_rows(rows)
+        groups = await self._backend.query("project_usages", project_id, user_id, consumer_type)
+        return ProjectUsages.from_groups(groups)
 
     async def providers(self) -> list[tuple[str, str]]:
         """``(uuid, name)`` of every provider, by name."""

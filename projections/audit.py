@@ -31,6 +31,7 @@ from evstore.events import (
 )
 from projections.gcpause import gc_paused
 from projections.invariants import find_leaks, format_amount, over_capacity
+from projections.persisted import project_usage_totals
 from projections.replay import FOLD_SLICE
 from projections.state import FOLDS, ConsumerState, State
 
@@ -418,6 +419,8 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
                 )
         if len(findings) == before:
             add(f"Consumer {uuid} differs from its replay: {_short(ch)}", positions, consumer=uuid)
+    if persisted.project_usages is not None:
+        findings.extend(_counter_drift(replayed, persisted.project_usages))
     if replayed.custom_classes != persisted.custom_classes:
         differing = sorted(replayed.custom_classes ^ persisted.custom_classes, key=_label)
         add(
@@ -425,6 +428,31 @@ def compare_states(replayed: State, persisted: State) -> list[Finding]:
             f"{sorted(persisted.custom_classes, key=_label)}, replay gives {sorted(replayed.custom_classes)}",
             (),
             resource_classes=[_label(name) for name in differing],
+        )
+    return findings
+
+
+def _counter_drift(
+    replayed: State, stored: dict[tuple[str, str, str], tuple[int, dict[str, int]]]
+) -> list[Finding]:
+    """The stored project usage counters (what ``usages()`` answers from) against the replay's."""
+    findings = []
+    want = project_usage_totals(replayed.consumers.values())
+    for key in sorted(want.keys() | stored.keys(), key=repr):
+        if want.get(key) == stored.get(key):
+            continue
+        project, user, ctype = (_label(k) for k in key)
+        have_n, have = stored.get(key, (0, {}))
+        want_n, wanted = want.get(key, (0, {}))
+        findings.append(
+            Finding(
+                "drift",
+                f"Usage counters of project {project} (user {user or '-'}, consumer type {ctype or '-'}): "
+                f"projection has {have_n} consumers holding {_short(have)}, replay gives {want_n} "
+                f"holding {_short(wanted)}",
+                (),
+                {"project_id": project, "user_id": user or None, "consumer_type": ctype or None},
+            )
         )
     return findings
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,9 @@ class ChangeSet:
     counters_only: set[str] = field(default_factory=set)
     #: a hint: consumers in ``replace_allocations`` that held no allocation rows before
     held_nothing: set[str] = field(default_factory=set)
+    #: what the changed consumers add to (or take from) the project usage counters:
+    #: ``{key: [consumer count, {class: amount}]}``, only the keys that change
+    usage_deltas: dict[UsageKey, list[Any]] = field(default_factory=dict)
 
 
 def changes(before: State, after: State) -> ChangeSet:
@@ -78,6 +82,7 @@ def changes(before: State, after: State) -> ChangeSet:
             ):
                 cs.counters_only.add(uuid)
     cs.delete_providers = [u for u in before.providers if u not in after.providers]
+    deltas: dict[UsageKey, list[Any]] = {}
     for uuid, cons in after.consumers.items():
         was = before.consumers.get(uuid)
         if was != cons:
@@ -86,9 +91,53 @@ def changes(before: State, after: State) -> ChangeSet:
                 cs.replace_allocations.append(cons)
                 if was is None or not was.allocations:
                     cs.held_nothing.add(uuid)
+            if was is not None:
+                add_project_usage(deltas, was, -1)
+            add_project_usage(deltas, cons, +1)
     cs.delete_consumers = [u for u in before.consumers if u not in after.consumers]
+    for uuid in cs.delete_consumers:
+        add_project_usage(deltas, before.consumers[uuid], -1)
+    cs.usage_deltas = {k: d for k, d in deltas.items() if d[0] or any(d[1].values())}
     cs.add_classes = sorted(after.custom_classes - before.custom_classes)
     return cs
+
+
+# --- project usage counters -----------------------------------------------------------------
+
+#: A consumer's place in the project usage counters: its project, user and type, ``""`` for no
+#: user or no type (names are never empty). ``usages(project, user, type)`` sums these.
+UsageKey = tuple[str, str, str]
+
+
+def usage_key(c: ConsumerState) -> UsageKey | None:
+    """Where a consumer counts (None: it holds nothing, or has no project to be asked by)."""
+    if not c.allocations or not isinstance(c.project_id, str):
+        return None
+    user, ctype = c.user_id, c.consumer_type
+    return (c.project_id, user if isinstance(user, str) else "", ctype if isinstance(ctype, str) else "")
+
+
+def add_project_usage(into: dict[UsageKey, list[Any]], c: ConsumerState, sign: int) -> None:
+    """Add (``sign`` 1) or take away (-1) what ``c`` holds to its counter in ``into``."""
+    key = usage_key(c)
+    if key is None:
+        return
+    entry = into.get(key)
+    if entry is None:
+        entry = into[key] = [0, {}]
+    entry[0] += sign
+    amounts: dict[str, int] = entry[1]
+    for resources in c.allocations.values():
+        for rc, used in resources.items():
+            amounts[rc] = amounts.get(rc, 0) + sign * used
+
+
+def project_usage_totals(consumers: Iterable[ConsumerState]) -> dict[UsageKey, tuple[int, dict[str, int]]]:
+    """Every counter of a whole state: ``{key: (consumer count, {class: amount})}``."""
+    into: dict[UsageKey, list[Any]] = {}
+    for c in consumers:
+        add_project_usage(into, c, +1)
+    return {k: (n, amounts) for k, (n, amounts) in into.items()}
 
 
 # --- row encoding -------------------------------------------------------------------------------
@@ -240,6 +289,67 @@ def check_loaded_consumer(c: ConsumerState) -> None:
 
 def allocation_rows(c: ConsumerState) -> list[tuple[str, str, str, int]]:
     return [(c.uuid, p, rc, amt) for p, res in c.allocations.items() for rc, amt in res.items()]
+
+
+def resources_json(resources: dict[str, int]) -> str:
+    """What a consumer holds of one provider, as one row stores it (``{class: amount}``)."""
+    return _ROW_JSON(resources)
+
+
+def holding_rows(c: ConsumerState) -> list[tuple[str, str, str]]:
+    """One ``(consumer, provider, {class: amount} as JSON)`` row per provider the consumer holds."""
+    return [(c.uuid, p, _ROW_JSON(res)) for p, res in c.allocations.items()]
+
+
+def resources_from_json(consumer: str, provider: str, text: Any) -> dict[str, int]:
+    """A holding row's classes and amounts; :class:`ProjectionCorrupt` for text that is not a
+    mapping (the amounts are :func:`check_loaded_consumer`'s to check, as a command loads them)."""
+    try:
+        found = json.loads(text)
+        if not isinstance(found, dict) or not found:
+            raise ValueError("not a mapping of resource classes to amounts")
+        return found
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ProjectionCorrupt(
+            f"The projection row of consumer {consumer}'s allocations on provider {provider} cannot be "
+            f"read ({_first_line(exc)}): the projection is damaged; `evstore rebuild` refolds it from "
+            "the log",
+            consumer=consumer,
+            provider=provider,
+        ) from None
+
+
+#: one project's counters: ``{(user, consumer type): (consumer count, {class: amount})}``
+ProjectCounters = dict[tuple[str, str], tuple[int, dict[str, int]]]
+
+
+def project_counters_json(counters: ProjectCounters) -> str:
+    """One project's counters as its row stores them: ``[[user, type, count, {class: amount}], ...]``
+    in key order (``""`` for no user or no type)."""
+    return _ROW_JSON([[u, t, n, amounts] for (u, t), (n, amounts) in sorted(counters.items())])
+
+
+def project_counters_from_json(project: str, text: Any) -> ProjectCounters:
+    """A project's counters from its row; :class:`ProjectionCorrupt` for what evstore never writes."""
+    try:
+        entries = json.loads(text)
+        if not isinstance(entries, list):
+            raise ValueError("not a list of counters")
+        found: ProjectCounters = {}
+        for entry in entries:
+            user, ctype, count, amounts = entry
+            if not (isinstance(user, str) and isinstance(ctype, str) and type(count) is int):
+                raise ValueError(f"a counter {entry!r:.80}")
+            if not isinstance(amounts, dict) or not all(type(v) is int for v in amounts.values()):
+                raise ValueError(f"usages {amounts!r:.80} are not a mapping of amounts")
+            found[(user, ctype)] = (count, amounts)
+        return found
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ProjectionCorrupt(
+            f"The project usage counters of {project!r:.80} cannot be read ({_first_line(exc)}): the "
+            "projection is damaged; `evstore rebuild` refolds it from the log",
+            project_id=project,
+        ) from None
 
 
 def orphan_allocations(consumer: str) -> ProjectionCorrupt:

@@ -20,6 +20,7 @@ from projections.views import (
     ProviderInventories,
     ProviderUsage,
     ProviderView,
+    groups_from_rows,
     project_usage_rows,
     provider_allocations,
     reserved_type_usages,
@@ -230,7 +231,7 @@ class StateView:
             raise InvalidInput(f"This view was folded for {self.scope} only; usages() needs the whole state")
         if consumer_type in RESERVED_CONSUMER_TYPES:
             rows = project_usage_rows(self.state, project_id, user_id, None)
-            return reserved_type_usages(rows, consumer_type)
+            return reserved_type_usages(groups_from_rows(rows), consumer_type)
         return ProjectUsages.from_rows(project_usage_rows(self.state, project_id, user_id, consumer_type))
 
     async def providers(self) -> list[tuple[str, str]]:

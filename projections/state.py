@@ -77,6 +77,11 @@ class State:
     usages_deferred: bool = False
     #: while usages are deferred: providers deleted so far (see :meth:`recount_usages`)
     deferred_gone: set[str] = field(default_factory=set, compare=False, repr=False)
+    #: a persisted projection's stored project usage counters, where its backend keeps them
+    #: (``persisted.project_usage_totals`` of the consumers, as stored; the audit checks them)
+    project_usages: dict[tuple[str, str, str], tuple[int, dict[str, int]]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def copy(self) -> State:
         return copy.deepcopy(self)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -185,21 +185,43 @@ class ProjectUsages(Mapping[str, int]):
 
     @classmethod
     def from_rows(cls, rows: list[tuple[str | None, str, str, int]]) -> ProjectUsages:
+        """From one row ``(consumer_type, consumer, class, amount)`` per allocation held."""
+        return cls.from_groups(groups_from_rows(rows))
+
+    @classmethod
+    def from_groups(cls, groups: Iterable[UsageGroup]) -> ProjectUsages:
+        """From ``(consumer_type, consumer_count, {class: amount})`` groups of disjoint consumers
+        (per user and type: a consumer has one of each, so counts add up)."""
         totals: dict[str, int] = {}
         by_type: dict[str, dict[str, int]] = {}
-        consumers: set[str] = set()
-        per_type_consumers: dict[str, set[str]] = {}
-        for ctype, consumer, rc, used in rows:
+        counts: dict[str, int] = {}
+        for ctype, count, usages in groups:
+            if count <= 0:
+                continue
             t = ctype or "unknown"
-            totals[rc] = totals.get(rc, 0) + used
+            counts[t] = counts.get(t, 0) + count
             group = by_type.setdefault(t, {})
-            group[rc] = group.get(rc, 0) + used
-            consumers.add(consumer)
-            per_type_consumers.setdefault(t, set()).add(consumer)
-        groups = {
-            t: {**_sorted(by_type[t]), "consumer_count": len(per_type_consumers[t])} for t in sorted(by_type)
-        }
-        return cls(_sorted(totals), len(consumers), groups)
+            for rc, used in usages.items():
+                totals[rc] = totals.get(rc, 0) + used
+                group[rc] = group.get(rc, 0) + used
+        groups_out = {t: {**_sorted(by_type[t]), "consumer_count": counts[t]} for t in sorted(by_type)}
+        return cls(_sorted(totals), sum(counts.values()), groups_out)
+
+
+#: ``(consumer_type, consumer_count, {class: amount})``: what a set of consumers of one type holds
+UsageGroup = tuple[str | None, int, Mapping[str, int]]
+
+
+def groups_from_rows(rows: Iterable[tuple[str | None, str, str, int]]) -> list[UsageGroup]:
+    """One group per consumer type from one row ``(consumer_type, consumer, class, amount)`` per
+    allocation held."""
+    consumers: dict[str | None, set[str]] = {}
+    amounts: dict[str | None, dict[str, int]] = {}
+    for ctype, consumer, rc, used in rows:
+        consumers.setdefault(ctype, set()).add(consumer)
+        group = amounts.setdefault(ctype, {})
+        group[rc] = group.get(rc, 0) + used
+    return [(t, len(consumers[t]), amounts[t]) for t in consumers]
 
 
 #: Placement's reserved ``consumer_type`` values (microversion 1.38): every consumer, grouped as
@@ -207,11 +229,11 @@ class ProjectUsages(Mapping[str, int]):
 RESERVED_CONSUMER_TYPES = ("all", "unknown")
 
 
-def reserved_type_usages(rows: list[tuple[str | None, str, str, int]], consumer_type: str) -> ProjectUsages:
-    """``usages`` for a reserved ``consumer_type``, from the rows of every consumer type."""
+def reserved_type_usages(groups: Iterable[UsageGroup], consumer_type: str) -> ProjectUsages:
+    """``usages`` for a reserved ``consumer_type``, from the groups of every consumer type."""
     if consumer_type == "unknown":
-        rows = [r for r in rows if r[0] in (None, "UNKNOWN")]
-    return ProjectUsages.from_rows([(consumer_type, *r[1:]) for r in rows])
+        groups = [g for g in groups if g[0] in (None, "UNKNOWN")]
+    return ProjectUsages.from_groups((consumer_type, count, usages) for _, count, usages in groups)
 
 
 def project_usage_rows(

@@ -79,11 +79,63 @@ async def test_tampered_projection_row_is_drift(sqlite_url: str) -> None:
         allocated_at = await store.head()
         assert (await store.audit()).clean
         backend = await _sqlite(store)
-        await backend.tamper("UPDATE p_allocations SET used = 5 WHERE consumer = ?", (c,))
+        await backend.tamper(
+            "UPDATE p_allocations SET resources = json_set(resources, '$.VCPU', 5) WHERE consumer = ?", (c,)
+        )
         report = await store.audit()
         [finding] = report.drift
         assert finding.details["consumer"] == c and finding.details["field"] == "allocations"
         assert finding.positions == (allocated_at,)
+
+
+async def test_project_usage_counters_that_drift_are_found_and_rebuilt(sqlite_url: str) -> None:
+    """SQLite answers ``usages()`` from per-project counters kept with each write: a counter that
+    differs from the log (a lost row, a changed amount or count, one no consumer makes) is drift
+    the audit names by project, user and type, and a rebuild makes them right again."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8, DISK_GB=100)
+        a, b = new_uuid(), new_uuid()
+        await allocate(store, a, {rp: {"VCPU": 2, "DISK_GB": 10}}, project_id="p1", user_id="u1")
+        await allocate(store, b, {rp: {"VCPU": 1}}, project_id="p2", user_id="u2", consumer_type="MIGRATION")
+        want = (await store.usages("p1"), await store.usages("p2"))
+        assert want[0].usages == {"DISK_GB": 10, "VCPU": 2} and want[1].consumer_count == 1
+        assert (await store.audit()).clean
+        backend = await _sqlite(store)
+        await backend.tamper(
+            "UPDATE p_usages SET counters = json_set(counters, '$[0][2]', 5) WHERE project_id = 'p1'"
+        )
+        await backend.tamper("DELETE FROM p_usages WHERE project_id = 'p2'")
+        await backend.tamper("""INSERT INTO p_usages VALUES ('p3', '[["u","",1,{"VCPU":4}]]')""")
+        assert (await store.usages("p1")).consumer_count == 5, "answered from the counters"
+        report = await store.audit()
+        found = {f.details["project_id"]: f for f in report.drift}
+        assert sorted(found) == ["p1", "p2", "p3"], [f.message for f in report.findings]
+        assert "projection has 5 consumers" in found["p1"].message
+        assert "replay gives 1 holding" in found["p1"].message
+        assert found["p2"].details == {"project_id": "p2", "user_id": "u2", "consumer_type": "MIGRATION"}
+        assert found["p3"].details["consumer_type"] is None
+        await store.rebuild()
+        assert (await store.audit()).clean
+        assert (await store.usages("p1"), await store.usages("p2")) == want
+        assert (await store.usages("p3")).consumer_count == 0
+
+
+async def test_an_unreadable_project_usage_counter_is_a_projection_error(sqlite_url: str) -> None:
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 2}}, project_id="p1", user_id="u1")
+        await (await _sqlite(store)).tamper("UPDATE p_usages SET counters = 'lots'")
+        with pytest.raises(
+            ProjectionCorrupt, match=r"project usage counters of 'p1' cannot be read.*evstore rebuild"
+        ):
+            await store.usages("p1")
+        with pytest.raises(ProjectionCorrupt, match="project usage counter"):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}}, project_id="p1", user_id="u1")
+        report = await store.audit()
+        assert not report.clean and "project usage counter" in report.drift[0].message
+        await store.rebuild()
+        assert (await store.usages("p1")).usages == {"VCPU": 2}
+        assert (await store.audit()).clean
 
 
 async def test_a_consumer_generation_that_drifts_is_named(sqlite_url: str) -> None:
@@ -939,8 +991,14 @@ async def test_an_imported_version_1_allocation_write_is_in_the_history_of_the_p
 @pytest.mark.parametrize(
     ("sql", "named"),
     [
-        ("UPDATE p_allocations SET used = -5 WHERE consumer = ?", "an allocation of -5 VCPU"),
-        ("UPDATE p_allocations SET used = 'lots' WHERE consumer = ?", "an allocation of 'lots' VCPU"),
+        (
+            "UPDATE p_allocations SET resources = json_set(resources, '$.VCPU', -5) WHERE consumer = ?",
+            "an allocation of -5 VCPU",
+        ),
+        (
+            "UPDATE p_allocations SET resources = json_set(resources, '$.VCPU', 'lots') WHERE consumer = ?",
+            "an allocation of 'lots' VCPU",
+        ),
         ("UPDATE p_consumers SET generation = 'abc' WHERE uuid = ?", "generation 'abc'"),
         ("UPDATE p_consumers SET generation = -1 WHERE uuid = ?", "generation -1"),
         ("UPDATE p_consumers SET deleted = 7 WHERE uuid = ?", "deleted = 7"),
@@ -1057,7 +1115,7 @@ async def test_every_drift_finding_names_an_event(tmp_path: Path) -> None:
         tamper = store.backend.tamper  # type: ignore[attr-defined]
         row = (gone, "p", "u", "INSTANCE", 1, 0, None, None, 3, None)
         await tamper("INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)", row)
-        await tamper("INSERT INTO p_allocations VALUES (?,?,?,?)", (gone, rp, "VCPU", 2))
+        await tamper("INSERT INTO p_allocations VALUES (?,?,?)", (gone, rp, '{"VCPU":2}'))
         await tamper("DELETE FROM p_classes")
         report = await store.audit()
         positions = {f.message.split(" ")[0]: f.positions for f in report.drift}
@@ -1342,7 +1400,8 @@ async def test_a_drifted_inventory_or_allocation_is_named_by_what_differs(sqlite
             (rps[2],),
         )
         await backend.tamper(
-            "UPDATE p_allocations SET used = 3 WHERE consumer = ? AND provider = ? AND rc = 'VCPU'",
+            "UPDATE p_allocations SET resources = json_set(resources, '$.VCPU', 3) "
+            "WHERE consumer = ? AND provider = ?",
             (c, rps[2]),
         )
         report = await store.audit()

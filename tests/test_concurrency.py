@@ -449,7 +449,7 @@ async def test_a_group_commit_that_rolls_back_is_forgotten(
         g1 = (await store.allocations(c)).generation
         real = sqlite_backend.apply_changes
 
-        def fail_once(conn: object, cs: object) -> None:
+        def fail_once(conn: object, cs: object, *rest: object) -> None:
             monkeypatch.setattr(sqlite_backend, "apply_changes", real)
             raise OSError("disk gone")
 
@@ -460,6 +460,22 @@ async def test_a_group_commit_that_rolls_back_is_forgotten(
         assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
         await allocate(store, c, {rp: {"VCPU": 7}}, generation=g1)
         assert (await store.usage(rp)).usages == {"VCPU": 7}
+        assert (await store.audit()).clean
+        # the same once the project usage counters were counted (in the writer's memory too)
+        count = sqlite_backend._count_usages
+
+        def count_then_fail(*args: Any) -> None:
+            monkeypatch.setattr(sqlite_backend, "_count_usages", count)
+            count(*args)
+            raise OSError("disk gone")
+
+        monkeypatch.setattr(sqlite_backend, "_count_usages", count_then_fail)
+        g2 = (await store.allocations(c)).generation
+        with pytest.raises(StorageError):
+            await allocate(store, c, {rp: {"VCPU": 3}}, generation=g2)
+        assert (await store.usages("project")).usages == {"VCPU": 7}
+        await allocate(store, c, {rp: {"VCPU": 2}}, generation=g2)
+        assert (await store.usages("project")).usages == {"VCPU": 2}
         assert (await store.audit()).clean
 
 

@@ -84,7 +84,7 @@ async def test_rebuild_reports_progress_up_to_the_head(store: AllocationStore) -
 
 # --- SQLite: a rebuild writes only the rows that differ from the fold -----------------------------
 
-_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes")
+_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes", "p_usages")
 
 
 async def _count_writes(store: AllocationStore) -> None:
@@ -129,13 +129,15 @@ async def test_rebuild_repairs_small_damage_row_by_row(sqlite_url: str) -> None:
         live = await store.backend.load_state()
         held = next(c for c in live.consumers.values() if c.allocations)
         tamper = store.backend.tamper  # type: ignore[attr-defined]
-        await tamper("UPDATE p_allocations SET used = used + 1 WHERE consumer = ?", (held.uuid,))
+        await tamper(
+            """UPDATE p_allocations SET resources = '{"VCPU":99}' WHERE consumer = ?""", (held.uuid,)
+        )
         await tamper("DELETE FROM p_consumers WHERE uuid = (SELECT min(uuid) FROM p_consumers)")
         # rows the log never made, sorting before, between and after the real ones
         for stray in ("0" * 8 + new_uuid()[8:], new_uuid(), "f" * 8 + new_uuid()[8:]):
             row = "(?, 'p', 'u', 'INSTANCE', 1, 0, NULL, NULL, 1, NULL)"
             await tamper(f"INSERT INTO p_consumers VALUES {row}", (stray,))
-            await tamper("INSERT INTO p_allocations VALUES (?, ?, 'VCPU', 1)", (stray, new_uuid()))
+            await tamper("""INSERT INTO p_allocations VALUES (?, ?, '{"VCPU":1}')""", (stray, new_uuid()))
         await tamper(
             "UPDATE p_providers SET generation = generation + 3"
             " WHERE uuid = (SELECT min(uuid) FROM p_providers)"
@@ -179,7 +181,7 @@ async def test_rebuild_repairs_rows_whose_keys_are_not_text(sqlite_url: str) -> 
         live = await store.backend.load_state()
         tamper = store.backend.tamper  # type: ignore[attr-defined]
         await tamper("INSERT INTO p_consumers VALUES (42, 'p', 'u', 'INSTANCE', 1, 0, NULL, NULL, 1, NULL)")
-        await tamper("INSERT INTO p_allocations VALUES (X'00ff', 'rp', 'VCPU', 1)")
+        await tamper("""INSERT INTO p_allocations VALUES (X'00ff', 'rp', '{"VCPU":1}')""")
         await tamper("INSERT INTO p_providers VALUES (7, 'n', NULL, 7, 0, '{}', '{}')")
         report = await store.audit()  # reports such rows (it used to fail sorting them)
         messages = [f.message for f in report.findings]
@@ -212,8 +214,8 @@ async def test_rebuild_recreates_a_projection_index_defined_otherwise(sqlite_url
         await random_workload(store, seed=16, commands=100)
         tamper = store.backend.tamper  # type: ignore[attr-defined]
         await tamper("DROP INDEX p_allocations_provider")
-        await tamper("CREATE INDEX p_allocations_provider ON p_allocations (rc)")
-        await tamper("DROP INDEX p_consumers_project")
+        await tamper("CREATE INDEX p_allocations_provider ON p_allocations (resources)")
+        await tamper("DROP INDEX p_consumers_migrations")
 
         def indexes(conn: Any) -> dict[str, str]:
             rows = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND name LIKE 'p%'")
@@ -226,8 +228,9 @@ async def test_rebuild_recreates_a_projection_index_defined_otherwise(sqlite_url
             == "CREATE INDEX p_allocations_provider ON p_allocations (provider)"
         )
         assert (
-            found["p_consumers_project"]
-            == "CREATE INDEX p_consumers_project ON p_consumers (project_id, user_id)"
+            found["p_consumers_migrations"]
+            == "CREATE INDEX p_consumers_migrations ON p_consumers (on_behalf_of) "
+            "WHERE on_behalf_of IS NOT NULL"
         )
 
 

@@ -1592,6 +1592,68 @@ async def test_an_older_sqlite_store_learns_its_migrations_instance_types_on_ope
             pass
 
 
+async def test_a_version_4_sqlite_store_gets_its_reshaped_projection_on_open(tmp_path: Path) -> None:
+    """Schema version 5 keeps one p_allocations row per consumer and provider (classes as JSON)
+    and per-project usage counters instead of an index of consumers by project. A version-4 store
+    (one row per class, the index, no counters) is given the new tables on open, refolded from
+    its log: allocations, provider allocations and project usages answer as before, the audit is
+    clean, and a store that says 5 but has the old table was damaged: refused, not altered."""
+    path = tmp_path / "v4.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=8, MEMORY_MB=4096)
+        a, b = new_uuid(), new_uuid()
+        await allocate(store, a, {rp: {"VCPU": 2, "MEMORY_MB": 512}}, project_id="p", user_id="u1")
+        await allocate(store, b, {rp: {"VCPU": 1}}, project_id="p", user_id="u2", consumer_type="MIGRATION")
+        before = (
+            await store.usages("p"),
+            await store.usages("p", "u1"),
+            await store.provider_allocations(rp),
+        )
+    conn = sqlite3.connect(path)
+    with conn:  # what version 4 wrote
+        rows = [
+            (c, p, rc, used)
+            for c, p, resources in conn.execute("SELECT consumer, provider, resources FROM p_allocations")
+            for rc, used in json.loads(resources).items()
+        ]
+        conn.execute("DROP TABLE p_allocations")
+        conn.execute("DROP TABLE p_usages")
+        conn.execute(
+            "CREATE TABLE p_allocations (consumer TEXT NOT NULL, provider TEXT NOT NULL, rc TEXT NOT NULL, "
+            "used INTEGER NOT NULL, PRIMARY KEY (consumer, provider, rc)) WITHOUT ROWID"
+        )
+        conn.execute("CREATE INDEX p_allocations_provider ON p_allocations (provider)")
+        conn.execute("CREATE INDEX p_consumers_project ON p_consumers (project_id, user_id)")
+        conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", rows)
+        conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    conn.close()
+    assert len(rows) == 3
+    async with open_store(f"sqlite:///{path}") as store:
+        assert (await store.audit()).clean
+        after = (await store.usages("p"), await store.usages("p", "u1"), await store.provider_allocations(rp))
+        assert after == before
+        assert before[0].usages == {"MEMORY_MB": 512, "VCPU": 3} and before[0].consumer_count == 2
+        assert (await store.allocations(a)) == {rp: {"MEMORY_MB": 512, "VCPU": 2}}
+        await store.delete_consumer(a)
+        assert (await store.usages("p")).usages == {"VCPU": 1}
+    conn = sqlite3.connect(path)
+    version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    conn.close()
+    assert version == str(SQLITE_SCHEMA_VERSION) and "p_consumers_project" not in indexes
+    conn = sqlite3.connect(path)
+    with conn:  # says 5, holds the old table: damaged
+        conn.execute("DROP TABLE p_allocations")
+        conn.execute(
+            "CREATE TABLE p_allocations (consumer TEXT NOT NULL, provider TEXT NOT NULL, rc TEXT NOT NULL, "
+            "used INTEGER NOT NULL, PRIMARY KEY (consumer, provider, rc)) WITHOUT ROWID"
+        )
+    conn.close()
+    with pytest.raises(evstore.StorageError, match="tables are of an older one"):
+        async with open_store(f"sqlite:///{path}"):
+            pass
+
+
 def test_a_missing_asyncpg_and_a_broken_installation_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """An ImportError of evstore's own PostgreSQL module said 'needs asyncpg' whatever its cause
     (a mixed installation's missing name sent the reader to pip install asyncpg)."""
@@ -1929,10 +1991,10 @@ async def test_a_store_opened_by_this_version_is_closed_to_one_that_refuses_its_
         await store.delete_provider(child)  # (a payload an evstore of version 3 cannot read)
     with contextlib.closing(sqlite3.connect(path)) as conn:
         [(version,)] = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
-    assert version == str(SQLITE_SCHEMA_VERSION) == "4"
+    assert version == str(SQLITE_SCHEMA_VERSION) and SQLITE_SCHEMA_VERSION >= 4
     monkeypatch.setattr(sqlite_backend, "SCHEMA_VERSION", 3)  # (that evstore's own check)
     with pytest.raises(
-        evstore.SchemaVersionError, match="schema version 4; this evstore understands up to 3"
+        evstore.SchemaVersionError, match=f"schema version {version}; this evstore understands up to 3"
     ):
         async with open_store(f"sqlite:///{path}"):
             pass

@@ -112,6 +112,7 @@ from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, evolve
+from projections.views import UsageGroup, groups_from_rows
 
 log = structlog.get_logger("evstore.postgres")
 T = TypeVar("T")
@@ -2321,7 +2322,7 @@ async def _q_provider_allocations(conn: Any, provider: str) -> dict[str, dict[st
 
 async def _q_project_usages(
     conn: Any, project_id: str, user_id: str | None, consumer_type: str | None
-) -> list[tuple[str, str, str, int]]:
+) -> list[UsageGroup]:
     rows = await conn.fetch(
         "SELECT c.consumer_type, c.uuid, a.rc, a.used FROM p_allocations a "
         "JOIN p_consumers c ON c.uuid = a.consumer WHERE c.project_id = $1 "
@@ -2330,7 +2331,7 @@ async def _q_project_usages(
         user_id,
         consumer_type,
     )
-    return [tuple(r) for r in rows]
+    return groups_from_rows(tuple(r) for r in rows)
 
 
 async def _q_providers(conn: Any) -> list[tuple[str, str]]:

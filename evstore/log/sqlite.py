@@ -54,14 +54,17 @@ from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, payload_fields, replay
 from projections.state import FOLDS, ConsumerState, State, evolve, fold_noting_providers
+from projections.views import UsageGroup
 
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
 #: no longer a unique index in new stores (ids are time-ordered, with 74 random bits)
 #: 3: a migration's instance type (a column of p_consumers, refolded on open);
 #: 4: no table changes - events may carry payload fields an evstore of version 3 or older refuses
 #: (on_behalf_of, a ProviderDeleted's parent): the version closes such a store to it, which would
-#: otherwise call those events corrupt
-SCHEMA_VERSION = 4
+#: otherwise call those events corrupt;
+#: 5: p_allocations holds one row per consumer and provider (its classes as JSON), and per-project
+#: usage counters (p_usages) replace the index of consumers by project (refolded on open)
+SCHEMA_VERSION = 5
 log = structlog.get_logger("evstore.sqlite")
 #: the history index (``event_entities``) is brought up to date once it lags this many events
 #: behind the log; reads look at the (at most this many) newest events themselves
@@ -102,13 +105,14 @@ CREATE TABLE IF NOT EXISTS p_consumers (
     instance_type TEXT
 ) WITHOUT ROWID;
 DROP INDEX IF EXISTS p_consumers_behalf;
+DROP INDEX IF EXISTS p_consumers_project;
 CREATE INDEX IF NOT EXISTS p_consumers_migrations ON p_consumers (on_behalf_of)
     WHERE on_behalf_of IS NOT NULL;
-CREATE INDEX IF NOT EXISTS p_consumers_project ON p_consumers (project_id, user_id);
 CREATE TABLE IF NOT EXISTS p_allocations (
-    consumer TEXT NOT NULL, provider TEXT NOT NULL, rc TEXT NOT NULL, used INTEGER NOT NULL,
-    PRIMARY KEY (consumer, provider, rc)
+    consumer TEXT NOT NULL, provider TEXT NOT NULL, resources TEXT NOT NULL,
+    PRIMARY KEY (consumer, provider)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS p_usages (project_id TEXT PRIMARY KEY, counters TEXT NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS p_allocations_provider ON p_allocations (provider);
 CREATE TABLE IF NOT EXISTS p_classes (name TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -120,10 +124,16 @@ CREATE TABLE IF NOT EXISTS provider_snapshots (
 ) WITHOUT ROWID;
 """
 
-PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes")
+PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes", "p_usages")
 #: Columns later schema versions added to a table, last in it (an older store gets them on open,
 #: and its projection is refolded to fill them): 3 added a migration's instance type.
 ADDED_COLUMNS: dict[str, dict[str, str]] = {"p_consumers": {"instance_type": "TEXT"}}
+#: Projection tables a later schema version reshaped, with their columns before (an older
+#: store's are dropped on open and refolded from the log): 5 made p_allocations one row per
+#: consumer and provider (one B-tree entry and one index entry per claim instead of one per class).
+RESHAPED_TABLES: dict[str, tuple[tuple[str, ...], int]] = {
+    "p_allocations": (("consumer", "provider", "rc", "used"), 5),
+}
 PROJECTION_INDEXES = {
     name: sql
     for sql in (s.strip() for s in DDL.split(";"))
@@ -202,14 +212,20 @@ def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> 
         if not found:
             continue  # a consumer with allocations always has a row: new consumers cost one query
         marks = _in_clause(len(found))
-        held = f"SELECT consumer, provider, rc, used FROM p_allocations WHERE consumer IN ({marks})"
-        for consumer, provider, rc, used in conn.execute(held, found):
-            state.consumers[consumer].allocations.setdefault(provider, {})[rc] = used
+        held = f"SELECT consumer, provider, resources FROM p_allocations WHERE consumer IN ({marks})"
+        for consumer, provider, resources in conn.execute(held, found):
+            state.consumers[consumer].allocations[provider] = persisted.resources_from_json(
+                consumer, provider, resources
+            )
         for uuid in found:
             persisted.check_loaded_consumer(state.consumers[uuid])
 
 
-def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
+def apply_changes(
+    conn: sqlite3.Connection,
+    cs: persisted.ChangeSet,
+    usage_counters: dict[str, persisted.ProjectCounters] | None = None,
+) -> None:
     if cs.delete_providers:
         conn.executemany("DELETE FROM p_providers WHERE uuid = ?", [(u,) for u in cs.delete_providers])
     if cs.upsert_providers:
@@ -238,11 +254,52 @@ def apply_changes(conn: sqlite3.Connection, cs: persisted.ChangeSet) -> None:
             "INSERT OR REPLACE INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)",
             sorted(persisted.consumer_row(c) for c in cs.upsert_consumers),
         )
-    rows = sorted(r for c in cs.replace_allocations for r in persisted.allocation_rows(c))
+    rows = sorted(r for c in cs.replace_allocations for r in persisted.holding_rows(c))
     if rows:
-        conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", rows)
+        conn.executemany("INSERT INTO p_allocations VALUES (?,?,?)", rows)
     if cs.add_classes:
         conn.executemany("INSERT OR IGNORE INTO p_classes VALUES (?)", [(n,) for n in cs.add_classes])
+    if cs.usage_deltas:
+        _count_usages(conn, cs.usage_deltas, usage_counters)
+
+
+def _count_usages(
+    conn: sqlite3.Connection,
+    deltas: dict[persisted.UsageKey, list[Any]],
+    known: dict[str, persisted.ProjectCounters] | None = None,
+) -> None:
+    """Add what a write changed to the project usage counters: one row per project (its counters
+    per user and consumer type inside), a handful of hot rows where an index of consumers by
+    project took a random page per new consumer. ``known``: counters as stored, kept by the
+    writer between its transactions (read here for the projects it lacks, and updated)."""
+    known = {} if known is None else known
+    missing = sorted({project for project, _, _ in deltas} - known.keys())
+    for chunk in _chunks(missing):
+        sql = f"SELECT project_id, counters FROM p_usages WHERE project_id IN ({_in_clause(len(chunk))})"
+        for project in chunk:
+            known[project] = {}
+        for project, text in conn.execute(sql, chunk):
+            known[project] = persisted.project_counters_from_json(project, text)
+    changed: set[str] = set()
+    for (project, user, ctype), (count, amounts) in deltas.items():
+        counters = known[project]
+        have_count, have = counters.get((user, ctype), (0, {}))
+        merged = dict(have)
+        for rc, amount in amounts.items():
+            merged[rc] = merged.get(rc, 0) + amount
+        merged = {rc: v for rc, v in merged.items() if v}
+        total = have_count + count
+        if total == 0 and not merged:
+            counters.pop((user, ctype), None)
+        else:
+            counters[(user, ctype)] = (total, merged)
+        changed.add(project)
+    gone = [(p,) for p in sorted(changed) if not known[p]]
+    if gone:
+        conn.executemany("DELETE FROM p_usages WHERE project_id = ?", gone)
+    rows = [(p, persisted.project_counters_json(known[p])) for p in sorted(changed) if known[p]]
+    if rows:
+        conn.executemany("INSERT OR REPLACE INTO p_usages VALUES (?,?)", rows)
 
 
 def _read_tail(conn: sqlite3.Connection) -> _Tail:
@@ -486,6 +543,8 @@ class _WriterCache:
         self.known_providers: set[str] = set()
         #: custom classes known to be stored
         self.stored_classes: set[str] = set()
+        #: project usage counters known as stored (see _count_usages)
+        self.usage_counters: dict[str, persisted.ProjectCounters] = {}
         self.data_version = None
         self.history_through = None
         self._clean()
@@ -507,7 +566,8 @@ class _WriterCache:
         """First thing in each write transaction: keep what is remembered only if no other
         connection has committed since this one's last transaction, and it is not too big."""
         version = conn.execute("PRAGMA data_version").fetchone()[0]
-        if version != self.data_version or len(self.known_consumers) + len(self.known_providers) > self.LIMIT:
+        known = len(self.known_consumers) + len(self.known_providers) + len(self.usage_counters)
+        if version != self.data_version or known > self.LIMIT:
             self.forget()
         self.data_version = version
         self._clean()
@@ -520,7 +580,7 @@ class _WriterCache:
             custom_classes=now.custom_classes,
         )
         self.before.custom_classes = self.stored_classes
-        apply_changes(conn, persisted.changes(self.before, after))
+        apply_changes(conn, persisted.changes(self.before, after), self.usage_counters)
         self.stored_classes = set(now.custom_classes)
         self._clean()
 
@@ -1490,11 +1550,14 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
     found = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
     _refuse_newer(conn, found)  # (first: a newer evstore's tables differ, and that is why)
     outdated = False
+    reshaped_in: int | None = None  # (the version that reshaped a table this store has as before)
     for table, want in columns.items():
         if found.get(table) == "table":
             have = tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
             if have != want and have + tuple(ADDED_COLUMNS.get(table, ())) == want:
                 outdated = True  # (a store of an older version: the open adds the columns)
+            elif have != want and table in RESHAPED_TABLES and have == RESHAPED_TABLES[table][0]:
+                reshaped_in = RESHAPED_TABLES[table][1]  # (the open makes it again, refolded)
             elif have != want:
                 raise err.StorageError(
                     f"Not an evstore database: its table {table!r} has the columns ({', '.join(have)}), "
@@ -1535,15 +1598,18 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
                 found=version,
                 supported=SCHEMA_VERSION,
             )
-    if outdated and version is not None and version >= 3:
+    if (outdated and version is not None and version >= 3) or (
+        reshaped_in is not None and version is not None and version >= reshaped_in
+    ):
         raise err.StorageError(
             f"This store says schema version {version} but its tables are of an older one: it was "
             "damaged, or written by another program",
             found=version,
         )
-    retired = {"events_recorded_at", "p_consumers_behalf"}  # (dropped by the DDL: a migration)
+    retired = {"events_recorded_at", "p_consumers_behalf", "p_consumers_project"}  # (dropped by the DDL)
     return (
         not outdated
+        and reshaped_in is None
         and version == SCHEMA_VERSION
         and columns.keys() <= found.keys()
         and indexes <= found.keys()
@@ -1576,6 +1642,12 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
     try:
         _schema_state(conn)  # (again, under the lock: another process may have changed it)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        reshaped: list[str] = []
+        for table, (before, _) in RESHAPED_TABLES.items():
+            if table in tables and tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})")) == before:
+                conn.execute(f"DROP TABLE {table}")  # (and its indexes: the DDL makes both again)
+                tables.discard(table)
+                reshaped.append(table)
         added = []
         for table, added_columns in ADDED_COLUMNS.items():
             if table in tables:
@@ -1592,7 +1664,9 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
         missing = [t for t in PROJECTION_TABLES if t not in tables]
         if head and missing:
-            _refold_lost_projection(conn, missing, head)
+            # (an older store's reshaped tables, or tables lost: the log folded again fills them)
+            why = "projection.reshaped" if reshaped else "projection.tables_missing"
+            _refold_lost_projection(conn, missing, head, why=why)
         elif head and added:
             # (the new columns hold what the fold knows and older versions did not keep)
             _refold_lost_projection(conn, added, head, why="projection.columns_added")
@@ -1671,13 +1745,17 @@ def _load_all(conn: sqlite3.Connection) -> State:
     ):
         c = persisted.consumer_from_row(crow)
         state.consumers[c.uuid] = c
-    for consumer, provider, rc, used in conn.execute(
-        "SELECT consumer, provider, rc, used FROM p_allocations"
+    for consumer, provider, resources in conn.execute(
+        "SELECT consumer, provider, resources FROM p_allocations"
     ):
         holder = state.consumers.get(consumer)
         if holder is None:
             holder = state.consumers[consumer] = ConsumerState(consumer)
-        holder.allocations.setdefault(provider, {})[rc] = used
+        holder.allocations[provider] = persisted.resources_from_json(consumer, provider, resources)
+    counters = state.project_usages = {}
+    for project, text in conn.execute("SELECT project_id, counters FROM p_usages"):
+        for (user, ctype), counter in persisted.project_counters_from_json(project, text).items():
+            counters[(project, user, ctype)] = counter
     state.custom_classes = {r[0] for r in conn.execute("SELECT name FROM p_classes")}
     return state
 
@@ -1775,11 +1853,25 @@ def _allocation_rows(state: State) -> Iterable[tuple[Any, ...]]:
     consumers = state.consumers
     holding = sorted(u for u, c in consumers.items() if c.allocations)  # (most rows are tombstones)
     return (
-        (u, provider, rc, used)
+        (u, provider, _resources_json(resources))
         for u in holding
         for provider, resources in sorted(consumers[u].allocations.items())
-        for rc, used in sorted(resources.items())
     )
+
+
+def _resources_json(resources: dict[str, int]) -> str:
+    """A holding row's JSON, refusing amounts beyond 64 bits as an INTEGER column did (only a log
+    no command wrote holds them: the rebuild names that, and PostgreSQL's columns refuse them)."""
+    if not all(-(2**63) <= used < 2**63 for used in resources.values()):
+        raise OverflowError("an amount beyond 64 bits")
+    return persisted.resources_json(resources)
+
+
+def _usage_rows(state: State) -> Iterable[tuple[Any, ...]]:
+    by_project: dict[str, persisted.ProjectCounters] = {}
+    for (project, user, ctype), counter in persisted.project_usage_totals(state.consumers.values()).items():
+        by_project.setdefault(project, {})[(user, ctype)] = counter
+    return ((p, persisted.project_counters_json(by_project[p])) for p in sorted(by_project))
 
 
 def _write_projection(conn: sqlite3.Connection, state: State) -> None:
@@ -1791,8 +1883,9 @@ def _write_projection(conn: sqlite3.Connection, state: State) -> None:
     uuids = sorted(state.consumers)
     conn.executemany("INSERT INTO p_providers VALUES (?,?,?,?,?,?,?)", _provider_rows(state))
     conn.executemany("INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)", _consumer_rows(state, uuids))
-    conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", _allocation_rows(state))
+    conn.executemany("INSERT INTO p_allocations VALUES (?,?,?)", _allocation_rows(state))
     conn.executemany("INSERT INTO p_classes VALUES (?)", ((n,) for n in sorted(state.custom_classes)))
+    conn.executemany("INSERT INTO p_usages VALUES (?,?)", _usage_rows(state))
 
 
 class _TooDifferent(Exception):
@@ -1874,8 +1967,9 @@ def _sync_projection(conn: sqlite3.Connection, state: State) -> bool:
                 1,
                 _consumer_rows(state, uuids),
             ),
-            ("p_allocations", "consumer, provider, rc, used", 3, _allocation_rows(state)),
+            ("p_allocations", "consumer, provider, resources", 2, _allocation_rows(state)),
             ("p_classes", "name", 1, ((n,) for n in sorted(state.custom_classes))),
+            ("p_usages", "project_id, counters", 1, _usage_rows(state)),
         ):
             key = ", ".join(columns.split(", ")[:nkey])
             current = conn.execute(f"SELECT {columns} FROM {table} ORDER BY {key}")
@@ -2049,28 +2143,25 @@ def _q_provider_allocations(conn: sqlite3.Connection, provider: str) -> dict[str
     if conn.execute("SELECT 1 FROM p_providers WHERE uuid = ?", (provider,)).fetchone() is None:
         return None
     out: dict[str, dict[str, int]] = {}
-    for consumer, rc, used in conn.execute(
-        "SELECT consumer, rc, used FROM p_allocations WHERE provider = ? ORDER BY consumer", (provider,)
+    for consumer, resources in conn.execute(
+        "SELECT consumer, resources FROM p_allocations WHERE provider = ? ORDER BY consumer", (provider,)
     ):
-        out.setdefault(consumer, {})[rc] = used
+        out[consumer] = persisted.resources_from_json(consumer, provider, resources)
     return out
 
 
 def _q_project_usages(
     conn: sqlite3.Connection, project_id: str, user_id: str | None, consumer_type: str | None
-) -> list[tuple[str, str, str, int]]:
-    sql = (
-        "SELECT c.consumer_type, c.uuid, a.rc, a.used FROM p_allocations a "
-        "JOIN p_consumers c ON c.uuid = a.consumer WHERE c.project_id = ?"
-    )
-    params: list[Any] = [project_id]
-    if user_id is not None:
-        sql += " AND c.user_id = ?"
-        params.append(user_id)
-    if consumer_type is not None:
-        sql += " AND c.consumer_type = ?"
-        params.append(consumer_type)
-    return conn.execute(sql, params).fetchall()
+) -> list[UsageGroup]:
+    """From the counters (see :func:`_count_usages`): one group per user and consumer type."""
+    row = conn.execute("SELECT counters FROM p_usages WHERE project_id = ?", (project_id,)).fetchone()
+    if row is None:
+        return []
+    groups: list[UsageGroup] = []
+    for (user, ctype), (count, amounts) in persisted.project_counters_from_json(project_id, row[0]).items():
+        if (user_id is None or user == user_id) and (consumer_type is None or ctype == consumer_type):
+            groups.append((ctype or None, count, amounts))
+    return groups
 
 
 def _q_providers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
