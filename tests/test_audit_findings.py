@@ -138,6 +138,41 @@ async def test_an_unreadable_project_usage_counter_is_a_projection_error(sqlite_
         assert (await store.audit()).clean
 
 
+async def test_an_unreadable_project_counter_fails_only_the_commands_of_its_project(sqlite_url: str) -> None:
+    """A group commit's commands succeed or fail each on its own: the counters of one project,
+    damaged, were first read when the batch wrote its projection rows, after every job ran, so
+    a command of another project sharing the batch failed with them (ProjectionCorrupt naming a
+    project it never touched) and nothing of the batch was written."""
+    from evstore.commands import ConsumerWrite, WriteAllocations, needs
+    from evstore.log import Job
+
+    def job(project: str, rp: str) -> Job:
+        write = ConsumerWrite(new_uuid(), {rp: {"VCPU": 1}}, project, "u1", "INSTANCE", None)
+        command = WriteAllocations((write,))
+        return Job(command, {}, "{}", needs(command))
+
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 2}}, project_id="p1", user_id="u1")
+        await allocate(store, new_uuid(), {rp: {"VCPU": 3}}, project_id="p2", user_id="u1")
+        backend = await _sqlite(store)
+        await backend.tamper("UPDATE p_usages SET counters = 'lots' WHERE project_id = 'p1'")
+        head = await store.head()
+        for first, second in (("p1", "p2"), ("p2", "p1")):  # (one batch; either order)
+            ran = await backend.run_jobs([job(first, rp), job(second, rp)])
+            outcomes = dict(zip((first, second), ran, strict=True))
+            assert isinstance(outcomes["p1"], ProjectionCorrupt), outcomes
+            assert "counters of 'p1'" in outcomes["p1"].message
+            assert not isinstance(outcomes["p2"], BaseException), outcomes
+        assert await store.head() == head + 2
+        assert (await store.usages("p2")).usages == {"VCPU": 5}
+        with pytest.raises(ProjectionCorrupt):  # (still damaged: not overwritten from a guess)
+            await store.usages("p1")
+        await store.rebuild()
+        assert (await store.usages("p1")).usages == {"VCPU": 2}
+        assert (await store.audit()).clean
+
+
 async def test_a_consumer_generation_that_drifts_is_named(sqlite_url: str) -> None:
     async with open_store(sqlite_url) as store:
         rp = await make_provider(store, VCPU=8)

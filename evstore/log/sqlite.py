@@ -273,13 +273,7 @@ def _count_usages(
     project took a random page per new consumer. ``known``: counters as stored, kept by the
     writer between its transactions (read here for the projects it lacks, and updated)."""
     known = {} if known is None else known
-    missing = sorted({project for project, _, _ in deltas} - known.keys())
-    for chunk in _chunks(missing):
-        sql = f"SELECT project_id, counters FROM p_usages WHERE project_id IN ({_in_clause(len(chunk))})"
-        for project in chunk:
-            known[project] = {}
-        for project, text in conn.execute(sql, chunk):
-            known[project] = persisted.project_counters_from_json(project, text)
+    _load_usage_counters(conn, {project for project, _, _ in deltas}, known)
     changed: set[str] = set()
     for (project, user, ctype), (count, amounts) in deltas.items():
         counters = known[project]
@@ -300,6 +294,32 @@ def _count_usages(
     rows = [(p, persisted.project_counters_json(known[p])) for p in sorted(changed) if known[p]]
     if rows:
         conn.executemany("INSERT OR REPLACE INTO p_usages VALUES (?,?)", rows)
+
+
+def _load_usage_counters(
+    conn: sqlite3.Connection, projects: set[str], known: dict[str, persisted.ProjectCounters]
+) -> None:
+    """Read the stored counters of the ``projects`` missing from ``known`` into it, all or none
+    (:class:`ProjectionCorrupt` for a row that cannot be read: a project left out of ``known``,
+    not taken for one without counters)."""
+    missing = sorted(projects - known.keys())
+    loaded: dict[str, persisted.ProjectCounters] = {}
+    for chunk in _chunks(missing):
+        sql = f"SELECT project_id, counters FROM p_usages WHERE project_id IN ({_in_clause(len(chunk))})"
+        for project in chunk:
+            loaded[project] = {}
+        for project, text in conn.execute(sql, chunk):
+            loaded[project] = persisted.project_counters_from_json(project, text)
+    known.update(loaded)
+
+
+def _projects_touched(state: State, events: Sequence[Any]) -> set[str]:
+    """The projects whose usage counters ``events`` may change, folded into ``state`` (the slice
+    they were decided on): those of the slice's consumers holding something, and those the
+    events give consumers."""
+    projects = {c.project_id for c in state.consumers.values() if c.allocations}
+    projects.update(getattr(e, "project_id", None) for e in events)
+    return {p for p in projects if isinstance(p, str)}
 
 
 def _read_tail(conn: sqlite3.Connection) -> _Tail:
@@ -716,6 +736,9 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
     try:
         state = cache.load(conn, job.command, n)
         events = decide(job.command, state)
+        # (read now, so that a damaged counter row fails this job alone, not its whole batch
+        # when the write-back meets it: see run_batch)
+        _load_usage_counters(conn, _projects_touched(state, events), cache.usage_counters)
     except (err.EvstoreError, sqlite3.Error):
         raise
     except Exception as exc:
