@@ -1592,6 +1592,30 @@ async def test_an_older_sqlite_store_learns_its_migrations_instance_types_on_ope
             pass
 
 
+def _as_version_4(path: Path) -> int:
+    """Give a store the tables version 4 had (one allocation row per class, the index of
+    consumers by project, no counters); the number of allocation rows."""
+    conn = sqlite3.connect(path)
+    with conn:
+        rows = [
+            (c, p, rc, used)
+            for c, p, resources in conn.execute("SELECT consumer, provider, resources FROM p_allocations")
+            for rc, used in json.loads(resources).items()
+        ]
+        conn.execute("DROP TABLE p_allocations")
+        conn.execute("DROP TABLE p_usages")
+        conn.execute(
+            "CREATE TABLE p_allocations (consumer TEXT NOT NULL, provider TEXT NOT NULL, rc TEXT NOT NULL, "
+            "used INTEGER NOT NULL, PRIMARY KEY (consumer, provider, rc)) WITHOUT ROWID"
+        )
+        conn.execute("CREATE INDEX p_allocations_provider ON p_allocations (provider)")
+        conn.execute("CREATE INDEX p_consumers_project ON p_consumers (project_id, user_id)")
+        conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", rows)
+        conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    conn.close()
+    return len(rows)
+
+
 async def test_a_version_4_sqlite_store_gets_its_reshaped_projection_on_open(tmp_path: Path) -> None:
     """Schema version 5 keeps one p_allocations row per consumer and provider (classes as JSON)
     and per-project usage counters instead of an index of consumers by project. A version-4 store
@@ -1609,25 +1633,7 @@ async def test_a_version_4_sqlite_store_gets_its_reshaped_projection_on_open(tmp
             await store.usages("p", "u1"),
             await store.provider_allocations(rp),
         )
-    conn = sqlite3.connect(path)
-    with conn:  # what version 4 wrote
-        rows = [
-            (c, p, rc, used)
-            for c, p, resources in conn.execute("SELECT consumer, provider, resources FROM p_allocations")
-            for rc, used in json.loads(resources).items()
-        ]
-        conn.execute("DROP TABLE p_allocations")
-        conn.execute("DROP TABLE p_usages")
-        conn.execute(
-            "CREATE TABLE p_allocations (consumer TEXT NOT NULL, provider TEXT NOT NULL, rc TEXT NOT NULL, "
-            "used INTEGER NOT NULL, PRIMARY KEY (consumer, provider, rc)) WITHOUT ROWID"
-        )
-        conn.execute("CREATE INDEX p_allocations_provider ON p_allocations (provider)")
-        conn.execute("CREATE INDEX p_consumers_project ON p_consumers (project_id, user_id)")
-        conn.executemany("INSERT INTO p_allocations VALUES (?,?,?,?)", rows)
-        conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
-    conn.close()
-    assert len(rows) == 3
+    assert _as_version_4(path) == 3
     async with open_store(f"sqlite:///{path}") as store:
         assert (await store.audit()).clean
         after = (await store.usages("p"), await store.usages("p", "u1"), await store.provider_allocations(rp))
@@ -1652,6 +1658,41 @@ async def test_a_version_4_sqlite_store_gets_its_reshaped_projection_on_open(tmp
     with pytest.raises(evstore.StorageError, match="tables are of an older one"):
         async with open_store(f"sqlite:///{path}"):
             pass
+
+
+async def test_a_version_4_store_whose_log_cannot_be_folded_keeps_its_allocations_on_open(
+    tmp_path: Path,
+) -> None:
+    """The reshape to version 5 drops the old allocation table and refolds the projection from
+    the log. A log with an event that cannot be decoded (the audit names it) made the refold
+    fail and leave the new table empty: the upgraded store held nothing for anyone - allocations()
+    empty, usages() zero, release() NotFound - and commands decided against that (a rewrite
+    appended an event whose ``previous`` was empty). The older rows are kept, in the new shape."""
+    path = tmp_path / "v4.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=8, MEMORY_MB=4096)
+        a, b = new_uuid(), new_uuid()
+        await allocate(store, a, {rp: {"VCPU": 2, "MEMORY_MB": 512}}, project_id="p", user_id="u1")
+        await allocate(store, b, {rp: {"VCPU": 1}}, project_id="p", user_id="u2", consumer_type="MIGRATION")
+        before = (
+            await store.usages("p"),
+            await store.usages("p", "u1"),
+            await store.provider_allocations(rp),
+        )
+        last = await store.head()
+    assert _as_version_4(path) == 3
+    with sqlite3.connect(path) as conn:  # one event the log holds can no longer be decoded
+        conn.execute("UPDATE events SET data = '{broken' WHERE position = ?", (last,))
+    conn.close()
+    async with open_store(f"sqlite:///{path}") as store:
+        assert (await store.allocations(a)).allocations == {rp: {"MEMORY_MB": 512, "VCPU": 2}}
+        after = (await store.usages("p"), await store.usages("p", "u1"), await store.provider_allocations(rp))
+        assert after == before
+        assert before[0].consumer_count == 2
+        await store.release(a)
+        assert (await store.usages("p")).usages == {"VCPU": 1}
+        assert (await store.usage(rp)).usages == {"MEMORY_MB": 0, "VCPU": 1}
+        assert any("Cannot decode" in f.message for f in (await store.audit()).findings)
 
 
 def test_a_missing_asyncpg_and_a_broken_installation_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:

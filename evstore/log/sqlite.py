@@ -1666,8 +1666,11 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         _schema_state(conn)  # (again, under the lock: another process may have changed it)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         reshaped: list[str] = []
+        older_holdings: list[tuple[Any, ...]] = []
         for table, (before, _) in RESHAPED_TABLES.items():
             if table in tables and tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})")) == before:
+                if table == "p_allocations":  # (kept, in case the log cannot be folded: see below)
+                    older_holdings = conn.execute(f"SELECT {', '.join(before)} FROM {table}").fetchall()
                 conn.execute(f"DROP TABLE {table}")  # (and its indexes: the DDL makes both again)
                 tables.discard(table)
                 reshaped.append(table)
@@ -1689,7 +1692,8 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         if head and missing:
             # (an older store's reshaped tables, or tables lost: the log folded again fills them)
             why = "projection.reshaped" if reshaped else "projection.tables_missing"
-            _refold_lost_projection(conn, missing, head, why=why)
+            if not _refold_lost_projection(conn, missing, head, why=why) and older_holdings:
+                _convert_older_holdings(conn, older_holdings)
         elif head and added:
             # (the new columns hold what the fold knows and older versions did not keep)
             _refold_lost_projection(conn, added, head, why="projection.columns_added")
@@ -1709,15 +1713,42 @@ def _rollback(conn: sqlite3.Connection) -> None:
         conn.execute("ROLLBACK")
 
 
+def _convert_older_holdings(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+    """A version-4 store whose log cannot be folded (the audit names the event): its allocation
+    rows, one per class, written again one per consumer and provider, and the project usage
+    counters counted from them - the projection it had, in the new shape, rather than one that
+    holds nothing (every command would decide against that, and every query answer it)."""
+    log.warning("projection.reshape_converted", rows=len(rows), action="older rows kept in the new shape")
+    state = State()
+    for uuid, project, user, ctype in conn.execute(
+        "SELECT uuid, project_id, user_id, consumer_type FROM p_consumers"
+    ):
+        state.consumers[uuid] = ConsumerState(uuid, project, user, ctype)
+    for consumer, provider, rc, used in rows:
+        holder = state.consumers.get(consumer)
+        if holder is None:  # (as _load_all: rows whose consumer has no row stay, for the audit)
+            holder = state.consumers[consumer] = ConsumerState(consumer)
+        holder.allocations.setdefault(provider, {})[rc] = used
+    conn.executemany(
+        "INSERT INTO p_allocations VALUES (?,?,?)",
+        (
+            (u, provider, persisted.resources_json(resources))
+            for u in sorted(state.consumers)
+            for provider, resources in sorted(state.consumers[u].allocations.items())
+        ),
+    )
+    conn.executemany("INSERT INTO p_usages VALUES (?,?)", _usage_rows(state))
+
+
 def _refold_lost_projection(
     conn: sqlite3.Connection, missing: list[str], head: int, why: str = "projection.tables_missing"
-) -> None:
+) -> bool:
     """A store whose log holds events lost projection tables (dropped by hand, or a damaged
     file): created empty, they would make every command decide against nothing held (and every
     query answer nothing). The projection is the log folded: it is folded again, now, inside the
     open's write transaction. So is the projection of an older store given new columns. A log
     that cannot be folded is left to the audit (which names the row): the tables stay as they
-    were (lost ones empty), as the audit then reports."""
+    were (lost ones empty), as the audit then reports, and this returns False."""
     log.warning(why, tables=missing, head=head, action="refolding from the log")
     state = State(usages_deferred=True)
     cursor = conn.execute("SELECT position, type, schema_version, data FROM events ORDER BY position")
@@ -1734,7 +1765,10 @@ def _refold_lost_projection(
         # event, must still work; the tables stay as they were, the lost ones empty)
         log.error("projection.refold_failed", tables=missing, error=repr(exc)[:200])
         conn.execute("ROLLBACK TO refold")
+        conn.execute("RELEASE refold")
+        return False
     conn.execute("RELEASE refold")
+    return True
 
 
 def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
