@@ -315,9 +315,9 @@ def _load_usage_counters(
 
 def _projects_touched(state: State, events: Sequence[Any]) -> set[str]:
     """The projects whose usage counters ``events`` may change, folded into ``state`` (the slice
-    they were decided on): those of the slice's consumers holding something, and those the
-    events give consumers."""
-    projects = {c.project_id for c in state.consumers.values() if c.allocations}
+    they were decided on): those of the slice's consumers (holding something now, or given
+    something back, as a reverted migration's instance), and those the events give consumers."""
+    projects = {c.project_id for c in state.consumers.values()}
     projects.update(getattr(e, "project_id", None) for e in events)
     return {p for p in projects if isinstance(p, str)}
 
