@@ -448,8 +448,8 @@ def _counter_drift(
             Finding(
                 "drift",
                 f"Usage counters of project {project} (user {user or '-'}, consumer type {ctype or '-'}): "
-                f"projection has {have_n} consumers holding {_short(have)}, replay gives {want_n} "
-                f"holding {_short(wanted)}",
+                f"projection has {have_n} consumers holding {_short(dict(sorted(have.items())))}, replay "
+                f"gives {want_n} holding {_short(dict(sorted(wanted.items())))}",
                 (),
                 {"project_id": project, "user_id": user or None, "consumer_type": ctype or None},
             )

@@ -111,7 +111,7 @@ async def test_project_usage_counters_that_drift_are_found_and_rebuilt(sqlite_ur
         found = {f.details["project_id"]: f for f in report.drift}
         assert sorted(found) == ["p1", "p2", "p3"], [f.message for f in report.findings]
         assert "projection has 5 consumers" in found["p1"].message
-        assert "replay gives 1 holding" in found["p1"].message
+        assert "replay gives 1 holding {'DISK_GB': 10, 'VCPU': 2}" in found["p1"].message
         assert found["p2"].details == {"project_id": "p2", "user_id": "u2", "consumer_type": "MIGRATION"}
         assert found["p3"].details["consumer_type"] is None
         await store.rebuild()
