@@ -1616,6 +1616,18 @@ def _as_version_4(path: Path) -> int:
     return len(rows)
 
 
+async def _two_consumers_of_project_p(path: Path) -> tuple[str, str, tuple[Any, ...], int]:
+    """A store at ``path`` with two consumers of project p: the provider, the first consumer,
+    what usages() and provider_allocations() answer, and the head."""
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=8, MEMORY_MB=4096)
+        a, b = new_uuid(), new_uuid()
+        await allocate(store, a, {rp: {"VCPU": 2, "MEMORY_MB": 512}}, project_id="p", user_id="u1")
+        await allocate(store, b, {rp: {"VCPU": 1}}, project_id="p", user_id="u2", consumer_type="MIGRATION")
+        usages = await store.usages("p"), await store.usages("p", "u1")
+        return rp, a, (*usages, await store.provider_allocations(rp)), await store.head()
+
+
 async def test_a_version_4_sqlite_store_gets_its_reshaped_projection_on_open(tmp_path: Path) -> None:
     """Schema version 5 keeps one p_allocations row per consumer and provider (classes as JSON)
     and per-project usage counters instead of an index of consumers by project. A version-4 store
@@ -1623,16 +1635,7 @@ async def test_a_version_4_sqlite_store_gets_its_reshaped_projection_on_open(tmp
     its log: allocations, provider allocations and project usages answer as before, the audit is
     clean, and a store that says 5 but has the old table was damaged: refused, not altered."""
     path = tmp_path / "v4.db"
-    async with open_store(f"sqlite:///{path}") as store:
-        rp = await make_provider(store, VCPU=8, MEMORY_MB=4096)
-        a, b = new_uuid(), new_uuid()
-        await allocate(store, a, {rp: {"VCPU": 2, "MEMORY_MB": 512}}, project_id="p", user_id="u1")
-        await allocate(store, b, {rp: {"VCPU": 1}}, project_id="p", user_id="u2", consumer_type="MIGRATION")
-        before = (
-            await store.usages("p"),
-            await store.usages("p", "u1"),
-            await store.provider_allocations(rp),
-        )
+    rp, a, before, _ = await _two_consumers_of_project_p(path)
     assert _as_version_4(path) == 3
     async with open_store(f"sqlite:///{path}") as store:
         assert (await store.audit()).clean
@@ -1669,17 +1672,7 @@ async def test_a_version_4_store_whose_log_cannot_be_folded_keeps_its_allocation
     empty, usages() zero, release() NotFound - and commands decided against that (a rewrite
     appended an event whose ``previous`` was empty). The older rows are kept, in the new shape."""
     path = tmp_path / "v4.db"
-    async with open_store(f"sqlite:///{path}") as store:
-        rp = await make_provider(store, VCPU=8, MEMORY_MB=4096)
-        a, b = new_uuid(), new_uuid()
-        await allocate(store, a, {rp: {"VCPU": 2, "MEMORY_MB": 512}}, project_id="p", user_id="u1")
-        await allocate(store, b, {rp: {"VCPU": 1}}, project_id="p", user_id="u2", consumer_type="MIGRATION")
-        before = (
-            await store.usages("p"),
-            await store.usages("p", "u1"),
-            await store.provider_allocations(rp),
-        )
-        last = await store.head()
+    rp, a, before, last = await _two_consumers_of_project_p(path)
     assert _as_version_4(path) == 3
     with sqlite3.connect(path) as conn:  # one event the log holds can no longer be decoded
         conn.execute("UPDATE events SET data = '{broken' WHERE position = ?", (last,))
