@@ -184,7 +184,7 @@ def _logs_rejections(
             except err.EvstoreError as exc:
                 if exc.__dict__.pop("_evstore_logged", False):
                     raise
-                named: dict[str, list[str]] = {}
+                named: dict[str, Any] = {}
                 for kind, places in where.items():
                     for index, name in places:
                         found = _named(args[index] if len(args) > index else kwargs.get(name))
@@ -193,13 +193,10 @@ def _logs_rejections(
                 request_id = _request_id(kwargs.get("metadata"))
                 if request_id is None:
                     request_id = (_command_metadata.get() or {}).get("request_id")
+                if request_id is not None:  # (else the host's bound one shows: see _log_context)
+                    named["request_id"] = request_id
                 _command_log.get().info(
-                    "command.rejected",
-                    command=command,
-                    code=exc.code,
-                    error=exc.message,
-                    request_id=request_id,
-                    **named,
+                    "command.rejected", command=command, code=exc.code, error=exc.message, **named
                 )
                 raise
 
@@ -390,13 +387,27 @@ def _validate_key(key: object) -> str | None:
 
 
 def _log_context(job: Job) -> dict[str, Any]:
-    """What every log line about a queued command says of it."""
-    return {
+    """What every log line about a queued command says of it. Its request id only when its
+    metadata has one: a ``request_id`` the host bound with ``structlog.contextvars`` then shows
+    (``merge_contextvars`` fills only the keys a line lacks)."""
+    context = {
         "command": job.metadata["command"],
-        "request_id": job.metadata.get("request_id"),
         "consumer": sorted(job.needs.consumers) or None,
         "provider": sorted(job.needs.providers) or None,
     }
+    request_id = job.metadata.get("request_id")
+    if request_id is not None:
+        context["request_id"] = request_id
+    return context
+
+
+def _in_callers_context(log_line: Callable[..., None], job: Job, *args: Any, **kwargs: Any) -> None:
+    """``log_line(job, ...)`` run in the context the command was issued in (the writer, which logs
+    a cancelled caller's command, runs in the context of whoever opened the store, or none)."""
+    if job.context is None:
+        log_line(job, *args, **kwargs)
+    else:
+        job.context.run(log_line, job, *args, **kwargs)
 
 
 def _log_outcome(job: Job, outcome: Outcome, **extra: Any) -> None:
@@ -667,7 +678,7 @@ class AllocationStore:
             if not fut.done():
                 batch.append((job, fut))
             elif fut.cancelled() and self._loop is not None:  # (logged on the loop, not this thread)
-                self._loop.call_soon_threadsafe(_log_not_run, job)
+                self._loop.call_soon_threadsafe(_log_not_run, job, context=job.context)
         if not batch:
             return None
         return [j for j, _ in batch], batch
@@ -693,9 +704,9 @@ class AllocationStore:
                 # Its caller was cancelled (a timeout, a shutdown) once the command had begun: no
                 # one hears the outcome, so the log says whether it committed.
                 if isinstance(outcome, err.EvstoreError) and outcome.details.get("not_run"):
-                    _log_not_run(job)
+                    _in_callers_context(_log_not_run, job)
                 else:
-                    _log_outcome(job, outcome, caller_cancelled=True)
+                    _in_callers_context(_log_outcome, job, outcome, caller_cancelled=True)
         if appended:
             self._appended.set()
             self._appended = asyncio.Event()
@@ -706,7 +717,7 @@ class AllocationStore:
             if not fut.done():
                 fut.set_exception(exc)
             elif fut.cancelled():  # (its caller was cancelled too: a shutdown cancelling every task)
-                _log_not_run(job)
+                _in_callers_context(_log_not_run, job)
 
     async def _submit(
         self,
@@ -736,6 +747,7 @@ class AllocationStore:
             n,
             key,
             *(_fingerprints(command) if key is not None else ("", "")),
+            context=contextvars.copy_context(),
         )
         fut: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
         self._queue.append((job, fut))

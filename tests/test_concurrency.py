@@ -816,6 +816,72 @@ async def test_a_rejected_command_leaves_no_reference_cycle(store: AllocationSto
     assert kept == []
 
 
+async def test_command_lines_carry_the_callers_structlog_context_not_another_requests(
+    store_url: str,
+) -> None:
+    """Review 27: a service binds its request id with ``structlog.contextvars`` (structlog's way,
+    merged by ``merge_contextvars``) and never passes ``metadata=``. Every ``command.*`` line still
+    said ``request_id=None``: evstore wrote the key itself, and ``merge_contextvars`` only fills
+    keys a line lacks. And the lines about a cancelled caller's command, logged by the writer (its
+    thread, its task, PostgreSQL's done callbacks), carried the context of whoever opened the
+    store - a request that opened it lazily lent its id and fields to other requests' lines - or
+    none at all. Each line now carries the context of the call that issued the command."""
+
+    async def open_in_a_request() -> AllocationStore:
+        structlog.contextvars.bind_contextvars(request_id="req-opener", tenant="opener")
+        return await open_store(store_url)
+
+    store = await asyncio.create_task(open_in_a_request())
+    rp = await make_provider(store, VCPU=100_000)
+    rng = random.Random(27)
+    config = structlog.get_config()
+    capture = structlog.testing.LogCapture()
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, capture],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
+
+    async def request(request_id: str, consumer: str) -> None:
+        structlog.contextvars.bind_contextvars(request_id=request_id, tenant=f"tenant-{request_id}")
+        await store.set_allocations(
+            consumer,
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        )
+
+    consumers: dict[str, str] = {}
+    try:
+        for wave in range(20):
+            tasks = []
+            for i in range(10):
+                request_id = f"req-{wave}-{i}"
+                consumers[request_id] = new_uuid()
+                tasks.append(asyncio.create_task(request(request_id, consumers[request_id])))
+            await asyncio.sleep(0)  # (each has queued its command)
+            for task in tasks:
+                for _ in range(rng.randint(0, 4)):
+                    await asyncio.sleep(0)
+                if rng.random() < 0.5:
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        async with asyncio.timeout(10):  # (the writer logs cancelled callers' commands as it ends them)
+            while len([e for e in capture.entries if e.get("consumer") != [rp]]) < len(consumers):
+                await asyncio.sleep(0.01)
+        await store.close()
+    finally:
+        structlog.configure(**config)
+    by_consumer = {c: r for r, c in consumers.items()}
+    lines = [e for e in capture.entries if e["event"].startswith("command.") and e.get("consumer")]
+    assert len(lines) == len(consumers)
+    assert {line.get("caller_cancelled", False) for line in lines} == {True, False}
+    for line in lines:
+        request_id = by_consumer[line["consumer"][0]]
+        assert (line.get("request_id"), line.get("tenant")) == (request_id, f"tenant-{request_id}"), line
+
+
 def test_a_shutdown_that_cancels_every_task_leaves_one_line_per_command(store_url: str) -> None:
     """Review 25: a service whose shutdown deadline ran out (``close()`` cancelled, then
     ``asyncio.run`` cancelling every task left: callers, the writer, PostgreSQL's command tasks)

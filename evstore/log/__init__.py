@@ -10,6 +10,7 @@ fails on its own.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import random
@@ -65,6 +66,10 @@ class Job:
     #: what an older evstore recorded as ``fingerprint`` for this command, where that differs
     #: (else ""): a key it stored for the command is this command's too
     older_fingerprint: str = ""
+    #: the caller's context (its ``contextvars``, e.g. structlog's bound request id) at submit: a
+    #: line the writer logs for the command (its caller cancelled) is logged in it, not in the
+    #: writer's, which is the context of whoever opened the store
+    context: contextvars.Context | None = field(default=None, repr=False, compare=False)
 
     def same_command(self, recorded: str) -> bool:
         """Whether ``recorded``, the fingerprint stored with this job's key, is this command's."""
