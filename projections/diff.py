@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from evstore.events import decode_event
+from projections.gcpause import gc_paused
 from projections.persisted import clone
 from projections.replay import FOLD_SLICE
 from projections.state import ConsumerState, State, evolve_noting_providers
@@ -136,6 +137,13 @@ def _labels(c: ConsumerState) -> tuple[Any, ...]:
 
 async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_size: int = 5000) -> Diff:
     """Fold the events after ``start.position`` up to ``to_position`` and describe the change."""
+    # (a bulk fold with two whole states alive: the collector paused, as replay and audit pause it -
+    # see projections/gcpause.py; each full collection would scan both, stalling the event loop)
+    with gc_paused():
+        return await _diff_states(start, read_raw, to_position, batch_size)
+
+
+async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_size: int) -> Diff:
     # (a copy of the whole state takes seconds on a large store: on a thread, so the event loop
     # keeps getting turns - the GIL is handed over every few milliseconds)
     before = await asyncio.to_thread(clone, start)

@@ -5,7 +5,7 @@ A fold allocates many small objects that live on (the state) or die by reference
 keeps triggering full collections (one each time the heap grows by a quarter) that scan the
 whole, growing state: a third of a 577k-event replay went there (measured with gc.callbacks).
 
-Bulk folds (replay, rebuild, audit, time travel) pause it from start to end. Pausing per batch
+Bulk folds (replay, rebuild, audit, time travel, diff) pause it from start to end. Pausing per batch
 is not enough: the full collections then fire between batches. While one runs, cyclic garbage
 made by other tasks waits for the collector, which resumes when the fold ends - after everything
 tracked has been moved to the oldest generation, so that the first collection does not rescan the
