@@ -702,7 +702,8 @@ async def audit(
             unreadable, persisted_state = exc, None
     replayed = replay.state
     if replayed.usages_deferred:
-        replayed.recount_usages()
+        # (whole-state work, as every pass below: on a thread, so the event loop keeps getting turns)
+        await asyncio.to_thread(replayed.recount_usages)
     report.head = replay.last_seen
     if persisted_state is None:
         assert unreadable is not None
@@ -715,18 +716,34 @@ async def audit(
         if lost_tail is not None and (lost := await lost_tail()) is not None:
             report.findings.append(truncation_finding(lost))
         report.findings.extend(drift)
-    report.findings.extend(await cite_requests(leak_findings(replayed), read))
-    report.findings.extend(held_on_unknown_providers(replayed))
-    uncounted = usage_not_held(replayed)
+    leaks, held, uncounted, ids, over_capacity = await asyncio.to_thread(
+        _state_findings, replayed, replay.values
+    )
+    report.findings.extend(await cite_requests(leaks, read))
+    report.findings.extend(held)
     if uncounted and last_positions is not None:  # (one nobody holds anything on: its last event)
         uncounted = await _cite_last_events(uncounted, last_positions, report.head)
     report.findings.extend(uncounted)
-    report.findings.extend(consumer_id_findings(replayed, replay.values))
-    over = await over_capacity_since(read, batch_size, report.head, providers_over_capacity(replayed))
+    report.findings.extend(ids)
+    over = await over_capacity_since(read, batch_size, report.head, over_capacity)
     report.findings.extend(over_capacity_findings(replayed, over))
     if check_history is not None:
         report.findings.extend(history_findings(await check_history()))
     return report
+
+
+def _state_findings(
+    replayed: State, values: ValueCheck
+) -> tuple[list[Finding], list[Finding], list[Finding], list[Finding], set[str]]:
+    """The audit's passes over the whole replayed state (run on a thread: each is proportional to
+    the live state, hundreds of milliseconds on a large store, which the event loop would wait)."""
+    return (
+        leak_findings(replayed),
+        held_on_unknown_providers(replayed),
+        usage_not_held(replayed),
+        consumer_id_findings(replayed, values),
+        providers_over_capacity(replayed),
+    )
 
 
 def truncation_finding(lost: LostTail) -> Finding:
