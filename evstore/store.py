@@ -657,7 +657,11 @@ class AllocationStore:
     ) -> None:
         outcomes: list[Outcome] | BaseException
         if running.cancelled():
-            outcomes = err.StorageError("The command was cancelled while it ran; its outcome is unknown")
+            outcomes = err.StorageError(
+                "The command was cancelled while it ran; its outcome is unknown (retry it with the "
+                "same idempotency_key)",
+                outcome_unknown=True,
+            )
         elif (failed := running.exception()) is not None:
             outcomes = failed
         else:

@@ -1932,3 +1932,24 @@ async def test_a_read_only_session_time_travels_past_where_no_snapshot_is(pg_url
         assert await reader.snapshot_positions() == []
         with pytest.raises(StorageError, match="read-only"):
             await reader.take_snapshots()
+
+
+async def test_a_command_whose_run_was_cancelled_says_its_outcome_is_unknown(pg_url: str) -> None:
+    """Helper-82: the StorageError of a command whose run on PostgreSQL was cancelled (the task
+    running it, not its caller) said "its outcome is unknown" in words only, where every other
+    such error sets ``details["outcome_unknown"]``, which a service reads to retry with the same
+    idempotency key rather than fail."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        write = asyncio.create_task(allocate(store, new_uuid(), {rp: {"VCPU": 1}}))
+        for _ in range(1000):  # (until the writer has started the command's run)
+            await asyncio.sleep(0)
+            if store._running:
+                break
+        assert store._running, "the command's run did not start"
+        for task in list(store._running):
+            task.cancel()
+        with pytest.raises(StorageError, match="outcome is unknown") as info:
+            await write
+        assert info.value.details["outcome_unknown"] is True
+        assert (await store.audit()).clean
