@@ -711,6 +711,10 @@ class AllocationStore:
                     _in_callers_context(_log_not_run, job)
                 else:
                     _in_callers_context(_log_outcome, job, outcome, caller_cancelled=True)
+            # (answered: its context is needed no more. An error's traceback holds the writer's
+            # frames, which hold every job of the batch: a caller keeping its error must not keep
+            # what the other callers bound in their contexts)
+            object.__setattr__(job, "context", None)
         if appended:
             self._appended.set()
             self._appended = asyncio.Event()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
 import json
 import logging
 import os
 import random
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -880,6 +882,41 @@ async def test_command_lines_carry_the_callers_structlog_context_not_another_req
     for line in lines:
         request_id = by_consumer[line["consumer"][0]]
         assert (line.get("request_id"), line.get("tenant")) == (request_id, f"tenant-{request_id}"), line
+
+
+async def test_a_kept_rejection_does_not_keep_other_callers_contexts_alive(store: AllocationStore) -> None:
+    """Review 27: each command carries its caller's ``contextvars`` context (for the lines the
+    writer logs for a cancelled caller), and a rejection's traceback holds the writer's frames,
+    which hold every job of its group commit: a caller that kept its error (an error tracker, a
+    last-error field) kept alive what every other request of that group commit had bound in its
+    context (a request object, a session), long after those requests had ended. A job lets go of
+    the context once its caller is answered."""
+    rp = await make_provider(store, VCPU=1000)
+    bound: contextvars.ContextVar[object] = contextvars.ContextVar("bound")
+
+    class Request:
+        pass
+
+    alive: list[weakref.ref[Request]] = []
+
+    async def accepted() -> None:
+        request = Request()
+        bound.set(request)
+        alive.append(weakref.ref(request))
+        del request
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+
+    async def rejected() -> ConcurrentUpdate:
+        with pytest.raises(ConcurrentUpdate) as caught:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}}, generation=5)
+        return caught.value
+
+    *_, kept = await asyncio.gather(*(accepted() for _ in range(5)), rejected())
+    for _ in range(5):  # (the writer's hand-offs settle)
+        await asyncio.sleep(0)
+    gc.collect()
+    assert [ref() for ref in alive] == [None] * 5
+    assert kept.code == "placement.concurrent_update"
 
 
 def test_a_shutdown_that_cancels_every_task_leaves_one_line_per_command(store_url: str) -> None:

@@ -68,7 +68,8 @@ class Job:
     older_fingerprint: str = ""
     #: the caller's context (its ``contextvars``, e.g. structlog's bound request id) at submit: a
     #: line the writer logs for the command (its caller cancelled) is logged in it, not in the
-    #: writer's, which is the context of whoever opened the store
+    #: writer's, which is the context of whoever opened the store. Dropped (None) once the caller
+    #: is answered: errors' tracebacks hold the writer's frames, and those every job of a batch
     context: contextvars.Context | None = field(default=None, repr=False, compare=False)
 
     def same_command(self, recorded: str) -> bool:
