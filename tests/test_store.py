@@ -1688,6 +1688,41 @@ async def test_a_version_4_store_whose_log_cannot_be_folded_keeps_its_allocation
         assert any("Cannot decode" in f.message for f in (await store.audit()).findings)
 
 
+async def test_a_version_4_store_whose_log_lost_its_tail_keeps_its_tombstone_on_open(tmp_path: Path) -> None:
+    """A log that lost its last events (deleted, an older copy restored) is a lost tail: the audit
+    says log_truncated and a rebuild refuses to forget them without force=True (a tombstone may be
+    among them). The reshape to version 5 refolded the projection from the log regardless: the
+    tail was forgotten silently - the deleted instance was no longer a tombstone, the audit came
+    out clean, and a revert of its migration gave it its allocations back (bug 1848343's leak).
+    The projection is kept as it was, in the new shape, and the lost tail is still reported."""
+    path = tmp_path / "v4.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=8)
+        a, inst, mig = new_uuid(), new_uuid(), new_uuid()
+        await allocate(store, a, {rp: {"VCPU": 2}}, project_id="p")
+        await allocate(store, inst, {rp: {"VCPU": 1}}, project_id="p")
+        await store.start_migration(inst, mig)
+        await store.delete_consumer(inst)
+        deleted_at = await store.head()
+    _as_version_4(path)
+    with sqlite3.connect(path) as conn:  # the log loses its last event: the instance's deletion
+        conn.execute("DELETE FROM events WHERE position = ?", (deleted_at,))
+    conn.close()
+    async with open_store(f"sqlite:///{path}") as store:
+        assert (await store.allocations(inst)).deleted
+        assert (await store.allocations(a)).allocations == {rp: {"VCPU": 2}}
+        assert (await store.usages("p")).usages == {"VCPU": 2}
+        findings = (await store.audit()).findings
+        assert any(f.details.get("reason") == "log_truncated" for f in findings)
+        with pytest.raises(evstore.CorruptEvent, match="lost its last events"):
+            await store.rebuild()
+        with pytest.raises(evstore.ConsumerDeleted):
+            await store.revert_migration(mig)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "5"
+    conn.close()
+
+
 def test_a_missing_asyncpg_and_a_broken_installation_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """An ImportError of evstore's own PostgreSQL module said 'needs asyncpg' whatever its cause
     (a mixed installation's missing name sent the reader to pip install asyncpg)."""

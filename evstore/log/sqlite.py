@@ -1333,18 +1333,7 @@ class SqliteBackend:
         :class:`LostTail`), else None. The projection is read before the head, so a command
         committing between them only raises the head."""
 
-        def q(conn: sqlite3.Connection) -> LostTail | None:
-            row = conn.execute(  # (max() with bare columns: those of the row holding it)
-                "SELECT max(v), uuid, what FROM (SELECT deleted_at AS v, uuid, 'deleted' AS what "
-                "FROM p_consumers WHERE typeof(deleted_at) = 'integer' UNION ALL SELECT allocated_at, "
-                "uuid, 'allocations changed' FROM p_consumers WHERE typeof(allocated_at) = 'integer')"
-            ).fetchone()
-            head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
-            if row is None or not isinstance(row[0], int) or row[0] <= head:
-                return None
-            return LostTail(head, int(row[0]), str(row[1]), str(row[2]))
-
-        return await self._on_reader(q)
+        return await self._on_reader(_lost_tail)
 
     async def check_history(self, batch_size: int) -> HistoryCheck:
         """The history index against the log (see :class:`HistoryCheck`), up to the position it
@@ -1669,7 +1658,7 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         older_holdings: list[tuple[Any, ...]] = []
         for table, (before, _) in RESHAPED_TABLES.items():
             if table in tables and tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})")) == before:
-                if table == "p_allocations":  # (kept, in case the log cannot be folded: see below)
+                if table == "p_allocations":  # (kept, in case the log is not refolded: see below)
                     older_holdings = conn.execute(f"SELECT {', '.join(before)} FROM {table}").fetchall()
                 conn.execute(f"DROP TABLE {table}")  # (and its indexes: the DDL makes both again)
                 tables.discard(table)
@@ -1714,10 +1703,11 @@ def _rollback(conn: sqlite3.Connection) -> None:
 
 
 def _convert_older_holdings(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
-    """A version-4 store whose log cannot be folded (the audit names the event): its allocation
-    rows, one per class, written again one per consumer and provider, and the project usage
-    counters counted from them - the projection it had, in the new shape, rather than one that
-    holds nothing (every command would decide against that, and every query answer it)."""
+    """An older store whose log is not refolded (it cannot be folded, or it lost its last events:
+    the audit names either): its allocation rows, one per class, written again one per consumer
+    and provider, and the project usage counters counted from them - the projection it had, in
+    the new shape, rather than one that holds nothing (every command would decide against that,
+    and every query answer it)."""
     log.warning("projection.reshape_converted", rows=len(rows), action="older rows kept in the new shape")
     state = State()
     for uuid, project, user, ctype in conn.execute(
@@ -1740,6 +1730,20 @@ def _convert_older_holdings(conn: sqlite3.Connection, rows: list[tuple[Any, ...]
     conn.executemany("INSERT INTO p_usages VALUES (?,?)", _usage_rows(state))
 
 
+def _lost_tail(conn: sqlite3.Connection) -> LostTail | None:
+    """The newest change the projection's consumers record past the end of the log, if any (see
+    :class:`LostTail`)."""
+    row = conn.execute(  # (max() with bare columns: those of the row holding it)
+        "SELECT max(v), uuid, what FROM (SELECT deleted_at AS v, uuid, 'deleted' AS what "
+        "FROM p_consumers WHERE typeof(deleted_at) = 'integer' UNION ALL SELECT allocated_at, "
+        "uuid, 'allocations changed' FROM p_consumers WHERE typeof(allocated_at) = 'integer')"
+    ).fetchone()
+    head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
+    if row is None or not isinstance(row[0], int) or row[0] <= head:
+        return None
+    return LostTail(head, int(row[0]), str(row[1]), str(row[2]))
+
+
 def _refold_lost_projection(
     conn: sqlite3.Connection, missing: list[str], head: int, why: str = "projection.tables_missing"
 ) -> bool:
@@ -1748,7 +1752,20 @@ def _refold_lost_projection(
     query answer nothing). The projection is the log folded: it is folded again, now, inside the
     open's write transaction. So is the projection of an older store given new columns. A log
     that cannot be folded is left to the audit (which names the row): the tables stay as they
-    were (lost ones empty), as the audit then reports, and this returns False."""
+    were (lost ones empty), as the audit then reports, and this returns False. So is a log that
+    lost its last events (a lost tail, as a rebuild refuses to forget without force: the fold
+    would forget them silently, a tombstone among them)."""
+    lost = _lost_tail(conn)
+    if lost is not None:
+        log.error(
+            "projection.refold_refused",
+            tables=missing,
+            head=head,
+            reason="log_truncated",
+            position=lost.position,
+            consumer=lost.consumer,
+        )
+        return False
     log.warning(why, tables=missing, head=head, action="refolding from the log")
     state = State(usages_deferred=True)
     cursor = conn.execute("SELECT position, type, schema_version, data FROM events ORDER BY position")
