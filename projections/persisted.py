@@ -319,36 +319,38 @@ def resources_from_json(consumer: str, provider: str, text: Any) -> dict[str, in
         ) from None
 
 
-#: one project's counters: ``{(user, consumer type): (consumer count, {class: amount})}``
-ProjectCounters = dict[tuple[str, str], tuple[int, dict[str, int]]]
+#: one (project, user)'s counters: ``{consumer type: (consumer count, {class: amount})}``
+UserCounters = dict[str, tuple[int, dict[str, int]]]
 
 
-def project_counters_json(counters: ProjectCounters) -> str:
-    """One project's counters as its row stores them: ``[[user, type, count, {class: amount}], ...]``
-    in key order (``""`` for no user or no type)."""
-    return _ROW_JSON([[u, t, n, amounts] for (u, t), (n, amounts) in sorted(counters.items())])
+def user_counters_json(counters: UserCounters) -> str:
+    """A (project, user)'s counters as its row stores them: ``[[type, count, {class: amount}], ...]``
+    in type order (``""`` for no type)."""
+    return _ROW_JSON([[t, n, amounts] for t, (n, amounts) in sorted(counters.items())])
 
 
-def project_counters_from_json(project: str, text: Any) -> ProjectCounters:
-    """A project's counters from its row; :class:`ProjectionCorrupt` for what evstore never writes."""
+def user_counters_from_json(project: str, user: str, text: Any) -> UserCounters:
+    """A (project, user)'s counters from its row; :class:`ProjectionCorrupt` for what evstore
+    never writes."""
     try:
         entries = json.loads(text)
         if not isinstance(entries, list):
             raise ValueError("not a list of counters")
-        found: ProjectCounters = {}
+        found: UserCounters = {}
         for entry in entries:
-            user, ctype, count, amounts = entry
-            if not (isinstance(user, str) and isinstance(ctype, str) and type(count) is int):
+            ctype, count, amounts = entry
+            if not (isinstance(ctype, str) and type(count) is int):
                 raise ValueError(f"a counter {entry!r:.80}")
             if not isinstance(amounts, dict) or not all(type(v) is int for v in amounts.values()):
                 raise ValueError(f"usages {amounts!r:.80} are not a mapping of amounts")
-            found[(user, ctype)] = (count, amounts)
+            found[ctype] = (count, amounts)
         return found
     except (ValueError, TypeError, RecursionError) as exc:
         raise ProjectionCorrupt(
-            f"The project usage counters of {project!r:.80} cannot be read ({_first_line(exc)}): the "
-            "projection is damaged; `evstore rebuild` refolds it from the log",
+            f"The usage counters of project {project!r:.80}, user {user!r:.80} cannot be read "
+            f"({_first_line(exc)}): the projection is damaged; `evstore rebuild` refolds it from the log",
             project_id=project,
+            user_id=user or None,
         ) from None
 
 

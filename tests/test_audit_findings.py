@@ -102,10 +102,10 @@ async def test_project_usage_counters_that_drift_are_found_and_rebuilt(sqlite_ur
         assert (await store.audit()).clean
         backend = await _sqlite(store)
         await backend.tamper(
-            "UPDATE p_usages SET counters = json_set(counters, '$[0][2]', 5) WHERE project_id = 'p1'"
+            "UPDATE p_usages SET counters = json_set(counters, '$[0][1]', 5) WHERE project_id = 'p1'"
         )
         await backend.tamper("DELETE FROM p_usages WHERE project_id = 'p2'")
-        await backend.tamper("""INSERT INTO p_usages VALUES ('p3', '[["u","",1,{"VCPU":4}]]')""")
+        await backend.tamper("""INSERT INTO p_usages VALUES ('p3', 'u', '[["",1,{"VCPU":4}]]')""")
         assert (await store.usages("p1")).consumer_count == 5, "answered from the counters"
         report = await store.audit()
         found = {f.details["project_id"]: f for f in report.drift}
@@ -126,13 +126,14 @@ async def test_an_unreadable_project_usage_counter_is_a_projection_error(sqlite_
         await allocate(store, new_uuid(), {rp: {"VCPU": 2}}, project_id="p1", user_id="u1")
         await (await _sqlite(store)).tamper("UPDATE p_usages SET counters = 'lots'")
         with pytest.raises(
-            ProjectionCorrupt, match=r"project usage counters of 'p1' cannot be read.*evstore rebuild"
+            ProjectionCorrupt,
+            match=r"usage counters of project 'p1', user 'u1' cannot be read.*evstore rebuild",
         ):
             await store.usages("p1")
-        with pytest.raises(ProjectionCorrupt, match="project usage counter"):
+        with pytest.raises(ProjectionCorrupt, match="usage counters of project"):
             await allocate(store, new_uuid(), {rp: {"VCPU": 1}}, project_id="p1", user_id="u1")
         report = await store.audit()
-        assert not report.clean and "project usage counter" in report.drift[0].message
+        assert not report.clean and "usage counters of project" in report.drift[0].message
         await store.rebuild()
         assert (await store.usages("p1")).usages == {"VCPU": 2}
         assert (await store.audit()).clean
@@ -162,7 +163,7 @@ async def test_an_unreadable_project_counter_fails_only_the_commands_of_its_proj
             ran = await backend.run_jobs([job(first, rp), job(second, rp)])
             outcomes = dict(zip((first, second), ran, strict=True))
             assert isinstance(outcomes["p1"], ProjectionCorrupt), outcomes
-            assert "counters of 'p1'" in outcomes["p1"].message
+            assert "counters of project 'p1'" in outcomes["p1"].message
             assert not isinstance(outcomes["p2"], BaseException), outcomes
         assert await store.head() == head + 2
         assert (await store.usages("p2")).usages == {"VCPU": 5}

@@ -63,7 +63,7 @@ from projections.views import UsageGroup
 #: (on_behalf_of, a ProviderDeleted's parent): the version closes such a store to it, which would
 #: otherwise call those events corrupt;
 #: 5: p_allocations holds one row per consumer and provider (its classes as JSON), and per-project
-#: usage counters (p_usages) replace the index of consumers by project (refolded on open)
+#: and per-user usage counters (p_usages) replace the index of consumers by project (refolded on open)
 SCHEMA_VERSION = 5
 log = structlog.get_logger("evstore.sqlite")
 #: the history index (``event_entities``) is brought up to date once it lags this many events
@@ -112,7 +112,9 @@ CREATE TABLE IF NOT EXISTS p_allocations (
     consumer TEXT NOT NULL, provider TEXT NOT NULL, resources TEXT NOT NULL,
     PRIMARY KEY (consumer, provider)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS p_usages (project_id TEXT PRIMARY KEY, counters TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS p_usages (
+    project_id TEXT NOT NULL, user_id TEXT NOT NULL, counters TEXT NOT NULL, PRIMARY KEY (project_id, user_id)
+) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS p_allocations_provider ON p_allocations (provider);
 CREATE TABLE IF NOT EXISTS p_classes (name TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -224,7 +226,7 @@ def _load_consumers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> 
 def apply_changes(
     conn: sqlite3.Connection,
     cs: persisted.ChangeSet,
-    usage_counters: dict[str, persisted.ProjectCounters] | None = None,
+    usage_counters: dict[tuple[str, str], persisted.UserCounters] | None = None,
 ) -> None:
     if cs.delete_providers:
         conn.executemany("DELETE FROM p_providers WHERE uuid = ?", [(u,) for u in cs.delete_providers])
@@ -266,60 +268,78 @@ def apply_changes(
 def _count_usages(
     conn: sqlite3.Connection,
     deltas: dict[persisted.UsageKey, list[Any]],
-    known: dict[str, persisted.ProjectCounters] | None = None,
+    known: dict[tuple[str, str], persisted.UserCounters] | None = None,
 ) -> None:
-    """Add what a write changed to the project usage counters: one row per project (its counters
-    per user and consumer type inside), a handful of hot rows where an index of consumers by
-    project took a random page per new consumer. ``known``: counters as stored, kept by the
-    writer between its transactions (read here for the projects it lacks, and updated)."""
+    """Add what a write changed to the usage counters: one row per project and user (its counters
+    per consumer type inside), few and hot rows where an index of consumers by project took a
+    random page per new consumer, and each as small as one user's consumer types (a row per
+    project grew with its users: every write rewrote all of them). ``known``: counters as
+    stored, kept by the writer between its transactions (read here for the keys it lacks, and
+    updated)."""
     known = {} if known is None else known
-    _load_usage_counters(conn, {project for project, _, _ in deltas}, known)
-    changed: set[str] = set()
+    _load_usage_counters(conn, {(project, user) for project, user, _ in deltas}, known)
+    changed: set[tuple[str, str]] = set()
     for (project, user, ctype), (count, amounts) in deltas.items():
-        counters = known[project]
-        have_count, have = counters.get((user, ctype), (0, {}))
+        counters = known[(project, user)]
+        have_count, have = counters.get(ctype, (0, {}))
         merged = dict(have)
         for rc, amount in amounts.items():
-            merged[rc] = merged.get(rc, 0) + amount
-        merged = {rc: v for rc, v in merged.items() if v}
+            if amount:
+                if v := merged.get(rc, 0) + amount:
+                    merged[rc] = v
+                else:
+                    del merged[rc]
         total = have_count + count
         if total == 0 and not merged:
-            counters.pop((user, ctype), None)
+            counters.pop(ctype, None)
         else:
-            counters[(user, ctype)] = (total, merged)
-        changed.add(project)
-    gone = [(p,) for p in sorted(changed) if not known[p]]
+            counters[ctype] = (total, merged)
+        changed.add((project, user))
+    gone = [key for key in sorted(changed) if not known[key]]
     if gone:
-        conn.executemany("DELETE FROM p_usages WHERE project_id = ?", gone)
-    rows = [(p, persisted.project_counters_json(known[p])) for p in sorted(changed) if known[p]]
+        conn.executemany("DELETE FROM p_usages WHERE project_id = ? AND user_id = ?", gone)
+    rows = [(*key, persisted.user_counters_json(known[key])) for key in sorted(changed) if known[key]]
     if rows:
-        conn.executemany("INSERT OR REPLACE INTO p_usages VALUES (?,?)", rows)
+        conn.executemany("INSERT OR REPLACE INTO p_usages VALUES (?,?,?)", rows)
 
 
 def _load_usage_counters(
-    conn: sqlite3.Connection, projects: set[str], known: dict[str, persisted.ProjectCounters]
+    conn: sqlite3.Connection,
+    keys: set[tuple[Any, Any]],
+    known: dict[tuple[str, str], persisted.UserCounters],
 ) -> None:
-    """Read the stored counters of the ``projects`` missing from ``known`` into it, all or none
-    (:class:`ProjectionCorrupt` for a row that cannot be read: a project left out of ``known``,
-    not taken for one without counters)."""
-    missing = sorted(projects - known.keys())
-    loaded: dict[str, persisted.ProjectCounters] = {}
-    for chunk in _chunks(missing):
-        sql = f"SELECT project_id, counters FROM p_usages WHERE project_id IN ({_in_clause(len(chunk))})"
-        for project in chunk:
-            loaded[project] = {}
-        for project, text in conn.execute(sql, chunk):
-            loaded[project] = persisted.project_counters_from_json(project, text)
+    """Read the stored counters of the (project, user) ``keys`` missing from ``known`` into it,
+    all or none (:class:`ProjectionCorrupt` for a row that cannot be read: a key left out of
+    ``known``, not taken for one without counters)."""
+    unknown = keys - known.keys()
+    if not unknown:
+        return
+    missing = sorted(k for k in unknown if isinstance(k[0], str) and isinstance(k[1], str))
+    loaded: dict[tuple[str, str], persisted.UserCounters] = {}
+    for start in range(0, len(missing), 400):
+        chunk = missing[start : start + 400]
+        sql = (
+            "SELECT project_id, user_id, counters FROM p_usages "
+            f"WHERE (project_id, user_id) IN (VALUES {','.join(['(?,?)'] * len(chunk))})"
+        )
+        for key in chunk:
+            loaded[key] = {}
+        for project, user, text in conn.execute(sql, [part for key in chunk for part in key]):
+            loaded[(project, user)] = persisted.user_counters_from_json(project, user, text)
     known.update(loaded)
 
 
-def _projects_touched(state: State, events: Sequence[Any]) -> set[str]:
-    """The projects whose usage counters ``events`` may change, folded into ``state`` (the slice
-    they were decided on): those of the slice's consumers (holding something now, or given
-    something back, as a reverted migration's instance), and those the events give consumers."""
-    projects = {c.project_id for c in state.consumers.values()}
-    projects.update(getattr(e, "project_id", None) for e in events)
-    return {p for p in projects if isinstance(p, str)}
+def _counters_touched(state: State, events: Sequence[Any]) -> set[tuple[Any, Any]]:
+    """The (project, user) keys whose usage counters ``events`` may change, folded into ``state``
+    (the slice they were decided on): those of the slice's consumers (holding something now, or
+    given something back, as a reverted migration's instance), and those the events give
+    consumers. (Keys of values no counter has, a None project, are looked up and found empty.)"""
+    keys = {(c.project_id, c.user_id or "") for c in state.consumers.values()}
+    for e in events:
+        project = getattr(e, "project_id", None)
+        if project is not None:
+            keys.add((project, getattr(e, "user_id", None) or ""))
+    return keys
 
 
 def _read_tail(conn: sqlite3.Connection) -> _Tail:
@@ -564,7 +584,7 @@ class _WriterCache:
         #: custom classes known to be stored
         self.stored_classes: set[str] = set()
         #: project usage counters known as stored (see _count_usages)
-        self.usage_counters: dict[str, persisted.ProjectCounters] = {}
+        self.usage_counters: dict[tuple[str, str], persisted.UserCounters] = {}
         self.data_version = None
         self.history_through = None
         self._clean()
@@ -738,7 +758,7 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
         events = decide(job.command, state)
         # (read now, so that a damaged counter row fails this job alone, not its whole batch
         # when the write-back meets it: see run_batch)
-        _load_usage_counters(conn, _projects_touched(state, events), cache.usage_counters)
+        _load_usage_counters(conn, _counters_touched(state, events), cache.usage_counters)
     except (err.EvstoreError, sqlite3.Error):
         raise
     except Exception as exc:
@@ -1727,7 +1747,7 @@ def _convert_older_holdings(conn: sqlite3.Connection, rows: list[tuple[Any, ...]
             for provider, resources in sorted(state.consumers[u].allocations.items())
         ),
     )
-    conn.executemany("INSERT INTO p_usages VALUES (?,?)", _usage_rows(state))
+    conn.executemany("INSERT INTO p_usages VALUES (?,?,?)", _usage_rows(state))
 
 
 def _lost_tail(conn: sqlite3.Connection) -> LostTail | None:
@@ -1827,8 +1847,8 @@ def _load_all(conn: sqlite3.Connection) -> State:
             holder = state.consumers[consumer] = ConsumerState(consumer)
         holder.allocations[provider] = persisted.resources_from_json(consumer, provider, resources)
     counters = state.project_usages = {}
-    for project, text in conn.execute("SELECT project_id, counters FROM p_usages"):
-        for (user, ctype), counter in persisted.project_counters_from_json(project, text).items():
+    for project, user, text in conn.execute("SELECT project_id, user_id, counters FROM p_usages"):
+        for ctype, counter in persisted.user_counters_from_json(project, user, text).items():
             counters[(project, user, ctype)] = counter
     state.custom_classes = {r[0] for r in conn.execute("SELECT name FROM p_classes")}
     return state
@@ -1942,10 +1962,10 @@ def _resources_json(resources: dict[str, int]) -> str:
 
 
 def _usage_rows(state: State) -> Iterable[tuple[Any, ...]]:
-    by_project: dict[str, persisted.ProjectCounters] = {}
+    by_user: dict[tuple[str, str], persisted.UserCounters] = {}
     for (project, user, ctype), counter in persisted.project_usage_totals(state.consumers.values()).items():
-        by_project.setdefault(project, {})[(user, ctype)] = counter
-    return ((p, persisted.project_counters_json(by_project[p])) for p in sorted(by_project))
+        by_user.setdefault((project, user), {})[ctype] = counter
+    return ((*key, persisted.user_counters_json(by_user[key])) for key in sorted(by_user))
 
 
 def _write_projection(conn: sqlite3.Connection, state: State) -> None:
@@ -1959,7 +1979,7 @@ def _write_projection(conn: sqlite3.Connection, state: State) -> None:
     conn.executemany("INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)", _consumer_rows(state, uuids))
     conn.executemany("INSERT INTO p_allocations VALUES (?,?,?)", _allocation_rows(state))
     conn.executemany("INSERT INTO p_classes VALUES (?)", ((n,) for n in sorted(state.custom_classes)))
-    conn.executemany("INSERT INTO p_usages VALUES (?,?)", _usage_rows(state))
+    conn.executemany("INSERT INTO p_usages VALUES (?,?,?)", _usage_rows(state))
 
 
 class _TooDifferent(Exception):
@@ -2043,7 +2063,7 @@ def _sync_projection(conn: sqlite3.Connection, state: State) -> bool:
             ),
             ("p_allocations", "consumer, provider, resources", 2, _allocation_rows(state)),
             ("p_classes", "name", 1, ((n,) for n in sorted(state.custom_classes))),
-            ("p_usages", "project_id, counters", 1, _usage_rows(state)),
+            ("p_usages", "project_id, user_id, counters", 2, _usage_rows(state)),
         ):
             key = ", ".join(columns.split(", ")[:nkey])
             current = conn.execute(f"SELECT {columns} FROM {table} ORDER BY {key}")
@@ -2228,13 +2248,16 @@ def _q_project_usages(
     conn: sqlite3.Connection, project_id: str, user_id: str | None, consumer_type: str | None
 ) -> list[UsageGroup]:
     """From the counters (see :func:`_count_usages`): one group per user and consumer type."""
-    row = conn.execute("SELECT counters FROM p_usages WHERE project_id = ?", (project_id,)).fetchone()
-    if row is None:
-        return []
+    sql = "SELECT user_id, counters FROM p_usages WHERE project_id = ?"
+    params = [project_id]
+    if user_id is not None:
+        sql += " AND user_id = ?"
+        params.append(user_id)
     groups: list[UsageGroup] = []
-    for (user, ctype), (count, amounts) in persisted.project_counters_from_json(project_id, row[0]).items():
-        if (user_id is None or user == user_id) and (consumer_type is None or ctype == consumer_type):
-            groups.append((ctype or None, count, amounts))
+    for user, text in conn.execute(sql, params).fetchall():
+        for ctype, (count, amounts) in persisted.user_counters_from_json(project_id, user, text).items():
+            if consumer_type is None or ctype == consumer_type:
+                groups.append((ctype or None, count, amounts))
     return groups
 
 
