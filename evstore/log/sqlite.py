@@ -1675,12 +1675,18 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         _schema_state(conn)  # (again, under the lock: another process may have changed it)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         reshaped: list[str] = []
-        older_holdings: list[tuple[Any, ...]] = []
         for table, (before, _) in RESHAPED_TABLES.items():
             if table in tables and tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})")) == before:
-                if table == "p_allocations":  # (kept, in case the log is not refolded: see below)
-                    older_holdings = conn.execute(f"SELECT {', '.join(before)} FROM {table}").fetchall()
-                conn.execute(f"DROP TABLE {table}")  # (and its indexes: the DDL makes both again)
+                # Set aside, in case the log is not refolded (see below), and dropped at the end;
+                # its indexes go now, so that the DDL makes the new table's under their names.
+                indexes = conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ? "
+                    "AND sql IS NOT NULL",
+                    (table,),
+                ).fetchall()
+                for (index,) in indexes:
+                    conn.execute(f"DROP INDEX {index}")
+                conn.execute(f"ALTER TABLE {table} RENAME TO {table}_before")
                 tables.discard(table)
                 reshaped.append(table)
         added = []
@@ -1701,11 +1707,13 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
         if head and missing:
             # (an older store's reshaped tables, or tables lost: the log folded again fills them)
             why = "projection.reshaped" if reshaped else "projection.tables_missing"
-            if not _refold_lost_projection(conn, missing, head, why=why) and older_holdings:
-                _convert_older_holdings(conn, older_holdings)
+            if not _refold_lost_projection(conn, missing, head, why=why) and "p_allocations" in reshaped:
+                _convert_older_holdings(conn, conn.execute("SELECT * FROM p_allocations_before"))
         elif head and added:
             # (the new columns hold what the fold knows and older versions did not keep)
             _refold_lost_projection(conn, added, head, why="projection.columns_added")
+        for table in reshaped:
+            conn.execute(f"DROP TABLE {table}_before")
         conn.execute("INSERT OR IGNORE INTO meta VALUES ('history_through', ?)", (str(head),))
         conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.execute("COMMIT")
@@ -1722,13 +1730,12 @@ def _rollback(conn: sqlite3.Connection) -> None:
         conn.execute("ROLLBACK")
 
 
-def _convert_older_holdings(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+def _convert_older_holdings(conn: sqlite3.Connection, rows: Iterable[tuple[Any, ...]]) -> None:
     """An older store whose log is not refolded (it cannot be folded, or it lost its last events:
     the audit names either): its allocation rows, one per class, written again one per consumer
     and provider, and the project usage counters counted from them - the projection it had, in
     the new shape, rather than one that holds nothing (every command would decide against that,
     and every query answer it)."""
-    log.warning("projection.reshape_converted", rows=len(rows), action="older rows kept in the new shape")
     state = State()
     for uuid, project, user, ctype in conn.execute(
         "SELECT uuid, project_id, user_id, consumer_type FROM p_consumers"
@@ -1739,6 +1746,8 @@ def _convert_older_holdings(conn: sqlite3.Connection, rows: list[tuple[Any, ...]
         if holder is None:  # (as _load_all: rows whose consumer has no row stay, for the audit)
             holder = state.consumers[consumer] = ConsumerState(consumer)
         holder.allocations.setdefault(provider, {})[rc] = used
+    held = sum(1 for c in state.consumers.values() if c.allocations)
+    log.warning("projection.reshape_converted", consumers=held, action="older rows kept in the new shape")
     conn.executemany(
         "INSERT INTO p_allocations VALUES (?,?,?)",
         (
