@@ -657,9 +657,14 @@ class AllocationStore:
     ) -> None:
         outcomes: list[Outcome] | BaseException
         if running.cancelled():
+            keyed = all(job.idempotency_key is not None for job, _ in batch)
             outcomes = err.StorageError(
-                "The command was cancelled while it ran; its outcome is unknown (retry it with the "
-                "same idempotency_key)",
+                "The command was cancelled while it ran; its outcome is unknown ("
+                + (
+                    "retry it with the same idempotency_key)"
+                    if keyed
+                    else "it had no idempotency_key: look at the log before running it again)"
+                ),
                 outcome_unknown=True,
             )
         elif (failed := running.exception()) is not None:

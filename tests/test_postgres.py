@@ -1952,4 +1952,5 @@ async def test_a_command_whose_run_was_cancelled_says_its_outcome_is_unknown(pg_
         with pytest.raises(StorageError, match="outcome is unknown") as info:
             await write
         assert info.value.details["outcome_unknown"] is True
+        assert "it had no idempotency_key: look at the log" in info.value.message  # (no key: no safe retry)
         assert (await store.audit()).clean
