@@ -34,7 +34,7 @@ from evstore import (
     StorageError,
     open_store,
 )
-from evstore.errors import SchemaVersionError
+from evstore.errors import CorruptEvent, SchemaVersionError
 from evstore.log.postgres import SCHEMA_VERSION, PostgresBackend, redact
 from evstore.store import make_backend
 from tests.conftest import allocate, make_provider, new_uuid
@@ -1954,3 +1954,22 @@ async def test_a_command_whose_run_was_cancelled_says_its_outcome_is_unknown(pg_
         assert info.value.details["outcome_unknown"] is True
         assert "it had no idempotency_key: look at the log" in info.value.message  # (no key: no safe retry)
         assert (await store.audit()).clean
+
+
+async def test_a_lost_table_is_not_refolded_over_a_lost_log_tail(pg_url: str) -> None:
+    """Helper-83: the repair on open of a projection table dropped by hand refolded the log even
+    when the log had lost its last events (a tombstone among them) - what a rebuild refuses
+    without force - so the tombstone was forgotten without a word and the audit came back clean.
+    Now the open leaves the projection as it is and the audit still says the log lost its tail."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        deleted_at = (await store.delete_consumer(c)).position
+        await pg(store).tamper("DELETE FROM events WHERE position = $1", (deleted_at,))
+        await pg(store).tamper("DROP TABLE p_allocations")
+    async with open_store(pg_url) as store:
+        reasons = [f.details.get("reason") for f in (await store.audit()).integrity]
+        assert reasons == ["log_truncated"]
+        with pytest.raises(CorruptEvent, match="lost its last events"):
+            await store.rebuild()

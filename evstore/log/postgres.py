@@ -564,6 +564,22 @@ async def _missing_objects(conn: Any) -> list[str]:
     return [name for name, present in found if not present]
 
 
+async def _lost_tail(conn: Any) -> LostTail | None:
+    """See :meth:`PostgresBackend.lost_tail` (one statement, one snapshot)."""
+    sql = (
+        "WITH head AS (SELECT coalesce(max(position), 0) AS h FROM events), "
+        "given AS (SELECT coalesce(pg_sequence_last_value("
+        "pg_get_serial_sequence('events', 'seq')::regclass), 0) AS s) "
+        "SELECT head.h, t.v, c.uuid, t.what FROM p_consumers c CROSS JOIN LATERAL "
+        "(VALUES (c.deleted_at, 'deleted'), (c.allocated_at, 'allocations changed')) AS t(v, what), "
+        "head, given "
+        "WHERE (t.v < 0 AND -t.v <= given.s AND NOT EXISTS (SELECT 1 FROM events e WHERE e.seq = -t.v)) "
+        "OR t.v > head.h ORDER BY t.v DESC LIMIT 1"
+    )
+    row = await conn.fetchrow(sql)
+    return None if row is None else LostTail(int(row[0]), int(row[1]), str(row[2]), str(row[3]))
+
+
 async def _refold_pending(conn: Any) -> bool:
     """Whether a migration left the projection to be refolded (see _migrate)."""
     return bool(await conn.fetchval("SELECT count(*) FROM evstore_meta WHERE key = 'refold_pending'"))
@@ -979,6 +995,18 @@ class PostgresBackend:
                         log.warning(
                             "projection.tables_missing", tables=missing, action="refolding from the log"
                         )
+                    # (a log that lost its last events is not refolded, as a rebuild refuses to
+                    # without force: the fold would forget them silently, a tombstone among them)
+                    lost = None if "p_consumers" in missing else await _lost_tail(conn)
+                    if lost is not None:
+                        log.error(
+                            "projection.refold_refused",
+                            tables=missing,
+                            reason="log_truncated",
+                            position=lost.position,
+                            consumer=lost.consumer,
+                        )
+                        return
                     try:
                         async with conn.transaction():  # (a savepoint)
                             await _rebuild(conn, State(usages_deferred=True), 5000, None)
@@ -1901,19 +1929,10 @@ class PostgresBackend:
         rows, and the positive positions only a rebuild or an import writes are of positioned
         events. A ``-seq`` the events' sequence never handed out is no lost event but a damaged
         projection, which a rebuild repairs."""
-        sql = (
-            "WITH head AS (SELECT coalesce(max(position), 0) AS h FROM events), "
-            "given AS (SELECT coalesce(pg_sequence_last_value("
-            "pg_get_serial_sequence('events', 'seq')::regclass), 0) AS s) "
-            "SELECT head.h, t.v, c.uuid, t.what FROM p_consumers c CROSS JOIN LATERAL "
-            "(VALUES (c.deleted_at, 'deleted'), (c.allocated_at, 'allocations changed')) AS t(v, what), "
-            "head, given "
-            "WHERE (t.v < 0 AND -t.v <= given.s AND NOT EXISTS (SELECT 1 FROM events e WHERE e.seq = -t.v)) "
-            "OR t.v > head.h ORDER BY t.v DESC LIMIT 1"
-        )
         async with self._connection() as conn:
-            row = await self._guard(conn.fetchrow(sql), "checking the projection against the log")
-        return None if row is None else LostTail(int(row[0]), int(row[1]), str(row[2]), str(row[3]))
+            check = _lost_tail(conn)
+            lost: LostTail | None = await self._guard(check, "checking the projection against the log")
+        return lost
 
     async def check_history(self, batch_size: int) -> HistoryCheck:
         """The history index against the log (see :class:`HistoryCheck`): the expected rows are
