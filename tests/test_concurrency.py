@@ -845,14 +845,7 @@ async def test_command_lines_carry_the_callers_structlog_context_not_another_req
 
     async def request(request_id: str, consumer: str) -> None:
         structlog.contextvars.bind_contextvars(request_id=request_id, tenant=f"tenant-{request_id}")
-        await store.set_allocations(
-            consumer,
-            {rp: {"VCPU": 1}},
-            project_id="p",
-            user_id="u",
-            consumer_type="INSTANCE",
-            generation=None,
-        )
+        await allocate(store, consumer, {rp: {"VCPU": 1}}, project_id="p", user_id="u")
 
     consumers: dict[str, str] = {}
     try:

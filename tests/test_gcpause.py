@@ -17,6 +17,7 @@ from projections.diff import diff_states
 from projections.gcpause import gc_paused
 from projections.replay import replay
 from projections.state import State
+from tests.conftest import allocate
 
 
 @pytest.fixture(autouse=True)
@@ -113,14 +114,7 @@ async def test_diff_pauses_the_collector_while_it_copies_and_folds(tmp_path: Pat
         await store.create_provider(rp, "rp")
         await store.set_inventories(rp, {"VCPU": Inventory(total=1000)}, generation=0)
         for _ in range(5):
-            await store.set_allocations(
-                str(uuid.uuid4()),
-                {rp: {"VCPU": 1}},
-                project_id="p",
-                user_id="u",
-                consumer_type="INSTANCE",
-                generation=None,
-            )
+            await allocate(store, str(uuid.uuid4()), {rp: {"VCPU": 1}}, project_id="p", user_id="u")
         head = await store.head()
         read_raw = store.backend.read_raw
         collector_on: list[bool] = []
