@@ -69,7 +69,9 @@ class ChangeSet:
     usage_deltas: dict[UsageKey, list[Any]] = field(default_factory=dict)
 
 
-def changes(before: State, after: State) -> ChangeSet:
+def changes(before: State, after: State, count_usages: bool = False) -> ChangeSet:
+    """The row changes that make ``before`` (as stored) into ``after``; with ``count_usages``,
+    also what they do to the usage counters (``usage_deltas``: only a backend that keeps them)."""
     cs = ChangeSet()
     for uuid, prov in after.providers.items():
         old = before.providers.get(uuid)
@@ -91,13 +93,15 @@ def changes(before: State, after: State) -> ChangeSet:
                 cs.replace_allocations.append(cons)
                 if was is None or not was.allocations:
                     cs.held_nothing.add(uuid)
-            if was is not None:
-                add_project_usage(deltas, was, -1)
-            add_project_usage(deltas, cons, +1)
+            if count_usages:
+                if was is not None:
+                    add_project_usage(deltas, was, -1)
+                add_project_usage(deltas, cons, +1)
     cs.delete_consumers = [u for u in before.consumers if u not in after.consumers]
-    for uuid in cs.delete_consumers:
-        add_project_usage(deltas, before.consumers[uuid], -1)
-    cs.usage_deltas = {k: d for k, d in deltas.items() if d[0] or any(d[1].values())}
+    if count_usages:
+        for uuid in cs.delete_consumers:
+            add_project_usage(deltas, before.consumers[uuid], -1)
+        cs.usage_deltas = {k: d for k, d in deltas.items() if d[0] or any(d[1].values())}
     cs.add_classes = sorted(after.custom_classes - before.custom_classes)
     return cs
 

@@ -131,8 +131,9 @@ PROJECTION_TABLES = ("p_providers", "p_consumers", "p_allocations", "p_classes",
 #: and its projection is refolded to fill them): 3 added a migration's instance type.
 ADDED_COLUMNS: dict[str, dict[str, str]] = {"p_consumers": {"instance_type": "TEXT"}}
 #: Projection tables a later schema version reshaped, with their columns before (an older
-#: store's are dropped on open and refolded from the log): 5 made p_allocations one row per
-#: consumer and provider (one B-tree entry and one index entry per claim instead of one per class).
+#: store's are made again on open and refolded from the log; see _ensure_schema): 5 made
+#: p_allocations one row per consumer and provider (one B-tree entry and one index entry per claim
+#: instead of one per class).
 RESHAPED_TABLES: dict[str, tuple[tuple[str, ...], int]] = {
     "p_allocations": (("consumer", "provider", "rc", "used"), 5),
 }
@@ -333,7 +334,8 @@ def _counters_touched(state: State, events: Sequence[Any]) -> set[tuple[Any, Any
     """The (project, user) keys whose usage counters ``events`` may change, folded into ``state``
     (the slice they were decided on): those of the slice's consumers (holding something now, or
     given something back, as a reverted migration's instance), and those the events give
-    consumers. (Keys of values no counter has, a None project, are looked up and found empty.)"""
+    consumers. (A key no counter can have - a consumer without a project - is skipped by
+    :func:`_load_usage_counters`.)"""
     keys = {(c.project_id, c.user_id or "") for c in state.consumers.values()}
     for e in events:
         project = getattr(e, "project_id", None)
@@ -620,7 +622,7 @@ class _WriterCache:
             custom_classes=now.custom_classes,
         )
         self.before.custom_classes = self.stored_classes
-        apply_changes(conn, persisted.changes(self.before, after), self.usage_counters)
+        apply_changes(conn, persisted.changes(self.before, after, count_usages=True), self.usage_counters)
         self.stored_classes = set(now.custom_classes)
         self._clean()
 
@@ -1748,14 +1750,7 @@ def _convert_older_holdings(conn: sqlite3.Connection, rows: Iterable[tuple[Any, 
         holder.allocations.setdefault(provider, {})[rc] = used
     held = sum(1 for c in state.consumers.values() if c.allocations)
     log.warning("projection.reshape_converted", consumers=held, action="older rows kept in the new shape")
-    conn.executemany(
-        "INSERT INTO p_allocations VALUES (?,?,?)",
-        (
-            (u, provider, persisted.resources_json(resources))
-            for u in sorted(state.consumers)
-            for provider, resources in sorted(state.consumers[u].allocations.items())
-        ),
-    )
+    conn.executemany("INSERT INTO p_allocations VALUES (?,?,?)", _allocation_rows(state))
     conn.executemany("INSERT INTO p_usages VALUES (?,?,?)", _usage_rows(state))
 
 
