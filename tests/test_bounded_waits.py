@@ -1,13 +1,16 @@
-"""What bounds each wait the README names (command_timeout, a caller's own deadline)."""
+"""What bounds each wait the README names (command_timeout, busy_timeout, a caller's own deadline)."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from evstore import Inventory, open_store
+from evstore import Inventory, StorageError, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_postgres import _another_client_holding
 
@@ -31,3 +34,63 @@ async def test_a_fenced_call_given_up_on_behind_a_stuck_client_holds_nothing(
             await tr.rollback()
         report = await asyncio.wait_for(store.audit(), timeout=5)
         assert report.clean and report.head == 3
+
+
+def _holder(path: Path, script: str) -> subprocess.Popen[str]:
+    """Another process holding a SQLite lock on ``path`` until it is killed."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sqlite3, time\nc = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
+            f"{script}\nprint('held', flush=True)\ntime.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+async def test_an_open_given_up_on_while_another_process_locks_the_file_returns_at_once(
+    tmp_path: Path,
+) -> None:
+    """Regression: ``asyncio.wait_for(open_store(url), 0.5)`` on a file another process held
+    locked returned after busy_timeout (6 s), not 0.5 s: the cancelled open closed its
+    connection by waiting behind the statement still waiting for the lock on its thread."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=Inventory(total=10))
+    holder = _holder(path, "c.execute('PRAGMA locking_mode=EXCLUSIVE'); c.execute('BEGIN EXCLUSIVE')")
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(open_store(f"sqlite:///{path}?busy_timeout=6"), 0.5)
+        assert time.monotonic() - started < 3
+    finally:
+        holder.kill()
+        holder.wait()
+    async with open_store(f"sqlite:///{path}") as store:  # (and nothing was left holding the file)
+        assert await store.head() == 2
+
+
+async def test_an_open_refused_by_a_lock_says_busy_as_a_command_does(tmp_path: Path) -> None:
+    """Regression: opening a file that another connection was writing to (with a rollback
+    journal: SQLite refuses the change to WAL at once) raised a StorageError with empty
+    ``details``, where the README promises ``details["sqlite_error"] == "busy"`` for a lock, and
+    its message said the lock was held longer than busy_timeout (it failed in milliseconds)."""
+    path = tmp_path / "other.db"
+    holder = _holder(
+        path,
+        "c.execute('CREATE TABLE other (x)'); c.execute('BEGIN IMMEDIATE')\n"
+        "c.execute('INSERT INTO other VALUES (1)')",
+    )
+    try:
+        with pytest.raises(StorageError) as caught:
+            await asyncio.wait_for(open_store(f"sqlite:///{path}?busy_timeout=1"), 30)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert caught.value.code == "evstore.storage"
+    assert caught.value.details["sqlite_error"] == "busy"
+    assert "locked" in str(caught.value) and "busy_timeout" in str(caught.value)

@@ -956,6 +956,11 @@ class SqliteBackend:
             if not self.memory:
                 await conn.execute("PRAGMA journal_mode = WAL")
             await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        except asyncio.CancelledError:
+            # (its caller gave up: closing waits on the connection's thread behind the pragma
+            # still waiting there for the lock - up to busy_timeout - so it closes in the background)
+            _close_later(conn)
+            raise
         except BaseException:
             # (closed, not left to the daemon thread: its file handle and thread would stay
             # until the process ends)
@@ -1003,17 +1008,28 @@ class SqliteBackend:
         except sqlite3.Error as exc:
             await self.close()
             hint = ""
-            if "readonly" in str(exc):
+            # (as a command's error says it: which SQLite error, "busy" for a lock that stayed)
+            details = {"sqlite_error": type(exc).__name__}
+            if "readonly" in str(exc) or "unable to open" in str(exc):
                 hint = (
                     " (evstore needs to write the file and its directory, for its -wal and -shm files, "
                     "even to read it: work on a writable copy)"
                 )
-            elif "locked" in str(exc):  # (as a command says it: what waited, and what to change)
+            elif "locked" in str(exc) or "busy" in str(exc):
+                details["sqlite_error"] = "busy"
+                # (SQLite may refuse at once rather than wait: changing the journal of a file
+                # another connection is writing to with a rollback journal)
                 hint = (
-                    f" (another connection held it locked for longer than busy_timeout "
-                    f"({self.busy_timeout:g} s): retry, or open the store with a longer busy_timeout)"
+                    " (another connection holds it locked: retry; if it stays locked for long, open "
+                    f"the store with a longer busy_timeout, {self.busy_timeout:g} s now)"
                 )
-            raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}") from None
+            raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}", **details) from None
+        except asyncio.CancelledError:
+            # (as in _connect: not waited for, the writer's thread may still wait for the lock)
+            for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
+                _close_later(conn)
+            self._reader = self._writer = None
+            raise
         except BaseException:
             await self.close()
             raise
@@ -1393,6 +1409,17 @@ class SqliteBackend:
             return out
 
         return await self._on_reader(q)
+
+
+#: connections closing in the background (the loop keeps only weak references to tasks)
+_closing: set[asyncio.Task[None]] = set()
+
+
+def _close_later(conn: aiosqlite.Connection) -> None:
+    """Close ``conn`` without waiting for it (a caller that gave up must not wait for the close)."""
+    task = asyncio.ensure_future(conn.close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
 
 
 async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Connection], T]) -> T:
