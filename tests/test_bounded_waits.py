@@ -94,3 +94,60 @@ async def test_an_open_refused_by_a_lock_says_busy_as_a_command_does(tmp_path: P
     assert caught.value.code == "evstore.storage"
     assert caught.value.details["sqlite_error"] == "busy"
     assert "locked" in str(caught.value) and "busy_timeout" in str(caught.value)
+
+
+async def test_a_call_waiting_for_a_busy_pool_gives_up_after_connect_timeout(pg_url: str) -> None:
+    """Regression: waiting for one of the pool's connections was unbounded, where ``_acquire``'s
+    docstring (and connect_timeout) bound it: with pool_size=2 and command_timeout=2, eight reads
+    behind a locked table failed at 2, 2, 4, 4, 6, 6, 8 and 8 s - each waited for the calls ahead of
+    it - and without command_timeout they would have waited for ever."""
+    import asyncpg  # type: ignore[import-untyped,unused-ignore]
+
+    async with open_store(pg_url) as store:
+        await make_provider(store, VCPU=Inventory(total=10))
+    holder = await asyncpg.connect(pg_url)
+    try:
+        async with holder.transaction():
+            await holder.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+            store = await open_store(pg_url, pool_size=2, command_timeout=2, connect_timeout=1)
+            started = time.monotonic()
+            results = await asyncio.wait_for(
+                asyncio.gather(*(store.head() for _ in range(8)), return_exceptions=True), timeout=30
+            )
+            took = time.monotonic() - started
+    finally:
+        await holder.close()
+    try:
+        assert all(isinstance(r, StorageError) for r in results), results
+        # two ran and timed out (command_timeout); the others gave up waiting for a connection
+        assert took < 5, took
+        pool_waits = [r for r in results if isinstance(r, StorageError) and "came free" in r.message]
+        assert len(pool_waits) >= 4, [str(r) for r in results]
+        assert "all 2 were busy" in pool_waits[0].message
+        assert await store.head() == 2  # (and the store works once the lock is gone)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("fenced", ["audit", "rebuild"])
+async def test_a_fenced_call_behind_a_stuck_client_fails_after_command_timeout(
+    pg_url: str, fenced: str
+) -> None:
+    """Regression: audit and rebuild waited for a client stuck inside a command for as long as it
+    stayed, whatever command_timeout said (still waiting after 20 s with command_timeout=2). With
+    command_timeout set they fail after it, having done nothing, and say what holds them."""
+    async with open_store(pg_url, command_timeout=1) as store:
+        rp = await make_provider(store, VCPU=Inventory(total=100))
+        async with _another_client_holding(pg_url, store, "!fence", shared=True) as (_, tr):
+            started = time.monotonic()
+            with pytest.raises(StorageError) as caught:
+                await asyncio.wait_for(getattr(store, fenced)(), timeout=20)
+            assert 1 <= time.monotonic() - started < 5
+            assert caught.value.details["sqlstate"] == "55P03"
+            assert (
+                "command_timeout (1 s)" in caught.value.message and "nothing was done" in caught.value.message
+            )
+            await tr.rollback()
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        report = await store.audit()
+        assert report.clean and report.head == 3

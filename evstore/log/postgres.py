@@ -1050,7 +1050,15 @@ class PostgresBackend:
             failed = _storage_error(
                 exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
             )
-            if isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
+            busy = pool.get_size() >= self.pool_size and not pool.get_idle_size()
+            if isinstance(exc, TimeoutError) and busy:
+                failed = err.StorageError(
+                    f"No connection of the pool came free within {self._timeout_named('connect_timeout')}: "
+                    f"all {self.pool_size} were busy with other calls (raise pool_size, or set "
+                    "command_timeout so that no call holds one for long)",
+                    **failed.details,
+                )
+            elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
                 failed = err.StorageError(
                     f"{failed.message} (waited {self._timeout_named('connect_timeout')} for one of the "
                     f"pool's; pool_size is {self.pool_size}: lower it, or raise the server's "
@@ -1096,7 +1104,9 @@ class PostgresBackend:
         pause = 0.005
         while True:
             try:
-                return await pool.acquire()
+                # (bounded: without a timeout, a call waited for every call ahead of it, each up
+                # to command_timeout, or for ever without one)
+                return await pool.acquire(timeout=max(0.001, deadline - loop.time()))
             except asyncpg.exceptions.TooManyConnectionsError:
                 if loop.time() + pause > deadline or self._pool is None:
                     raise
@@ -1740,10 +1750,13 @@ class PostgresBackend:
         lock requests in order, so while the fence is waited for, new commands queue behind the
         wait: behind a client stuck inside a command (a frozen VM, a partition), every command
         would stop until the server ended that client. So the wait is made of short attempts
-        (``lock_timeout``, in a savepoint), with pauses in which queued commands go through.
+        (``lock_timeout``, in a savepoint), with pauses in which queued commands go through; for
+        at most ``command_timeout`` when one is set (a caller that set one wants every wait bounded).
         """
         key = self._key("!fence")
         pause = 0.01
+        loop = asyncio.get_running_loop()
+        deadline = None if self.command_timeout is None else loop.time() + self.command_timeout
         while True:
             try:
                 async with conn.transaction():  # (a savepoint: an attempt that times out is undone alone)
@@ -1753,6 +1766,15 @@ class PostgresBackend:
                     await conn.execute("SELECT set_config('lock_timeout', $1, true)", previous)
                 break
             except asyncpg.LockNotAvailableError:
+                if deadline is not None and loop.time() >= deadline:
+                    raise err.StorageError(
+                        "Another session stayed inside a command for longer than "
+                        f"{self._timeout_named('command_timeout')}, so writers could not be held back; "
+                        "nothing was done: retry, or end that session (a client stuck in a command: "
+                        "pg_locks shows it holding evstore's advisory lock shared; the server's "
+                        "idle_in_transaction_session_timeout ends such sessions)",
+                        sqlstate="55P03",
+                    ) from None
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.5)
         if not can_wait:
