@@ -93,7 +93,7 @@ async def test_an_open_refused_by_a_lock_says_busy_as_a_command_does(tmp_path: P
         holder.wait()
     assert caught.value.code == "evstore.storage"
     assert caught.value.details["sqlite_error"] == "busy"
-    assert "locked" in str(caught.value) and "busy_timeout" in str(caught.value)
+    assert "refused without waiting" in str(caught.value)  # (not "longer than busy_timeout": it did not wait)
 
 
 async def test_a_call_waiting_for_a_busy_pool_gives_up_after_connect_timeout(pg_url: str) -> None:
@@ -151,3 +151,36 @@ async def test_a_fenced_call_behind_a_stuck_client_fails_after_command_timeout(
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         report = await store.audit()
         assert report.clean and report.head == 3
+
+
+@pytest.mark.parametrize("how", ["delete", "replace", "move"])
+async def test_a_database_file_deleted_or_replaced_under_an_open_store_fails_commands(
+    tmp_path: Path, how: str
+) -> None:
+    """Regression (helper-87): with its file deleted, moved or replaced, an open store went on
+    acknowledging commands (and audits were clean) - into the file SQLite had opened, which no path
+    named any more: reopened, the store had lost them (head 0, or 7 of 9). Now such a command fails,
+    nothing committed, and says why; put back, the file takes commands again."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=Inventory(total=100))
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        if how == "delete":
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{path}{suffix}").unlink(missing_ok=True)
+        elif how == "replace":
+            path.rename(tmp_path / "old.db")
+            async with open_store(f"sqlite:///{path}") as other:
+                await make_provider(other, VCPU=Inventory(total=1))
+        else:
+            path.rename(tmp_path / "moved.db")
+        with pytest.raises(StorageError) as caught:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert caught.value.details["sqlite_error"] == "file_replaced"
+        assert str(path) in caught.value.message and "nothing was committed" in caught.value.message
+        if how == "move":
+            (tmp_path / "moved.db").rename(path)  # (put back: its -wal and -shm are beside it still)
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    if how == "move":
+        async with open_store(f"sqlite:///{path}") as reopened:
+            assert await reopened.head() == 4 and (await reopened.usage(rp))["VCPU"] == 2

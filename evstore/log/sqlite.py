@@ -575,6 +575,9 @@ class _WriterCache:
         #: the position and hash of the last event whose keys ``own`` took: while the log holds
         #: it, it holds every event ``own`` names (see _forget_own_if_lost)
         self.own_tip: tuple[int, str] | None = None
+        #: the database file as opened: path, device and inode (None: in memory). A fact about
+        #: the connection, not the projection: kept when the rest is forgotten.
+        self.file: tuple[str, int, int] | None = None
         self.forget()
 
     def forget(self) -> None:
@@ -613,6 +616,28 @@ class _WriterCache:
             self.forget()
         self.data_version = version
         self._clean()
+
+    def check_file(self) -> None:
+        """Before a commit: the path still names the file this connection writes to. SQLite goes
+        on writing to a file deleted, renamed or replaced under it (its inode), so commands would
+        be acknowledged into a file no one can open again."""
+        if self.file is None:
+            return
+        path, device, inode = self.file
+        try:
+            found = os.stat(path)
+        except OSError:
+            found = None
+        if found is None or (found.st_dev, found.st_ino) != (device, inode):
+            raise err.StorageError(
+                f"The database file {path} was {'deleted or moved' if found is None else 'replaced'} "
+                "while this store had it open: SQLite would go on writing to the file it opened, "
+                "which the path no longer names, so nothing was committed. Put the file back, or "
+                "close the store and open it again (commands acknowledged before were written to "
+                "the file that was opened)",
+                sqlite_error="file_replaced",
+                path=path,
+            )
 
     def flush(self, conn: sqlite3.Connection) -> None:
         now = self.now
@@ -802,6 +827,7 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
     """
     outcomes: list[Outcome] = []
     start: int | None = None
+    cache.check_file()  # (and again before the commit)
     conn.execute("BEGIN IMMEDIATE")
     try:
         cache.begin(conn)
@@ -825,6 +851,7 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
                 f"Writing the projection failed ({exc}): it holds rows the store did not expect, so it is "
                 "damaged (`evstore audit` says where; `evstore rebuild` refolds it from the log)"
             ) from None
+        cache.check_file()
         conn.execute("COMMIT")
     except BaseException:
         cache.forget()  # (it holds what was rolled back)
@@ -998,12 +1025,16 @@ class SqliteBackend:
                 f"No evstore store in {self.path}: {reason} (check the path, or create a store, e.g. "
                 "with `evstore demo --db ...`)"
             )
+        began = time.monotonic()
         try:
             self._writer = await self._connect()
             # (creating or upgrading the schema waits for the write lock as a command does, and
             # says so as a command does when it waited longer than busy_timeout: the hint below
             # is for the connection's pragmas, whose errors _on_writer does not convert)
             await self._on_writer(lambda conn: _retry_busy(lambda: _ensure_schema(conn), self.busy_timeout))
+            if not self.memory:
+                opened = await asyncio.to_thread(os.stat, self.path)
+                self._cache.file = (self.path, opened.st_dev, opened.st_ino)
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
@@ -1017,12 +1048,17 @@ class SqliteBackend:
                 )
             elif "locked" in str(exc) or "busy" in str(exc):
                 details["sqlite_error"] = "busy"
-                # (SQLite may refuse at once rather than wait: changing the journal of a file
-                # another connection is writing to with a rollback journal)
-                hint = (
-                    " (another connection holds it locked: retry; if it stays locked for long, open "
-                    f"the store with a longer busy_timeout, {self.busy_timeout:g} s now)"
-                )
+                if time.monotonic() - began >= self.busy_timeout:
+                    hint = (
+                        f" (another connection held it locked for longer than busy_timeout "
+                        f"({self.busy_timeout:g} s): retry, or open the store with a longer busy_timeout)"
+                    )
+                else:  # (SQLite refuses some locks at once, for a file written with a rollback journal)
+                    hint = (
+                        " (another connection holds it locked, and SQLite refused without waiting, as it "
+                        "does while another connection writes to a file that is not in WAL mode: retry "
+                        "once that connection is done)"
+                    )
             raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}", **details) from None
         except asyncio.CancelledError:
             # (as in _connect: not waited for, the writer's thread may still wait for the lock)
