@@ -32,7 +32,7 @@ from evstore.events import (
 from projections.gcpause import gc_paused
 from projections.invariants import find_leaks, format_amount, over_capacity
 from projections.persisted import project_usage_totals
-from projections.replay import FOLD_SLICE
+from projections.replay import Turns
 from projections.state import FOLDS, ConsumerState, State
 
 if TYPE_CHECKING:
@@ -158,6 +158,7 @@ class _Replay:
     ) -> None:
         # Read the next batch while this one is checked: the database thread and the fold overlap.
         pending = asyncio.ensure_future(read(self.last_seen, batch_size))
+        turns = Turns()
         try:
             while True:
                 batch = await pending
@@ -165,12 +166,12 @@ class _Replay:
                     return
                 if until is None or batch[-1].position < until:
                     pending = asyncio.ensure_future(read(batch[-1].position, batch_size))
-                for i, row in enumerate(batch, start=1):
+                for row in batch:
                     if until is not None and row.position > until:
                         return
                     self.check(row)
-                    if i % FOLD_SLICE == 0:
-                        await asyncio.sleep(0)  # (other tasks run between slices of the batch)
+                    if turns.due():
+                        await turns.take()  # (other tasks run between slices of the batch)
                 if progress is not None:
                     progress(self.report.events_checked)
                 if until is not None and self.last_seen >= until:

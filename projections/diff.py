@@ -20,7 +20,7 @@ from typing import Any, Literal
 from evstore.events import decode_event
 from projections.gcpause import gc_paused
 from projections.persisted import clone
-from projections.replay import FOLD_SLICE
+from projections.replay import Turns
 from projections.state import ConsumerState, State, evolve_noting_providers
 
 Allocs = dict[str, dict[str, int]]
@@ -154,15 +154,16 @@ async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_
     recreated: set[str] = set()  # providers deleted in between that exist at the end
     counts: dict[str, int] = {}
     after = start.position
+    turns = Turns()
     while after < to_position:
         batch = await read_raw(after, min(batch_size, to_position - after))
         # (over a hole - rows deleted by hand - "the next N events" reach past to_position)
         batch = [raw for raw in batch if raw.position <= to_position]
         if not batch:
             break
-        for i, raw in enumerate(batch, start=1):
-            if i % FOLD_SLICE == 0:
-                await asyncio.sleep(0)  # (other tasks run between slices of the batch)
+        for raw in batch:
+            if turns.due():
+                await turns.take()  # (other tasks run between slices of the batch)
             event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
             named = event.entities()
             # (a consumer's allocations are replaced, never changed in place: kept by reference)

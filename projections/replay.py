@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from uuid import UUID
@@ -28,17 +29,53 @@ from projections.views import (
 
 ReadEvents = Callable[[int, int], Awaitable[list[Any]]]
 
-#: events folded between two turns of the event loop in the bulk folds (replay, rebuild, audit,
-#: time travel): a few milliseconds of work, so that other tasks are not held up for the whole
-#: batch a read returns (tens of milliseconds for 5,000 events on a busy machine)
+#: at most this many events folded between two turns of the event loop in the bulk folds
+#: (replay, rebuild, audit, diff, time travel), so that other tasks are not held up for the whole
+#: batch a read returns
 FOLD_SLICE = 1000
+#: and at most this many seconds of work: an event costs from a few microseconds (a replay's
+#: fold) to ~60 (the audit's checks, diff's decoding), so a count alone left the loop waiting
+#: 40-120 ms per slice on a 200k-event store
+SLICE_SECONDS = 0.005
+#: rows a replay folds between two looks at the clock (a look costs as much as a few percent of
+#: a row's fold)
+_STEP = 64
 
 
-async def fold_payloads_yielding(state: State, rows: list[PayloadRow]) -> None:
-    """:func:`fold_payloads`, letting the event loop run every :data:`FOLD_SLICE` rows."""
-    for start in range(0, len(rows), FOLD_SLICE):
-        fold_payloads(state, rows[start : start + FOLD_SLICE])
+class Turns:
+    """When a bulk fold gives the event loop its next turn: after :data:`SLICE_SECONDS` of work
+    or :data:`FOLD_SLICE` events, whichever comes first. One per fold, across its batches (a batch
+    read ahead is awaited without a turn of the loop when it is already there)."""
+
+    __slots__ = ("_deadline", "left")
+
+    def __init__(self) -> None:
+        self._deadline = time.perf_counter() + SLICE_SECONDS
+        #: events the current slice may still fold
+        self.left = FOLD_SLICE
+
+    def due(self, events: int = 1) -> bool:
+        """Count ``events`` folded; whether the loop's turn has come."""
+        self.left -= events
+        return self.left <= 0 or time.perf_counter() >= self._deadline
+
+    async def take(self) -> None:
+        """Give the loop its turn, and start a new slice."""
         await asyncio.sleep(0)
+        self._deadline = time.perf_counter() + SLICE_SECONDS
+        self.left = FOLD_SLICE
+
+
+async def fold_payloads_yielding(state: State, rows: list[PayloadRow], turns: Turns | None = None) -> None:
+    """:func:`fold_payloads`, letting the event loop run as :class:`Turns` says."""
+    turns = Turns() if turns is None else turns
+    done, end = 0, len(rows)
+    while done < end:
+        step = min(_STEP, turns.left)
+        fold_payloads(state, rows[done : done + step])
+        done += step
+        if turns.due(step):
+            await turns.take()
 
 
 async def replay(
@@ -70,6 +107,7 @@ async def replay(
     # kept event by event; a given state keeps its own usage (it may carry a buggy log's history).
     if state.position == 0 and not state.providers and not state.consumers:
         state.usages_deferred = True
+    turns = Turns()
     try:
         with gc_paused():
             while pending is not None:
@@ -84,14 +122,14 @@ async def replay(
                         break
                 if type(batch[0]) is tuple:  # (a RawEvent is a named tuple: not this case)
                     pending = None if pending is None else fetch(batch[-1][0])
-                    await fold_payloads_yielding(state, batch)
+                    await fold_payloads_yielding(state, batch, turns)
                     if progress is not None:
                         progress(state.position)
                     continue
                 pending = None if pending is None else fetch(batch[-1].position)
-                for i, recorded in enumerate(batch, start=1):
-                    if i % FOLD_SLICE == 0:
-                        await asyncio.sleep(0)
+                for recorded in batch:
+                    if turns.due():
+                        await turns.take()
                     if isinstance(recorded, RecordedEvent):
                         event = recorded.event
                     else:
