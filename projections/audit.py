@@ -33,7 +33,7 @@ from projections.gcpause import gc_paused
 from projections.invariants import find_leaks, format_amount, over_capacity
 from projections.persisted import project_usage_totals
 from projections.replay import Turns
-from projections.state import FOLDS, ConsumerState, State
+from projections.state import FOLDS, ConsumerState, State, dismantle
 
 if TYPE_CHECKING:
     from evstore.log import HistoryCheck, LostTail
@@ -728,6 +728,10 @@ async def audit(
     report.findings.extend(ids)
     over = await over_capacity_since(read, batch_size, report.head, over_capacity)
     report.findings.extend(over_capacity_findings(replayed, over))
+    # (freed on a thread a piece at a time: dropped here, the replay's state stalled the event
+    # loop for as long as freeing it takes, and the projection's the reader thread's next job)
+    await asyncio.to_thread(dismantle, replayed, persisted_state)
+    del replayed, persisted_state, replay
     if check_history is not None:
         report.findings.extend(history_findings(await check_history()))
     return report
@@ -835,4 +839,5 @@ async def over_capacity_since(
         watcher = _Replay(AuditReport(), over=tracker, checked=False)
         with gc_paused():
             await watcher.run(read, batch_size, until=head)
+        await asyncio.to_thread(dismantle, watcher.state)  # (as the audit's own: see there)
     return tracker

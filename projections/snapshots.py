@@ -22,7 +22,7 @@ from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
 from projections.replay import fold_payloads_yielding
-from projections.state import ConsumerState, ProviderState, State, evolve
+from projections.state import ConsumerState, ProviderState, State, dismantle, evolve
 
 log = structlog.get_logger("evstore.snapshots")
 
@@ -382,5 +382,10 @@ async def take_snapshots(
     taken = frozenset(await backend.snapshot_positions(usable_in=SNAPSHOT_FORMAT))
     missing = next((p for p in range(every, at + 1, every) if p not in taken), None)
     if missing is not None:
-        await fold_to(backend, at, every, progress=progress, start_at=missing, taken=taken, must_save=True)
+        state = await fold_to(
+            backend, at, every, progress=progress, start_at=missing, taken=taken, must_save=True
+        )
+        # (freed on a thread a piece at a time: dropped on the event loop, it stalled it for as
+        # long as freeing the whole state takes; see dismantle)
+        await asyncio.to_thread(dismantle, state)
     return await backend.snapshot_positions()

@@ -1396,11 +1396,17 @@ class SqliteBackend:
             batch_size=batch_size,
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
-        return await self._on_writer(
+        folded: int = await self._on_writer(
             lambda conn: _retry_busy(
                 lambda: _rebuild(conn, state, batch_size, progress, full), self.busy_timeout
             )
         )
+        from projections.state import dismantle
+
+        # (freed on a thread a piece at a time: dropped on the event loop at the return, the
+        # whole state stalled it for as long as freeing it takes - see dismantle)
+        await asyncio.to_thread(dismantle, state)
+        return folded
 
     async def lost_tail(self) -> LostTail | None:
         """The newest change the projection records past the end of the log (see
