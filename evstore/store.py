@@ -16,10 +16,12 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import importlib
 import inspect
 import itertools
 import json
 import logging
+import sys
 import uuid as _uuid
 from collections.abc import (
     AsyncGenerator,
@@ -1512,6 +1514,14 @@ class AllocationStore:
         return imported
 
 
+#: the module of each URL scheme's backend
+_BACKEND_MODULES = {
+    "sqlite": "evstore.log.sqlite",
+    "postgresql": "evstore.log.postgres",
+    "postgres": "evstore.log.postgres",
+}
+
+
 def make_backend(url: str, **options: Any) -> Backend:
     if not isinstance(url, str):
         raise err.InvalidInput("url must be a string such as sqlite:///evstore.db")
@@ -1600,6 +1610,13 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         options = dict(self._options)
         snapshot_every = options.pop("snapshot_every", None)
         store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}
+        module = _BACKEND_MODULES.get(str(self._url).split(":", 1)[0])
+        if module is not None and module not in sys.modules:
+            # (imported on a thread: the first open of a process ran the backend's module code,
+            # and the projections' it imports, on the event loop - ~26 ms. Failures are left to
+            # make_backend, which says what is missing)
+            with contextlib.suppress(ImportError):
+                await asyncio.to_thread(importlib.import_module, module)
         store = AllocationStore(make_backend(self._url, **options), **store_options)
         if snapshot_every is not None:
             if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:

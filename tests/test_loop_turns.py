@@ -228,3 +228,30 @@ async def test_diff_sorts_the_consumers_it_touched_in_short_runs(
     assert len(uuids) > 200
     assert uuids == sorted(uuids)
     assert max(sorted_sizes) <= 16, sorted_sizes
+
+
+def test_the_first_open_of_a_process_imports_its_backend_off_the_event_loop(tmp_path: Path) -> None:
+    """Review 28: the first open_store of a process imported the backend's module (and the
+    projections' it imports) on the event loop, ~26 ms of module code every task waited for. It is
+    imported on a thread now; run in a fresh interpreter, where nothing is imported yet."""
+    import subprocess
+
+    script = f"""
+import asyncio, sys, threading
+seen = {{}}
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "evstore.log.sqlite":
+            seen[name] = threading.current_thread() is threading.main_thread()
+        return None
+sys.meta_path.insert(0, Watch())
+from evstore import open_store
+async def main():
+    async with open_store({f"sqlite:///{tmp_path / 'f.db'}"!r}) as store:
+        assert await store.head() == 0
+asyncio.run(main())
+print(seen)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{'evstore.log.sqlite': False}", done.stdout
