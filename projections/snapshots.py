@@ -40,7 +40,9 @@ class SnapshotStore(Protocol):
     """What a backend offers to keep snapshots (the SQLite backend implements it)."""
 
     async def read_raw(self, after: int, limit: int) -> list[Any]: ...
-    async def save_snapshot(self, position: int, event_hash: str, fmt: int, state: str) -> None: ...
+    async def save_snapshot(
+        self, position: int, event_hash: str, fmt: int, state: str, wait: bool = True
+    ) -> None: ...
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None: ...
     async def snapshot_positions(self, usable_in: int | None = None) -> list[int]: ...
     async def drop_snapshots(self) -> None: ...
@@ -345,7 +347,9 @@ async def fold_to(
                     await fold_payloads_yielding(state, rows[folded : i + 1])
                     folded = i + 1
                     try:
-                        await _save(backend, state, raw.position, raw.hash)
+                        # (on the way to an answer, a save does not wait long for another
+                        # process's write lock: the answer does not need it)
+                        await _save(backend, state, raw.position, raw.hash, wait=must_save)
                     except EvstoreError as exc:
                         if must_save:
                             raise
@@ -359,13 +363,13 @@ async def fold_to(
     return state
 
 
-async def _save(backend: SnapshotStore, state: State, position: int, event_hash: str) -> None:
+async def _save(backend: SnapshotStore, state: State, position: int, event_hash: str, wait: bool) -> None:
     encoded = await asyncio.to_thread(encode_state, state)
-    await backend.save_snapshot(position, event_hash, SNAPSHOT_FORMAT, encoded)
+    await backend.save_snapshot(position, event_hash, SNAPSHOT_FORMAT, encoded, wait=wait)
     if supports_provider_snapshots(backend):
         slices = sorted((await asyncio.to_thread(provider_slices, state)).items())
         await backend.save_provider_snapshots(  # type: ignore[attr-defined]
-            position, event_hash, SNAPSHOT_FORMAT, slices
+            position, event_hash, SNAPSHOT_FORMAT, slices, wait=wait
         )
 
 

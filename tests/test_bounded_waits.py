@@ -184,3 +184,34 @@ async def test_a_database_file_deleted_or_replaced_under_an_open_store_fails_com
     if how == "move":
         async with open_store(f"sqlite:///{path}") as reopened:
             assert await reopened.head() == 4 and (await reopened.usage(rp))["VCPU"] == 2
+
+
+async def test_time_travel_does_not_wait_busy_timeout_to_save_a_snapshot_on_the_way(tmp_path: Path) -> None:
+    """Regression (helper-87): state_at and diff save the snapshots they pass, and each save waited
+    busy_timeout (30 s by default) while another process held the write lock - the answer, and this
+    store's commands queued behind the save on the writer, with it. A save on the way to an answer
+    now gives up after ~0.1 s and the answer comes without it; take_snapshots, whose job the saves
+    are, still waits busy_timeout and says busy."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}", busy_timeout=3, snapshot_every=5) as store:
+        rp = await make_provider(store, VCPU=Inventory(total=100))
+        for _ in range(10):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        holder = _holder(path, "c.execute('BEGIN IMMEDIATE')")
+        try:
+            started = time.monotonic()
+            state = await store.state_at(position=12)
+            answered = time.monotonic() - started
+            assert await state.usage(rp) == {"VCPU": 10}
+            started = time.monotonic()
+            changes = await store.diff(2, 12)
+            assert time.monotonic() - started < 2.5 and answered < 2.5, answered
+            assert changes.to_position == 12
+            assert await store.snapshot_positions() == []  # (none could be saved)
+            with pytest.raises(StorageError) as caught:
+                await store.take_snapshots()
+            assert caught.value.details["sqlite_error"] == "busy"
+        finally:
+            holder.kill()
+            holder.wait()
+        assert await store.take_snapshots() == [5, 10]

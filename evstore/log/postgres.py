@@ -1811,7 +1811,10 @@ class PostgresBackend:
 
     # --- snapshots (a cache of folded states; see projections/snapshots.py) -------------------
 
-    async def save_snapshot(self, position: int, event_hash: str, fmt: int, state: str) -> None:
+    async def save_snapshot(
+        self, position: int, event_hash: str, fmt: int, state: str, wait: bool = True
+    ) -> None:
+        """(``wait`` is SQLite's: here a save waits only for another save of the same position.)"""
         async with self._connection() as conn:
             await self._guard(
                 conn.execute(

@@ -1267,14 +1267,38 @@ class SqliteBackend:
 
     # --- snapshots (a cache of folded states; see projections/snapshots.py) -------------------
 
-    async def save_snapshot(self, position: int, event_hash: str, fmt: int, state: str) -> None:
+    async def save_snapshot(
+        self, position: int, event_hash: str, fmt: int, state: str, wait: bool = True
+    ) -> None:
+        """``wait``: for another connection's write lock up to busy_timeout (else ~0.1 s: see
+        :meth:`_save_on_writer`)."""
+
         def w(conn: sqlite3.Connection) -> None:
             conn.execute(
                 "INSERT OR REPLACE INTO snapshots (position, event_hash, format, state) VALUES (?,?,?,?)",
                 (position, event_hash, fmt, state),
             )
 
-        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
+        await self._save_on_writer(w, wait)
+
+    async def _save_on_writer(self, write: Callable[[sqlite3.Connection], None], wait: bool) -> None:
+        """A snapshot's write. One saved on the way to answering a question (``wait`` False: time
+        travel, diff) waits ~0.1 s at most for another process's write lock, then fails busy (the
+        caller goes on without saving): it waited busy_timeout, 30 s by default, before the answer
+        - and this store's commands, queued behind it on the writer, with it."""
+        timeout = self.busy_timeout if wait else min(self.busy_timeout, 0.1)
+
+        def run(conn: sqlite3.Connection) -> None:
+            if wait:
+                _retry_busy(lambda: write(conn), timeout)
+                return
+            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            try:
+                _retry_busy(lambda: write(conn), timeout)
+            finally:
+                conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+
+        await self._on_writer(run)
 
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
         """The latest snapshot at or before ``at_most`` whose event is still the one it was taken at."""
@@ -1314,9 +1338,10 @@ class SqliteBackend:
         await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
 
     async def save_provider_snapshots(
-        self, position: int, event_hash: str, fmt: int, states: Sequence[tuple[str, str]]
+        self, position: int, event_hash: str, fmt: int, states: Sequence[tuple[str, str]], wait: bool = True
     ) -> None:
-        """One provider's slice of the state (see projections/snapshots.py) per provider, at a position."""
+        """One provider's slice of the state (see projections/snapshots.py) per provider, at a
+        position (``wait``: as :meth:`save_snapshot`)."""
 
         def w(conn: sqlite3.Connection) -> None:
             conn.executemany(
@@ -1324,7 +1349,7 @@ class SqliteBackend:
                 [(provider, position, event_hash, fmt, state) for provider, state in states],
             )
 
-        await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
+        await self._save_on_writer(w, wait)
 
     async def load_provider_snapshot(self, provider: str, at_most: int, fmt: int) -> tuple[int, str] | None:
         def q(conn: sqlite3.Connection) -> tuple[int, str] | None:
