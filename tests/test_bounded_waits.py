@@ -215,3 +215,18 @@ async def test_time_travel_does_not_wait_busy_timeout_to_save_a_snapshot_on_the_
             holder.kill()
             holder.wait()
         assert await store.take_snapshots() == [5, 10]
+
+
+async def test_a_store_opened_by_a_relative_path_takes_commands_after_the_process_changes_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file check above looks at the path the store opened, made absolute at open: SQLite
+    keeps the full path, so a later chdir (a daemon's) changes nothing, and must not fail commands."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    async with open_store("sqlite:///relative.db") as store:
+        rp = await make_provider(store, VCPU=Inventory(total=10))
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert await store.head() == 3
+    assert not (tmp_path / "elsewhere" / "relative.db").exists()

@@ -1034,7 +1034,8 @@ class SqliteBackend:
             await self._on_writer(lambda conn: _retry_busy(lambda: _ensure_schema(conn), self.busy_timeout))
             if not self.memory:
                 opened = await asyncio.to_thread(os.stat, self.path)
-                self._cache.file = (self.path, opened.st_dev, opened.st_ino)
+                # (absolute: SQLite keeps the full path it opened, whatever the process's cwd becomes)
+                self._cache.file = (os.path.abspath(self.path), opened.st_dev, opened.st_ino)
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
