@@ -934,7 +934,9 @@ class SqliteBackend:
                 + store_keyword_hint(unknown)
             )
         self.path = path
-        self._parent_dir = os.path.dirname(os.path.abspath(path))
+        #: the file as the process's current directory names it now (SQLite keeps the full path)
+        self._abs_path = os.path.abspath(path)
+        self._parent_dir = os.path.dirname(self._abs_path)
         sync = merged.pop("synchronous", "FULL").upper()
         if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}")
@@ -1035,7 +1037,7 @@ class SqliteBackend:
             if not self.memory:
                 opened = await asyncio.to_thread(os.stat, self.path)
                 # (absolute: SQLite keeps the full path it opened, whatever the process's cwd becomes)
-                self._cache.file = (os.path.abspath(self.path), opened.st_dev, opened.st_ino)
+                self._cache.file = (self._abs_path, opened.st_dev, opened.st_ino)
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
