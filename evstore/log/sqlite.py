@@ -934,9 +934,11 @@ class SqliteBackend:
                 + store_keyword_hint(unknown)
             )
         self.path = path
-        #: the file as the process's current directory names it now (SQLite keeps the full path)
-        self._abs_path = os.path.abspath(path)
-        self._parent_dir = os.path.dirname(self._abs_path)
+        #: the file as the process's current directory names it now (SQLite keeps the full path).
+        #: Joined, not normalized: ``link/..`` is the parent of the link's target for the kernel
+        #: and SQLite, where ``os.path.abspath`` drops both (another file, or none)
+        self._abs_path = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+        self._parent_dir = os.path.dirname(os.path.abspath(path))
         sync = merged.pop("synchronous", "FULL").upper()
         if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}")
@@ -1035,7 +1037,7 @@ class SqliteBackend:
             # is for the connection's pragmas, whose errors _on_writer does not convert)
             await self._on_writer(lambda conn: _retry_busy(lambda: _ensure_schema(conn), self.busy_timeout))
             if not self.memory:
-                opened = await asyncio.to_thread(os.stat, self.path)
+                opened = await asyncio.to_thread(os.stat, self._abs_path)
                 # (absolute: SQLite keeps the full path it opened, whatever the process's cwd becomes)
                 self._cache.file = (self._abs_path, opened.st_dev, opened.st_ino)
             self._reader = self._writer if self.memory else await self._connect()
