@@ -618,7 +618,8 @@ class _WriterCache:
         self._clean()
 
     def check_file(self) -> None:
-        """Before a commit: the path still names the file this connection writes to. SQLite goes
+        """Before a commit (and before any other work on the writer: an import, a rebuild, a
+        snapshot): the path still names the file this connection writes to. SQLite goes
         on writing to a file deleted, renamed or replaced under it (its inode), so commands would
         be acknowledged into a file no one can open again."""
         if self.file is None:
@@ -1096,6 +1097,9 @@ class SqliteBackend:
 
         def call(conn: sqlite3.Connection) -> T:
             cache.forget()  # (``fn`` may write: what the command path remembers may go stale)
+            # (an import, a rebuild, a snapshot: acknowledged into a file the path no longer
+            # names, as a command would be; see _WriterCache.check_file)
+            cache.check_file()
             return fn(conn)
 
         return await _on_thread(self._writer, call)
