@@ -49,3 +49,34 @@ async def test_an_import_into_a_store_whose_file_was_deleted_fails(tmp_path: Pat
         with pytest.raises(StorageError) as caught:
             await store.rebuild()
         assert caught.value.details["sqlite_error"] == "file_replaced"
+
+
+async def test_a_file_uri_path_opens_and_takes_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: SQLite built with URI filenames on (Debian's, and this one) opens
+    ``sqlite:///file:s.db`` as ``s.db``; the file check's ``os.stat('file:s.db')`` at open raised
+    a bare FileNotFoundError, so the open failed (it opened before the check). The check follows
+    the file SQLite names when the given path does not name it."""
+    monkeypatch.chdir(tmp_path)
+    async with open_store("sqlite:///file:s.db", create=True) as store:
+        await make_provider(store, VCPU=Inventory(total=10))
+        assert await store.head() == 2
+
+
+async def test_a_symlink_swapped_to_another_file_is_noticed(tmp_path: Path) -> None:
+    """The check follows the path as given when it names the opened file (not SQLite's name, the
+    link's target): a symlink swapped to another database - a restore by link swap - leaves this
+    store writing to the old file, so its commands fail as they do for a replaced file."""
+    for name in ("a.db", "b.db"):
+        async with open_store(f"sqlite:///{tmp_path / name}") as other:
+            await make_provider(other, VCPU=Inventory(total=1))
+    link = tmp_path / "s.db"
+    link.symlink_to(tmp_path / "a.db")
+    async with open_store(f"sqlite:///{link}") as store:
+        rp = await make_provider(store, VCPU=Inventory(total=10))
+        (tmp_path / "next").symlink_to(tmp_path / "b.db")
+        (tmp_path / "next").replace(link)
+        with pytest.raises(StorageError) as caught:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert caught.value.details["sqlite_error"] == "file_replaced"

@@ -1038,9 +1038,8 @@ class SqliteBackend:
             # is for the connection's pragmas, whose errors _on_writer does not convert)
             await self._on_writer(lambda conn: _retry_busy(lambda: _ensure_schema(conn), self.busy_timeout))
             if not self.memory:
-                opened = await asyncio.to_thread(os.stat, self._abs_path)
-                # (absolute: SQLite keeps the full path it opened, whatever the process's cwd becomes)
-                self._cache.file = (self._abs_path, opened.st_dev, opened.st_ino)
+                given = self._abs_path
+                self._cache.file = await _on_thread(self._writer, lambda conn: _file_opened(conn, given))
             self._reader = self._writer if self.memory else await self._connect()
         except sqlite3.Error as exc:
             await self.close()
@@ -1485,6 +1484,25 @@ class SqliteBackend:
             return out
 
         return await self._on_reader(q)
+
+
+def _file_opened(conn: sqlite3.Connection, given: str) -> tuple[str, int, int] | None:
+    """The file ``conn`` writes to, for :meth:`_WriterCache.check_file`: its path, device and
+    inode (None: none, in memory). The path is ``given`` (absolute: SQLite keeps the full path,
+    whatever the process's cwd becomes) when it names that file - so a symlink swapped to another
+    file later is noticed - else SQLite's own name for it (a ``file:`` URI it parsed, which no
+    ``os.stat`` of the given text finds)."""
+    name = next((row[2] for row in conn.execute("PRAGMA database_list") if row[1] == "main"), "")
+    if not name:
+        return None
+    opened = os.stat(name)
+    try:
+        found: os.stat_result | None = os.stat(given)
+    except OSError:
+        found = None
+    if found is not None and (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino):
+        name = given
+    return name, opened.st_dev, opened.st_ino
 
 
 #: connections closing in the background (the loop keeps only weak references to tasks)
