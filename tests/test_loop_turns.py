@@ -8,6 +8,7 @@ runs, or how much of it runs between two turns of another task.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -252,6 +253,14 @@ async def main():
 asyncio.run(main())
 print(seen)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    root = str(Path(__file__).resolve().parents[1])  # (this checkout's evstore, not the installed one)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "{'evstore.log.sqlite': False}", done.stdout

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def test_the_readmes_embedded_api_example_runs_and_prints_what_its_comments_say(tmp_path: Path) -> None:
@@ -15,6 +17,8 @@ def test_the_readmes_embedded_api_example_runs_and_prints_what_its_comments_say(
     done = subprocess.run(
         [sys.executable, "-c", snippet],
         cwd=tmp_path,
+        # (this checkout's evstore, not whichever one is installed: cwd is the temporary directory)
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
