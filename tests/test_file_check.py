@@ -80,3 +80,32 @@ async def test_a_symlink_swapped_to_another_file_is_noticed(tmp_path: Path) -> N
         with pytest.raises(StorageError) as caught:
             await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         assert caught.value.details["sqlite_error"] == "file_replaced"
+
+
+async def test_a_file_that_cannot_be_looked_up_is_not_said_to_be_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: any error of the check's ``os.stat`` was reported as the file "deleted or
+    moved" - also one that says nothing of the kind (permission denied on a directory of the path,
+    an I/O error): the command still fails, nothing committed, as it cannot be checked, and the
+    message says why."""
+    import os
+
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=Inventory(total=10))
+        stat = os.stat
+
+        def denied(name: object, *args: object, **kwargs: object) -> os.stat_result:
+            if str(name) == str(path):
+                raise PermissionError(13, "Permission denied", str(name))
+            return stat(name, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "stat", denied)
+        with pytest.raises(StorageError) as caught:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        monkeypatch.undo()
+        assert "deleted or moved" not in caught.value.message
+        assert "Permission denied" in caught.value.message and "nothing was committed" in caught.value.message
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert await store.head() == 3

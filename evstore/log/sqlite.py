@@ -627,8 +627,16 @@ class _WriterCache:
         path, device, inode = self.file
         try:
             found = os.stat(path)
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             found = None
+        except OSError as exc:  # (it may still be there: say what is known)
+            raise err.StorageError(
+                f"The database file {path} could not be looked up ({exc.strerror}), so whether the "
+                "path still names the file this store writes to is unknown: nothing was committed "
+                "(retry once the path can be looked up)",
+                sqlite_error="file_replaced",
+                path=path,
+            ) from None
         if found is None or (found.st_dev, found.st_ino) != (device, inode):
             raise err.StorageError(
                 f"The database file {path} was {'deleted or moved' if found is None else 'replaced'} "
