@@ -51,15 +51,17 @@ between a writer's commit and its sequencing: writers hold a shared advisory "fe
 length of their transaction; ``load_state`` and ``rebuild`` take it exclusively (waiting for the
 writers in flight, holding new ones back), run the sequencer, then read. Plain queries do not.
 
-**Round trips.** A command costs five: ``BEGIN``; ``evstore_lock_load`` (take the locks, then
-load the slice ``decide`` reads, each read with a snapshot taken after the locks); ``evstore_write``
-(insert the events in order, their entity index rows and every projection change); ``COMMIT``;
-and ``evstore_sequence`` in a transaction of its own, which returns the events' positions (or
-finds them already positioned by another process's run and returns at once). Python decides
-between the second and the third. A command that names consumers only (a release, a revert)
-discovers their providers while loading: one more ``evstore_lock_load`` for those, preceded by a
-try-lock when they sort before a held key (a restart, three round trips more, only if one is
-busy). The command's own events are folded before they have seqs, at ``OWN_EVENT - index``;
+**Round trips.** A command costs five: ``BEGIN``; ``evstore_lock_load_near`` (take the locks,
+then load the slice ``decide`` reads, each read with a snapshot taken after the locks);
+``evstore_write`` (insert the events in order, their entity index rows and every projection
+change); ``COMMIT``; and ``evstore_sequence`` in a transaction of its own, which returns the
+events' positions (or finds them already positioned by another process's run and returns at
+once). Python decides between the second and the third. A command that names consumers only (a
+release, a revert) discovers their providers while loading. The entities its consumers were last
+loaded with by this process are guessed and locked in the same load, each only if it is free at
+once (a guess never waits); whatever the load finds beyond its locks costs one more load,
+preceded by a try-lock when it sorts before a held key (a restart, three round trips more, only
+if one is busy). The command's own events are folded before they have seqs, at ``OWN_EVENT - index``;
 ``evstore_write`` turns those into ``-seq`` as above. The functions' statements use generic plans
 (``plan_cache_mode``): planning them on each call cost more than running them.
 
@@ -117,7 +119,7 @@ from projections.views import UsageGroup, groups_from_rows
 log = structlog.get_logger("evstore.postgres")
 T = TypeVar("T")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -497,6 +499,54 @@ MIGRATIONS: tuple[str, ...] = (
     # (on_behalf_of, a ProviderDeleted's parent): the version closes such a store to it, which
     # would otherwise call those events corrupt.
     "SELECT 1",
+    # 8: evstore_lock_load_near, evstore_lock_load that also takes the locks of the entities a
+    # command is guessed to reach (``near``: what its consumers were loaded with before), each only
+    # if it is free at once, and returns those it took (kind 5): a command naming consumers only no
+    # longer needs a second load (and often a try-lock) to lock the providers and migrations it
+    # finds. Functions only; evstore_lock_load stays for the processes of version 7 still running.
+    r"""
+    CREATE OR REPLACE FUNCTION evstore_lock_load_near(
+        fence bigint, keys bigint[], want_consumers text[], migrations_of text[], provider_names text[],
+        children_of text[], want_providers text[], custom_classes text[], near bigint[]
+    ) RETURNS TABLE (
+        kind smallint, t1 text, t2 text, t3 text, t4 text, t5 text, t6 text,
+        b1 bigint, b2 bigint, b3 bigint, b4 bigint
+    ) LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+    DECLARE cs text[]; ps text[]; taken bigint[];
+    BEGIN
+        PERFORM evstore_lock(fence, keys);
+        -- a guess never waits (holding the keys above, a wait out of order could close a cycle)
+        taken := ARRAY(SELECT k FROM unnest(near) AS k WHERE pg_try_advisory_xact_lock(k));
+        cs := ARRAY(SELECT unnest(want_consumers)
+                    UNION SELECT c.uuid FROM p_consumers c WHERE c.on_behalf_of = ANY(migrations_of));
+        cs := cs || ARRAY(SELECT DISTINCT c.on_behalf_of FROM p_consumers c
+                          WHERE c.uuid = ANY(cs) AND c.on_behalf_of IS NOT NULL
+                            AND NOT c.on_behalf_of = ANY(cs));
+        ps := ARRAY(SELECT unnest(want_providers)
+                    UNION SELECT a.provider FROM p_allocations a WHERE a.consumer = ANY(cs)
+                    UNION SELECT p.uuid FROM p_providers p WHERE p.name = ANY(provider_names)
+                    UNION SELECT p.uuid FROM p_providers p WHERE p.parent = ANY(children_of));
+        RETURN QUERY
+            SELECT 1::smallint, c.uuid, c.project_id, c.user_id, c.consumer_type, c.on_behalf_of,
+                   c.instance_type, c.generation, c.deleted::bigint, c.deleted_at, c.allocated_at
+            FROM p_consumers_resolved c WHERE c.uuid = ANY(cs)
+            UNION ALL
+            SELECT 2::smallint, a.consumer, a.provider, a.rc, NULL, NULL, NULL, a.used, NULL, NULL, NULL
+            FROM p_allocations a WHERE a.consumer = ANY(cs)
+            UNION ALL
+            SELECT 3::smallint, p.uuid, p.name, p.parent, p.root, p.inventories, p.usages,
+                   p.generation, NULL, NULL, NULL
+            FROM p_providers p WHERE p.uuid = ANY(ps)
+            UNION ALL
+            SELECT 4::smallint, n.name, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+            FROM p_classes n WHERE n.name = ANY(custom_classes)
+            UNION ALL
+            SELECT 5::smallint, NULL, NULL, NULL, NULL, NULL, NULL, t.k, NULL, NULL, NULL
+            FROM unnest(taken) AS t(k)
+            ORDER BY 1, 2, 3, 4;
+    END $$;
+    """,
 )
 
 PROJECTION_TABLES = ("p_allocations", "p_consumers", "p_providers", "p_classes")
@@ -694,6 +744,11 @@ STORE_SCHEMA = (
 
 #: take every advisory lock of $1 that is free, without waiting; true if all of them were
 TRY_LOCK = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest($1::bigint[]) AS k"
+
+
+#: _remember_near: the most entities remembered for a consumer, and how many consumers are kept
+NEAR_SLICE_MAX = 16
+NEAR_KEPT = 10_000
 
 
 class _Relock(Exception):
@@ -913,6 +968,10 @@ class PostgresBackend:
         self._started = 0
         #: entity name -> the end of the transaction of the last started job naming it (start_jobs)
         self._last_of: dict[str, asyncio.Future[None]] = {}
+        #: consumer's lock name -> the entities its last commands here loaded with it (see
+        #: _run_job): a guess, locked in order with the command's own, that saves the loads and
+        #: try-locks of discovering its providers and migrations one round trip at a time
+        self._near: dict[str, frozenset[str]] = {}
         # in-process coalescing of sequencer runs (see _sequenced)
         self._seq_lock = asyncio.Lock()
         self._seq_started = 0
@@ -1428,8 +1487,17 @@ class PostgresBackend:
                     )
                 replayed = Receipt.from_json(row["receipt"])
                 return replayed, list(replayed.positions)  # stored as seqs
+        # A command naming only consumers (a release, a revert, a migration's start) learns of its
+        # providers and migrations by loading: each found beyond its locks cost one more load (and
+        # a try-lock when its key sorts below a held one). What its consumers were loaded with
+        # before here is guessed: those locks are taken in the same load, each only if free at
+        # once. A wrong guess costs nothing but the lock (to this transaction's end) of an entity
+        # not needed; what the load finds beyond the locks is locked as before.
+        near: list[int] = self._near_keys(job, locked)
         while True:
-            state = await lock_load(conn, job.needs, fence, to_lock)
+            state, taken = await lock_load(conn, job.needs, fence, to_lock, near)
+            locked |= taken
+            near = []
             extra = {self._key(n) for n in _slice_names(state)} - locked
             if not extra:
                 break
@@ -1456,6 +1524,7 @@ class PostgresBackend:
             return exc
         for index, event in enumerate(events):
             evolve(state, event, OWN_EVENT - index)  # -seq once inserted (see evstore_write)
+        self._remember_near(state)
         seqs = []
         if events:
             seqs = await write(conn, events, job.metadata_json, persisted.changes(before, state))
@@ -1470,6 +1539,40 @@ class PostgresBackend:
                 "INSERT INTO idempotency VALUES ($1, $2, $3)", key, job.fingerprint, receipt.to_json()
             )
         return receipt, seqs
+
+    def _near_keys(self, job: Job, locked: set[int]) -> list[int]:
+        """The lock keys of the entities ``job``'s consumers were last loaded with here, beyond
+        ``locked`` (see _remember_near)."""
+        near = self._near
+        guess: set[str] = set()
+        for c in job.needs.consumers | job.needs.migrations_of:
+            known = near.get(f"consumer:{c}")
+            if known is not None:
+                guess |= known
+        return sorted({self._key(n) for n in guess} - locked)
+
+    def _remember_near(self, state: State) -> None:
+        """Remember, for each consumer of a small slice, the entities it was found with (see
+        _run_job): the slice after the command, joined with what was remembered for its consumers
+        (a migration's instance and its migration are loaded together only by some commands).
+        Bounded: a joined set grown past NEAR_SLICE_MAX starts again from the slice; the oldest
+        consumers are forgotten first."""
+        names = set(_slice_names(state))
+        if len(names) > NEAR_SLICE_MAX:
+            return
+        near = self._near
+        joined = set(names)
+        for n in names:
+            known = near.get(n)
+            if known is not None:
+                joined |= known
+        kept = frozenset(joined if len(joined) <= NEAR_SLICE_MAX else names)
+        for n in kept:
+            if n.startswith("consumer:"):
+                near.pop(n, None)  # (re-inserted last: the oldest entry is the first)
+                near[n] = kept
+        while len(near) > NEAR_KEPT:
+            del near[next(iter(near))]
 
     # --- the sequencer --------------------------------------------------------------------
 
@@ -2128,16 +2231,19 @@ def _slice_names(state: State) -> Iterable[str]:
 OWN_EVENT = -(2**62)
 
 
-async def lock_load(conn: Any, n: Needs, fence: int | None, keys: list[int]) -> State:
-    """Lock ``keys`` (and the fence, shared), then load exactly what ``decide(command)`` reads
-    (``n = needs(command)``).
+async def lock_load(
+    conn: Any, n: Needs, fence: int | None, keys: list[int], near: Sequence[int] = ()
+) -> tuple[State, set[int]]:
+    """Lock ``keys`` (and the fence, shared), then those of ``near`` that are free at once; then
+    load exactly what ``decide(command)`` reads (``n = needs(command)``). Returns the slice and
+    the keys of ``near`` it locked.
 
-    One round trip (``evstore_lock_load``): the consumers named, the migrations of the
+    One round trip (``evstore_lock_load_near``): the consumers named, the migrations of the
     instances named and the instances those act for, with their allocations; the providers
     named, found by name or parent, or holding those allocations; the custom classes named.
     """
     rows = await conn.fetch(
-        "SELECT * FROM evstore_lock_load($1, $2, $3, $4, $5, $6, $7, $8)",
+        "SELECT * FROM evstore_lock_load_near($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         fence,
         keys,
         sorted(n.consumers),
@@ -2146,8 +2252,10 @@ async def lock_load(conn: Any, n: Needs, fence: int | None, keys: list[int]) -> 
         sorted(n.children_of),
         sorted(n.providers),
         sorted(rc for rc in n.resource_classes if rc.startswith("CUSTOM_")),
+        list(near),
     )
     state = State()
+    taken: set[int] = set()
     consumers = state.consumers
     for kind, t1, t2, t3, t4, t5, t6, b1, b2, b3, b4 in rows:
         if kind == 1:
@@ -2159,11 +2267,13 @@ async def lock_load(conn: Any, n: Needs, fence: int | None, keys: list[int]) -> 
             held.allocations.setdefault(t2, {})[t3] = b1
         elif kind == 3:
             state.providers[t1] = persisted.provider_from_row((t1, t2, t3, t4, b1, t5, t6))
-        else:
+        elif kind == 4:
             state.custom_classes.add(t1)
+        else:
+            taken.add(b1)
     for c in consumers.values():
         persisted.check_loaded_consumer(c)
-    return state
+    return state, taken
 
 
 async def write(conn: Any, events: list[EventBase], metadata_json: str, cs: persisted.ChangeSet) -> list[int]:
