@@ -225,17 +225,21 @@ async def test_a_malformed_port_in_the_urls_query_is_invalid_input(query: str, m
     assert "Secret1" not in str(info.value) and info.value.code == "evstore.invalid_input"
 
 
-@pytest.mark.parametrize(("setting", "value"), [("lock_timeout", "50ms"), ("statement_timeout", "100ms")])
+@pytest.mark.parametrize(
+    ("setting", "value", "pool_size"),
+    [("lock_timeout", "50ms", 10), ("statement_timeout", "100ms", 10), ("statement_timeout", "100ms", 1)],
+)
 async def test_a_timeout_in_the_url_does_not_fail_a_committed_command(
-    pg_url: str, setting: str, value: str
+    pg_url: str, setting: str, value: str, pool_size: int
 ) -> None:
     """Regression (helper-29, lock_timeout; helper-59, statement_timeout - the URL's, or a DBA's on
     the role or database): the sequencer, which positions a command's events after its COMMIT,
     waited for its lock under the setting, so while another process's run held the lock past it,
     a command that had committed was reported as failed ("committed, but reading its positions
     failed"; without an idempotency key, "do not retry"). The sequencer's wait is not bounded by
-    either now; the commands' own statements and locks still are."""
-    async with open_store(f"{pg_url}&{setting}={value}") as store:
+    either now; the commands' own statements and locks still are. (In a pool of one: the run
+    tried first on the command's own connection gives it back before the retry needs one.)"""
+    async with open_store(f"{pg_url}&{setting}={value}&pool_size={pool_size}") as store:
         rp = await make_provider(store, VCPU=4)
         async with _another_client_holding(pg_url, store, "!sequencer") as (_, tr):
             claim = asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}}))
@@ -250,6 +254,36 @@ async def test_a_timeout_in_the_url_does_not_fail_a_committed_command(
             if setting == "statement_timeout":
                 with pytest.raises(asyncpg.QueryCanceledError):
                     await conn.execute("SELECT pg_sleep(0.5)")
+        assert (await store.audit()).clean
+
+
+async def test_a_command_takes_one_pooled_connection_and_positions_its_events_on_it(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured (issue 5, PostgreSQL 8 clients vs 1): a command gave its connection back after
+    COMMIT and took another from the pool for the sequencer (asyncpg's release runs a shielded
+    task and the pool's reset): two acquisitions per command. The sequencer now runs first on the
+    command's own connection."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=100)
+        backend = pg(store)
+        taken = 0
+        real = backend._acquire
+
+        async def counted(pool: Any) -> Any:
+            nonlocal taken
+            taken += 1
+            return await real(pool)
+
+        monkeypatch.setattr(backend, "_acquire", counted)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 1}})
+        await store.delete_consumer(c)
+        assert taken == 2
+        assert [r.position for r in await store.read(after=0)][-2:] == [
+            await store.head() - 1,
+            await store.head(),
+        ]
         assert (await store.audit()).clean
 
 

@@ -1370,7 +1370,7 @@ class PostgresBackend:
         positioning = 0  # (rounds that positioned a tombstone: no fault, so not an attempt)
         while True:
             try:
-                result = await self._attempt(job, keys)
+                result = await self._attempt(job, keys, ended)
                 break
             except _Relock as relock:
                 keys = relock.keys
@@ -1399,17 +1399,33 @@ class PostgresBackend:
                     ) from None
                 await asyncio.sleep(random.uniform(0, 0.002 * 2**attempt))
         if ended is not None and not ended.done():
-            ended.set_result(None)  # (committed or rolled back: the next job on its entities may go)
-        if isinstance(result, err.EvstoreError):
-            return result
-        receipt, seqs = result
+            ended.set_result(None)  # (rolled back: the next job on its entities may go)
+        return result
+
+    async def _committed(
+        self,
+        held: contextlib.AsyncExitStack,
+        conn: Any,
+        job: Job,
+        ended: asyncio.Future[None] | None,
+        receipt: Receipt,
+        seqs: list[int],
+    ) -> Receipt:
+        """The receipt of a committed command, with its positions. The sequencer runs first on
+        the command's own connection, ``conn`` (one pool release and acquire fewer per command);
+        if that fails, ``held`` gives the connection back and the usual path runs on pooled ones."""
+        if ended is not None and not ended.done():
+            ended.set_result(None)  # (committed: the next job on its entities may go)
         hook = self._after_commit
         if hook is not None:
             await hook(None)
         if not seqs:
             return receipt
         try:
-            positions = await self._positions_of(seqs)
+            positions = await self._positions_here(seqs, conn)
+            if positions is None:
+                await held.aclose()
+                positions = await self._positions_of(seqs)
         except Exception as exc:
             # The command is committed: whatever failed here (the sequencer timed out waiting for
             # its lock, the connection died), it must not be reported as rolled back.
@@ -1428,9 +1444,12 @@ class PostgresBackend:
             positions, receipt.consumer_generations, receipt.provider_generations, receipt.replayed
         )
 
-    async def _attempt(self, job: Job, keys: set[int]) -> tuple[Receipt, list[int]] | err.EvstoreError:
-        """One transaction for ``job``: the receipt (with seqs, not positions yet) or its error."""
-        async with self._connection(command=True) as conn:
+    async def _attempt(
+        self, job: Job, keys: set[int], ended: asyncio.Future[None] | None = None
+    ) -> Receipt | err.EvstoreError:
+        """One transaction for ``job``: its receipt, with positions (see _committed), or its error."""
+        async with contextlib.AsyncExitStack() as held:
+            conn = await held.enter_async_context(self._connection(command=True))
             committing = False
             tx = conn.transaction()
             try:
@@ -1451,7 +1470,6 @@ class PostgresBackend:
                     await hook(conn)
                 committing = True
                 await tx.commit()
-                return outcome
             except BaseException as exc:
                 if not committing and not _closed(conn):
                     with contextlib.suppress(Exception):
@@ -1467,6 +1485,7 @@ class PostgresBackend:
                         keyed=job.idempotency_key is not None,
                     ) from None
                 raise
+            return await self._committed(held, conn, job, ended, *outcome)
 
     async def _decide_and_append(
         self, conn: Any, job: Job, locked: set[int]
@@ -1613,7 +1632,23 @@ class PostgresBackend:
                 return tuple(positions)
         raise err.StorageError(f"Committed events {want} did not get positions", seqs=want)
 
-    async def _sequenced(self, want: list[int]) -> list[int | None] | None:
+    async def _positions_here(self, seqs: Sequence[int], conn: Any) -> tuple[int, ...] | None:
+        """:meth:`_positions_of` in one try on ``conn``, the caller's connection (outside a
+        transaction); ``None`` if that fails (then :meth:`_positions_of` on pooled connections,
+        once ``conn`` is back in the pool: it may be the pool's only one)."""
+        want = list(seqs)
+        try:
+            found = await self._sequenced(want, conn)
+            if found is None:  # positioned by a run this task shared: read them
+                found = list(await conn.fetchval("SELECT evstore_positions($1)", want))
+        except DB_ERRORS as exc:
+            if _timed_out(exc):
+                conn.terminate()  # (as _connection does: releasing it would wait for the cancel)
+            return None
+        positions = [p for p in found if p is not None]
+        return tuple(positions) if len(positions) == len(want) else None
+
+    async def _sequenced(self, want: list[int], conn: Any = None) -> list[int | None] | None:
         """Return once a sequencer run that started after this call has finished.
 
         Commits that finish while a run is in progress share the next run (in-process); other
@@ -1632,7 +1667,10 @@ class PostgresBackend:
                 run = self._seq_started
                 wanted, self._seq_wanted = self._seq_wanted, []
                 try:
-                    _, positions = await self._sequence_with_retry(wait=True, want=wanted)
+                    if conn is not None:  # (one try on the caller's connection: see _positions_here)
+                        _, positions = await _sequence(conn, self._key("!sequencer"), True, wanted)
+                    else:
+                        _, positions = await self._sequence_with_retry(wait=True, want=wanted)
                 finally:
                     self._seq_done = run
                 found = dict(zip(wanted, positions, strict=True))
