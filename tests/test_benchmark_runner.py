@@ -194,3 +194,18 @@ def test_the_leak_count_of_evstore_is_measured_not_printed_as_zero() -> None:
     (line,) = [x for x in run.notes(out).splitlines() if x.startswith("Placement:")]
     assert "11 of 12 deleted instances left holding allocations" in line
     assert "3 of 40 for evstore" in line
+
+
+def test_the_postgresql_footer_gives_the_clients_own_cpu_per_command() -> None:
+    # 8 clients vs 1 is bounded by the two cores the clients share with the server: the footer
+    # says what each command cost the clients (from each client's process_time)
+    out = _results(37_221)
+    out.update(mode="quick", duration_s=1.0, machine={"nproc": 2, "cpu": "x", "python": "3", "sqlite": "3"})
+    out["sequential"].pop("placement")
+    out["postgres_server"] = {"server_version": "15.18", "fsync": "on", "synchronous_commit": "on"}
+    out["postgres"] = {
+        "1_clients": {"client_cpu_us_per_op": 880.4},
+        "8_clients": {"client_cpu_us_per_op": 1320.6},
+    }
+    (line,) = [x for x in run.notes(out).splitlines() if x.startswith("PostgreSQL")]
+    assert line.endswith("the clients' own CPU per command: 880 us (1 client), 1321 us (8)")

@@ -171,11 +171,13 @@ async def phase_pgclient(args: argparse.Namespace) -> dict[str, Any]:
         sys.stdout.write("ready\n")
         sys.stdout.flush()
         await asyncio.to_thread(sys.stdin.readline)
+        cpu = time.process_time()
         rec.start()
         for op in stream:
             await driver.run(op)
         rec.stop()
-    return rec.result()
+        cpu = time.process_time() - cpu  # (this process's own CPU: the server's is not in it)
+    return rec.result(cpu_s=cpu)
 
 
 async def phase_pgsetup(args: argparse.Namespace) -> dict[str, Any]:

@@ -384,6 +384,8 @@ def _pg_rounds(url: str, path: Path, sizes: Sizes) -> dict[str, Any]:
             "p50_ms": statistics.median(r["p50_ms"] for r in per),
             "p99_ms": max(r["p99_ms"] for r in per),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in per),
+            # the clients' own CPU per command (the server's, on the same cores, comes on top)
+            "client_cpu_us_per_op": 1e6 * sum(r.get("cpu_s", 0.0) for r in per) / ops if ops else 0.0,
         }
         if clients == 1:
             # the 8-client run must not reuse the consumers of stream 0
@@ -733,10 +735,15 @@ def notes(out: dict[str, Any]) -> str:
         )
     if out.get("postgres_server"):
         srv = out["postgres_server"]
-        lines.append(
+        line = (
             f"PostgreSQL {srv['server_version']}: fsync={srv['fsync']} "
             f"synchronous_commit={srv['synchronous_commit']}"
         )
+        pg = out.get("postgres", {})
+        cpu = [pg.get(k, {}).get("client_cpu_us_per_op") for k in ("1_clients", "8_clients")]
+        if all(cpu):
+            line += f"; the clients' own CPU per command: {cpu[0]:.0f} us (1 client), {cpu[1]:.0f} us (8)"
+        lines.append(line)
     pl = seq.get("placement")
     if pl:
         lines.append(
