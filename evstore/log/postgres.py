@@ -119,7 +119,7 @@ from projections.views import UsageGroup, groups_from_rows
 log = structlog.get_logger("evstore.postgres")
 T = TypeVar("T")
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 #: Migration ``n`` brings the schema from version ``n`` to ``n + 1``.
 MIGRATIONS: tuple[str, ...] = (
@@ -546,6 +546,16 @@ MIGRATIONS: tuple[str, ...] = (
             FROM unnest(taken) AS t(k)
             ORDER BY 1, 2, 3, 4;
     END $$;
+    """,
+    # 9: the sequencer finds the events to position through events_unpositioned by an ordered index
+    # scan. Its generic plan was a bitmap scan, and a bitmap scan never marks the entries of dead
+    # row versions (every positioned event leaves one: the UPDATE gives it a new version) as dead:
+    # each run read every entry and heap page of the events positioned since the table's last
+    # VACUUM - 3.6 ms and 664 buffers per run after 1,200 commands, growing with the log until
+    # autovacuum ran (at 20% of the table). An index scan marks what it passes over as dead once
+    # no snapshot can see it, so the next run skips it.
+    """
+    ALTER FUNCTION evstore_sequence(bigint, boolean, bigint[]) SET enable_bitmapscan = off;
     """,
 )
 
