@@ -1169,8 +1169,12 @@ async def test_a_cancelled_job_does_not_let_its_successor_overtake_its_predecess
             assert len(running) == 3 and not any(t.done() for t in running)
             running[1].cancel()  # (the middle job's own task, waiting for the first: started second)
             await asyncio.sleep(0.3)
+            # (this consumer's lock only: other tests on the same server wait for locks of their own)
             waiting = await other.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid::bigint = ($1::bigint >> 32) & 4294967295 "
+                "AND objid::bigint = $1::bigint & 4294967295",
+                pg(store)._key(f"consumer:{c}"),
             )
             assert waiting == 1  # (the first job only: the third has not begun)
             assert not jobs[
