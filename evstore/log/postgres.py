@@ -1160,7 +1160,10 @@ class PostgresBackend:
             raise
         finally:
             with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
-                await pool.release(conn)
+                # (a timeout of its own: asyncpg bounds the release's reset by the acquire's
+                # timeout otherwise, what was left of connect_timeout - ~1 ms after retries near
+                # its end - and closes a connection whose reset ran out)
+                await pool.release(conn, timeout=max(self.connect_timeout, self.command_timeout or 0))
 
     async def _acquire(self, pool: Any) -> Any:
         """``pool.acquire()``; when the server refuses the pool another connection (too many
@@ -1919,10 +1922,11 @@ class PostgresBackend:
             except asyncpg.LockNotAvailableError:
                 if deadline is not None and loop.time() >= deadline:
                     raise err.StorageError(
-                        "Another session stayed inside a command for longer than "
+                        "Another session held evstore's advisory lock for longer than "
                         f"{self._timeout_named('command_timeout')}, so writers could not be held back; "
-                        "nothing was done: retry, or end that session (a client stuck in a command: "
-                        "pg_locks shows it holding evstore's advisory lock shared; the server's "
+                        "nothing was done: retry. pg_locks says which: another process's audit, "
+                        "rebuild or import holds it exclusive (retry once it is done), a client stuck "
+                        "inside a command holds it shared (end that session; the server's "
                         "idle_in_transaction_session_timeout ends such sessions)",
                         sqlstate="55P03",
                     ) from None
