@@ -129,16 +129,20 @@ async def test_a_call_waiting_for_a_busy_pool_gives_up_after_connect_timeout(pg_
         await store.close()
 
 
+@pytest.mark.parametrize("holder", ["command", "audit"])
 @pytest.mark.parametrize("fenced", ["audit", "rebuild"])
 async def test_a_fenced_call_behind_a_stuck_client_fails_after_command_timeout(
-    pg_url: str, fenced: str
+    pg_url: str, fenced: str, holder: str
 ) -> None:
     """Regression: audit and rebuild waited for a client stuck inside a command for as long as it
     stayed, whatever command_timeout said (still waiting after 20 s with command_timeout=2). With
-    command_timeout set they fail after it, having done nothing, and say what holds them."""
+    command_timeout set they fail after it, having done nothing, and say what may hold them: a
+    client inside a command (the lock shared) or another process's audit, rebuild or import
+    (exclusive; helper-88: the message first named only the former)."""
     async with open_store(pg_url, command_timeout=1) as store:
         rp = await make_provider(store, VCPU=Inventory(total=100))
-        async with _another_client_holding(pg_url, store, "!fence", shared=True) as (_, tr):
+        shared = holder == "command"
+        async with _another_client_holding(pg_url, store, "!fence", shared=shared) as (_, tr):
             started = time.monotonic()
             with pytest.raises(StorageError) as caught:
                 await asyncio.wait_for(getattr(store, fenced)(), timeout=20)
@@ -147,6 +151,8 @@ async def test_a_fenced_call_behind_a_stuck_client_fails_after_command_timeout(
             assert (
                 "command_timeout (1 s)" in caught.value.message and "nothing was done" in caught.value.message
             )
+            assert "audit, rebuild or import holds it exclusive" in caught.value.message
+            assert "stuck inside a command holds it shared" in caught.value.message
             await tr.rollback()
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         report = await store.audit()
