@@ -1526,14 +1526,21 @@ class PostgresBackend:
         # once. A wrong guess costs nothing but the lock (to this transaction's end) of an entity
         # not needed; what the load finds beyond the locks is locked as before.
         near: list[int] = self._near_keys(job, locked)
+        # Guessed locks taken but not (yet) found needed: held, so they count in the order of any
+        # wait, but left out of ``locked`` (a restart's or a retry's set, waited for in order): a
+        # stale guess kept there was waited for by the next attempt.
+        spare: set[int] = set()
         while True:
             state, taken = await lock_load(conn, job.needs, fence, to_lock, near)
-            locked |= taken
             near = []
-            extra = {self._key(n) for n in _slice_names(state)} - locked
+            found = {self._key(n) for n in _slice_names(state)}
+            spare |= taken
+            locked |= spare & found
+            spare -= found
+            extra = found - locked
             if not extra:
                 break
-            if min(extra) > max(locked):
+            if min(extra) > max(locked | spare):
                 # lock them and reload: what we read before holding these locks may be stale
                 fence, to_lock = None, sorted(extra)
                 locked |= extra
