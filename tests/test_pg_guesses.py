@@ -62,3 +62,47 @@ async def test_a_stale_guess_taken_before_a_restart_is_not_waited_for_after_it(
         assert (await first.usage(old)).usages == {"VCPU": 0}
         assert (await first.usage(new)).usages == {"VCPU": 0}
         assert (await first.audit()).clean
+
+
+async def test_a_command_naming_many_remembered_consumers_guesses_no_more_than_a_slice(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (helper-E): a command's guess was the union over every consumer it names, so a
+    write_allocations naming 20 consumers, each remembered with its own provider, took 40 guessed
+    locks (toward max_locks_per_transaction, past which the command fails) for entities it may not
+    touch. Past NEAR_SLICE_MAX it guesses nothing and finds them as before."""
+    import evstore.log.postgres as pg_module
+
+    async with open_store(pg_url) as store:
+        consumers = [new_uuid() for _ in range(20)]
+        providers = []
+        for c in consumers:
+            rp = new_uuid()
+            await store.create_provider(rp, f"rp-{rp[:8]}")
+            await store.set_inventories(rp, {"VCPU": Inventory(total=8)}, generation=0)
+            await allocate(store, c, {rp: {"VCPU": 1}})
+            providers.append(rp)
+        guessed: list[int] = []
+        real = pg_module.lock_load
+
+        async def spy(conn: Any, n: Any, fence: Any, keys: list[int], near: Any = ()) -> Any:
+            guessed.append(len(near))
+            return await real(conn, n, fence, keys, near)
+
+        monkeypatch.setattr(pg_module, "lock_load", spy)
+        target = providers[0]
+        await store.write_allocations(
+            {
+                c: {
+                    "allocations": {target: {"VCPU": 1}} if i == 0 else {},
+                    "consumer_generation": 1,
+                    "project_id": "p",
+                    "user_id": "u",
+                    "consumer_type": "INSTANCE",
+                }
+                for i, c in enumerate(consumers)
+            }
+        )
+        assert guessed and max(guessed) <= pg_module.NEAR_SLICE_MAX, guessed
+        assert (await store.usage(target)).usages == {"VCPU": 1}
+        assert (await store.audit()).clean

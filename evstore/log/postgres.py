@@ -1581,13 +1581,18 @@ class PostgresBackend:
 
     def _near_keys(self, job: Job, locked: set[int]) -> list[int]:
         """The lock keys of the entities ``job``'s consumers were last loaded with here, beyond
-        ``locked`` (see _remember_near)."""
+        ``locked`` (see _remember_near); none past NEAR_SLICE_MAX (a command naming many
+        consumers, each remembered with others, would take that many more locks - toward the
+        server's max_locks_per_transaction - for entities it may not touch: it finds them as
+        before)."""
         near = self._near
         guess: set[str] = set()
         for c in job.needs.consumers | job.needs.migrations_of:
             known = near.get(f"consumer:{c}")
             if known is not None:
                 guess |= known
+                if len(guess) > NEAR_SLICE_MAX:
+                    return []
         return sorted({self._key(n) for n in guess} - locked)
 
     def _remember_near(self, state: State) -> None:
