@@ -113,7 +113,7 @@ from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, replay
-from projections.state import ConsumerState, State, evolve
+from projections.state import ConsumerState, State, dismantle, evolve
 from projections.views import UsageGroup, groups_from_rows
 
 log = structlog.get_logger("evstore.postgres")
@@ -2097,22 +2097,27 @@ class PostgresBackend:
             batch_size=batch_size,
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
-        async with self._connection() as conn:
-            try:
-                history = _StagedHistory() if full else None
-                if history is not None:
-                    await history.stage(conn, batch_size)
-                async with conn.transaction():
-                    await self._fenced(conn)
-                    await _recreate(conn, await _missing_objects(conn))  # (lost tables, indexes)
-                    folded = await _rebuild(conn, state, batch_size, progress)
-                    if history is not None:  # (storage-level damage: an index that lost entries)
-                        await history.swap(conn, batch_size)
-                        for table in PROJECTION_TABLES:
-                            await conn.execute(f"REINDEX TABLE {table}")
-                    return folded
-            except DB_ERRORS as exc:
-                raise _storage_error(exc, "rebuilding the projection") from None
+        try:
+            async with self._connection() as conn:
+                try:
+                    history = _StagedHistory() if full else None
+                    if history is not None:
+                        await history.stage(conn, batch_size)
+                    async with conn.transaction():
+                        await self._fenced(conn)
+                        await _recreate(conn, await _missing_objects(conn))  # (lost tables, indexes)
+                        folded = await _rebuild(conn, state, batch_size, progress)
+                        if history is not None:  # (storage-level damage: an index that lost entries)
+                            await history.swap(conn, batch_size)
+                            for table in PROJECTION_TABLES:
+                                await conn.execute(f"REINDEX TABLE {table}")
+                        return folded
+                except DB_ERRORS as exc:
+                    raise _storage_error(exc, "rebuilding the projection") from None
+        finally:
+            # (freed on a thread a piece at a time: dropped on the event loop at the return, the
+            # whole state stalled it for as long as freeing it takes - see dismantle)
+            await asyncio.to_thread(dismantle, state)
 
     async def lost_tail(self) -> LostTail | None:
         """A change the projection records by an event the log does not hold (see
