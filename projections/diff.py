@@ -13,15 +13,14 @@ responsible.
 from __future__ import annotations
 
 import asyncio
-import heapq
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from evstore.events import decode_event
 from projections.gcpause import gc_paused
 from projections.persisted import clone
-from projections.replay import Turns
+from projections.replay import Turns, sorted_in_runs
 from projections.state import ConsumerState, State, dismantle, evolve_noting_providers
 
 Allocs = dict[str, dict[str, int]]
@@ -203,21 +202,6 @@ def _described(
         dismantle(before, state)
 
 
-#: keys sorted by one C call of :func:`_sorted_in_runs` (a few milliseconds' worth)
-_RUN = 8192
-
-
-def _sorted_in_runs(keys: Collection[str]) -> list[str]:
-    """``sorted(keys)``, sorted in runs merged by :func:`heapq.merge`: one sort of every consumer a
-    long diff touched (150,000 and more) is C code that holds the GIL from start to end, 50-100 ms
-    that the event loop waited for although ``_describe`` runs on a thread; the merge is Python,
-    which hands the GIL over every few milliseconds."""
-    if len(keys) <= _RUN:
-        return sorted(keys)
-    items = list(keys)
-    return list(heapq.merge(*(sorted(items[at : at + _RUN]) for at in range(0, len(items), _RUN))))
-
-
 def _allocations(state: State, consumer: str) -> Allocs:
     c = state.consumers.get(consumer)
     return c.allocations if c is not None else {}
@@ -281,7 +265,7 @@ def _describe(
                 )
     result.usage.sort(key=lambda u: (u.name, u.resource_class))
     consumers = {key.split(":", 1)[1] for key in touched if key.startswith("consumer:")}
-    for uuid in _sorted_in_runs(consumers):
+    for uuid in sorted_in_runs(consumers):
         old_c, new_c = before.consumers.get(uuid), state.consumers.get(uuid)
         kind = _classify(old_c, new_c)
         if kind is None:

@@ -52,7 +52,7 @@ from evstore.log import (
 )
 from projections import persisted
 from projections.gcpause import gc_paused
-from projections.replay import fold_payloads, payload_fields, replay
+from projections.replay import fold_payloads, payload_fields, replay, sorted_in_runs
 from projections.state import FOLDS, ConsumerState, State, evolve, fold_noting_providers
 from projections.views import UsageGroup
 
@@ -2078,7 +2078,7 @@ def _consumer_rows(state: State, uuids: list[str]) -> Iterable[tuple[Any, ...]]:
 
 def _allocation_rows(state: State) -> Iterable[tuple[Any, ...]]:
     consumers = state.consumers
-    holding = sorted(u for u, c in consumers.items() if c.allocations)  # (most rows are tombstones)
+    holding = sorted_in_runs(u for u, c in consumers.items() if c.allocations)  # (most rows are tombstones)
     return (
         (u, provider, _resources_json(resources))
         for u in holding
@@ -2107,7 +2107,7 @@ def _write_projection(conn: sqlite3.Connection, state: State) -> None:
     Rows go in primary-key order (B-tree appends, not random inserts) and are streamed to
     ``executemany``; sorting the keys alone is cheaper than sorting rows.
     """
-    uuids = sorted(state.consumers)
+    uuids = sorted_in_runs(state.consumers)  # (on the writer thread, handing the GIL over)
     conn.executemany("INSERT INTO p_providers VALUES (?,?,?,?,?,?,?)", _provider_rows(state))
     conn.executemany("INSERT INTO p_consumers VALUES (?,?,?,?,?,?,?,?,?,?)", _consumer_rows(state, uuids))
     conn.executemany("INSERT INTO p_allocations VALUES (?,?,?)", _allocation_rows(state))
@@ -2177,7 +2177,7 @@ def _sync_projection(conn: sqlite3.Connection, state: State) -> bool:
     every row and index. Returns False, having written nothing, when the difference is large
     (an emptied or badly damaged projection): the caller rewrites the tables whole.
     """
-    uuids = sorted(state.consumers)
+    uuids = sorted_in_runs(state.consumers)  # (on the writer thread, handing the GIL over)
     budget = [len(uuids) // 8 + 1000]
     plan = []
     try:
