@@ -53,7 +53,7 @@ from evstore.log import (
 from projections import persisted
 from projections.gcpause import gc_paused
 from projections.replay import fold_payloads, payload_fields, replay, sorted_in_runs
-from projections.state import FOLDS, ConsumerState, State, evolve, fold_noting_providers
+from projections.state import FOLDS, ConsumerState, State, dismantle, evolve, fold_noting_providers
 from projections.views import UsageGroup
 
 #: 2: the history index may lag the log (meta ``history_through``); the events' ``event_id`` is
@@ -515,19 +515,28 @@ def _forget_own_if_lost(conn: sqlite3.Connection, cache: _WriterCache) -> None:
         cache.own_tip = None
 
 
+@contextlib.contextmanager
+def _short_busy_timeout(conn: sqlite3.Connection, seconds: float) -> Iterator[None]:
+    """Wait at most ``seconds`` for another connection's write lock inside the block (work that
+    may be skipped when the store is busy), then the connection's own busy_timeout again."""
+    timeout = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+    conn.execute(f"PRAGMA busy_timeout = {min(int(timeout), int(seconds * 1000))}")
+    try:
+        yield
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {int(timeout)}")
+
+
 def flush_history(conn: sqlite3.Connection, cache: _WriterCache) -> None:
     """Index the events this writer appended, whatever the lag (the store is closing: reads after
     it find everything in the index). Skipped if another connection holds the write lock."""
     if not cache.own:
         return
-    timeout = conn.execute("PRAGMA busy_timeout").fetchone()[0]
-    conn.execute("PRAGMA busy_timeout = 100")
     try:
-        conn.execute("BEGIN IMMEDIATE")
+        with _short_busy_timeout(conn, 0.1):
+            conn.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError:
         return  # (busy: the next writer's catch-up does it)
-    finally:
-        conn.execute(f"PRAGMA busy_timeout = {int(timeout)}")
     try:
         cache.history_through = None  # (read again under the lock)
         head = conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0
@@ -1305,14 +1314,8 @@ class SqliteBackend:
         timeout = self.busy_timeout if wait else min(self.busy_timeout, 0.1)
 
         def run(conn: sqlite3.Connection) -> None:
-            if wait:
+            with contextlib.nullcontext() if wait else _short_busy_timeout(conn, timeout):
                 _retry_busy(lambda: write(conn), timeout)
-                return
-            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-            try:
-                _retry_busy(lambda: write(conn), timeout)
-            finally:
-                conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
 
         await self._on_writer(run)
 
@@ -1442,8 +1445,6 @@ class SqliteBackend:
                 lambda: _rebuild(conn, state, batch_size, progress, full), self.busy_timeout
             )
         )
-        from projections.state import dismantle
-
         # (freed on a thread a piece at a time: dropped on the event loop at the return, the
         # whole state stalled it for as long as freeing it takes - see dismantle)
         await asyncio.to_thread(dismantle, state)
