@@ -171,8 +171,10 @@ def note(message: str) -> None:
 
 
 def fail(code: str, message: str, exit_code: int = EXIT_ERROR) -> NoReturn:
-    first_line = message.strip().splitlines()[0] if message.strip() else "(no message)"
-    print(f"error: {code}: {visible(first_line)}", file=sys.stderr, flush=True)
+    # (all of it, its control characters shown as \xNN, which keeps it one line: its first line
+    # alone cut a path or URL holding a newline at it, naming another file than the one given)
+    text = message.strip() or "(no message)"
+    print(f"error: {code}: {visible(text)}", file=sys.stderr, flush=True)
     raise typer.Exit(exit_code)
 
 
