@@ -8,7 +8,13 @@ show text "with control characters as ``\\xNN``, so a stored string cannot ... s
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+import asyncpg
+import pytest
+
+from evstore import open_store
+from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
 
 
@@ -26,3 +32,37 @@ def test_an_error_naming_a_path_with_a_newline_names_all_of_it_on_one_line(tmp_p
         assert "a\\x0ab.db" in lines[0], done.stderr
     done = evstore("audit", "--db", str(odd))
     assert "(check the path, or create one with `evstore demo`)" in done.stderr, done.stderr
+
+
+async def test_a_role_granted_what_the_readme_names_can_read_audit_and_time_travel(pg_url: str) -> None:
+    """README, "SQLite or PostgreSQL?": a read-only role can read, export, audit and time-travel,
+    with the grants the README names. ``GRANT SELECT ON ALL TABLES IN SCHEMA`` alone - what one
+    writes for a read-only role - leaves out the store's sequence, and the audit (rebuild's check
+    too) failed with "permission denied for sequence events_seq_seq" (review 29, helper-92)."""
+    schema = dict(parse_qsl(urlsplit(pg_url).query))["search_path"]
+    role = f"{schema}_ro"[:63]
+    async with open_store(pg_url) as writer:
+        rp = await make_provider(writer, VCPU=4)
+        await allocate(writer, new_uuid(), {rp: {"VCPU": 1}})
+    admin = await asyncpg.connect(pg_url.split("?")[0])
+    if not await admin.fetchval(
+        "SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user"
+    ):
+        await admin.close()
+        pytest.skip("the test server's role cannot create roles")
+    await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        # the README's grants, word for word
+        await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
+        await admin.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
+        await admin.execute(f'GRANT SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
+        parts = urlsplit(pg_url)
+        as_role = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
+        async with open_store(as_role, create=False) as reader:
+            assert (await reader.audit()).clean
+            assert await (await reader.state_at(position=2, provider=rp)).usage(rp) == {"VCPU": 0}
+            assert (await reader.usage(rp)) == {"VCPU": 1}
+            assert len([line async for line in reader.export()]) == 1 + 3
+    finally:
+        await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
+        await admin.close()
