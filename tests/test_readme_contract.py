@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from evstore import open_store
+from evstore import AllocationStore, ConcurrentUpdate, Inventory, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
 
@@ -66,3 +66,18 @@ async def test_a_role_granted_what_the_readme_names_can_read_audit_and_time_trav
     finally:
         await admin.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
         await admin.close()
+
+
+async def test_set_inventory_adding_a_class_checks_the_generation_as_an_update_does(
+    store: AllocationStore,
+) -> None:
+    """README, "How it works": ``set_inventory`` adds a class the provider lacks - where Placement's
+    ``PUT /inventories/{rc}`` answers 400 and adds with a ``POST`` that checks no generation - and
+    it checks the provider's generation, as for an update: a stale one is refused, nothing written."""
+    rp = await make_provider(store, VCPU=8)  # generation 1
+    head = await store.head()
+    with pytest.raises(ConcurrentUpdate):
+        await store.set_inventory(rp, "DISK_GB", Inventory(total=100), generation=0)
+    assert await store.head() == head and "DISK_GB" not in await store.inventories(rp)
+    assert await store.set_inventory(rp, "DISK_GB", Inventory(total=100), generation=1) == 2
+    assert (await store.inventories(rp))["DISK_GB"].total == 100
