@@ -125,10 +125,13 @@ def validate_name(value: object, what: str, max_len: int = 255) -> str:
     return value
 
 
-def validate_consumer_type(value: object) -> str:
+def validate_consumer_type(value: object, query: bool = False) -> str:
+    """A consumer type as a command records it; ``query``: as ``usages()`` filters by it, which
+    also takes Placement's ``"all"`` and ``"unknown"`` (checked by the caller; named in the error)."""
     if not isinstance(value, str) or not RC_PATTERN.fullmatch(value) or len(value) > 255:
+        also = ', or "all" or "unknown"' if query else ""
         raise InvalidInput(
-            f"consumer_type must match ^[A-Z0-9_]+$ (at most 255 characters), got {value!r:.80}"
+            f"consumer_type must match ^[A-Z0-9_]+$ (at most 255 characters){also}, got {value!r:.80}"
         )
     return value
 

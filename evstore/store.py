@@ -1060,8 +1060,10 @@ class AllocationStore:
         """Give the migration's allocations back to its instance and empty the migration (a failed
         resize). Raises ``ConsumerDeleted`` when the instance was deleted meanwhile (nothing is
         written: the leak of Placement bug 1848343 cannot happen), ``NotFound`` when ``migration``
-        holds nothing for a migration in progress, ``CapacityExceeded`` when the source no longer
-        has room."""
+        holds nothing for a migration in progress, ``ConstraintViolation`` when the source's
+        inventory changed since so that the amounts break its ``min_unit``/``max_unit``/``step_size``.
+        A revert never needs room: no provider's usage grows, so a source whose total shrank below
+        its usage meanwhile still takes the allocations back (Placement's over-capacity tolerance)."""
         return await self._submit(
             cmd.RevertMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
         )
@@ -1152,7 +1154,7 @@ class AllocationStore:
             groups = await self._backend.query("project_usages", project_id, user_id, None)
             return reserved_type_usages(groups, consumer_type)
         if consumer_type is not None:
-            validate_consumer_type(consumer_type)
+            validate_consumer_type(consumer_type, query=True)
         groups = await self._backend.query("project_usages", project_id, user_id, consumer_type)
         return ProjectUsages.from_groups(groups)
 
@@ -1546,7 +1548,8 @@ def make_backend(url: str, **options: Any) -> Backend:
                     "broken or mixes two versions; reinstall it"
                 ) from None
             raise err.InvalidInput(
-                f"The PostgreSQL backend needs asyncpg ({exc}): pip install 'evstore[postgres]'"
+                f"The PostgreSQL backend needs asyncpg ({exc}): pip install asyncpg (or, from an evstore "
+                "checkout, pip install '.[postgres]')"
             ) from None
         return PostgresBackend(url, **options)  # type: ignore[no-any-return,unused-ignore]
     shown = err.redact_url(url)
@@ -1620,7 +1623,10 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         store = AllocationStore(make_backend(self._url, **options), **store_options)
         if snapshot_every is not None:
             if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
-                raise err.InvalidInput("snapshot_every must be a positive number of events")
+                raise err.InvalidInput(
+                    f"snapshot_every must be a positive whole number of events, got {snapshot_every!r:.40}",
+                    field="snapshot_every",
+                )
             store.snapshot_every = snapshot_every
         return await store.open()
 

@@ -286,7 +286,7 @@ class StateView:
         if user_id is not None:
             validate_name(user_id, "user_id")
         if consumer_type is not None and consumer_type not in RESERVED_CONSUMER_TYPES:
-            validate_consumer_type(consumer_type)
+            validate_consumer_type(consumer_type, query=True)
         if self.scope is not None:
             raise InvalidInput(f"This view was folded for {self.scope} only; usages() needs the whole state")
         if consumer_type in RESERVED_CONSUMER_TYPES:

@@ -201,8 +201,9 @@ STORE_KEYWORDS = ("max_batch", "poll_interval", "snapshot_every")
 
 
 def store_keyword_hint(unknown: list[str]) -> str:
-    """What to say when a URL names a store keyword as a backend option."""
+    """What to say after a backend's own options: when a URL names a store keyword, that it is
+    one; else which they are (the backend's list alone would leave them out)."""
     named = [k for k in unknown if k in STORE_KEYWORDS]
     if not named:
-        return ""
+        return f"; and keywords of open_store(url, ...) only: {', '.join(STORE_KEYWORDS)}"
     return f" ({', '.join(named)}: a keyword of open_store(url, ...), not a URL option)"

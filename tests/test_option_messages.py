@@ -1,0 +1,82 @@
+"""Messages of refused options and arguments say everything a person needs to correct them, and
+docstrings' promises about what a command raises hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from evstore import (
+    AllocationStore,
+    ConstraintViolation,
+    InvalidInput,
+    Inventory,
+    open_store,
+)
+from tests.conftest import allocate, make_provider, new_uuid
+
+
+async def test_an_unknown_keyword_names_the_stores_own_keywords_too(sqlite_url: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        await open_store(sqlite_url, max_batches=8)  # type: ignore[call-arg]
+    message = str(caught.value)
+    # (the backend's options alone left out the three every store takes)
+    for known in ("synchronous", "busy_timeout", "create", "max_batch", "poll_interval", "snapshot_every"):
+        assert known in message, message
+
+
+async def test_a_store_keyword_in_the_url_is_still_said_to_be_a_keyword(sqlite_url: str) -> None:
+    hint = r"max_batch: a keyword of open_store\(url, \.\.\.\), not a URL option"
+    with pytest.raises(InvalidInput, match=hint):
+        await open_store(f"{sqlite_url}?max_batch=8")
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "100", True])
+async def test_a_bad_snapshot_every_says_what_it_got(sqlite_url: str, value: object) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        await open_store(sqlite_url, snapshot_every=value)  # type: ignore[arg-type]
+    assert caught.value.details["field"] == "snapshot_every"
+    assert f"got {value!r}" in str(caught.value)
+
+
+async def test_usages_names_all_and_unknown_when_it_refuses_a_consumer_type(store: AllocationStore) -> None:
+    for query in (store.usages, (await store.state_at(position=await store.head())).usages):
+        with pytest.raises(InvalidInput) as caught:
+            await query("project", consumer_type="lower-case")
+        assert '"all" or "unknown"' in str(caught.value), caught.value
+    # (a command's consumer type cannot be either: its message does not offer them)
+    with pytest.raises(InvalidInput) as refused:
+        await allocate(store, new_uuid(), {}, consumer_type="lower-case")
+    assert '"all"' not in str(refused.value)
+
+
+async def _migrated(store: AllocationStore) -> tuple[str, str, str]:
+    """An instance moved from ``source`` to a destination, its migration holding 4 VCPU on the source."""
+    source = await make_provider(store, VCPU=8)
+    dest = await make_provider(store, VCPU=8)
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {source: {"VCPU": 4}})
+    await store.start_migration(instance, migration)
+    await allocate(store, instance, {dest: {"VCPU": 4}})
+    return source, instance, migration
+
+
+async def test_a_revert_needs_no_room_on_a_source_that_shrank(store: AllocationStore) -> None:
+    source, instance, migration = await _migrated(store)
+    inventories = await store.inventories(source)
+    await store.set_inventory(source, "VCPU", Inventory(total=2), inventories.generation)  # (4 in use)
+    await store.revert_migration(migration)
+    assert (await store.allocations(instance)).allocations == {source: {"VCPU": 4}}
+    assert await store.usage(source) == {"VCPU": 4}
+
+
+async def test_a_revert_breaking_the_sources_new_step_size_is_a_constraint_violation(
+    store: AllocationStore,
+) -> None:
+    source, _instance, migration = await _migrated(store)
+    head = await store.head()
+    inventories = await store.inventories(source)
+    await store.set_inventory(source, "VCPU", Inventory(total=8, step_size=3), inventories.generation)
+    with pytest.raises(ConstraintViolation):
+        await store.revert_migration(migration)
+    assert await store.head() == head + 1  # (the inventory only: the revert wrote nothing)
+    assert (await store.allocations(migration)).allocations == {source: {"VCPU": 4}}
