@@ -341,7 +341,9 @@ async def test_a_damaged_schema_version_is_a_typed_error(pg_url: str, value: str
 
 async def test_a_missing_schema_is_a_clear_error(pg_url: str) -> None:
     missing = with_search_path(pg_url, "evstore_no_such_schema")
-    with pytest.raises(StorageError, match="no schema"):
+    # creating one: nowhere to create it in, NotFound as for a SQLite file in a directory that
+    # does not exist (was StorageError, which sends a person to the server)
+    with pytest.raises(NotFound, match="no schema of the search_path exists to create the store in"):
         async with open_store(missing):
             pass
     # opening an existing store only (the CLI's read-only commands): there is none, NotFound

@@ -1007,7 +1007,11 @@ class PostgresBackend:
                 init=_init_connection,
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            if isinstance(exc, ValueError):  # (ClientConfigurationError: ?sslmode=bogus, a URL's fault)
+                raise self._malformed(exc) from None
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if getattr(exc, "sqlstate", None) == "3D000":
+                raise self._no_database(text) from None
             if getattr(exc, "sqlstate", None) == "42704" and "configuration parameter" in text:
                 # (the URL's other ?k=v go to the server as settings: a misspelt option of ours
                 # comes back as the server's refusal of a setting it does not know)
@@ -1028,6 +1032,15 @@ class PostgresBackend:
         except BaseException:
             await self.close()
             raise
+
+    def _no_database(self, text: str) -> err.NotFound:
+        """The server has no database of the URL's name (invalid_catalog_name): nothing there, as
+        a missing SQLite directory - not a fault of the server's."""
+        return err.NotFound(
+            f"Cannot connect to PostgreSQL at {self.safe_url}: {text} (create it first, e.g. with "
+            "createdb, or check the URL's database name)",
+            url=self.safe_url,
+        )
 
     def _malformed(self, exc: ValueError) -> err.InvalidInput:
         """asyncpg's ValueError parsing the URL's query (``?port=5432/x``, ``?port=a``) as it
@@ -1111,10 +1124,14 @@ class PostgresBackend:
         try:
             conn = await self._acquire(pool)
         except asyncpg.exceptions.InterfaceError as exc:
+            if isinstance(exc, ValueError):  # (min_pool_size=0: see open)
+                raise self._malformed(exc) from None
             if self._pool is None or "clos" in str(exc):
                 raise err.StoreClosed("The store is closed") from None
             raise _storage_error(exc, "connecting", None) from None
         except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            if getattr(exc, "sqlstate", None) == "3D000":  # (min_pool_size=0: see open)
+                raise self._no_database(str(exc).splitlines()[0]) from None
             # (nothing was sent on it: no claim about a transaction, but for a command's)
             failed = _storage_error(
                 exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
@@ -1200,10 +1217,10 @@ class PostgresBackend:
                         "(check the URL's search_path)",
                         url=self.safe_url,
                     )
-                if schema is None:
-                    raise err.StorageError(
+                if schema is None:  # (as SQLite's missing directory: a place to create in, not there)
+                    raise err.NotFound(
                         f"Cannot open {self.safe_url}: no schema of the search_path exists to create "
-                        "the store in (create it first)",
+                        "the store in (create it first: CREATE SCHEMA, or check the URL's search_path)",
                         url=self.safe_url,
                     )
                 database = await conn.fetchval("SELECT current_database()")
