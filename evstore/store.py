@@ -443,6 +443,12 @@ def _waiting(fut: asyncio.Future[Receipt]) -> bool:
     return not fut.done()
 
 
+def _still_waiting(batch: list[tuple[Job, asyncio.Future[Receipt]]]) -> list[bool]:
+    """Whether each caller of a batch still waits (asked on the backend's writer thread: only
+    the loop changes a future, and its ``done()`` is one read, as ``_take_batch``'s)."""
+    return [not fut.done() for _, fut in batch]
+
+
 class AllocationStore:
     """Providers, inventories, consumers and their allocations, kept as an event log.
 
@@ -562,6 +568,12 @@ class AllocationStore:
     async def _close(self) -> None:
         self._closing = True
         self._appended.set()  # subscribers waiting for appends learn of it now, not at their next poll
+        stop_waiting = getattr(self._impl, "stop_waiting", None)
+        if stop_waiting is not None:
+            # (SQLite: a batch, or an open, waiting for another process's write lock stops
+            # waiting - its callers hear StoreClosed, not run - instead of holding the close for
+            # up to busy_timeout; what holds the lock, or gets it meanwhile, goes on)
+            stop_waiting()
         try:
             if self._opening is not None:  # (an open() in progress: let it make what is to be closed)
                 await asyncio.shield(self._opening)
@@ -606,7 +618,7 @@ class AllocationStore:
                 # between batches, and one fewer per command. The thread delivers even if this
                 # task is cancelled meanwhile.
                 try:
-                    await drain(self._take_batch, self._deliver)
+                    await drain(self._take_batch, self._deliver, _still_waiting)
                 except Exception as exc:
                     # Every batch the thread took was delivered; this is the hop itself failing
                     # (the connection is gone): what is still queued can never run.

@@ -835,19 +835,41 @@ class BatchAborted(RuntimeError):
     """A job failed after writing; the whole batch is rolled back (a bug or a storage fault)."""
 
 
-def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache) -> list[Outcome]:
+def _ask_box(wanted: Callable[[B], list[bool]], box: list[B]) -> list[bool]:
+    """``wanted`` of the batch in ``box`` (emptied once the batch is delivered: none then)."""
+    return wanted(box[0]) if box else []
+
+
+def _not_run() -> err.StorageError:
+    """The outcome of a job whose caller stopped waiting before it began (only logged: no one hears it)."""
+    return err.StorageError("Not run: its caller stopped waiting before it began", not_run=True)
+
+
+def run_batch(
+    conn: sqlite3.Connection,
+    jobs: Sequence[Job],
+    cache: _WriterCache,
+    wanted: Callable[[], list[bool]] | None = None,
+) -> list[Outcome]:
     """One write transaction for a batch of jobs (group commit), each job all-or-nothing.
 
     A job is rejected (EvstoreError) only before it writes anything: the idempotency check,
     loading and ``decide`` all come first. So a rejected job needs no savepoint to leave no
     trace; an unexpected failure after a job started writing rolls the whole batch back and
     every job in it fails (none was acknowledged).
+
+    ``wanted``: whether each job's caller still waits, asked once the write lock is taken (the
+    writer may have waited for it): a job whose caller stopped waiting is not run, and its
+    outcome says so (``not_run``).
     """
     outcomes: list[Outcome] = []
     start: int | None = None
     cache.check_file()  # (and again before the commit)
     conn.execute("BEGIN IMMEDIATE")
     try:
+        keep = None if wanted is None else wanted()
+        if keep is not None and not all(keep):
+            jobs = [job for job, kept in zip(jobs, keep, strict=True) if kept]
         cache.begin(conn)
         tail = _read_tail(conn)
         start = tail.position
@@ -859,6 +881,9 @@ def run_batch(conn: sqlite3.Connection, jobs: Sequence[Job], cache: _WriterCache
                 outcomes.append(_process(conn, tail, job, cache))
             except err.EvstoreError as exc:
                 outcomes.append(exc)
+        if keep is not None and len(jobs) < len(keep):
+            ran, not_run = iter(outcomes), _not_run()
+            outcomes = [next(ran) if kept else not_run for kept in keep]
         insert_appended(conn, tail)
         if tail.position > start:
             index_history(conn, cache, tail)
@@ -983,12 +1008,21 @@ class SqliteBackend:
         self._reader: aiosqlite.Connection | None = None
         #: used on the writer's thread only
         self._cache = _WriterCache()
+        #: set when the store closes (or its open is given up): waits for another connection's
+        #: lock stop at their next slice. One per open: a background close of a cancelled open's
+        #: connections must not stop the next open's waits
+        self._stop = threading.Event()
 
     @property
     def memory(self) -> bool:
         return self.path == ":memory:"
 
-    async def _connect(self) -> aiosqlite.Connection:
+    async def _connect(self, stop: threading.Event, writer: bool = False) -> aiosqlite.Connection:
+        """A connection to the file, in WAL mode. Its pragmas wait for another connection's lock
+        in slices (see :data:`BUSY_SLICE_MS`) and stop waiting once ``stop`` is set (the open
+        was cancelled, the store closes). The writer's busy handler keeps waiting one slice at a
+        time (its waits are retried by :func:`_retry_busy`); another connection's, the whole
+        busy_timeout."""
         pending = aiosqlite.connect(self.path, isolation_level=None)
         # A daemon thread: a store its program never closed must not keep the process from
         # exiting (aiosqlite's thread is not one, and once the loop is gone nothing can close the
@@ -1000,14 +1034,33 @@ class SqliteBackend:
         if isinstance(thread, threading.Thread):
             thread.daemon = True
         conn = await pending
+        timeout, memory, synchronous = self.busy_timeout, self.memory, self.synchronous
+        sliced = min(self.busy_timeout_ms, BUSY_SLICE_MS)
+        whole = self.busy_timeout_ms
+
+        def stopped() -> None:
+            if stop.is_set():
+                raise err.StoreClosed(
+                    "The store was closed, or its opening given up, while it waited for a lock"
+                )
+
+        def setup() -> None:
+            c = conn._conn
+            c.execute(f"PRAGMA busy_timeout = {sliced}")
+            if not memory:
+                # (a lock refused without waiting fails at once, as before: the open's error says so)
+                _wait_busy(lambda: c.execute("PRAGMA journal_mode = WAL"), timeout, stopped, quick=False)
+            c.execute(f"PRAGMA synchronous = {synchronous}")
+            if not writer:
+                c.execute(f"PRAGMA busy_timeout = {whole}")
+
         try:
-            await conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
-            if not self.memory:
-                await conn.execute("PRAGMA journal_mode = WAL")
-            await conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            await conn._execute(setup)  # type: ignore[no-untyped-call]
         except asyncio.CancelledError:
             # (its caller gave up: closing waits on the connection's thread behind the pragma
-            # still waiting there for the lock - up to busy_timeout - so it closes in the background)
+            # still waiting there for the lock - a slice at most, once told to stop - so it
+            # closes in the background)
+            stop.set()
             _close_later(conn)
             raise
         except BaseException:
@@ -1018,6 +1071,8 @@ class SqliteBackend:
         return conn
 
     async def open(self) -> None:
+        # (first, before anything awaits: a close() from now on stops this open's waits)
+        self._stop = stop = threading.Event()
         if not self.memory:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
@@ -1049,7 +1104,7 @@ class SqliteBackend:
             )
         began = time.monotonic()
         try:
-            self._writer = await self._connect()
+            self._writer = await self._connect(stop, writer=True)
             # (creating or upgrading the schema waits for the write lock as a command does, and
             # says so as a command does when it waited longer than busy_timeout: the hint below
             # is for the connection's pragmas, whose errors _on_writer does not convert)
@@ -1057,7 +1112,7 @@ class SqliteBackend:
             if not self.memory:
                 given = self._abs_path
                 self._cache.file = await _on_thread(self._writer, lambda conn: _file_opened(conn, given))
-            self._reader = self._writer if self.memory else await self._connect()
+            self._reader = self._writer if self.memory else await self._connect(stop)
         except sqlite3.Error as exc:
             await self.close()
             hint = ""
@@ -1083,7 +1138,9 @@ class SqliteBackend:
                     )
             raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}", **details) from None
         except asyncio.CancelledError:
-            # (as in _connect: not waited for, the writer's thread may still wait for the lock)
+            # (as in _connect: not waited for, the writer's thread may still wait for the lock,
+            # until its next slice)
+            stop.set()
             for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
                 _close_later(conn)
             self._reader = self._writer = None
@@ -1092,7 +1149,14 @@ class SqliteBackend:
             await self.close()
             raise
 
+    def stop_waiting(self) -> None:
+        """The store is closing: work on the writer that waits for another connection's write
+        lock stops waiting (at the end of its current slice, ~50 ms) and fails with StoreClosed,
+        nothing written; work that holds the lock goes on to its end."""
+        self._stop.set()
+
     async def close(self) -> None:
+        self.stop_waiting()
         try:
             if self._writer is not None and self._cache.own:
                 cache = self._cache
@@ -1109,24 +1173,60 @@ class SqliteBackend:
             self._cache = _WriterCache()  # (a reopened store must not trust what this one remembered)
 
     async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` on the writer's thread. Its waits for another connection's lock
+        (:func:`_retry_busy`) stop at the next slice once its caller gives up (cancelled) or the
+        store closes: the writer does one thing at a time, and what is queued behind - commands,
+        the close - would have waited up to busy_timeout for work no one waits for."""
         cache = self._cache
+        gave_up = threading.Event()
+        between = self._stop_when(gave_up)
 
         def call(conn: sqlite3.Connection) -> T:
             cache.forget()  # (``fn`` may write: what the command path remembers may go stale)
             # (an import, a rebuild, a snapshot: acknowledged into a file the path no longer
             # names, as a command would be; see _WriterCache.check_file)
             cache.check_file()
-            return fn(conn)
+            _waits.between = between
+            try:
+                return fn(conn)
+            finally:
+                _waits.between = None
 
-        return await _on_thread(self._writer, call)
+        try:
+            return await _on_thread(self._writer, call)
+        except asyncio.CancelledError:
+            gave_up.set()
+            raise
+
+    def _stop_when(
+        self, gave_up: threading.Event | None = None, wanted: Callable[[], list[bool]] | None = None
+    ) -> Callable[[], None]:
+        """What a wait for another connection's lock asks between slices: it stops, with nothing
+        written, once the store closes, or no caller waits any more (``gave_up`` is set, or
+        ``wanted`` says none of a batch's callers still waits)."""
+        stop = self._stop
+
+        def between() -> None:
+            if stop.is_set():
+                raise err.StoreClosed(
+                    "The store was closed while this waited for another connection's write lock: "
+                    "it was not run (nothing was written)",
+                    not_run=True,
+                )
+            if (gave_up is not None and gave_up.is_set()) or (wanted is not None and not any(wanted())):
+                raise _not_run()
+
+        return between
 
     async def _on_reader(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await _on_thread(self._reader, fn)
 
     async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
         cache = self._cache
+        between = self._stop_when()
         return await _on_thread(
-            self._writer, lambda conn: _retry_busy(lambda: run_batch(conn, jobs, cache), self.busy_timeout)
+            self._writer,
+            lambda conn: _retry_busy(lambda: run_batch(conn, jobs, cache), self.busy_timeout, between),
         )
 
     #: batches one ``drain`` runs before it lets other work on the writer connection have a turn
@@ -1136,6 +1236,7 @@ class SqliteBackend:
         self,
         take: Callable[[], tuple[list[Job], B] | None],
         deliver: Callable[[B, list[Outcome] | BaseException], None],
+        wanted: Callable[[B], list[bool]] | None = None,
     ) -> None:
         """Run queued batches on the writer's thread until the queue is empty.
 
@@ -1144,6 +1245,12 @@ class SqliteBackend:
         ...)`` on the event loop as soon as the batch commits, while the thread goes on with the
         next batch. After :attr:`DRAIN_BATCHES` batches it returns, so other work queued for the
         writer connection (snapshots, rebuilds) is not starved under load; the caller drains again.
+
+        ``wanted(token)``: whether each job's caller still waits (read on the writer thread: a
+        future's ``done()``, which only the loop changes). While a batch waits for another
+        connection's write lock, it is given up once none waits (each job's outcome ``not_run``),
+        and once the lock is taken the jobs whose callers gave up are left out; the store
+        closing gives it up too (StoreClosed, ``not_run``).
         """
         loop = asyncio.get_running_loop()
         cache = self._cache
@@ -1154,13 +1261,23 @@ class SqliteBackend:
                 if taken is None:
                     return
                 jobs, token = taken
+                # (the batch reached through a box emptied once it is delivered: the frames a
+                # rejection's traceback keeps - run_batch's, the retries' - must not hold its
+                # futures, which hold the rejection: a reference cycle, see the end of run_batch)
+                box = [token]
+                still = None if wanted is None else functools.partial(_ask_box, wanted, box)
                 result: list[Outcome] | BaseException
                 try:
-                    result = _retry_busy(functools.partial(run_batch, conn, jobs, cache), self.busy_timeout)
+                    result = _retry_busy(
+                        functools.partial(run_batch, conn, jobs, cache, still),
+                        self.busy_timeout,
+                        self._stop_when(wanted=still),
+                    )
                 except sqlite3.DatabaseError as exc:
                     result = _storage_error(exc)
                 except Exception as exc:
                     result = exc
+                box.clear()
                 loop.call_soon_threadsafe(deliver, token, result)
                 del taken, jobs, token, result  # (not kept by this frame: see the end of run_batch)
 
@@ -1442,7 +1559,8 @@ class SqliteBackend:
         )
         folded: int = await self._on_writer(
             lambda conn: _retry_busy(
-                lambda: _rebuild(conn, state, batch_size, progress, full), self.busy_timeout
+                lambda: _rebuild(conn, state, batch_size, progress, full, self.busy_timeout),
+                self.busy_timeout,
             )
         )
         # (freed on a thread a piece at a time: dropped on the event loop at the return, the
@@ -1473,7 +1591,7 @@ class SqliteBackend:
 
         if self.memory:  # (another connection would open another, empty, database)
             return await self._on_writer(work)
-        conn = await self._connect()
+        conn = await self._connect(threading.Event())
         try:
             return await _on_thread(conn, work)
         finally:
@@ -1556,28 +1674,75 @@ def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
     return err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__)
 
 
-def _retry_busy(fn: Callable[[], T], timeout: float) -> T:
-    """Run ``fn`` (a transaction), again while SQLite answers busy, for at most ``timeout``
-    seconds (``busy_timeout``) in all. SQLite's own handler already waits up to that long before
-    it answers busy, so the retries only cover a busy answer that came back sooner (one given
-    without waiting): a caller never waits much more than the ``busy_timeout`` it set."""
+#: how long the writer's own busy handler waits for another connection's lock (its connection's
+#: busy_timeout, in ms) before it answers busy and Python asks whether anyone still waits: the
+#: store's busy_timeout is waited in slices of this (Python's sqlite3 cannot cut a busy wait
+#: short - ``interrupt()`` does not - so a caller that gave up, or a store closing, would have
+#: kept the writer thread waiting for the whole busy_timeout). Within a slice SQLite's handler
+#: tries again after 1, 2, 5, 10, 15 and 20 ms: a waiting writer tries at least as often as it
+#: did with one long wait (SQLite's handler then tries every 100 ms), and sleeps between tries,
+#: as before, so another process's writer still gets its turn.
+BUSY_SLICE_MS = 50
+
+#: per connection thread: what a wait for another connection's lock asks between slices (it
+#: raises to stop waiting); set around the work of :meth:`SqliteBackend._on_writer`
+_waits = threading.local()
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def _busy_error(timeout: float, exc: sqlite3.OperationalError) -> err.StorageError:
+    return err.StorageError(
+        f"The database stayed locked by another connection for longer than busy_timeout "
+        f"({timeout:g} s): {exc}; retry, or open the store with a longer busy_timeout",
+        sqlite_error="busy",
+    )
+
+
+def _wait_busy(
+    fn: Callable[[], T], timeout: float, between: Callable[[], None] | None, quick: bool = True
+) -> T:
+    """Run ``fn`` again while SQLite answers busy, for at most ``timeout`` seconds in all; the
+    last busy answer is raised. ``between`` runs after each busy answer (it raises to stop).
+    ``quick``: retry a busy answer given without waiting (else it is raised at once)."""
     deadline = time.monotonic() + timeout
-    attempt = 0
+    refused = 0
     while True:
+        began = time.monotonic()
         try:
             return fn()
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) and "busy" not in str(exc):
+            if not _is_busy(exc):
                 raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise err.StorageError(
-                    f"The database stayed locked by another connection for longer than busy_timeout "
-                    f"({timeout:g} s): {exc}; retry, or open the store with a longer busy_timeout",
-                    sqlite_error="busy",
-                ) from None
-            attempt += 1
-            time.sleep(min(0.05 * attempt, left))
+            now = time.monotonic()
+            waited = now - began >= BUSY_SLICE_MS / 2000
+            if now >= deadline or not (waited or quick):
+                raise
+            if between is not None:
+                between()
+            if not waited:  # (refused without waiting: SQLite's handler did not sleep, so this does)
+                refused += 1
+                time.sleep(min(0.05 * refused, BUSY_SLICE_MS / 1000, deadline - now))
+                if between is not None:
+                    between()
+
+
+def _retry_busy(fn: Callable[[], T], timeout: float, between: Callable[[], None] | None = None) -> T:
+    """Run ``fn`` (a transaction), again while SQLite answers busy, for at most ``timeout``
+    seconds (``busy_timeout``) in all, then fail busy. The writer's busy handler waits one slice
+    (:data:`BUSY_SLICE_MS`) per try, so ``fn`` must do its expensive work after its ``BEGIN``.
+    Between tries ``between`` (by default what the writer thread's current work set, see
+    :meth:`SqliteBackend._on_writer`) may stop the wait: its caller gave up, the store closes."""
+    if between is None:
+        between = getattr(_waits, "between", None)
+    try:
+        return _wait_busy(fn, timeout, between)
+    except sqlite3.OperationalError as exc:
+        if not _is_busy(exc):
+            raise
+        raise _busy_error(timeout, exc) from None
 
 
 def _scan_unindexed(
@@ -2241,15 +2406,17 @@ def _rebuild(
     batch_size: int,
     progress: Callable[[int, int], None] | None,
     full: bool = False,
+    busy_timeout: float = 0.0,
 ) -> int:
     """Rewrite the projection from ``folded`` (the whole log folded up to its position), after
     folding whatever was appended since, all in one write transaction (``full``: the history
-    index too, staged before it)."""
+    index too, staged before it). The lock is waited for here, up to ``busy_timeout``: a
+    retry of the whole call would stage the history again at each of the writer's busy slices."""
     history: _StagedHistory | None = None
     if full:
         history = _StagedHistory()
         history.stage(conn, batch_size)
-    conn.execute("BEGIN IMMEDIATE")  # (the only statement here that can be busy, and retried)
+    _retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"), busy_timeout)  # (the only busy statement)
     try:
         state = folded
         head = int(conn.execute("SELECT max(position) FROM events").fetchone()[0] or 0)
