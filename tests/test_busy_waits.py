@@ -141,6 +141,25 @@ async def test_closing_stops_the_wait_and_queued_commands_hear_the_store_closed(
         assert await store.head() == 2
 
 
+async def test_closing_fails_every_queued_batch_at_once_not_after_a_slice_each(tmp_path: Path) -> None:
+    """Regression: closing while the lock was held failed the queued commands batch by batch,
+    each after one busy slice (50 ms): with max_batch=1, 100 commands took 5 s to close."""
+    path = tmp_path / "s.db"
+    rp = await _store_with_provider(path)
+    store = await open_store(f"sqlite:///{path}", busy_timeout=30, max_batch=1)
+    holder = _holder(path, "c.execute('BEGIN IMMEDIATE')")
+    try:
+        commands = [asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for _ in range(100)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await asyncio.wait_for(store.close(), 20)
+        assert time.monotonic() - started < 2
+        failed = await asyncio.gather(*commands, return_exceptions=True)
+        assert all(isinstance(f, StoreClosed) for f in failed), {type(f).__name__ for f in failed}
+    finally:
+        _release(holder)
+
+
 async def test_a_command_still_waited_for_fails_busy_after_busy_timeout_as_before(tmp_path: Path) -> None:
     """The outcome of a command that waited past busy_timeout is unchanged by the slices."""
     path = tmp_path / "s.db"
