@@ -33,7 +33,15 @@ import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
-from evstore.events import EVENT_TYPES, EventBase, Metadata, RecordedEvent, decode_event, describe_error
+from evstore.events import (
+    EVENT_TYPES,
+    EventBase,
+    Metadata,
+    RecordedEvent,
+    decode_event,
+    describe_error,
+    share_fields_set,
+)
 from evstore.log import (
     GENESIS_HASH,
     HISTORY_EXAMPLES,
@@ -155,10 +163,31 @@ def parse_time(text: str) -> datetime:
     return datetime.fromisoformat(text)
 
 
+#: the metadata text last decoded by a read, and its model: the events of one command carry the
+#: same text, and share one (frozen) model instead of one each (see decode_raw)
+_last_metadata: tuple[str, Metadata] = ("", Metadata())
+
+
 def decode_raw(raw: RawEvent) -> RecordedEvent:
+    """A stored row as a reader returns it.
+
+    Every tracked object a decoded event keeps alive is scanned by the cyclic collector, with the
+    GIL held, when a large page is collected: the event and its metadata share the set of their
+    field names (``share_fields_set``), an ``InventoriesReplaced``'s inventories too, and the
+    events of one command (rows in a row with the same metadata text) share one metadata model.
+    """
+    global _last_metadata
     event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
+    share_fields_set(event)
+    if raw.type == "InventoriesReplaced":
+        for inventory in event.__dict__["inventories"].values():
+            share_fields_set(inventory)
     try:
-        metadata = Metadata.model_validate_json(raw.metadata)
+        last_text, metadata = _last_metadata  # (one tuple: read and replaced whole by any thread)
+        if raw.metadata != last_text or not last_text:
+            metadata = Metadata.model_validate_json(raw.metadata)
+            share_fields_set(metadata)
+            _last_metadata = (raw.metadata, metadata)
         recorded_at = parse_time(raw.recorded_at)
     except ValueError as exc:
         raise err.CorruptEvent(
