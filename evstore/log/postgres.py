@@ -108,7 +108,7 @@ from evstore.log import (
     imported_entities,
     store_keyword_hint,
 )
-from evstore.log.sqlite import decode_raw, history_keys
+from evstore.log.sqlite import decode_rows, history_keys
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.gcpause import gc_paused
@@ -1841,11 +1841,7 @@ class PostgresBackend:
         return await self._read("reading the log", work)
 
     async def read(self, after: int, limit: int) -> list[RecordedEvent]:
-        raws = await self.read_raw(after, limit)
-        if len(raws) <= 500:
-            return [decode_raw(r) for r in raws]
-        # (a large page decoded on the event loop stalls it: on a thread, the loop gets turns)
-        return await asyncio.to_thread(lambda: [decode_raw(r) for r in raws])
+        return await _decoded(await self._read_rows(EVENT_COLUMNS, after, limit))
 
     async def last_positions(self, entities: Sequence[str], upto: int) -> dict[str, int]:
         """The position of the last event at or before ``upto`` naming each entity (``provider:<u>``,
@@ -1881,8 +1877,7 @@ class PostgresBackend:
                 rows = await conn.fetch(*args)
             return list(rows)
 
-        rows = await self._read("reading history", work)
-        return [decode_raw(RawEvent(*r)) for r in rows]
+        return await _decoded(await self._read("reading history", work))
 
     async def position_at(self, at: datetime) -> int:
         stamp = at.astimezone(UTC).isoformat(timespec="microseconds")
@@ -2213,6 +2208,19 @@ IMPORT_SQL = (
     f"INSERT INTO events ({EVENT_COLUMNS}) SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], "
     "$4::int[], $5::text[], $6::text[], $7::text[], $8::text[]) RETURNING event_id, seq"
 )
+
+
+#: pages of more rows than this are decoded on a thread (_decoded)
+DECODED_ON_LOOP = 200
+
+
+async def _decoded(rows: Sequence[Any]) -> list[RecordedEvent]:
+    """Rows of ``EVENT_COLUMNS`` decoded, a page of more than ``DECODED_ON_LOOP`` on a thread (on
+    the event loop, each history batch - 1,000 events by default - stalled it as long as its
+    decoding took)."""
+    if len(rows) <= DECODED_ON_LOOP:
+        return decode_rows(rows)
+    return await asyncio.to_thread(decode_rows, rows)
 
 
 def _raw_fields(r: RawEvent) -> tuple[Any, ...]:

@@ -41,6 +41,7 @@ from evstore.events import (
     decode_event,
     describe_error,
     share_fields_set,
+    untrack_recorded,
 )
 from evstore.log import (
     GENESIS_HASH,
@@ -174,7 +175,8 @@ def decode_raw(raw: RawEvent) -> RecordedEvent:
     Every tracked object a decoded event keeps alive is scanned by the cyclic collector, with the
     GIL held, when a large page is collected: the event and its metadata share the set of their
     field names (``share_fields_set``), an ``InventoriesReplaced``'s inventories too, and the
-    events of one command (rows in a row with the same metadata text) share one metadata model.
+    events of one command (rows in a row with the same metadata text) share one metadata model;
+    then the collector is told to leave the whole event alone (``untrack_recorded``).
     """
     global _last_metadata
     event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
@@ -197,7 +199,14 @@ def decode_raw(raw: RawEvent) -> RecordedEvent:
             position=raw.position,
             reason="undecodable",
         ) from None
-    return RecordedEvent(raw.position, raw.event_id, recorded_at, metadata, event)
+    recorded = RecordedEvent(raw.position, raw.event_id, recorded_at, metadata, event)
+    untrack_recorded(recorded)
+    return recorded
+
+
+def decode_rows(rows: Sequence[Sequence[Any]]) -> list[RecordedEvent]:
+    """Rows of ``EVENT_COLUMNS`` decoded (see :func:`decode_raw`)."""
+    return [decode_raw(RawEvent._make(r)) for r in rows]
 
 
 @dataclass(slots=True)
@@ -1354,11 +1363,10 @@ class SqliteBackend:
             # loop stalled it, e.g. 183 ms for read(0, 10**9) on 50k events)
             cursor = conn.execute(READ_PAGE, (after, limit))
             out: list[RecordedEvent] = []
-            # (fetchall holds the GIL for the whole page; and decoding a large page triggers full
-            # collections that stall every thread - 130 ms of a 1 s read of 50k events)
-            with gc_paused(promote=False) if limit > 2000 else contextlib.nullcontext():
-                while rows := cursor.fetchmany(1000):
-                    out.extend(decode_raw(RawEvent._make(row)) for row in rows)
+            # (fetchall holds the GIL for the whole page: a slice at a time. The collector is left
+            # on: what a decoded event keeps is untracked, see decode_raw)
+            while rows := cursor.fetchmany(1000):
+                out.extend(decode_rows(rows))
             return out
 
         return await self._on_reader(q)
@@ -1381,7 +1389,7 @@ class SqliteBackend:
                     "ORDER BY e.position LIMIT ?",
                     (*keys, after, upto, limit),
                 ).fetchall()
-                found = [decode_raw(RawEvent._make(r)) for r in rows]
+                found = decode_rows(rows)
             if len(found) < limit and last > through:
                 found += _scan_unindexed(conn, keys, max(after, through), last, limit - len(found))
             return found
