@@ -903,6 +903,16 @@ def untrack_recorded(recorded: RecordedEvent) -> None:
     untrack(recorded)
 
 
+def untrack_rows(rows: Iterable[object]) -> None:
+    """Untrack database rows whose values are strings, numbers and None (the caller knows its
+    columns): asyncpg's Records are tracked, one an event of a page (CPython; nothing elsewhere)."""
+    untrack = _UNTRACK
+    if untrack is None:  # pragma: no cover
+        return
+    for row in rows:
+        untrack(row)
+
+
 @dataclass(frozen=True, slots=True)
 class RecordedEvent:
     """An event as stored in the log, with its envelope: position, id, time and metadata."""

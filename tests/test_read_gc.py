@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import evstore.events
 import evstore.log.postgres
 import evstore.log.sqlite
 from evstore import AllocationStore, open_store
@@ -118,3 +119,43 @@ async def test_postgres_history_is_decoded_off_the_event_loop(
     assert len(seen) == n + 2
     assert len(threads) == n + 2
     assert loop_thread not in threads
+
+
+@pytest.mark.parametrize("n", [DECODED_ON_LOOP - 50, DECODED_ON_LOOP + 50])
+async def test_postgres_rows_are_fetched_with_the_collector_paused_and_decoded_untracked(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """Review 29: asyncpg makes a tracked Record a row, on the event loop; a page of them moved
+    through the generations while fetched and decoded, counted, and set off full collections (a
+    subscriber catching up on 165k events: 9 of up to 98 ms, read(0, 10**9) 342 ms on the loop).
+    A page is now fetched with the collector paused, and its rows untracked before it resumes."""
+    decoded: list[bool] = []
+    untracked: list[bool] = []
+    decode_rows = evstore.log.postgres.decode_rows
+    untrack_rows = getattr(evstore.events, "untrack_rows", lambda rows: None)  # (none before it)
+
+    def watched_decode(rows: Any) -> Any:
+        decoded.append(any(gc.is_tracked(r) for r in rows))
+        return decode_rows(rows)
+
+    def watched_untrack(rows: Any) -> None:
+        untracked.append(gc.isenabled())
+        untrack_rows(rows)
+
+    monkeypatch.setattr(evstore.log.postgres, "decode_rows", watched_decode)
+    monkeypatch.setattr(evstore.log.postgres, "untrack_rows", watched_untrack, raising=False)
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        async with open_store(pg_url) as store:
+            rp = await make_provider(store, VCPU=10**6)
+            await asyncio.gather(*(allocate(store, new_uuid(), {rp: {"VCPU": 1}}) for _ in range(n)))
+            decoded.clear()
+            untracked.clear()
+            assert len(await store.read(0, n + 2)) == n + 2
+            assert len([e async for e in store.history(rp)]) == n + 2
+    finally:
+        if not was:
+            gc.disable()
+    assert decoded == [False, False], "rows tracked when decoded"
+    assert untracked and not any(untracked), "the collector was on while rows were fetched"
