@@ -1143,6 +1143,9 @@ class SqliteBackend:
             # checked read-only first: opening for writing would already turn the file into a database
             reason = await asyncio.to_thread(_no_store_reason, self.path)
             if reason is None:
+                # (tables of evstore's names but other columns are another application's: said as
+                # the open that would create the store says it)
+                await asyncio.to_thread(_refuse_foreign_columns, self.path)
                 raise err.SchemaVersionError(
                     f"{self.path} has evstore's tables but no schema version (its meta row is gone): "
                     "the file was damaged; evstore does not guess its version",
@@ -1868,6 +1871,16 @@ def _no_store_reason(path: str) -> str | None:
     return "the database holds no evstore tables"
 
 
+def _refuse_foreign_columns(path: str) -> None:
+    """``StorageError`` ("Not an evstore database", as :func:`_schema_state` says it) when a table
+    of evstore's name in the database at ``path`` is not evstore's (read-only check)."""
+    conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        _check_columns(conn, {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")})
+    finally:
+        conn.close()
+
+
 def _holds_no_store(path: str) -> bool:
     """Whether ``path`` is missing, or a SQLite database without evstore's tables (read-only check;
     a file that is not a database at all is left to the normal open, which reports it)."""
@@ -1928,23 +1941,8 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
     columns, indexes = _schema_objects()
     found = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
     _refuse_newer(conn, found)  # (first: a newer evstore's tables differ, and that is why)
-    outdated = False
-    reshaped_in: int | None = None  # (the version that reshaped a table this store has as before)
-    for table, want in columns.items():
-        if found.get(table) == "table":
-            have = tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
-            if have != want and have + tuple(ADDED_COLUMNS.get(table, ())) == want:
-                outdated = True  # (a store of an older version: the open adds the columns)
-            elif have != want and table in RESHAPED_TABLES and have == RESHAPED_TABLES[table][0]:
-                reshaped_in = RESHAPED_TABLES[table][1]  # (the open makes it again, refolded)
-            elif have != want:
-                raise err.StorageError(
-                    f"Not an evstore database: its table {table!r} has the columns ({', '.join(have)}), "
-                    f"evstore's has ({', '.join(want)}). Use another file for the store.",
-                    table=table,
-                )
-        elif table in found:
-            raise err.StorageError(f"Not an evstore database: {table!r} is a {found[table]}, not a table")
+    _refuse_foreign(found)
+    outdated, reshaped_in = _check_columns(conn, found)
     version: int | None = None
     if found.get("meta") == "table":
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -1994,6 +1992,48 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
         and indexes <= found.keys()
         and not retired & found.keys()
     )
+
+
+def _check_columns(conn: sqlite3.Connection, found: dict[str, str]) -> tuple[bool, int | None]:
+    """Whether evstore's tables that ``found`` (sqlite_master's names and types) holds are of an
+    older version (columns to add), and the version that reshaped one this store has as before;
+    raises ``StorageError`` ("Not an evstore database") for a table of evstore's name that is not
+    evstore's (other columns, or a view): another application's."""
+    columns = _schema_objects()[0]
+    outdated = False
+    reshaped_in: int | None = None  # (the version that reshaped a table this store has as before)
+    for table, want in columns.items():
+        if found.get(table) == "table":
+            have = tuple(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
+            if have != want and have + tuple(ADDED_COLUMNS.get(table, ())) == want:
+                outdated = True  # (a store of an older version: the open adds the columns)
+            elif have != want and table in RESHAPED_TABLES and have == RESHAPED_TABLES[table][0]:
+                reshaped_in = RESHAPED_TABLES[table][1]  # (the open makes it again, refolded)
+            elif have != want:
+                raise err.StorageError(
+                    f"Not an evstore database: its table {table!r} has the columns ({', '.join(have)}), "
+                    f"evstore's has ({', '.join(want)}). Use another file for the store.",
+                    table=table,
+                )
+        elif table in found:
+            raise err.StorageError(f"Not an evstore database: {table!r} is a {found[table]}, not a table")
+    return outdated, reshaped_in
+
+
+def _refuse_foreign(found: dict[str, str]) -> None:
+    """``StorageError`` for a database that holds tables, none of them evstore's: another
+    application's, which opening it would fill with evstore's tables (as ``evstore import``
+    refuses it). An empty file, or a database without tables, is made a store."""
+    ours = _schema_objects()[0].keys()
+    tables = sorted(n for n, kind in found.items() if kind == "table" and not n.startswith("sqlite_"))
+    if tables and not ours & set(tables):
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        raise err.StorageError(
+            f"Not an evstore database: it holds another application's tables ({shown}) and none of "
+            "evstore's; evstore does not add its tables to it. Use a new file for the store (a path "
+            "that does not exist yet, or an empty file).",
+            tables=tables,
+        )
 
 
 def _refuse_newer(conn: sqlite3.Connection, found: dict[str, str]) -> None:
