@@ -108,7 +108,7 @@ from evstore.log import (
     imported_entities,
     store_keyword_hint,
 )
-from evstore.log.sqlite import decode_rows, history_keys
+from evstore.log.sqlite import decode_rows, follows_on, history_keys
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.gcpause import gc_paused
@@ -2106,8 +2106,12 @@ class PostgresBackend:
         # before the fence (paged reads of positioned events): writers are held back only while
         # the events positioned meanwhile are folded and the projection is rewritten.
         head = await self.head()
+
+        async def read(after: int, limit: int) -> list[PayloadRow]:
+            return follows_on(after, await self.read_payloads(after, limit))
+
         state = await replay(
-            self.read_payloads,
+            read,
             batch_size=batch_size,
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
@@ -2497,7 +2501,7 @@ async def _rebuild(
     )
     with gc_paused():
         while rows := await cursor.fetch(batch_size):
-            fold_payloads(state, rows)
+            fold_payloads(state, follows_on(state.position, rows))
     if state.usages_deferred:
         state.recount_usages()
     if progress is not None:

@@ -1605,8 +1605,12 @@ class SqliteBackend:
         # read-ahead): writers are held back only while the events appended meanwhile are
         # folded and the projection is rewritten (~30% of a rebuild instead of all of it).
         head = await self.head()
+
+        async def read(after: int, limit: int) -> list[PayloadRow]:
+            return follows_on(after, await self.read_payloads(after, limit))
+
         state = await replay(
-            self.read_payloads,
+            read,
             batch_size=batch_size,
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
@@ -2153,6 +2157,29 @@ def _lost_tail(conn: sqlite3.Connection) -> LostTail | None:
     return LostTail(head, int(row[0]), str(row[1]), str(row[2]))
 
 
+#: a row read from the log, its position first (a tuple, or an asyncpg record)
+_Row = TypeVar("_Row", bound=Sequence[Any])
+
+
+def follows_on(after: int, rows: list[_Row]) -> list[_Row]:
+    """``rows`` (read after position ``after``, in order, position first) if their positions
+    follow on without a hole; else ``CorruptEvent`` at the first missing position, as a read of
+    the log says it. A rebuild folds only a gap-free log: a hole is events deleted by hand, and
+    the projection folded over it would have forgotten them (a tombstone among them) for good."""
+    if rows and rows[-1][0] != after + len(rows):  # (positions are unique and ordered)
+        for expected, row in enumerate(rows, after + 1):
+            if row[0] != expected:
+                raise err.CorruptEvent(
+                    f"Position {expected} is missing from the log (the next event is at {row[0]}): "
+                    "rows were deleted from it; `evstore audit` lists the damage. The projection was "
+                    "not refolded over the hole: restore the log from a backup, or an export taken "
+                    "before the damage",
+                    position=expected,
+                    reason="position_gap",
+                )
+    return rows
+
+
 def _refold_lost_projection(
     conn: sqlite3.Connection, missing: list[str], head: int, why: str = "projection.tables_missing"
 ) -> bool:
@@ -2182,7 +2209,7 @@ def _refold_lost_projection(
     try:
         with gc_paused():
             while rows := cursor.fetchmany(5000):
-                fold_payloads(state, rows)
+                fold_payloads(state, follows_on(state.position, rows))
         if state.usages_deferred:
             state.recount_usages()
         _replace_projection(conn, state)
@@ -2516,7 +2543,7 @@ def _rebuild(
         )
         with gc_paused():  # (hundreds of thousands of row tuples come and go: no collection for them)
             while rows := cursor.fetchmany(batch_size):
-                fold_payloads(state, rows)
+                fold_payloads(state, follows_on(state.position, rows))
             if progress is not None:
                 progress(head, head)
             if not full and _sync_projection(conn, state):
