@@ -569,10 +569,12 @@ class AllocationStore:
         self._closing = True
         self._appended.set()  # subscribers waiting for appends learn of it now, not at their next poll
         stop_waiting = getattr(self._impl, "stop_waiting", None)
-        if stop_waiting is not None:
-            # (SQLite: a batch, or an open, waiting for another process's write lock stops
-            # waiting - its callers hear StoreClosed, not run - instead of holding the close for
-            # up to busy_timeout; what holds the lock, or gets it meanwhile, goes on)
+        if stop_waiting is not None and self._opening is not None and not self._opening.done():
+            # (SQLite: an open waiting for another process's write lock stops waiting - no one
+            # will use what it opens - instead of holding the close for up to busy_timeout. The
+            # commands queued are different: their callers still wait for them, and close()
+            # answers every one, within busy_timeout as ever; a command whose caller gave up -
+            # a shutdown that cancelled its tasks - is dropped at the writer's next slice.)
             stop_waiting()
         try:
             if self._opening is not None:  # (an open() in progress: let it make what is to be closed)

@@ -117,47 +117,32 @@ async def test_close_during_an_open_waiting_for_the_lock_returns_at_once(tmp_pat
         _release(holder)
 
 
-async def test_closing_stops_the_wait_and_queued_commands_hear_the_store_closed(tmp_path: Path) -> None:
-    """Regression: close() while the writer waited for another process's lock waited busy_timeout
-    for it. Now it returns at once; the commands whose callers still waited hear StoreClosed,
-    not run, and nothing is written."""
+async def test_closing_answers_the_commands_still_waited_for_and_drops_the_given_up_ones(
+    tmp_path: Path,
+) -> None:
+    """close() answers every queued command whose caller still waits (README: a graceful shutdown
+    loses no work to a brief lock held by another process), while the ones given up on are not
+    run: at first (helper-90) close() stopped the wait and failed them all with StoreClosed, so
+    a shutdown under ordinary two-process contention turned away work it could have done."""
     path = tmp_path / "s.db"
     rp = await _store_with_provider(path)
     store = await open_store(f"sqlite:///{path}", busy_timeout=30)
     holder = _holder(path, "c.execute('BEGIN IMMEDIATE')")
     try:
-        commands = [asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for _ in range(3)]
+        waited = [asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for _ in range(3)]
+        given_up = asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}}))
         await asyncio.sleep(0.3)
-        started = time.monotonic()
-        await asyncio.wait_for(store.close(), 20)
-        assert time.monotonic() - started < 2
-        for command in commands:
-            with pytest.raises(StoreClosed) as caught:
-                await asyncio.wait_for(command, 5)
-            assert caught.value.details.get("not_run") is True
+        given_up.cancel()
+        closing = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0.5)
+        assert not closing.done(), "close() gave up on commands whose callers still wait"
     finally:
         _release(holder)
+    await asyncio.wait_for(closing, 20)
+    await asyncio.wait_for(asyncio.gather(*waited), 5)  # (each committed: no error)
+    assert given_up.cancelled()
     async with open_store(f"sqlite:///{path}") as store:
-        assert await store.head() == 2
-
-
-async def test_closing_fails_every_queued_batch_at_once_not_after_a_slice_each(tmp_path: Path) -> None:
-    """Regression: closing while the lock was held failed the queued commands batch by batch,
-    each after one busy slice (50 ms): with max_batch=1, 100 commands took 5 s to close."""
-    path = tmp_path / "s.db"
-    rp = await _store_with_provider(path)
-    store = await open_store(f"sqlite:///{path}", busy_timeout=30, max_batch=1)
-    holder = _holder(path, "c.execute('BEGIN IMMEDIATE')")
-    try:
-        commands = [asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for _ in range(100)]
-        await asyncio.sleep(0.3)
-        started = time.monotonic()
-        await asyncio.wait_for(store.close(), 20)
-        assert time.monotonic() - started < 2
-        failed = await asyncio.gather(*commands, return_exceptions=True)
-        assert all(isinstance(f, StoreClosed) for f in failed), {type(f).__name__ for f in failed}
-    finally:
-        _release(holder)
+        assert await store.head() == 2 + 3
 
 
 async def test_a_command_still_waited_for_fails_busy_after_busy_timeout_as_before(tmp_path: Path) -> None:

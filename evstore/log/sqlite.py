@@ -878,14 +878,6 @@ def _ask_box(wanted: Callable[[B], list[bool]], box: list[B]) -> list[bool]:
     return wanted(box[0]) if box else []
 
 
-def _closed_while_waiting() -> err.StoreClosed:
-    return err.StoreClosed(
-        "The store was closed while this waited for another connection's write lock: it was not "
-        "run (nothing was written)",
-        not_run=True,
-    )
-
-
 def _not_run() -> err.StorageError:
     """The outcome of a job whose caller stopped waiting before it began (only logged: no one hears it)."""
     return err.StorageError("Not run: its caller stopped waiting before it began", not_run=True)
@@ -1058,9 +1050,6 @@ class SqliteBackend:
         #: lock stop at their next slice. One per open: a background close of a cancelled open's
         #: connections must not stop the next open's waits
         self._stop = threading.Event()
-        #: set (on the writer thread) once a batch stopped waiting for the lock because the store
-        #: closes: the batches still queued then fail at once, not after a slice each
-        self._closed_waiting = False
 
     @property
     def memory(self) -> bool:
@@ -1122,7 +1111,6 @@ class SqliteBackend:
     async def open(self) -> None:
         # (first, before anything awaits: a close() from now on stops this open's waits)
         self._stop = stop = threading.Event()
-        self._closed_waiting = False
         if not self.memory:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
@@ -1203,9 +1191,11 @@ class SqliteBackend:
             raise
 
     def stop_waiting(self) -> None:
-        """The store is closing: work on the writer that waits for another connection's write
-        lock stops waiting (at the end of its current slice, ~50 ms) and fails with StoreClosed,
-        nothing written; work that holds the lock goes on to its end."""
+        """Work on the writer that waits for another connection's write lock stops waiting (at
+        the end of its current slice, ~50 ms) and fails with StoreClosed, nothing written; work
+        that holds the lock goes on to its end. Called by the store's close() for an open still
+        in progress, and by this backend's close() (the store's writer is done by then: commands
+        whose callers wait are answered first, within busy_timeout)."""
         self._stop.set()
 
     async def close(self) -> None:
@@ -1261,7 +1251,11 @@ class SqliteBackend:
 
         def between() -> None:
             if stop.is_set():
-                raise _closed_while_waiting()
+                raise err.StoreClosed(
+                    "The store was closed while this waited for another connection's write lock: "
+                    "it was not run (nothing was written)",
+                    not_run=True,
+                )
             if (gave_up is not None and gave_up.is_set()) or (wanted is not None and not any(wanted())):
                 raise _not_run()
 
@@ -1317,16 +1311,11 @@ class SqliteBackend:
                 still = None if wanted is None else functools.partial(_ask_box, wanted, box)
                 result: list[Outcome] | BaseException
                 try:
-                    if self._closed_waiting:  # (the lock was held just now: no slice per batch)
-                        raise _closed_while_waiting()
                     result = _retry_busy(
                         functools.partial(run_batch, conn, jobs, cache, still),
                         self.busy_timeout,
                         self._stop_when(wanted=still),
                     )
-                except err.StoreClosed as exc:
-                    self._closed_waiting = bool(exc.details.get("not_run"))
-                    result = exc
                 except sqlite3.DatabaseError as exc:
                     result = _storage_error(exc)
                 except Exception as exc:
