@@ -8,7 +8,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from evstore import InvalidInput, NotFound, open_store
+from evstore import InvalidInput, NotFound, StorageError, open_store
 from tests.pg import server_url, with_search_path
 
 
@@ -37,3 +37,25 @@ async def test_creating_a_store_in_a_schema_that_does_not_exist_is_not_found() -
         await open_store(url)
     with pytest.raises(NotFound, match="no schema of its search_path exists"):
         await open_store(url, create=False)
+
+
+async def test_a_schema_with_another_applications_events_table_is_refused_clearly(pg_url: str) -> None:
+    """Regression: open_store on a schema holding another application's ``events`` table failed
+    with PostgreSQL's own 'relation "events" already exists' as evstore.storage "Cannot prepare
+    the store", which reads as evstore's fault; now it says what is there and what to do."""
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute("CREATE TABLE events (id int, what text)")
+        said = r'relation "events" already exists.*schema of its own'
+        with pytest.raises(StorageError, match=said) as caught:
+            await open_store(pg_url)
+        assert "another application" in str(caught.value)
+        # (nothing was written: the schema holds the other application's table only)
+        tables = await conn.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1"
+        )
+        assert [t["tablename"] for t in tables] == ["events"]
+    finally:
+        await conn.close()

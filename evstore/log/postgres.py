@@ -1276,7 +1276,22 @@ class PostgresBackend:
                         )
                     upgrading = 0 < found < SCHEMA_VERSION
                     for version in range(found, SCHEMA_VERSION):
-                        await conn.execute(MIGRATIONS[version])
+                        try:
+                            await conn.execute(MIGRATIONS[version])
+                        except asyncpg.exceptions.DuplicateTableError as exc:
+                            if found:
+                                raise
+                            # (a new store's first tables: the schema holds another
+                            # application's of the same name, and PostgreSQL's own message
+                            # alone reads as evstore's fault; the transaction rolls back)
+                            raise err.StorageError(
+                                f"Cannot create the store in schema {schema!r} of {self.safe_url}: "
+                                f"{str(exc).splitlines()[0]}, and it is not evstore's (the schema "
+                                "has no evstore_meta): another application's? Put the store in a "
+                                "schema of its own (?search_path=...); nothing was written",
+                                url=self.safe_url,
+                                schema=schema,
+                            ) from None
                     if 0 < found < 5:
                         # 5 added a column the fold fills: the projection is to be refolded. Said
                         # in the store, in this transaction, so that an open that fails before the
