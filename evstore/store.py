@@ -1488,10 +1488,13 @@ class AllocationStore:
         payloads, header counts, and that every event folds) and nothing is written unless all
         of it is sound; then the rows and the projection folded from them are written in one
         transaction, so no command (of this process or another) is decided against a
-        half-imported store, and a failed or killed import leaves the store empty.
+        half-imported store, and a failed or killed import leaves the store empty. An event id
+        the file repeats is found as the rows are written (by the database: no set of every id
+        is kept), and refused in that transaction, which rolls back; ``open_lines`` is then
+        called a third time, to name the line. Memory does not grow with the file's length.
         ``progress(phase, events)`` reports both passes ("validate", "import").
         """
-        from projections.exchange import ChainCheck, read_export
+        from projections.exchange import ChainCheck, duplicate_id, line_of, read_export
 
         _count(batch_size, "batch_size")
         _check_progress(progress, "progress(phase, events)")
@@ -1526,7 +1529,19 @@ class AllocationStore:
         # (the import pass checks the rows again without folding: they must be the same rows)
         again = read_export(lines(), ChainCheck(fold=False, ends_at=ends_at))
         report = None if progress is None else functools.partial(progress, "import")
-        imported: int = await importer.import_all(again, extra, batch_size, report)
+        try:
+            imported: int = await importer.import_all(again, extra, batch_size, report)
+        except err.CorruptEvent as exc:
+            if exc.details.get("reason") != "duplicate_id" or "line" in exc.details:
+                raise
+            event_id, position = str(exc.details["event_id"]), int(exc.details["position"])
+            try:  # (the backend sees rows, not lines: read the file again for the line)
+                line = await asyncio.to_thread(line_of, lines(), position)
+            except Exception:  # (no line to name: the refusal stands without it)
+                raise exc from None
+            if line is None:
+                raise
+            raise duplicate_id(event_id, position, line) from None
         return imported
 
 
