@@ -1524,13 +1524,13 @@ class AllocationStore:
             done += counted
             if progress is not None:
                 progress("validate", done)
-        extra, ends_at = validated.extra_entities, validated.prev_hash
-        del validated, rows  # (its fold and event ids: not kept through the import)
+        ends_at = validated.prev_hash
+        del validated, rows  # (its fold: not kept through the import)
         # (the import pass checks the rows again without folding: they must be the same rows)
         again = read_export(lines(), ChainCheck(fold=False, ends_at=ends_at))
         report = None if progress is None else functools.partial(progress, "import")
         try:
-            imported: int = await importer.import_all(again, extra, batch_size, report)
+            imported: int = await importer.import_all(again, batch_size, report)
         except err.CorruptEvent as exc:
             if exc.details.get("reason") != "duplicate_id" or "line" in exc.details:
                 raise

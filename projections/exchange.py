@@ -130,12 +130,14 @@ class ChainCheck:
     rebuild after the import will fold it. ``fold=False`` is a second pass over a file already
     checked: it keeps no state, and ``ends_at`` (the first pass's final hash) makes sure it reads
     the same rows (the chain covers every field of every row), so what the first pass found
-    (``extra_entities``) holds for them too.
+    holds for them too.
 
     That event ids are unique is not checked here: a set of every id read grew with the log
     (~120 bytes an event, ~1.2 GB for 10M events). The import finds a repeated id as it writes
     the rows, in the database (:func:`duplicate_id`), inside the transaction that a refused
-    file rolls back."""
+    file rolls back. Nor does it keep the history keys of events whose fold changes holdings on
+    providers their payload does not name (~360 bytes such an event): the write pass finds them
+    from its own fold of the rows it writes."""
 
     fold: bool = True
     #: the hash the chain must end at (a second pass: the first pass's ``prev_hash``)
@@ -145,8 +147,6 @@ class ChainCheck:
     last_time: datetime | None = None
     #: (usage is not needed to fold: deferred, as a replay defers it)
     state: State = field(default_factory=lambda: State(usages_deferred=True))
-    #: positions whose event touches providers its payload does not name (see :meth:`_fold`)
-    extra_entities: dict[int, set[str]] = field(default_factory=dict)
     values: ValueCheck = field(default_factory=ValueCheck)
 
     def check(self, row: ExportRow, line: int) -> None:
@@ -234,15 +234,10 @@ class ChainCheck:
         self.expected = row.position + 1
 
     def _fold(self, event: Any, position: int, line: int) -> None:
-        # The history of a provider is every event that changed what is held on it. evstore's own
-        # events name all of those providers in their payload (``entities``); an imported log's
-        # need not: a version-1 AllocationsReplaced has no ``previous``, a Placement-style writer
-        # moves allocations onto a migration consumer that holds some, a revert's or a delete's
-        # payload may list other providers than the consumer held. So the providers whose
-        # holdings this event's fold changes are found from the fold itself
-        # (``evolve_noting_providers``), and those its payload does not name are indexed for it too.
+        # (folded as the write pass folds it, noting the providers whose holdings change: see
+        # evstore.log.sqlite.imported_keys)
         try:
-            changed = evolve_noting_providers(self.state, event, position)
+            evolve_noting_providers(self.state, event, position)
         except Exception as exc:  # (every fold is meant to take any decodable event)
             raise _corrupt(
                 f"the event at position {position} cannot be folded: {exc!r}",
@@ -250,8 +245,6 @@ class ChainCheck:
                 position=position,
                 reason="unfoldable",
             ) from None
-        if changed and (extra := {f"provider:{p}" for p in changed} - event.entities()):
-            self.extra_entities[position] = extra
 
 
 def duplicate_id(event_id: str, position: int, line: int | None = None) -> CorruptEvent:

@@ -14,14 +14,14 @@ import contextvars
 import json
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol
 
 from evstore.commands import Command, Needs
-from evstore.errors import CorruptEvent, EvstoreError
-from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, decode_event, event_hash
+from evstore.errors import EvstoreError
+from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
 from projections.state import State
 
 #: the largest position (and count) a backend can store: SQLite INTEGER and PostgreSQL bigint
@@ -176,24 +176,6 @@ class Backend(Protocol):
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
     ) -> int: ...
     async def lost_tail(self) -> LostTail | None: ...
-
-
-def imported_entities(
-    batch: Sequence[RawEvent], expected: int, extra: Mapping[int, set[str]]
-) -> list[set[str]]:
-    """The history keys of each row of an imported ``batch`` (what its event names, plus
-    ``extra``), checking that the batch continues the log at position ``expected``."""
-    names = []
-    for offset, raw in enumerate(batch):
-        if raw.position != expected + offset:
-            raise CorruptEvent(
-                f"Imported rows must continue the log at position {expected + offset}, got {raw.position}",
-                position=raw.position,
-                reason="position_gap",
-            )
-        event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
-        names.append(event.entities() | extra.get(raw.position, set()))
-    return names
 
 
 #: options of every store, keywords of ``open_store`` (not in the URL: the store's, not the backend's)

@@ -83,7 +83,7 @@ import heapq
 import itertools
 import random
 import uuid as _uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -105,10 +105,9 @@ from evstore.log import (
     PayloadRow,
     RawEvent,
     Receipt,
-    imported_entities,
     store_keyword_hint,
 )
-from evstore.log.sqlite import decode_rows, follows_on, history_keys
+from evstore.log.sqlite import decode_rows, follows_on, history_keys, imported_keys
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.exchange import duplicate_id
@@ -2063,16 +2062,15 @@ class PostgresBackend:
     async def import_all(
         self,
         rows: Iterator[RawEvent],
-        extra_entities: Mapping[int, set[str]],
         batch_size: int,
         progress: Callable[[int], None] | None = None,
     ) -> int:
         """Load a validated export into this empty store: every row verbatim (positions, ids,
-        hashes, times) and the projection folded from them, in one transaction holding the fence.
+        hashes, times), their history index (``imported_keys``) and the projection folded from
+        them, in one transaction holding the fence.
 
         ``rows`` is read on a worker thread (it reads the file). No command is decided against a
         half-imported store, and an import that fails or is killed leaves the store empty.
-        ``extra_entities``: history keys of a position beyond those its event names.
         """
 
         def take() -> list[RawEvent]:
@@ -2091,7 +2089,8 @@ class PostgresBackend:
                     state = State(usages_deferred=True)
                     expected = 1
                     while batch := await asyncio.to_thread(take):
-                        entities = imported_entities(batch, expected, extra_entities)
+                        with gc_paused():
+                            entities = imported_keys(state, batch, expected)  # (folds the batch)
                         expected += len(batch)
                         columns = [list(c) for c in zip(*(_raw_fields(r) for r in batch), strict=True)]
                         inserted = await conn.fetch(IMPORT_SQL, *columns)
@@ -2110,10 +2109,6 @@ class PostgresBackend:
                             await conn.executemany(
                                 "INSERT INTO event_entities VALUES ($1, $2) ON CONFLICT DO NOTHING",
                                 entity_rows,
-                            )
-                        with gc_paused():
-                            fold_payloads(
-                                state, [(r.position, r.type, r.schema_version, r.data) for r in batch]
                             )
                         if progress is not None:
                             progress(expected - 1)

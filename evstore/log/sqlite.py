@@ -55,7 +55,6 @@ from evstore.log import (
     RawEvent,
     Receipt,
     event_hash,
-    imported_entities,
     random_bits,
     store_keyword_hint,
 )
@@ -1545,17 +1544,16 @@ class SqliteBackend:
     async def import_all(
         self,
         rows: Iterator[RawEvent],
-        extra_entities: Mapping[int, set[str]],
         batch_size: int,
         progress: Callable[[int], None] | None = None,
     ) -> int:
         """Load a validated export into this empty store: every row verbatim (positions, ids,
-        hashes, times) and the projection folded from them, in one write transaction.
+        hashes, times), their history index (:func:`imported_keys`) and the projection folded
+        from them, in one write transaction.
 
         ``rows`` is consumed on the writer's thread (it reads the file). Nobody, in this process
         or another, decides a command against a half-imported store, and an import that fails or
-        is killed leaves the store as empty as it was. ``extra_entities``: history keys of a
-        position beyond those its event names.
+        is killed leaves the store as empty as it was.
         """
         loop = asyncio.get_running_loop()
 
@@ -1568,7 +1566,7 @@ class SqliteBackend:
         def work(conn: sqlite3.Connection) -> int:
             try:
                 return _retry_busy(
-                    lambda: _import_all(conn, rows, extra_entities, batch_size, report, stop),
+                    lambda: _import_all(conn, rows, batch_size, report, stop),
                     self.busy_timeout,
                 )
             finally:
@@ -2267,7 +2265,6 @@ class _ImportStopped(Exception):
 def _import_all(
     conn: sqlite3.Connection,
     rows: Iterator[RawEvent],
-    extra: Mapping[int, set[str]],
     batch_size: int,
     progress: Callable[[int], None] | None,
     stop: threading.Event | None = None,
@@ -2288,14 +2285,13 @@ def _import_all(
         with gc_paused():
             while batch := list(itertools.islice(rows, batch_size)):
                 check()
-                names = imported_entities(batch, expected, extra)
+                names = imported_keys(state, batch, expected)  # (folds the batch)
                 expected += len(batch)
                 entity_rows = [
                     (entity, raw.position) for raw, keys in zip(batch, names, strict=True) for entity in keys
                 ]
                 conn.executemany(f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", batch)
                 conn.executemany("INSERT OR IGNORE INTO event_entities VALUES (?,?)", entity_rows)
-                fold_payloads(state, [(r.position, r.type, r.schema_version, r.data) for r in batch])
                 if progress is not None:
                     progress(expected - 1)
             if state.usages_deferred:  # (a buggy writer's log may have made the fold go event by event)
@@ -2312,6 +2308,37 @@ def _import_all(
     except BaseException:
         _rollback(conn)
         raise
+
+
+def imported_keys(state: State, batch: Sequence[RawEvent], expected: int) -> list[set[str]]:
+    """Fold an imported ``batch`` into ``state``, returning each row's history keys, and check
+    that it continues the log at position ``expected``.
+
+    The history of a provider is every event that changed what is held on it. evstore's own
+    events name all of those providers in their payload (``entities``); an imported log's need
+    not: a version-1 AllocationsReplaced has no ``previous``, a Placement-style writer moves
+    allocations onto a migration consumer that holds some, a revert's or a delete's payload may
+    list other providers than the consumer held. So the providers whose holdings the fold
+    changes are indexed too, found from the fold itself as it writes the projection's state (as
+    :func:`history_keys` does, here without its fallback for a damaged row: an import's rows were
+    validated, and one that does not decode now fails the import)."""
+    names = []
+    for offset, raw in enumerate(batch):
+        if raw.position != expected + offset:
+            raise err.CorruptEvent(
+                f"Imported rows must continue the log at position {expected + offset}, got {raw.position}",
+                position=raw.position,
+                reason="position_gap",
+            )
+        etype = raw.type
+        fields = payload_fields(etype, raw.schema_version, raw.data, raw.position)
+        changed = fold_noting_providers(state, FOLDS[etype], fields, raw.position)
+        # (entities() reads attributes only: the fields stand in for the model)
+        keys = EVENT_TYPES[etype].entities(SimpleNamespace(**fields))  # type: ignore[arg-type]
+        if changed:
+            keys |= {f"provider:{p}" for p in changed}
+        names.append(keys)
+    return names
 
 
 def _first_repeated_id(conn: sqlite3.Connection) -> tuple[str, int] | None:
