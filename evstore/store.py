@@ -1486,12 +1486,13 @@ class AllocationStore:
 
         ``open_lines`` is called twice: the whole file is validated first (chain, positions,
         payloads, header counts, and that every event folds) and nothing is written unless all
-        of it is sound; then the rows and the projection folded from them are written in one
+        of that is sound; then the rows and the projection folded from them are written in one
         transaction, so no command (of this process or another) is decided against a
         half-imported store, and a failed or killed import leaves the store empty. An event id
         the file repeats is found as the rows are written (by the database: no set of every id
-        is kept), and refused in that transaction, which rolls back; ``open_lines`` is then
-        called a third time, to name the line. Memory does not grow with the file's length.
+        is kept) and refused in that transaction, which rolls back; ``open_lines`` is then
+        called a third time, to name the line. Memory is bounded by the state folded (providers,
+        consumers, tombstones), not by the number of events.
         ``progress(phase, events)`` reports both passes ("validate", "import").
         """
         from projections.exchange import ChainCheck, duplicate_id, line_of, read_export
