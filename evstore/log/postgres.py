@@ -82,6 +82,7 @@ import hashlib
 import heapq
 import itertools
 import random
+import re
 import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -2093,12 +2094,14 @@ class PostgresBackend:
                             entities = imported_keys(state, batch, expected)  # (folds the batch)
                         expected += len(batch)
                         columns = [list(c) for c in zip(*(_raw_fields(r) for r in batch), strict=True)]
-                        inserted = await conn.fetch(IMPORT_SQL, *columns)
-                        if len(inserted) < len(batch):  # (an event id the log already holds)
-                            repeated = _repeated_id(batch, inserted)
+                        try:
+                            inserted = await conn.fetch(IMPORT_SQL, *columns)
+                        except asyncpg.exceptions.UniqueViolationError as exc:
+                            if (repeated := _repeated_id(batch, exc)) is None:
+                                raise
                             # (read on: a file that changed since it was validated is refused as such)
                             await asyncio.to_thread(rest)
-                            raise duplicate_id(*repeated)
+                            raise duplicate_id(*repeated) from None
                         seq_of = {r["event_id"]: r["seq"] for r in inserted}
                         entity_rows = [
                             (entity, seq_of[raw.event_id])
@@ -2230,12 +2233,11 @@ class PostgresBackend:
         }
 
 
-#: (an event id the log already holds is skipped, not an error: see _repeated_id)
 IMPORT_SQL = (
     f"INSERT INTO events ({EVENT_COLUMNS}) SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], "
-    "$4::int[], $5::text[], $6::text[], $7::text[], $8::text[]) "
-    "ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq, position"
+    "$4::int[], $5::text[], $6::text[], $7::text[], $8::text[]) RETURNING event_id, seq"
 )
+_REPEATED_ID = re.compile(r"Key \(event_id\)=\((.*)\) already exists")
 
 
 #: pages of more rows than this are decoded on a thread (_decoded)
@@ -2268,20 +2270,21 @@ async def _decoded(rows: Sequence[Any]) -> list[RecordedEvent]:
     return await asyncio.to_thread(decode_rows, rows)
 
 
-def _repeated_id(batch: Sequence[RawEvent], inserted: Sequence[Any]) -> tuple[str, int]:
-    """The event id an imported ``batch`` repeats and the first position repeating it, from the
-    rows its insert wrote (``inserted``: those whose id the log did not hold yet). The import keeps
-    no set of the ids it read (~120 bytes an event): the unique index on ``event_id`` finds them."""
-    kept = {r["event_id"]: r["position"] for r in inserted}
-    written = set(kept.values())
-    # (a row skipped repeats an id written before it, or later in the same statement)
-    seconds = [
-        (max(raw.position, kept.get(raw.event_id, 0)), raw.event_id)
-        for raw in batch
-        if raw.position not in written
-    ]
-    position, event_id = min(seconds)
-    return event_id, position
+def _repeated_id(batch: Sequence[RawEvent], exc: Exception) -> tuple[str, int] | None:
+    """The event id whose unique violation stopped the insert of an imported ``batch`` and the
+    position repeating it (None: another violation). The import keeps no set of the ids it read
+    (~110 bytes an event): the unique index on ``event_id`` finds a repeated one. Rows go in in
+    order, so the row that failed is the first in the file to repeat an earlier row's id: the
+    second row of the batch holding the id if there are two, else its only one.
+    (``ON CONFLICT DO NOTHING`` and a count of the rows written cost ~40% of the insert.)"""
+    found = _REPEATED_ID.fullmatch(str(getattr(exc, "detail", None) or "").rstrip("."))
+    if found is None:
+        return None
+    event_id = found.group(1)
+    holding = [raw.position for raw in batch if raw.event_id == event_id]
+    if not holding:
+        return None
+    return event_id, holding[1] if len(holding) > 1 else holding[0]
 
 
 def _raw_fields(r: RawEvent) -> tuple[Any, ...]:
