@@ -267,3 +267,28 @@ async def test_two_processes_taking_turns_at_the_lock_both_make_progress(tmp_pat
     assert [r.returncode for r in runs] == [0, 0], outs
     async with open_store(f"sqlite:///{path}") as store:
         assert await store.usage(rp) == {"VCPU": 300}
+
+
+async def test_a_cancelled_import_stops_waiting_for_the_lock(tmp_path: Path) -> None:
+    """Regression (helper-95): an import whose caller gave up while another process held the lock
+    went on waiting for it until busy_timeout (its cancellation reaches the writer through the
+    import's own stop flag, which the wait did not look at)."""
+    source = tmp_path / "a.db"
+    await _store_with_provider(source)
+    async with open_store(f"sqlite:///{source}") as store:
+        lines = [line async for line in store.export()]
+    path = tmp_path / "b.db"
+    async with open_store(f"sqlite:///{path}"):
+        pass
+    store = await open_store(f"sqlite:///{path}", busy_timeout=30)
+    holder = _holder(path, "c.execute('BEGIN IMMEDIATE')")
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(store.import_events(lambda: lines), 0.5)
+        assert time.monotonic() - started < 5
+    finally:
+        _release(holder)
+    await asyncio.wait_for(store.close(), 10)
+    async with open_store(f"sqlite:///{path}") as store:
+        assert await store.head() == 0

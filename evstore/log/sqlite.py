@@ -1564,10 +1564,22 @@ class SqliteBackend:
         stop = threading.Event()
 
         def work(conn: sqlite3.Connection) -> int:
+            # (the caller's cancellation sets ``stop``, not _on_writer's own flag: it is shielded,
+            # below, so that it waits for the rollback. A wait for another process's lock stops on
+            # it too, at the next slice, instead of after busy_timeout)
+            outer = getattr(_waits, "between", None)
+
+            def between() -> None:
+                if stop.is_set():
+                    raise _ImportStopped()
+                if outer is not None:
+                    outer()
+
             try:
                 return _retry_busy(
                     lambda: _import_all(conn, rows, batch_size, report, stop),
                     self.busy_timeout,
+                    between,
                 )
             finally:
                 self._cache.forget()  # (the projection was written behind its back)
