@@ -167,8 +167,7 @@ async def test_rebuild_refuses_a_log_with_a_hole(store: AllocationStore, full: b
 @pytest.mark.parametrize("full", [False, True])
 async def test_force_does_not_fold_over_a_hole(store: AllocationStore, full: bool) -> None:
     # (force accepts a lost tail - README - not a hole: here the tombstone is in the hole, and the
-    # fold without it gave the deleted consumer its allocation back; PostgreSQL's rebuild without
-    # force already refuses this one, as a lost tail, since the tombstone's event is gone)
+    # fold without it gave the deleted consumer its allocation back)
     rp, _, deleted_at = await _log_with_a_tombstone(store)
     await store.backend.tamper("DELETE FROM events WHERE position = ?", (deleted_at,))
     await _refused_as_the_reads_refuse(store, deleted_at, force=True, full=full)
@@ -206,8 +205,7 @@ def test_cli_rebuild_over_a_hole_fails_and_writes_nothing(tmp_path: Path) -> Non
 
 async def test_a_lost_projection_table_is_not_refolded_over_a_hole(sqlite_url: str) -> None:
     """The open's repair of a projection table dropped by hand folded the log over a hole too,
-    forgetting the deleted event (here a tombstone: the consumer held its allocation again).
-    (PostgreSQL's repair already refused this one, as a lost tail: the tombstone's event is gone.)"""
+    forgetting the deleted event (here a tombstone: the consumer held its allocation again)."""
     async with open_store(sqlite_url) as store:
         _, c, deleted_at = await _log_with_a_tombstone(store)
         await store.backend.tamper("DELETE FROM events WHERE position = ?", (deleted_at,))
@@ -216,3 +214,16 @@ async def test_a_lost_projection_table_is_not_refolded_over_a_hole(sqlite_url: s
         assert (await store.allocations(c)).deleted
         reasons = [f.details.get("reason") for f in (await store.audit()).integrity]
         assert "position_gap" in reasons
+
+
+async def test_a_tombstone_deleted_from_the_middle_is_a_hole_not_a_lost_tail(store: AllocationStore) -> None:
+    """Regression (PostgreSQL): a consumer's tombstone event deleted from the middle of the log was
+    taken for a lost tail (its projection row names an event the log no longer holds), so a
+    rebuild was refused as log_truncated, advising --force, which then refused it as a hole; the
+    audit's log_truncated finding said the log lost its last events, which it had not."""
+    _, _, deleted_at = await _log_with_a_tombstone(store)
+    await store.backend.tamper("DELETE FROM events WHERE position = ?", (deleted_at,))
+    assert await store.backend.lost_tail() is None
+    await _refused_as_the_reads_refuse(store, deleted_at)
+    reasons = [f.details.get("reason") for f in (await store.audit()).integrity]
+    assert "position_gap" in reasons and "log_truncated" not in reasons, reasons
