@@ -2247,7 +2247,9 @@ IMPORT_SQL = (
     f"INSERT INTO events ({EVENT_COLUMNS}) SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], "
     "$4::int[], $5::text[], $6::text[], $7::text[], $8::text[]) RETURNING event_id, seq"
 )
-_REPEATED_ID = re.compile(r"Key \(event_id\)=\((.*)\) already exists")
+#: the key in a unique violation's DETAIL, "Key (event_id)=(<id>) already exists." in English: only
+#: the words around it are translated (lc_messages), and an imported id is a canonical uuid
+_REPEATED_ID = re.compile(r"\(event_id\)=\(([0-9a-f-]{36})\)")
 
 
 #: pages of more rows than this are decoded on a thread (_decoded)
@@ -2284,10 +2286,11 @@ def _repeated_id(batch: Sequence[RawEvent], exc: Exception) -> tuple[str, int] |
     """The event id whose unique violation stopped the insert of an imported ``batch`` and the
     position repeating it (None: another violation). The import keeps no set of the ids it read
     (~110 bytes an event): the unique index on ``event_id`` finds a repeated one. Rows go in in
-    order, so the row that failed is the first in the file to repeat an earlier row's id: the
-    second row of the batch holding the id if there are two, else its only one.
+    order, so the row that failed is the first in the file to repeat an earlier row's id. The id is
+    read from the DETAIL whatever its language (the server's lc_messages translates the words
+    around the key only).
     (``ON CONFLICT DO NOTHING`` and a count of the rows written cost ~40% of the insert.)"""
-    found = _REPEATED_ID.fullmatch(str(getattr(exc, "detail", None) or "").rstrip("."))
+    found = _REPEATED_ID.search(str(getattr(exc, "detail", None) or ""))
     if found is None:
         return None
     event_id = found.group(1)
