@@ -1495,7 +1495,7 @@ class AllocationStore:
         consumers, tombstones), not by the number of events.
         ``progress(phase, events)`` reports both passes ("validate", "import").
         """
-        from projections.exchange import ChainCheck, duplicate_id, line_of, read_export
+        from projections.exchange import ChainCheck, duplicate_id, read_export, second_row_of
 
         _count(batch_size, "batch_size")
         _check_progress(progress, "progress(phase, events)")
@@ -1535,13 +1535,14 @@ class AllocationStore:
         except err.CorruptEvent as exc:
             if exc.details.get("reason") != "duplicate_id" or "line" in exc.details:
                 raise
-            event_id, position = str(exc.details["event_id"]), int(exc.details["position"])
+            event_id = str(exc.details["event_id"])
             try:  # (the backend sees rows, not lines: read the file again for the line)
-                line = await asyncio.to_thread(line_of, lines(), position)
+                found = await asyncio.to_thread(second_row_of, lines(), event_id)
             except Exception:  # (no line to name: the refusal stands without it)
                 raise exc from None
-            if line is None:
+            if found is None:
                 raise
+            line, position = found
             raise duplicate_id(event_id, position, line) from None
         return imported
 

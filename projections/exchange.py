@@ -251,7 +251,7 @@ def duplicate_id(event_id: str, position: int, line: int | None = None) -> Corru
     """The refusal of an export whose row at ``position`` repeats an earlier row's event id.
 
     A backend's import raises it without ``line`` (it sees rows, not lines), the id in its
-    details: the import then reads the file once more to name the line (:func:`line_of`)."""
+    details: the import then reads the file once more to name the line (:func:`second_row_of`)."""
     if line is None:
         return CorruptEvent(
             f"event id {event_id} appears twice", position=position, reason="duplicate_id", event_id=event_id
@@ -259,20 +259,23 @@ def duplicate_id(event_id: str, position: int, line: int | None = None) -> Corru
     return _corrupt(f"event id {event_id} appears twice", line, position=position, reason="duplicate_id")
 
 
-def line_of(lines: Iterable[str], position: int) -> int | None:
-    """The line of an export holding the row at ``position`` (None if it does not hold it): the
-    ``position``-th row after the header, as an import that checked positions from 1 read it."""
-    rows = -1  # (the header is no row)
+def second_row_of(lines: Iterable[str], event_id: str) -> tuple[int, int] | None:
+    """The line and position of the second row of an export holding ``event_id`` (None if fewer
+    hold it): the row that first repeats it. A backend names the id its import found repeated
+    first, and may not know which row of a batch repeats it (PostgreSQL: an id of an earlier
+    batch held twice by the last one); one id is all this keeps."""
+    seen = False
     for line_no, text in enumerate(lines, start=1):
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str) or (event_id not in text and "\\u" not in text):
+            continue  # (parsed only if it may hold the id, spelled out or escaped)
+        try:
+            row = parse_row(text, line_no)
+        except CorruptEvent:
             continue
-        rows += 1
-        if rows == position:
-            try:
-                found = parse_row(text, line_no).position == position
-            except CorruptEvent:
-                found = False
-            return line_no if found else None
+        if row.event_id == event_id:
+            if seen:
+                return line_no, row.position
+            seen = True
     return None
 
 

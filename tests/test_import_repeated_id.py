@@ -12,7 +12,7 @@ import pytest
 from evstore import CorruptEvent, open_store
 from evstore.log import GENESIS_HASH
 from projections.exchange import parse_row, row_line
-from tests.test_import_memory import synthetic_export
+from tests.test_import_memory import _fresh_url, synthetic_export
 
 
 def _with_ids(lines: list[str], ids: dict[int, int]) -> list[str]:
@@ -37,6 +37,20 @@ async def _refusal(url: str, lines: list[str], batch_size: int) -> CorruptEvent:
         assert await store.head() == 0
         assert await store.providers() == []
     return info.value
+
+
+async def test_an_id_in_an_earlier_batch_and_twice_in_a_later_one_is_named_at_its_second_row(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """Review 29 (helper-96): PostgreSQL named the row from the batch the unique violation
+    stopped, taking the second row of that batch holding the id when it held two - but the id of
+    position 3 repeated at positions 10 and 11 (batches of 7: both in the second batch) first
+    repeats at 10, not 11 (line 12 was named, position 11)."""
+    lines = _with_ids(synthetic_export(30), {10: 3, 11: 3})
+    event_id = parse_row(lines[3], 4).event_id
+    refused = await _refusal(await _fresh_url(backend_name, tmp_path, "target"), lines, 7)
+    assert refused.message == f"line 11: event id {event_id} appears twice"
+    assert refused.details == {"line": 11, "position": 10, "reason": "duplicate_id"}
 
 
 @pytest.mark.parametrize(
