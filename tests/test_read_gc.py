@@ -103,9 +103,9 @@ async def test_postgres_history_is_decoded_off_the_event_loop(
     threads: list[int] = []
     decode = evstore.log.sqlite.decode_raw
 
-    def watched(raw: Any) -> Any:
+    def watched(raw: Any, *page: Any) -> Any:
         threads.append(threading.get_ident())
-        return decode(raw)
+        return decode(raw, *page)
 
     monkeypatch.setattr(evstore.log.sqlite, "decode_raw", watched)
     monkeypatch.setattr(evstore.log.postgres, "decode_raw", watched, raising=False)

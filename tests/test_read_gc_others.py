@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from evstore import open_store
+from evstore import AllocationStore, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -45,3 +45,28 @@ async def test_the_collector_stays_on_for_other_tasks_while_postgres_reads_wait(
     assert seen and all(seen), (
         f"the collector was off for other tasks {seen.count(False)} times of {len(seen)}"
     )
+
+
+async def test_a_read_does_not_hand_out_the_metadata_of_an_earlier_read(store: AllocationStore) -> None:
+    """Review 29 (helper-96): 819c6e5 kept the last metadata decoded in a module global, for the
+    events of one command to share one model; it was shared with every later read too (of any
+    store, task or subscriber), so a caller changing a list in one read's metadata changed what
+    every later read of that event returned - data the log does not hold."""
+    rp = await make_provider(store, VCPU=10)
+    await store.set_allocations(
+        new_uuid(),
+        {rp: {"VCPU": 1}},
+        project_id="p",
+        user_id="u",
+        consumer_type="INSTANCE",
+        generation=None,
+        metadata={"tags": ["a"]},
+    )
+    head = await store.head()
+    first = (await store.read(head - 1, 1))[0]
+    first.metadata.model_extra["tags"].append("changed by a caller")  # type: ignore[index]
+    again = (await store.read(head - 1, 1))[0]
+    assert again.metadata is not first.metadata
+    assert again.metadata.model_extra == {"tags": ["a"]}
+    assert again.to_dict()["metadata"]["tags"] == ["a"]
+    assert [e async for e in store.history(rp)][-1].metadata.model_extra == {"tags": ["a"]}

@@ -164,32 +164,31 @@ def parse_time(text: str) -> datetime:
     return datetime.fromisoformat(text)
 
 
-#: the metadata text last decoded by a read, and its model: the events of one command carry the
-#: same text, and share one (frozen) model instead of one each (see decode_raw)
-_last_metadata: tuple[str, Metadata] = ("", Metadata())
-
-
-def decode_raw(raw: RawEvent) -> RecordedEvent:
+def decode_raw(raw: RawEvent, page: list[Any] | None = None) -> RecordedEvent:
     """A stored row as a reader returns it.
 
     Every tracked object a decoded event keeps alive is scanned by the cyclic collector, with the
     GIL held, when a large page is collected: the event and its metadata share the set of their
     field names (``share_fields_set``), an ``InventoriesReplaced``'s inventories too, and the
-    events of one command (rows in a row with the same metadata text) share one metadata model;
-    then the collector is told to leave the whole event alone (``untrack_recorded``).
+    events of one command (rows in a row of one page with the same metadata text) share one
+    metadata model; then the collector is told to leave the whole event alone
+    (``untrack_recorded``). ``page``: ``[text, model]`` of the metadata of the page's row before
+    this one (:func:`decode_rows`), replaced by this row's. Not shared between pages: a caller
+    changing a list in one read's metadata changed every later read of it (a module global).
     """
-    global _last_metadata
     event = decode_event(raw.type, raw.schema_version, raw.data, raw.position)
     share_fields_set(event)
     if raw.type == "InventoriesReplaced":
         for inventory in event.__dict__["inventories"].values():
             share_fields_set(inventory)
     try:
-        last_text, metadata = _last_metadata  # (one tuple: read and replaced whole by any thread)
-        if raw.metadata != last_text or not last_text:
+        if page is not None and raw.metadata == page[0]:
+            metadata = page[1]
+        else:
             metadata = Metadata.model_validate_json(raw.metadata)
             share_fields_set(metadata)
-            _last_metadata = (raw.metadata, metadata)
+            if page is not None:
+                page[:] = raw.metadata, metadata
         recorded_at = parse_time(raw.recorded_at)
     except ValueError as exc:
         raise err.CorruptEvent(
@@ -206,7 +205,8 @@ def decode_raw(raw: RawEvent) -> RecordedEvent:
 
 def decode_rows(rows: Sequence[Sequence[Any]]) -> list[RecordedEvent]:
     """Rows of ``EVENT_COLUMNS`` decoded (see :func:`decode_raw`)."""
-    return [decode_raw(RawEvent._make(r)) for r in rows]
+    page: list[Any] = [None, None]  # (no metadata text is None)
+    return [decode_raw(RawEvent._make(r), page) for r in rows]
 
 
 @dataclass(slots=True)
