@@ -42,7 +42,7 @@ from pydantic import BaseModel, ValidationError
 from evstore import commands as cmd
 from evstore import errors as err
 from evstore.events import GENESIS_HASH, Metadata, RecordedEvent
-from evstore.log import MAX_POSITION, Backend, Job, Outcome, Receipt, random_bits
+from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, random_bits
 from evstore.schema import (
     ConsumerAllocations,
     Inventory,
@@ -347,11 +347,16 @@ def _position(value: object, what: str = "position") -> int:
     return value
 
 
-def _contiguous(after: int, batch: list[RecordedEvent]) -> list[RecordedEvent]:
+_Positioned = TypeVar("_Positioned", RecordedEvent, RawEvent)
+
+
+def _contiguous(after: int, batch: list[_Positioned]) -> list[_Positioned]:
     """``batch`` (events read after ``after``) if its positions follow on without a hole; else
     ``CorruptEvent`` at the first missing position (the events before it are read with a limit
     that stops short of it). Positions are gap-free by construction (README, Guarantees): a hole
     is rows deleted by hand, which a reader skipping it would hide from whoever follows the log."""
+    if not batch or batch[-1].position == after + len(batch):  # (positions are unique and ordered)
+        return batch
     for expected, recorded in enumerate(batch, after + 1):
         if recorded.position != expected:
             raise err.CorruptEvent(
@@ -1469,7 +1474,9 @@ class AllocationStore:
         yield ExportHeader(head, head, last[0].hash if last else GENESIS_HASH).to_line()
         after = 0
         while after < head:
-            batch = await self._backend.read_raw(after, min(batch_size, head - after))
+            # (a hole stops an export as it stops a read: the file would claim a log that an
+            # import refuses, and a backup taken so would hide the damage)
+            batch = _contiguous(after, await self._backend.read_raw(after, min(batch_size, head - after)))
             if not batch:
                 break
             for raw in batch:

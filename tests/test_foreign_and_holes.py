@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -227,3 +228,19 @@ async def test_a_tombstone_deleted_from_the_middle_is_a_hole_not_a_lost_tail(sto
     await _refused_as_the_reads_refuse(store, deleted_at)
     reasons = [f.details.get("reason") for f in (await store.audit()).integrity]
     assert "position_gap" in reasons and "log_truncated" not in reasons, reasons
+
+
+async def test_an_export_of_a_log_with_a_hole_is_refused_as_a_read_is(store: AllocationStore) -> None:
+    """Regression: export went on over a hole (exit 0), writing a file whose header counts the head
+    but whose rows skip a position: an import refuses it, and a backup taken so hides the damage.
+    It stops as read() does, at the missing position."""
+    _, _, deleted_at = await _log_with_a_tombstone(store)
+    await store.backend.tamper("DELETE FROM events WHERE position = ?", (deleted_at,))
+    for batch_size in (1, 2, 1000):  # (the hole at a page's start, inside one, across pages)
+        lines: list[str] = []
+        with pytest.raises(CorruptEvent) as info:
+            async for line in store.export(batch_size=batch_size):
+                lines.append(line)
+        assert info.value.details == {"position": deleted_at, "reason": "position_gap"}
+        # (the header, then rows before the hole only: a page holding it is refused whole)
+        assert all(json.loads(line)["position"] < deleted_at for line in lines[1:]), lines
