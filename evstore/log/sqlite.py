@@ -1134,15 +1134,19 @@ class SqliteBackend:
                 # (tables of evstore's names but other columns are another application's: said as
                 # the open that would create the store says it)
                 await asyncio.to_thread(_refuse_foreign_columns, self.path)
-                raise err.SchemaVersionError(
-                    f"{self.path} has evstore's tables but no schema version (its meta row is gone): "
-                    "the file was damaged; evstore does not guess its version",
-                    found=None,
+            # (another process may have created the store since the first look - its tables and
+            # version are committed together: a look now that finds them is no damage, it opens)
+            if await asyncio.to_thread(_holds_no_store, self.path):
+                if reason is None:
+                    raise err.SchemaVersionError(
+                        f"{self.path} has evstore's tables but no schema version (its meta row is gone): "
+                        "the file was damaged; evstore does not guess its version",
+                        found=None,
+                    )
+                raise err.NotFound(
+                    f"No evstore store in {self.path}: {reason} (check the path, or create a store, e.g. "
+                    "with `evstore demo --db ...`)"
                 )
-            raise err.NotFound(
-                f"No evstore store in {self.path}: {reason} (check the path, or create a store, e.g. "
-                "with `evstore demo --db ...`)"
-            )
         began = time.monotonic()
         try:
             self._writer = await self._connect(stop, writer=True)
