@@ -10,6 +10,7 @@ between the looks deterministically.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,26 @@ async def test_a_missing_file_is_still_not_found_read_only(tmp_path: Path) -> No
         async with open_store(f"sqlite:///{tmp_path / 'none.db'}", create=False):
             pass
     assert not (tmp_path / "none.db").exists()
+
+
+async def test_a_read_only_open_that_could_not_look_at_a_locked_file_creates_no_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """create=False on an empty database that another connection held locked (BEGIN EXCLUSIVE,
+    a rollback journal) for over 5 s: the read-only look (_holds_no_store) failed 'database is
+    locked', which it takes for "not a database: the open reports it", and the open went on and
+    created evstore's eleven tables in the file (`evstore stats --db F` writing a store). The
+    look's outcome is put in place here; the open must still refuse the file, nothing created."""
+    path = tmp_path / "empty.db"
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 7")  # (an empty database: a header, no tables)
+    conn.close()
+    monkeypatch.setattr(sqlite_log, "_holds_no_store", lambda p: False)  # (as the locked look said)
+    with pytest.raises(NotFound, match="holds no evstore tables"):
+        async with open_store(f"sqlite:///{path}", create=False):
+            pass
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
+    finally:
+        conn.close()

@@ -1153,7 +1153,11 @@ class SqliteBackend:
             # (creating or upgrading the schema waits for the write lock as a command does, and
             # says so as a command does when it waited longer than busy_timeout: the hint below
             # is for the connection's pragmas, whose errors _on_writer does not convert)
-            await self._on_writer(lambda conn: _retry_busy(lambda: _ensure_schema(conn), self.busy_timeout))
+            await self._on_writer(
+                lambda conn: _retry_busy(
+                    lambda: _ensure_schema(conn, self.create, self.path), self.busy_timeout
+                )
+            )
             if not self.memory:
                 given = self._abs_path
                 self._cache.file = await _on_thread(self._writer, lambda conn: _file_opened(conn, given))
@@ -2062,12 +2066,17 @@ def _refuse_newer(conn: sqlite3.Connection, found: dict[str, str]) -> None:
         )
 
 
-def _ensure_schema(conn: sqlite3.Connection) -> None:
+def _ensure_schema(conn: sqlite3.Connection, create: bool = True, path: str = "") -> None:
+    """Create or migrate the store's schema (``create`` False: only migrate a store that is
+    there, at ``path``; a database without one is refused, as the read-only check before the
+    open refuses it)."""
     if _snapshot(conn, lambda: _schema_state(conn)):
         return  # (nothing to create: no write lock, so a busy or read-only file still opens)
     conn.execute("BEGIN IMMEDIATE")
     try:
         _schema_state(conn)  # (again, under the lock: another process may have changed it)
+        if not create:
+            _refuse_no_store(conn, path)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         reshaped: list[str] = []
         for table, (before, _) in RESHAPED_TABLES.items():
@@ -2115,6 +2124,19 @@ def _ensure_schema(conn: sqlite3.Connection) -> None:
     except BaseException:
         _rollback(conn)
         raise
+
+
+def _refuse_no_store(conn: sqlite3.Connection, path: str) -> None:
+    """For ``create=False``, under the write lock and after :func:`_schema_state` (which refuses
+    a meta table without a schema version): ``NotFound`` when the database holds no store, as
+    the open's read-only look refuses it. That look can miss it: a read that found the file
+    locked (another connection writing to it, longer than the look waits) was taken for a file to
+    open, and the open then created a store in it."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+        raise err.NotFound(
+            f"No evstore store in {path}: the database holds no evstore tables (check the path, or "
+            "create a store, e.g. with `evstore demo --db ...`)"
+        )
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
