@@ -553,26 +553,13 @@ def _forget_own_if_lost(conn: sqlite3.Connection, cache: _WriterCache) -> None:
         cache.own_tip = None
 
 
-@contextlib.contextmanager
-def _short_busy_timeout(conn: sqlite3.Connection, seconds: float) -> Iterator[None]:
-    """Wait at most ``seconds`` for another connection's write lock inside the block (work that
-    may be skipped when the store is busy), then the connection's own busy_timeout again."""
-    timeout = conn.execute("PRAGMA busy_timeout").fetchone()[0]
-    conn.execute(f"PRAGMA busy_timeout = {min(int(timeout), int(seconds * 1000))}")
-    try:
-        yield
-    finally:
-        conn.execute(f"PRAGMA busy_timeout = {int(timeout)}")
-
-
 def flush_history(conn: sqlite3.Connection, cache: _WriterCache) -> None:
     """Index the events this writer appended, whatever the lag (the store is closing: reads after
     it find everything in the index). Skipped if another connection holds the write lock."""
     if not cache.own:
         return
-    try:
-        with _short_busy_timeout(conn, 0.1):
-            conn.execute("BEGIN IMMEDIATE")
+    try:  # (the writer's busy handler waits one slice, BUSY_SLICE_MS, for another's lock)
+        conn.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError:
         return  # (busy: the next writer's catch-up does it)
     try:
@@ -1481,8 +1468,8 @@ class SqliteBackend:
         timeout = self.busy_timeout if wait else min(self.busy_timeout, 0.1)
 
         def run(conn: sqlite3.Connection) -> None:
-            with contextlib.nullcontext() if wait else _short_busy_timeout(conn, timeout):
-                _retry_busy(lambda: write(conn), timeout)
+            # (the writer's busy handler waits slices of BUSY_SLICE_MS: the retries bound the whole)
+            _retry_busy(lambda: write(conn), timeout)
 
         await self._on_writer(run)
 
