@@ -21,6 +21,7 @@ import inspect
 import itertools
 import json
 import logging
+import operator
 import sys
 import uuid as _uuid
 from collections.abc import (
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ValidationError
 from evstore import commands as cmd
 from evstore import errors as err
 from evstore.events import GENESIS_HASH, Metadata, RecordedEvent
-from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, random_bits
+from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, follows_on, random_bits
 from evstore.schema import (
     ConsumerAllocations,
     Inventory,
@@ -348,24 +349,12 @@ def _position(value: object, what: str = "position") -> int:
 
 
 _Positioned = TypeVar("_Positioned", RecordedEvent, RawEvent)
+_position_of = operator.attrgetter("position")
 
 
 def _contiguous(after: int, batch: list[_Positioned]) -> list[_Positioned]:
-    """``batch`` (events read after ``after``) if its positions follow on without a hole; else
-    ``CorruptEvent`` at the first missing position (the events before it are read with a limit
-    that stops short of it). Positions are gap-free by construction (README, Guarantees): a hole
-    is rows deleted by hand, which a reader skipping it would hide from whoever follows the log."""
-    if not batch or batch[-1].position == after + len(batch):  # (positions are unique and ordered)
-        return batch
-    for expected, recorded in enumerate(batch, after + 1):
-        if recorded.position != expected:
-            raise err.CorruptEvent(
-                f"Position {expected} is missing from the log (the next event is at "
-                f"{recorded.position}): rows were deleted from it; `evstore audit` lists the damage",
-                position=expected,
-                reason="position_gap",
-            )
-    return batch
+    """``batch`` (events read after ``after``) if its positions follow on (see ``follows_on``)."""
+    return follows_on(after, batch, _position_of)
 
 
 def _aware_time(value: object, what: str = "at") -> datetime:

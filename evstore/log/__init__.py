@@ -17,10 +17,11 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from operator import itemgetter
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from evstore.commands import Command, Needs
-from evstore.errors import EvstoreError
+from evstore.errors import CorruptEvent, EvstoreError
 from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
 from projections.state import State
 
@@ -189,3 +190,27 @@ def store_keyword_hint(unknown: list[str]) -> str:
     if not named:
         return f"; and keywords of open_store(url, ...) only: {', '.join(STORE_KEYWORDS)}"
     return f" ({', '.join(named)}: a keyword of open_store(url, ...), not a URL option)"
+
+
+_Read = TypeVar("_Read")
+
+
+def follows_on(after: int, rows: list[_Read], position: Callable[[Any], int] = itemgetter(0)) -> list[_Read]:
+    """``rows`` (read after position ``after``, in order; ``position`` of one: its first item by
+    default) if their positions follow on without a hole; else ``CorruptEvent`` at the first
+    missing position. Positions are gap-free by construction (README, Guarantees): a hole is rows
+    deleted by hand, which a reader skipping it would hide from whoever follows the log, and which
+    a rebuild folding over it would forget for good (a tombstone among them). Every reader of the
+    log - read, subscribe, history's pages, export, rebuild - checks with this one."""
+    if not rows or position(rows[-1]) == after + len(rows):  # (positions are unique and ordered)
+        return rows
+    for expected, row in enumerate(rows, after + 1):
+        if position(row) != expected:
+            raise CorruptEvent(
+                f"Position {expected} is missing from the log (the next event is at {position(row)}): "
+                "rows were deleted from it; `evstore audit` lists the damage (restore the log from a "
+                "backup, or an export taken before the damage)",
+                position=expected,
+                reason="position_gap",
+            )
+    return rows

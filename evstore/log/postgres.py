@@ -106,9 +106,10 @@ from evstore.log import (
     PayloadRow,
     RawEvent,
     Receipt,
+    follows_on,
     store_keyword_hint,
 )
-from evstore.log.sqlite import decode_rows, follows_on, history_keys, imported_keys
+from evstore.log.sqlite import decode_rows, history_keys, imported_keys
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.exchange import duplicate_id

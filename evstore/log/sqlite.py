@@ -55,6 +55,7 @@ from evstore.log import (
     RawEvent,
     Receipt,
     event_hash,
+    follows_on,
     random_bits,
     store_keyword_hint,
 )
@@ -2168,29 +2169,6 @@ def _lost_tail(conn: sqlite3.Connection) -> LostTail | None:
     if row is None or not isinstance(row[0], int) or row[0] <= head:
         return None
     return LostTail(head, int(row[0]), str(row[1]), str(row[2]))
-
-
-#: a row read from the log, its position first (a tuple, or an asyncpg record)
-_Row = TypeVar("_Row", bound=Sequence[Any])
-
-
-def follows_on(after: int, rows: list[_Row]) -> list[_Row]:
-    """``rows`` (read after position ``after``, in order, position first) if their positions
-    follow on without a hole; else ``CorruptEvent`` at the first missing position, as a read of
-    the log says it. A rebuild folds only a gap-free log: a hole is events deleted by hand, and
-    the projection folded over it would have forgotten them (a tombstone among them) for good."""
-    if rows and rows[-1][0] != after + len(rows):  # (positions are unique and ordered)
-        for expected, row in enumerate(rows, after + 1):
-            if row[0] != expected:
-                raise err.CorruptEvent(
-                    f"Position {expected} is missing from the log (the next event is at {row[0]}): "
-                    "rows were deleted from it; `evstore audit` lists the damage. The projection was "
-                    "not refolded over the hole: restore the log from a backup, or an export taken "
-                    "before the damage",
-                    position=expected,
-                    reason="position_gap",
-                )
-    return rows
 
 
 def _refold_lost_projection(
