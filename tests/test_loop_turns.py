@@ -42,6 +42,18 @@ def _on_loop() -> bool:
     return True
 
 
+def _watched_sorts() -> tuple[list[int], Callable[..., list[Any]]]:
+    """A stand-in for ``sorted`` (patched into a module) that records the size of each sort."""
+    sizes: list[int] = []
+
+    def watched(items: Any, **kwargs: Any) -> list[Any]:
+        out = sorted(items, **kwargs)
+        sizes.append(len(out))
+        return out
+
+    return sizes, watched
+
+
 async def test_a_replay_recounts_usage_on_a_thread(
     store: AllocationStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,12 +193,7 @@ async def test_the_audit_sorts_only_the_consumers_that_differ(
     drifted consumer is still reported, in order."""
     import projections.audit as audit_module
 
-    sorted_sizes: list[int] = []
-
-    def watched(items: Any, **kwargs: Any) -> list[Any]:
-        out = sorted(items, **kwargs)
-        sorted_sizes.append(len(out))
-        return out
+    sorted_sizes, watched = _watched_sorts()
 
     async with open_store(f"sqlite:///{tmp_path / 's.db'}", synchronous="OFF") as store:
         await _store_of(store, 200)
@@ -213,12 +220,7 @@ async def test_diff_sorts_the_consumers_it_touched_in_short_runs(
     the consumers come out in uuid order as before."""
     import projections.diff as diff_module
 
-    sorted_sizes: list[int] = []
-
-    def watched(items: Any, **kwargs: Any) -> list[Any]:
-        out = sorted(items, **kwargs)
-        sorted_sizes.append(len(out))
-        return out
+    sorted_sizes, watched = _watched_sorts()
 
     async with open_store(f"sqlite:///{tmp_path / 's.db'}", synchronous="OFF") as store:
         await _store_of(store, 200)
@@ -307,12 +309,7 @@ async def test_a_sqlite_rebuild_sorts_the_consumers_in_short_runs(
     is as before (the audit is clean)."""
     import evstore.log.sqlite as sqlite_module
 
-    sorted_sizes: list[int] = []
-
-    def watched(items: Any, **kwargs: Any) -> list[Any]:
-        out = sorted(items, **kwargs)
-        sorted_sizes.append(len(out))
-        return out
+    sorted_sizes, watched = _watched_sorts()
 
     async with open_store(f"sqlite:///{tmp_path / 's.db'}", synchronous="OFF") as store:
         await _store_of(store, 200)
