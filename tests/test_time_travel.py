@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evstore import AllocationStore, CorruptEvent, InvalidInput, ProviderNotFound, open_store
+from evstore import AllocationStore, CorruptEvent, InvalidInput, ProviderNotFound, StorageError, open_store
 from evstore.log.sqlite import SqliteBackend
 from projections import snapshots
 from projections.replay import replay
@@ -408,3 +408,44 @@ async def test_no_snapshot_is_saved_from_a_fold_over_a_hole(store_url: str) -> N
         assert await (await store.state_at(10)).usage(rp) == {"VCPU": 8}
         assert await (await store.state_at(10, provider=rp)).usage(rp) == {"VCPU": 8}
         assert await store.take_snapshots() == [5, 10]
+
+
+async def test_dropping_the_snapshots_drops_all_of_them_or_none(store_url: str) -> None:
+    """Regression (stop 29's note): SQLite's drop_snapshots (what a rebuild ends with) ran its two
+    DELETEs, whole-store snapshots then provider slices, each in a transaction of its own; a
+    failure between them (a crash, a full disk) left the slices of the state the rebuild was
+    meant to forget. A failure of the second now leaves both as they were. (PostgreSQL keeps
+    whole-store snapshots only: one DELETE, all or nothing as it is.)"""
+    sqlite = store_url.startswith("sqlite:")
+    async with open_store(store_url, snapshot_every=2) as store:
+        rp = await make_provider(store, VCPU=8)
+        for _ in range(3):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        taken = await store.take_snapshots()
+        assert len(taken) >= 2
+        tamper = store.backend.tamper  # type: ignore[attr-defined]
+        if sqlite:  # (the second DELETE fails)
+            await tamper(
+                "CREATE TRIGGER refuse BEFORE DELETE ON provider_snapshots "
+                "BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
+            )
+        else:  # (the last row's deletion fails)
+            await tamper(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                "$f$ BEGIN RAISE EXCEPTION 'injected failure'; END $f$"
+            )
+            await tamper(
+                f"CREATE TRIGGER refuse BEFORE DELETE ON snapshots FOR EACH ROW "
+                f"WHEN (OLD.position = {taken[-1]}) EXECUTE FUNCTION refuse()"
+            )
+        with pytest.raises(StorageError, match="injected failure"):
+            await store.backend.drop_snapshots()  # type: ignore[attr-defined]
+        assert await store.snapshot_positions() == taken
+        if sqlite:
+            load = store.backend.load_provider_snapshot  # type: ignore[attr-defined]
+            for position in taken:  # (the provider slices are all there too)
+                found = await load(rp, position, SNAPSHOT_FORMAT)
+                assert found is not None and found[0] == position
+        await tamper("DROP TRIGGER refuse" + ("" if sqlite else " ON snapshots"))
+        await store.backend.drop_snapshots()  # type: ignore[attr-defined]
+        assert await store.snapshot_positions() == []

@@ -1505,9 +1505,18 @@ class SqliteBackend:
         return await self._on_reader(q)
 
     async def drop_snapshots(self) -> None:
+        """Both kinds, in one transaction: a failure between them (a crash, a full disk) must not
+        leave the provider slices of the state a rebuild meant to forget."""
+
         def w(conn: sqlite3.Connection) -> None:
-            conn.execute("DELETE FROM snapshots")
-            conn.execute("DELETE FROM provider_snapshots")
+            conn.execute("BEGIN IMMEDIATE")  # (the only busy statement: retried whole)
+            try:
+                conn.execute("DELETE FROM snapshots")
+                conn.execute("DELETE FROM provider_snapshots")
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback(conn)
+                raise
 
         await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
 
