@@ -40,6 +40,7 @@ from rich.table import Table
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
 from evstore import errors as err
+from evstore.log import MAX_POSITION
 from projections.audit import AuditReport
 from projections.invariants import format_amount
 from projections.state import State
@@ -1226,7 +1227,8 @@ def snapshot(
     db: DbOption = None,
     url: UrlOption = None,
     every: Annotated[
-        int | None, typer.Option(min=1, help="Events between snapshots (default: the store's, 10000).")
+        int | None,
+        typer.Option(min=1, max=MAX_POSITION, help="Events between snapshots (default: the store's, 10000)."),
     ] = None,
     json_out: JsonOption = False,
 ) -> None:

@@ -1602,7 +1602,7 @@ class StoreOptions(TypedDict, total=False):
     max_batch: int
     #: seconds between a subscriber's polls for other processes' appends (0.2)
     poll_interval: float
-    #: events between time-travel snapshots (10,000)
+    #: events between time-travel snapshots (10,000; 1 to 2**63-1)
     snapshot_every: int
     #: False: refuse a file or schema that holds no store instead of creating one (True)
     create: bool
@@ -1649,12 +1649,9 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
                 await asyncio.to_thread(importlib.import_module, module)
         store = AllocationStore(make_backend(self._url, **options), **store_options)
         if snapshot_every is not None:
-            if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
-                raise err.InvalidInput(
-                    f"snapshot_every must be a positive whole number of events, got {snapshot_every!r:.40}",
-                    field="snapshot_every",
-                )
-            store.snapshot_every = snapshot_every
+            # (a snapshot is taken at each position that is a multiple of it: one beyond the
+            # largest position the log holds, 2**63-1, would mean "never")
+            store.snapshot_every = validate_int_option(snapshot_every, "snapshot_every", 1, MAX_POSITION)
         return await store.open()
 
     async def __aenter__(self) -> AllocationStore:
@@ -1688,12 +1685,12 @@ def open_store(url: str, **options: Unpack[StoreOptions]) -> StoreOpener:
     ``url``: ``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (in memory) or
     ``postgresql://user@host/db``. Options of every store (keywords only): ``max_batch`` (commands
     per group commit, 256), ``poll_interval`` (seconds between a subscriber's polls for other
-    processes' appends, 0.2), ``snapshot_every`` (events between time-travel snapshots, 10,000).
-    The backend's own (keywords, or ``?k=v`` in the URL): SQLite ``synchronous`` (FULL by default;
-    NORMAL trades the last commits on power loss for speed), ``busy_timeout`` (seconds, 30),
-    ``create`` (false: refuse a file holding no store); PostgreSQL ``pool_size``, ``min_pool_size``,
-    ``connect_timeout``, ``command_timeout``, ``max_retries``, ``statement_cache_size``,
-    ``create`` (see the README); their types are :class:`StoreOptions`. Unknown options are
-    refused (``InvalidInput``). The store belongs to the running event loop.
+    processes' appends, 0.2), ``snapshot_every`` (events between time-travel snapshots, 10,000;
+    at most 2**63-1). The backend's own (keywords, or ``?k=v`` in the URL): SQLite ``synchronous``
+    (FULL by default; NORMAL trades the last commits on power loss for speed), ``busy_timeout``
+    (seconds, 30), ``create`` (false: refuse a file holding no store); PostgreSQL ``pool_size``,
+    ``min_pool_size``, ``connect_timeout``, ``command_timeout``, ``max_retries``,
+    ``statement_cache_size``, ``create`` (see the README); their types are :class:`StoreOptions`.
+    Unknown options are refused (``InvalidInput``). The store belongs to the running event loop.
     """
     return StoreOpener(url, options)

@@ -265,3 +265,16 @@ async def test_rebuild_refuses_a_log_that_lost_its_last_events_unless_forced(tmp
     forced = evstore("rebuild", "--db", str(db), "--force")
     assert forced.returncode == 0, forced.stderr
     assert evstore("audit", "--db", str(db)).returncode == 0
+
+
+def test_snapshot_every_beyond_the_largest_position_is_out_of_range(tmp_path: Path) -> None:
+    """Regression (stop 29's note): ``snapshot --every 1180591620717411303424`` (2**70) exited 0
+    having taken no snapshot - an interval no position reaches means "never" - where every other
+    out-of-range number is a usage error."""
+    db = demo_db(tmp_path / "s.db", instances=5, nodes=2)
+    for every in (str(2**63), str(2**70)):
+        done = evstore("snapshot", "--every", every, "--db", str(db))
+        assert _error(done) == (2, "evstore.usage") and "--every" in done.stderr, done.stderr
+    largest = evstore("snapshot", "--every", str(2**63 - 1), "--db", str(db), "--json")
+    assert largest.returncode == 0, largest.stderr
+    assert json.loads(largest.stdout)["snapshot_positions"] == []

@@ -30,12 +30,20 @@ async def test_a_store_keyword_in_the_url_is_still_said_to_be_a_keyword(sqlite_u
         await open_store(f"{sqlite_url}?max_batch=8")
 
 
-@pytest.mark.parametrize("value", [0, -3, 2.5, "100", True])
+@pytest.mark.parametrize("value", [0, -3, 2.5, "100", True, 2**63, 2**70])
 async def test_a_bad_snapshot_every_says_what_it_got(sqlite_url: str, value: object) -> None:
     with pytest.raises(InvalidInput) as caught:
         await open_store(sqlite_url, snapshot_every=value)  # type: ignore[arg-type]
     assert caught.value.details["field"] == "snapshot_every"
     assert f"got {value!r}" in str(caught.value)
+    # (2**70 meant "never": a snapshot is taken at a position that is a multiple of it, and no
+    # position is beyond 2**63-1, the largest the log's integer column holds)
+    assert "from 1 to 9223372036854775807" in str(caught.value), caught.value
+
+
+async def test_the_largest_snapshot_every_is_the_largest_position(sqlite_url: str) -> None:
+    async with open_store(sqlite_url, snapshot_every=2**63 - 1) as store:
+        assert store.snapshot_every == 2**63 - 1
 
 
 async def test_usages_names_all_and_unknown_when_it_refuses_a_consumer_type(store: AllocationStore) -> None:
