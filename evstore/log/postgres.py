@@ -755,6 +755,25 @@ SCHEMA_OF = (
     "WHERE c.oid = to_regclass($1)"
 )
 
+#: the columns of evstore's ``events`` (a table of that name holding them all is evstore's)
+EVENTS_COLUMNS = frozenset(
+    {"seq", "transaction_id", "position", "event_id", "type", "schema_version", "data", "metadata", "hash"}
+)
+
+
+async def _holds_evstore_events(conn: Any, schema: str) -> bool:
+    """Whether ``schema`` holds evstore's ``events`` table (by its columns): a store, even when
+    its evstore_meta is gone, rather than another application's table of that name."""
+    found = await conn.fetchval(
+        "SELECT array_agg(a.attname::text) FROM pg_attribute a "
+        "JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = $1 AND c.relname = 'events' AND c.relkind IN ('r', 'p') "
+        "AND a.attnum > 0 AND NOT a.attisdropped",
+        schema,
+    )
+    return found is not None and EVENTS_COLUMNS <= set(found)
+
+
 #: the schema of the store: the first of the search_path holding its evstore_meta, else the first
 #: that exists. (A scan of pg_class, not to_regclass: that would cache the name's absence in this
 #: session, and the open's check after waiting for another open's migration would believe it.)
@@ -1255,6 +1274,22 @@ class PostgresBackend:
                     await conn.execute("SET LOCAL lock_timeout TO DEFAULT")
                     found = 0
                     exists = await conn.fetchval("SELECT to_regclass('evstore_meta')") is not None
+                    if not exists and await _holds_evstore_events(conn, schema):
+                        raise err.SchemaVersionError(
+                            f"The store in schema {schema!r} of {self.safe_url} has lost evstore_meta, "
+                            "the table of its schema version (its events and other tables are "
+                            "there): it was dropped by hand, or a restore left it out. evstore "
+                            "neither guesses the version nor creates a store over those tables: "
+                            "restore evstore_meta from a backup, or, if an evstore of schema "
+                            f"version {SCHEMA_VERSION} (this one) last opened the store, make it "
+                            "again: CREATE TABLE evstore_meta (key text PRIMARY KEY, value text "
+                            f"NOT NULL); INSERT INTO evstore_meta VALUES ('schema_version', "
+                            f"'{SCHEMA_VERSION}'). Nothing was written",
+                            url=self.safe_url,
+                            schema=schema,
+                            found=None,
+                            supported=SCHEMA_VERSION,
+                        )
                     if not exists and not self.create:
                         raise err.NotFound(
                             f"No evstore store in schema {schema!r} of {self.safe_url} (check the URL "
@@ -1292,7 +1327,21 @@ class PostgresBackend:
                             await conn.execute(MIGRATIONS[version])
                         except asyncpg.exceptions.DuplicateTableError as exc:
                             if found:
-                                raise
+                                # (a table or index an upgrade adds: the schema holds another
+                                # application's of that name; the transaction rolls back)
+                                raise err.StorageError(
+                                    f"Cannot upgrade the store in schema {schema!r} of "
+                                    f"{self.safe_url} from schema version {found} to "
+                                    f"{SCHEMA_VERSION}: the upgrade creates a table or index the "
+                                    f"schema already holds ({str(exc).splitlines()[0]}), and it is "
+                                    "not evstore's: another application's? rename it, or move it "
+                                    "to another schema, and open the store again; nothing was "
+                                    "written (the upgrade was rolled back)",
+                                    url=self.safe_url,
+                                    schema=schema,
+                                    found=found,
+                                    supported=SCHEMA_VERSION,
+                                ) from None
                             # (a new store's first tables: the schema holds another
                             # application's of the same name, and PostgreSQL's own message
                             # alone reads as evstore's fault; the transaction rolls back)
