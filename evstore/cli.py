@@ -680,10 +680,22 @@ def event_row(recorded: Any, names: Names, learned: Names | None = None) -> tupl
 
 
 def parse_point(text: str, what: str = "--at") -> int | datetime:
-    """A position (``1234``) or an ISO 8601 time with a zone (``2026-01-02T03:04:05Z``)."""
+    """A position (``1234``) or an ISO 8601 time with a zone (``2026-01-02T03:04:05Z``). A number
+    out of the positions' range (``-1``, past 2**63-1) is a usage error (exit 2), as ``tail
+    --after -1`` is; one the log has not reached yet is for the store to refuse (exit 1)."""
     text = text.strip()
-    if text.isascii() and text.isdigit():  # (str.isdigit also accepts '²', which int() refuses)
-        return int(text)
+    if _NUMBER.fullmatch(text):
+        try:
+            number = int(text)
+        except ValueError:  # (more digits than Python converts: out of range all the same)
+            number = -1
+        if not 0 <= number <= MAX_POSITION:
+            fail(
+                "evstore.usage",
+                f"{what} is out of range: a position is from 0 to 2**63-1, got {text:.60}",
+                EXIT_USAGE,
+            )
+        return number
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
@@ -699,6 +711,9 @@ def parse_point(text: str, what: str = "--at") -> int | datetime:
         raise err.InvalidInput(f"{what} time {text!r} has no time zone: add Z or +00:00")
     return moment
 
+
+#: a whole number, signed or not, in ASCII digits (str.isdigit also accepts '²', which int() refuses)
+_NUMBER = re.compile(r"[+-]?[0-9]+")
 
 #: a date, with or without a zone, and no time of day (``2026-12-05Z``, ``2026-12-05+05:30``)
 _DATE_ONLY = re.compile(r"\d{4}-\d{2}-\d{2}([Zz]|[+-]\d{2}(:?\d{2})?)?")
@@ -817,12 +832,12 @@ def state(
         not_empty(at, "--at", "a position or an ISO time with a zone")
         not_empty(provider, "--provider", "a provider uuid")
         not_empty(consumer, "--consumer", "a consumer uuid")
+        point = None if at is None else parse_point(at)  # (a usage error before the store is opened)
         async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
-            if at is None:
+            if point is None:
                 view = StateView(await store.backend.load_state())
             else:
-                point = parse_point(at)
                 position = await store.position_of(point)
                 if position > head:
                     raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})")
@@ -950,8 +965,9 @@ def diff(
     async def work() -> int:
         not_empty(a, "A", "a position or an ISO time with a zone")
         not_empty(b, "B", "a position or an ISO time with a zone")
+        start, end = parse_point(a, "A"), parse_point(b, "B")  # (before the store is opened)
         async with open_existing(resolve_url(db, url)) as store:
-            result = await store.diff(parse_point(a, "A"), parse_point(b, "B"))
+            result = await store.diff(start, end)
             # (names as the usage deltas give them, at b or else at a; today's only for a
             # provider neither end holds: allocations an imported log left on an absent one)
             names = {**await provider_names(store), **result.provider_names}
@@ -998,7 +1014,10 @@ def diff(
 @app.command()
 def tail(
     after: Annotated[
-        int | None, typer.Option("--after", min=0, help="Start after this position (default: the head).")
+        int | None,
+        typer.Option(
+            "--after", min=0, max=MAX_POSITION, help="Start after this position (default: the head)."
+        ),
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Stop after this many events.")] = None,
     follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Wait for new events.")] = True,
@@ -1185,7 +1204,7 @@ def progress_bar() -> Progress:
 def rebuild(
     db: DbOption = None,
     url: UrlOption = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="Events folded per batch.")] = 5000,
+    batch_size: Annotated[int, typer.Option(min=1, max=MAX_POSITION, help="Events folded per batch.")] = 5000,
     full: Annotated[
         bool,
         typer.Option(

@@ -278,3 +278,52 @@ def test_snapshot_every_beyond_the_largest_position_is_out_of_range(tmp_path: Pa
     largest = evstore("snapshot", "--every", str(2**63 - 1), "--db", str(db), "--json")
     assert largest.returncode == 0, largest.stderr
     assert json.loads(largest.stdout)["snapshot_positions"] == []
+
+
+def test_an_out_of_range_position_is_a_usage_error_whichever_option_gives_it(tmp_path: Path) -> None:
+    """Regression (stop 29's note): ``state --at -1`` exited 1 (``evstore.invalid_input``, "must be
+    a position ... got '-1'") where ``tail --after -1`` exits 2: one out-of-range number, two exit
+    statuses. So did a position past 2**63-1 (``state --at``, a diff bound: "must be an integer
+    position from 0 to 2**63-1", 1; ``tail --after``: "beyond the head", 1) and a ``rebuild
+    --batch-size`` past it. Every position or count out of its range is a usage error (exit 2),
+    and is found before the store is opened, as click finds ``--after -1``; a position the log has
+    not reached yet is still an error evstore finds in the store (1), everywhere alike."""
+    db = demo_db(tmp_path / "s.db", instances=5, nodes=2)
+    missing = tmp_path / "missing.db"
+    huge = str(2**63)
+    for command in (
+        ["state", "--at", "-1"],
+        ["state", "--at", " -7 "],
+        ["state", "--at", huge],
+        ["state", "--at", "-1", "--consumer", new_uuid()],
+        ["diff", "--", "-1", "3"],
+        ["diff", "0", huge],
+        ["diff", huge, "2026-01-02T03:04:05Z"],
+        ["tail", "--after", "-1", "--no-follow"],
+        ["tail", "--after", huge, "--no-follow"],
+        ["rebuild", "--batch-size", huge],
+    ):
+        for store in (str(db), str(missing)):  # (a usage error whatever the store is)
+            if command[:2] == ["diff", "--"]:
+                done = evstore("diff", "--db", store, *command[1:])
+            else:
+                done = evstore(*command, "--db", store)
+            assert _error(done) == (2, "evstore.usage"), (command, store, done.stderr)
+    assert not missing.exists()
+    head = json.loads(evstore("stats", "--db", str(db), "--json").stdout)["head"]
+    beyond = str(head + 1)
+    for command in (
+        ["state", "--at", beyond],
+        ["diff", "0", beyond],
+        ["tail", "--after", beyond, "--no-follow"],
+    ):
+        done = evstore(*command, "--db", str(db))
+        assert _error(done) == (1, "evstore.invalid_input"), (command, done.stderr)
+        assert "beyond the head" in done.stderr, done.stderr
+    largest = str(2**63 - 1)  # (in range, and beyond the head: 1, as any position past it)
+    for command in (["state", "--at", largest], ["tail", "--after", largest, "--no-follow"]):
+        done = evstore(*command, "--db", str(db))
+        assert _error(done) == (1, "evstore.invalid_input"), (command, done.stderr)
+    for at in ("+3", "3"):  # (a sign is a number's, as click reads --after +3)
+        done = evstore("state", "--at", at, "--db", str(db), "--json")
+        assert done.returncode == 0 and json.loads(done.stdout)["position"] == 3, done.stderr
