@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiosqlite
 import structlog
@@ -1119,9 +1119,10 @@ class SqliteBackend:
             # checked read-only first: opening for writing would already turn the file into a database
             reason = await asyncio.to_thread(_no_store_reason, self.path)
             if reason is None:
-                # (tables of evstore's names but other columns are another application's: said as
-                # the open that would create the store says it)
-                await asyncio.to_thread(_refuse_foreign_columns, self.path)
+                # (tables of evstore's names but other columns are another application's, and a
+                # store that lost its meta table or schema version is damaged: said as the open
+                # that would create the store says it)
+                await asyncio.to_thread(_refuse_damaged, self.path)
             # (another process may have created the store since the first look - its tables and
             # version are committed together: a look now that finds them is no damage, it opens)
             if await asyncio.to_thread(_holds_no_store, self.path):
@@ -1868,26 +1869,39 @@ def _table_names(path: str) -> list[str]:
 
 def _no_store_reason(path: str) -> str | None:
     """Why ``path`` (for which :func:`_holds_no_store` holds) is no store; None when it has
-    evstore's tables but lost its schema version (damage, not absence)."""
+    evstore's tables but lost its schema version, or its meta table (damage, not absence), or
+    tables of evstore's names that :func:`_refuse_damaged` says are another application's."""
     if not os.path.exists(path):
         return "the file does not exist"
     try:
-        tables = set(_table_names(path))
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            events = tuple(r[1] for r in conn.execute("PRAGMA table_info(events)"))
+        finally:
+            conn.close()
     except sqlite3.Error as exc:
         return f"the file cannot be read ({exc})"
-    if {"meta", "events"} <= tables:
+    # (an events table alone is evstore's by its columns: another application's is no store here)
+    if {"meta", "events"} <= tables or events == _schema_objects()[0]["events"]:
         return None
     return "the database holds no evstore tables"
 
 
-def _refuse_foreign_columns(path: str) -> None:
-    """``StorageError`` ("Not an evstore database", as :func:`_schema_state` says it) when a table
-    of evstore's name in the database at ``path`` is not evstore's (read-only check)."""
-    conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+def _refuse_damaged(path: str) -> None:
+    """What the open that creates or upgrades the store refuses (:func:`_schema_state`), in the
+    database at ``path``, read-only: a table of evstore's name that is not evstore's
+    ("Not an evstore database"), a store that lost its meta table or its schema version. A file
+    it cannot read (locked, gone since) is left to the open, which reports it as a StorageError
+    or, under the write lock, refuses the same."""
     try:
-        _check_columns(conn, {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")})
-    finally:
-        conn.close()
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            _snapshot(conn, lambda: _schema_state(conn, path))
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return
 
 
 def _holds_no_store(path: str) -> bool:
@@ -1943,41 +1957,43 @@ def _schema_objects() -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
         conn.close()
 
 
-def _schema_state(conn: sqlite3.Connection) -> bool:
-    """Whether the store's schema is there and current; raises if the database is someone else's
-    or newer than this evstore. Reads only: opening a store takes no write lock when nothing is
-    to be created or migrated."""
+def _schema_state(conn: sqlite3.Connection, path: str = "") -> bool:
+    """Whether the store's schema is there and current; raises if the database is someone else's,
+    newer than this evstore, or a store at ``path`` that lost its schema version. Reads only:
+    opening a store takes no write lock when nothing is to be created or migrated."""
     columns, indexes = _schema_objects()
     found = {r[0]: r[1] for r in conn.execute("SELECT name, type FROM sqlite_master")}
     _refuse_newer(conn, found)  # (first: a newer evstore's tables differ, and that is why)
     _refuse_foreign(found)
     outdated, reshaped_in = _check_columns(conn, found)
+    # (evstore's events table - _check_columns refused one of other columns - is a store's, whatever
+    # became of its meta table: evstore writes both in one transaction)
+    store = found.get("events") == "table"
     version: int | None = None
+    if found.get("meta") != "table" and store:
+        raise _lost_version(path, "table", None, _version_of_tables(outdated, reshaped_in))
     if found.get("meta") == "table":
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if row is not None:
-            try:
-                version = int(row[0])
-            except (TypeError, ValueError):
-                raise err.SchemaVersionError(
-                    f"This database's schema version is {row[0]!r:.40}, not a number: it was not written "
-                    "by evstore, or was damaged",
-                    found=row[0],
-                ) from None
-        else:
+        if row is None and store:
+            raise _lost_version(path, "row", None, _version_of_tables(outdated, reshaped_in))
+        if row is None:
             # evstore writes its tables and the version in one transaction: a meta table without
-            # one is another application's
+            # one, beside no log, is another application's
             raise err.StorageError(
                 "Not an evstore database: it has a meta table without evstore's schema version "
                 "(another application's?). Use another file for the store."
             )
-        if version is not None and version < 1:
+        version = _parse_version(row[0])
+        if version is None or version < 1:
+            if store:
+                raise _lost_version(path, "value", row[0], _version_of_tables(outdated, reshaped_in))
             raise err.SchemaVersionError(
-                f"This database's schema version is {version}: evstore numbers its versions from 1, "
-                "so it was not written by evstore, or was damaged (evstore does not upgrade it)",
-                found=version,
+                f"This database's schema version is {row[0]!r:.40}, not one evstore writes, and it "
+                "holds no evstore log: it was not written by evstore (another application's meta "
+                "table?). Use another file for the store.",
+                found=row[0],
             )
-        if version is not None and version > SCHEMA_VERSION:
+        if version > SCHEMA_VERSION:
             raise err.SchemaVersionError(
                 f"This database has schema version {version}; this evstore understands up to "
                 f"{SCHEMA_VERSION}. Upgrade evstore to open it.",
@@ -2000,6 +2016,86 @@ def _schema_state(conn: sqlite3.Connection) -> bool:
         and columns.keys() <= found.keys()
         and indexes <= found.keys()
         and not retired & found.keys()
+    )
+
+
+def _parse_version(value: object) -> int | None:
+    """A schema version as meta holds it: the decimal text evstore writes (a sign allowed, for the
+    message that says a version below 1 is none of evstore's); None for anything else ('1.1', 'x',
+    but also ' 5' or '5_0', which int() would take, and numbers of more digits than int() reads:
+    its ValueError escaped the open)."""
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,1000}", value, re.ASCII):
+        return int(value)
+    return None
+
+
+def _version_of_tables(outdated: bool, reshaped_in: int | None) -> int:
+    """The newest schema version whose tables are shaped as a store's (``_check_columns``'
+    answer): the version its lost one is to be given again, from which the open upgrades it."""
+    if outdated:
+        return 2  # (version 3 added ADDED_COLUMNS' columns)
+    if reshaped_in is not None:
+        return reshaped_in - 1
+    return SCHEMA_VERSION
+
+
+def _lost_version(
+    path: str, lost: Literal["table", "row", "value"], value: object, shaped: int
+) -> err.SchemaVersionError:
+    """The error for a store (its events table is there) that lost its meta table (``lost``
+    "table"), its schema version row ("row"), or whose version is not one evstore writes
+    ("value": ``value``): evstore does not guess the version. The message says how to put back
+    ``shaped``, the version its tables have (:func:`_version_of_tables`)."""
+    store = f"The store {path}" if path else "This store"
+    if lost == "table":
+        what = (
+            f"{store} has lost its meta table, which holds its schema version (its events and "
+            "other tables are there): it was dropped by hand, or a copy or restore left it out"
+        )
+        fix = (
+            "restore the file from a backup, or make the table again"
+            f"{_as_shaped(shaped)}, with the sqlite3 shell or any SQLite client, evstore's processes "
+            "stopped: `CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL); INSERT INTO meta "
+            f"VALUES ('schema_version', '{shaped}'), ('history_through', '0')` (history_through 0: "
+            "evstore indexes its history again)"
+        )
+    elif lost == "row":
+        what = (
+            f"{store} has evstore's tables but no schema version (its meta table lost its "
+            "schema_version row): it was deleted by hand, or the file was damaged"
+        )
+        fix = (
+            f"restore the file from a backup, or put the row back{_as_shaped(shaped)}, with the sqlite3 "
+            "shell or any SQLite client, evstore's processes stopped: `INSERT INTO meta VALUES "
+            f"('schema_version', '{shaped}')`"
+        )
+    else:
+        number = _parse_version(value)
+        what = (
+            f"{store}: its schema version is {value!r:.40}, not a number"
+            if number is None
+            else f"{store}: its schema version is {number}: evstore numbers its versions from 1"
+        ) + ", so it was changed by hand, or the file was damaged"
+        fix = (
+            f"restore the file from a backup, or set the version{_as_shaped(shaped)}, with the sqlite3 "
+            "shell or any SQLite client, evstore's processes stopped: `UPDATE meta SET value = "
+            f"'{shaped}' WHERE key = 'schema_version'`"
+        )
+    return err.SchemaVersionError(
+        f"{what}. evstore does not guess the version of a store: {fix}. Nothing was written.",
+        path=path,
+        found=value if lost == "value" else None,
+        supported=SCHEMA_VERSION,
+    )
+
+
+def _as_shaped(shaped: int) -> str:
+    """How a lost version's message names ``shaped``, the version the store's tables have."""
+    if shaped == SCHEMA_VERSION:
+        return f" (its tables are those of schema version {shaped}, this evstore's)"
+    return (
+        f" (its tables are those of schema version {shaped} or older: this evstore upgrades it "
+        f"to {SCHEMA_VERSION} on its next open)"
     )
 
 
@@ -2053,12 +2149,12 @@ def _refuse_newer(conn: sqlite3.Connection, found: dict[str, str]) -> None:
     if tuple(r[1] for r in conn.execute("PRAGMA table_info(meta)")) != ("key", "value"):
         return  # (another application's meta table: the column checks say so)
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    version = row[0] if row is not None else None
-    if isinstance(version, str) and version.isascii() and version.isdigit() and int(version) > SCHEMA_VERSION:
+    version = _parse_version(row[0]) if row is not None else None
+    if version is not None and version > SCHEMA_VERSION:
         raise err.SchemaVersionError(
             f"This database has schema version {version}; this evstore understands up to "
             f"{SCHEMA_VERSION}. Upgrade evstore to open it.",
-            found=int(version),
+            found=version,
             supported=SCHEMA_VERSION,
         )
 
@@ -2067,11 +2163,11 @@ def _ensure_schema(conn: sqlite3.Connection, create: bool = True, path: str = ""
     """Create or migrate the store's schema (``create`` False: only migrate a store that is
     there, at ``path``; a database without one is refused, as the read-only check before the
     open refuses it)."""
-    if _snapshot(conn, lambda: _schema_state(conn)):
+    if _snapshot(conn, lambda: _schema_state(conn, path)):
         return  # (nothing to create: no write lock, so a busy or read-only file still opens)
     conn.execute("BEGIN IMMEDIATE")
     try:
-        _schema_state(conn)  # (again, under the lock: another process may have changed it)
+        _schema_state(conn, path)  # (again, under the lock: another process may have changed it)
         if not create:
             _refuse_no_store(conn, path)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
