@@ -12,6 +12,7 @@ a missing file, a directory, a malformed uuid - is an error (1). An error is one
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import logging
@@ -650,6 +651,42 @@ def learn_name(names: Names, learned: Names, recorded: Any) -> None:
         names[recorded.event["provider"]] = learned[recorded.event["provider"]] = recorded.event["name"]
 
 
+class NamesThen:
+    """The names the other providers an entity's events name had at each of those events: its
+    history lists its own events, not their renames (nor the deletion of a host decommissioned
+    since), so each is read once from that provider's own history, as the names it was given."""
+
+    def __init__(self, store: Any, listed: str) -> None:
+        self.store, self.listed = store, listed
+        self.given: dict[str, tuple[list[int], list[str]]] = {}  # provider: (positions, names)
+
+    async def at(self, recorded: Any, names: Names) -> Names:
+        """``names``, with each other provider ``recorded`` names as it was called before it."""
+        then = names
+        for key in recorded.entities():
+            kind, _, provider = key.partition(":")
+            if kind != "provider" or provider == self.listed:
+                continue
+            positions, given = await self._given(provider)
+            i = bisect.bisect_left(positions, recorded.position)
+            if i:
+                then = then if then is not names else dict(names)
+                then[provider] = given[i - 1]
+        return then
+
+    async def _given(self, provider: str) -> tuple[list[int], list[str]]:
+        if provider not in self.given:
+            positions: list[int] = []
+            given: list[str] = []
+            with contextlib.suppress(err.CorruptEvent):  # (a damaged row: the names before it)
+                async for recorded in self.store.history(provider):
+                    if recorded.type in ("ProviderCreated", "ProviderUpdated"):
+                        positions.append(recorded.position)
+                        given.append(recorded.event["name"])
+            self.given[provider] = (positions, given)
+        return self.given[provider]
+
+
 def event_json(recorded: Any, names: Names, learned: Names | None = None) -> dict[str, Any]:
     out: dict[str, Any] = recorded.to_json()
     out["summary"] = describe(recorded.event, names, learned=learned)
@@ -723,6 +760,16 @@ async def provider_names(store: Any) -> Names:
     return {uuid: name for uuid, name in await store.providers()}
 
 
+async def provider_names_at(store: Any, position: int, head: int) -> Names:
+    """The providers' names as they were at ``position``: what a listing of the events after it
+    (``tail --after``) starts from, learning each later name from them (today's names at the
+    head, and when the log up to it cannot be folded: a damaged row is the listing's to report)."""
+    if position < head:
+        with contextlib.suppress(err.CorruptEvent):
+            return dict(await (await store.state_at(position=position)).providers())
+    return await provider_names(store)
+
+
 @app.command()
 def history(
     uuid: Annotated[str, typer.Argument(help="Consumer or provider uuid.")],
@@ -740,6 +787,7 @@ def history(
         async with open_existing(resolve_url(db, url)) as store:
             names = await provider_names(store)
             learned: Names = {}  # (see learn_name)
+            names_then = NamesThen(store, key)
             # Neither the decoded events nor the whole document are kept (a busy provider's
             # history is a good part of the log: 112k events of a 400k-event log took 1.3 GB):
             # with --json each event's text goes to a temporary file, printed once the history
@@ -749,13 +797,14 @@ def history(
             with tempfile.TemporaryFile("w+", encoding="utf-8") as spool:
                 try:
                     async for recorded in store.history(key):
+                        then = await names_then.at(recorded, names)
                         if json_out:
                             if count:
                                 spool.write(",\n")
-                            text = json.dumps(event_json(recorded, names, learned), indent=2, default=str)
+                            text = json.dumps(event_json(recorded, then, learned), indent=2, default=str)
                             spool.write("    " + text.replace("\n", "\n    "))
                         else:
-                            rows.append(event_row(recorded, names, learned))
+                            rows.append(event_row(recorded, then, learned))
                         learn_name(names, learned, recorded)
                         count += 1
                 except err.CorruptEvent:
@@ -1060,7 +1109,7 @@ def tail(
             start = head if after is None else after
             if start > head:  # (as state and diff: a position the log has not reached)
                 raise err.InvalidInput(f"position {start} is beyond the head of the log ({head})")
-            names = await provider_names(store)
+            names = await provider_names_at(store, start, head)
             learned: Names = {}  # (see learn_name)
             out = console()
             file = await _file_of(store)  # (before "following": what the file must stay)

@@ -1,0 +1,165 @@
+"""Acceptance checks of the debugging commands, driven as a person would: in a subprocess.
+
+The scenario every check here starts from is a leak investigation months later: the hosts the
+consumer lived on have since been renamed or decommissioned. What the commands print about past
+events must name the hosts as they were called then (as ``diff`` and a provider's own ``history``
+do), not by today's name, nor by a bare uuid stub once a host is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from evstore import Inventory, open_store
+from tests.test_cli_support import evstore
+
+HOST = "aaaaaaaa-0000-4000-8000-000000000001"
+GONE = "bbbbbbbb-0000-4000-8000-000000000002"
+SERVER = "cccccccc-0000-4000-8000-000000000003"
+MIGRATION = "dddddddd-0000-4000-8000-000000000004"
+
+
+def _renamed_and_decommissioned(db: Path) -> None:
+    """compute-1 and compute-2 hold a server that migrates and is deleted mid-migration; then
+    compute-1 is renamed rack7-compute-1 and compute-2 is removed (positions 1-9)."""
+
+    async def write() -> None:
+        async with open_store(f"sqlite:///{db}") as store:
+            await store.create_provider(HOST, "compute-1")  # 1
+            await store.set_inventories(HOST, {"VCPU": Inventory(total=8)}, generation=0)  # 2
+            await store.create_provider(GONE, "compute-2")  # 3
+            await store.set_inventories(GONE, {"VCPU": Inventory(total=8)}, generation=0)  # 4
+            await store.set_allocations(  # 5
+                SERVER, {GONE: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE",
+                generation=None, metadata={"request_id": "req-build", "actor": "nova"},
+            )  # fmt: skip
+            await store.start_migration(SERVER, MIGRATION)  # 6: the migration holds compute-2
+            await store.set_allocations(  # 7: the server on compute-1
+                SERVER, {HOST: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE",
+                generation=None,
+            )  # fmt: skip
+            await store.delete_consumer(SERVER, metadata={"request_id": "req-del"})  # 8: both released
+            await store.rename_provider(HOST, "rack7-compute-1")  # 9
+            await store.delete_provider(GONE)  # 10
+
+    asyncio.run(write())
+
+
+def _summaries(*args: str) -> list[str]:
+    done = evstore(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    return [e["summary"] for e in out["events"]]
+
+
+def test_a_consumers_history_names_its_hosts_as_they_were_called_then(tmp_path: Path) -> None:
+    """Regression: a consumer's history named each host by today's name ("now holds
+    rack7-compute-1", a name given after the consumer was gone) and a decommissioned host by an
+    8-character uuid stub ("bbbbbbbb: VCPU=2"), so the story did not match the operator's
+    records of the time, nor what ``diff`` over the same events says."""
+    db = tmp_path / "leak.db"
+    _renamed_and_decommissioned(db)
+    summaries = _summaries("history", SERVER, "--db", str(db))
+    assert len(summaries) == 4, summaries
+    assert "now holds compute-2: VCPU=2" in summaries[0], summaries[0]
+    assert "moved compute-2: VCPU=2 to migration" in summaries[1], summaries[1]
+    assert "now holds compute-1: VCPU=2" in summaries[2], summaries[2]
+    assert "released compute-1: VCPU=2" in summaries[3], summaries[3]
+    assert "its migration dddddddd-0000-4000-8000-000000000004 released compute-2: VCPU=2" in summaries[3]
+    for text in summaries:
+        assert "rack7" not in text and "bbbbbbbb:" not in text, text
+    # the migration's own history, and the table a person reads, say the same
+    assert "released compute-2: VCPU=2" in _summaries("history", MIGRATION, "--db", str(db))[-1]
+    table = evstore("history", SERVER, "--db", str(db))
+    assert table.returncode == 0, table.stderr
+    assert "compute-2: VCPU=2" in table.stdout and "rack7" not in table.stdout, table.stdout
+    # (diff over the deletion already named them so: the two agree)
+    change = json.loads(evstore("diff", "7", "8", "--db", str(db), "--json").stdout)
+    assert change["provider_names"] == {HOST: "compute-1", GONE: "compute-2"}
+
+
+def test_a_provider_history_names_the_other_providers_as_they_were_called_then(tmp_path: Path) -> None:
+    """The same in a provider's history: the events of consumers that also held other providers
+    name those as they were called at the event (the provider's own name was already right)."""
+    db = tmp_path / "leak.db"
+    _renamed_and_decommissioned(db)
+    summaries = _summaries("history", HOST, "--db", str(db))
+    deletion = next(s for s in summaries if "deleted (tombstone)" in s)
+    assert "released compute-1: VCPU=2" in deletion and "released compute-2: VCPU=2" in deletion, deletion
+    assert summaries[-1] == f"provider {HOST} renamed from compute-1 to rack7-compute-1", summaries
+
+
+def _tail(db: Path, after: int, *args: str) -> list[str]:
+    done = evstore("tail", "--db", str(db), "--after", str(after), "--no-follow", *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_tail_after_a_position_names_providers_as_they_were_called_then(tmp_path: Path) -> None:
+    """Regression: ``tail --after N`` (N > 0) started from today's names, so the events it printed
+    from the past named a host by a name it got later ("inventory of rack7-compute-1" before
+    the rename) and a removed host by a uuid stub - unlike ``tail --after 0``, which learns each
+    name from the log as it goes, and ``history``."""
+    db = tmp_path / "leak.db"
+    _renamed_and_decommissioned(db)
+    whole = [json.loads(line)["summary"] for line in _tail(db, 0, "--json")]
+    # (a rename says what it renamed from only when the lines printed gave the old name)
+    whole_but_the_renames_origin = [s.replace(" from compute-1", "") for s in whole]
+    for after in range(1, 10):
+        lines = _tail(db, after, "--json")
+        assert [json.loads(line)["summary"] for line in lines] == whole_but_the_renames_origin[after:], after
+        assert [json.loads(line)["position"] for line in lines] == list(range(after + 1, 11))
+    human = _tail(db, 4)
+    assert "compute-2: VCPU=2" in human[0] and "compute-2 deleted" in human[-1], human
+    assert "rack7-compute-1" not in "\n".join(human[:-2]), human
+    # (a rename at the first line printed: its old name is not in what tail printed)
+    assert _tail(db, 8)[0].endswith(f"provider {HOST} renamed to rack7-compute-1")
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    done = evstore(*args)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_time_points_the_commands_take_and_refuse(tmp_path: Path) -> None:
+    """``--at`` and diff's points: positions 0 and the head, times in any zone (the same instant
+    answers alike), a time before the first event (position 0) or after the head (the head); a
+    time without a zone, a negative, fractional or past-the-head position, or a reversed diff are
+    one-line ``evstore.invalid_input`` errors with exit 1."""
+    db = tmp_path / "leak.db"
+    _renamed_and_decommissioned(db)
+    events = [json.loads(line) for line in _tail(db, 0, "--json")]
+    deleted_at = events[7]["recorded_at"]  # (position 8, the tombstone)
+
+    def state(at: str, *scope: str) -> Any:
+        code, out, err = _run("state", "--at", at, *scope, "--db", str(db), "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    assert state("0")["position"] == 0
+    assert state("10")["position"] == 10
+    assert state("1999-01-01T00:00:00Z")["position"] == 0
+    assert state("2999-01-01T00:00:00+14:00")["position"] == 10
+    at_tombstone = state(deleted_at, "--consumer", SERVER)
+    assert at_tombstone["position"] == 8 and at_tombstone["deleted"] is True
+    from datetime import datetime, timedelta, timezone
+
+    moment = datetime.fromisoformat(deleted_at)
+    elsewhere = moment.astimezone(timezone(timedelta(hours=-9, minutes=-30))).isoformat()
+    assert state(elsewhere, "--consumer", SERVER) == at_tombstone
+    just_before = (moment - timedelta(microseconds=1)).isoformat()
+    before = state(just_before, "--consumer", MIGRATION)
+    assert before["position"] == 7 and before["on_behalf_of"] == SERVER and before["allocations"]
+    assert state(just_before, "--provider", GONE)["position"] == 7
+    for point in ("-1", "1.5", "11", "2026-01-01T00:00:00", "yesterday", "0x10"):
+        code, out, err = _run("state", "--at", point, "--db", str(db))
+        assert (code, out) == (1, ""), (point, code, out, err)
+        assert err.startswith("error: evstore.invalid_input: ") and err.count("\n") == 1, err
+    code, _, err = _run("diff", "8", "7", "--db", str(db))
+    assert code == 1 and err.startswith("error: evstore.invalid_input: ") and "a <= b" in err
+    code, out, err = _run("diff", deleted_at, "8", "--db", str(db), "--json")
+    assert code == 0, err
+    assert (json.loads(out)["from_position"], json.loads(out)["events_by_type"]) == (8, {})
