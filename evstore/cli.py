@@ -658,7 +658,8 @@ class NamesThen:
 
     def __init__(self, store: Any, listed: str) -> None:
         self.store, self.listed = store, listed
-        self.given: dict[str, tuple[list[int], list[str]]] = {}  # provider: (positions, names)
+        #: provider: (positions, names given there, the last position its history could be read to)
+        self.given: dict[str, tuple[list[int], list[str], int | None]] = {}
 
     async def at(self, recorded: Any, names: Names) -> Names:
         """``names``, with each other provider ``recorded`` names as it was called before it."""
@@ -667,23 +668,28 @@ class NamesThen:
             kind, _, provider = key.partition(":")
             if kind != "provider" or provider == self.listed:
                 continue
-            positions, given = await self._given(provider)
+            positions, given, readable_to = await self._given(provider)
+            if readable_to is not None and recorded.position > readable_to:
+                continue  # (past a damaged row of its history: no telling, today's name)
             i = bisect.bisect_left(positions, recorded.position)
             if i:
                 then = then if then is not names else dict(names)
                 then[provider] = given[i - 1]
         return then
 
-    async def _given(self, provider: str) -> tuple[list[int], list[str]]:
+    async def _given(self, provider: str) -> tuple[list[int], list[str], int | None]:
         if provider not in self.given:
             positions: list[int] = []
             given: list[str] = []
-            with contextlib.suppress(err.CorruptEvent):  # (a damaged row: the names before it)
+            readable_to: int | None = None
+            try:
                 async for recorded in self.store.history(provider):
                     if recorded.type in ("ProviderCreated", "ProviderUpdated"):
                         positions.append(recorded.position)
                         given.append(recorded.event["name"])
-            self.given[provider] = (positions, given)
+            except err.CorruptEvent as exc:  # (the listing reports its own damaged rows, not these)
+                readable_to = int(exc.details.get("position") or 1) - 1
+            self.given[provider] = (positions, given, readable_to)
         return self.given[provider]
 
 

@@ -187,3 +187,20 @@ def test_every_history_tells_each_event_as_the_whole_log_does(tmp_path: Path) ->
         assert done.returncode == 0, done.stderr
         for event in json.loads(done.stdout)["events"]:
             assert event["summary"] == told[event["position"]], (entity, event["position"])
+
+
+def test_a_damaged_row_in_another_providers_history_does_not_stop_a_history(tmp_path: Path) -> None:
+    """The names a history reads from the other providers' histories are a courtesy: a damaged
+    row there (here the host's rename) leaves the names before it known and fails nothing; the
+    listing reports only its own damaged rows."""
+    import sqlite3
+
+    db = tmp_path / "leak.db"
+    _renamed_and_decommissioned(db)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE events SET data = '{' WHERE position = 9")  # (the rename of HOST)
+    conn.close()
+    summaries = _summaries("history", SERVER, "--db", str(db))
+    assert "now holds compute-1: VCPU=2" in summaries[2] and "released compute-1: VCPU=2" in summaries[3]
+    own = evstore("history", HOST, "--db", str(db), "--json")
+    assert own.returncode == 1 and own.stderr.startswith("error: evstore.log.corrupt: "), own.stderr
