@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from evstore import Inventory, open_store
+from evstore import EvstoreError, Inventory, open_store
 from tests.test_cli_support import evstore
 
 HOST = "aaaaaaaa-0000-4000-8000-000000000001"
@@ -204,3 +204,76 @@ def test_a_damaged_row_in_another_providers_history_does_not_stop_a_history(tmp_
     assert "now holds compute-1: VCPU=2" in summaries[2] and "released compute-1: VCPU=2" in summaries[3]
     own = evstore("history", HOST, "--db", str(db), "--json")
     assert own.returncode == 1 and own.stderr.startswith("error: evstore.log.corrupt: "), own.stderr
+
+
+def test_an_operator_finds_a_hand_edited_projection_and_repairs_it_on_either_backend(store_url: str) -> None:
+    """Drift through ``--url`` on both backends: a usage counter and a tombstone edited away by
+    hand; ``audit`` exits 3 naming both (with the events behind them), the projection and a fold
+    at the head disagree as the audit says, ``rebuild`` repairs it, the audit exits 0 and the
+    tombstone refuses a late write again."""
+    other = "eeeeeeee-0000-4000-8000-000000000005"
+
+    async def write() -> None:
+        async with open_store(store_url) as store:
+            await store.create_provider(HOST, "compute-1")
+            await store.set_inventories(HOST, {"VCPU": Inventory(total=8)}, generation=0)
+            for consumer in (SERVER, other):
+                await store.set_allocations(
+                    consumer, {HOST: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE",
+                    generation=None,
+                )  # fmt: skip
+            await store.delete_consumer(other)  # position 5
+
+    async def tamper() -> None:
+        edits = (
+            ("UPDATE p_providers SET usages = '{\"VCPU\": 7}' WHERE uuid = ?", HOST),
+            ("DELETE FROM p_consumers WHERE uuid = ?", other),
+        )
+        if store_url.startswith("sqlite"):
+            import sqlite3
+
+            with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+                for sql, arg in edits:
+                    conn.execute(sql, (arg,))
+            conn.close()
+        else:
+            from tests.test_postgres import admin_fetch
+
+            for sql, arg in edits:
+                await admin_fetch(store_url, sql.replace("?", "$1"), arg)
+
+    asyncio.run(write())
+    asyncio.run(tamper())
+    at = ["--url", store_url, "--json"]
+    found = evstore("audit", *at)
+    assert found.returncode == 3, found.stderr
+    drift = [f for f in json.loads(found.stdout)["findings"] if f["kind"] == "drift"]
+    assert {f["details"].get("provider") or f["details"].get("consumer") for f in drift} == {HOST, other}, (
+        drift
+    )
+    assert all(f["positions"] for f in drift)
+    assert next(f["positions"] for f in drift if f["details"].get("consumer") == other) == [5]
+    stored = json.loads(evstore("state", "--provider", HOST, *at).stdout)["provider"]["usages"]["VCPU"]
+    folded = json.loads(evstore("state", "--at", "5", "--provider", HOST, *at).stdout)["provider"]["usages"][
+        "VCPU"
+    ]
+    assert (stored["used"], folded["used"]) == (7, 2)
+    assert evstore("rebuild", *at).returncode == 0
+    clean = evstore("audit", *at)
+    assert clean.returncode == 0 and json.loads(clean.stdout)["clean"] is True, clean.stdout
+    assert evstore("state", "--provider", HOST, *at).stdout.replace('"head": 5', "") == evstore(
+        "state", "--at", "5", "--provider", HOST, *at
+    ).stdout.replace('"head": 5', "")
+
+    async def late_write() -> str:
+        async with open_store(store_url) as store:
+            try:
+                await store.set_allocations(
+                    other, {HOST: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE",
+                    generation=None,
+                )  # fmt: skip
+            except EvstoreError as exc:
+                return exc.code
+            return "accepted"
+
+    assert asyncio.run(late_write()) == "evstore.consumer.deleted"
