@@ -766,14 +766,16 @@ async def provider_names(store: Any) -> Names:
     return {uuid: name for uuid, name in await store.providers()}
 
 
-async def provider_names_at(store: Any, position: int, head: int) -> Names:
+async def provider_names_at(store: Any, position: int, head: int) -> Names | None:
     """The providers' names as they were at ``position``: what a listing of the events after it
     (``tail --after``) starts from, learning each later name from them (today's names at the
-    head, and when the log up to it cannot be folded: a damaged row is the listing's to report)."""
-    if position < head:
-        with contextlib.suppress(err.CorruptEvent):
-            return dict(await (await store.state_at(position=position)).providers())
-    return await provider_names(store)
+    head); None when the log up to it cannot be folded (a damaged row is the listing's to report)."""
+    if position >= head:
+        return await provider_names(store)
+    try:
+        return dict(await (await store.state_at(position=position)).providers())
+    except err.CorruptEvent:
+        return None
 
 
 @app.command()
@@ -1115,8 +1117,9 @@ def tail(
             start = head if after is None else after
             if start > head:  # (as state and diff: a position the log has not reached)
                 raise err.InvalidInput(f"position {start} is beyond the head of the log ({head})")
-            names = await provider_names_at(store, start, head)
-            learned: Names = {}  # (see learn_name)
+            then = await provider_names_at(store, start, head)
+            names = await provider_names(store) if then is None else then
+            learned: Names = dict(then or {})  # (see learn_name: known names, as of start)
             out = console()
             file = await _file_of(store)  # (before "following": what the file must stay)
             if follow:

@@ -215,10 +215,10 @@ def test_history_names_a_provider_as_it_was_called_at_each_event(tmp_path: Path)
     assert summaries[1] == "inventory of cn-040: VCPU=8", summaries
     deleted = [e["summary"] for e in _json("history", gone, "--db", str(db))["events"]]
     assert deleted[1:] == ["inventory of cn-old: VCPU=8", "provider cn-old deleted"], deleted
-    # tail does the same, and says "from" only when the log it printed gave the old name
+    # tail does the same, starting from the names at the position it starts after
     tail = evstore("tail", "--db", str(db), "--after", "2", "--no-follow")
     assert tail.returncode == 0, tail.stderr
-    assert f"provider {host} renamed to cn-040-new" in tail.stdout, tail.stdout
+    assert f"provider {host} renamed from cn-040 to cn-040-new" in tail.stdout, tail.stdout
 
 
 def test_rebuild_snapshot_and_stats(tmp_path: Path) -> None:
