@@ -654,7 +654,10 @@ def learn_name(names: Names, learned: Names, recorded: Any) -> None:
 class NamesThen:
     """The names the other providers an entity's events name had at each of those events: its
     history lists its own events, not their renames (nor the deletion of a host decommissioned
-    since), so each is read once from that provider's own history, as the names it was given."""
+    since), so each is read once from that provider's own history: the events that named it."""
+
+    #: the events that give a provider its name (only these of its history are read)
+    NAMING = ("ProviderCreated", "ProviderUpdated")
 
     def __init__(self, store: Any, listed: str) -> None:
         self.store, self.listed = store, listed
@@ -679,18 +682,29 @@ class NamesThen:
 
     async def _given(self, provider: str) -> tuple[list[int], list[str], int | None]:
         if provider not in self.given:
-            positions: list[int] = []
-            given: list[str] = []
             readable_to: int | None = None
-            try:
-                async for recorded in self.store.history(provider):
-                    if recorded.type in ("ProviderCreated", "ProviderUpdated"):
-                        positions.append(recorded.position)
-                        given.append(recorded.event["name"])
-            except err.CorruptEvent as exc:  # (the listing reports its own damaged rows, not these)
-                readable_to = int(exc.details.get("position") or 1) - 1
+            while True:
+                try:
+                    positions, given = await self._naming(provider, readable_to)
+                    break
+                except err.CorruptEvent as exc:  # (the listing reports its own damaged rows, not these)
+                    damaged = int(exc.details.get("position") or 1)
+                    if readable_to is not None and damaged > readable_to:  # (no progress: no names)
+                        positions, given, readable_to = [], [], 0
+                        break
+                    readable_to = damaged - 1  # (read again, up to it)
             self.given[provider] = (positions, given, readable_to)
         return self.given[provider]
+
+    async def _naming(self, provider: str, until: int | None) -> tuple[list[int], list[str]]:
+        positions: list[int] = []
+        given: list[str] = []
+        while batch := await self.store.backend.read_entities(
+            [f"provider:{provider}"], positions[-1] if positions else 0, 1000, until, types=self.NAMING
+        ):
+            positions += [recorded.position for recorded in batch]
+            given += [recorded.event["name"] for recorded in batch]
+        return positions, given
 
 
 def event_json(recorded: Any, names: Names, learned: Names | None = None) -> dict[str, Any]:

@@ -333,3 +333,42 @@ async def test_history_is_every_event_that_names_the_uuid_oldest_first(store: Al
     for finding in report.findings:
         assert events[finding.details["since"] - 1].type == "InventoriesReplaced"
         assert finding.details["since"] in finding.positions
+
+
+@pytest.mark.parametrize("lag", [None, 3])
+async def test_reading_an_entitys_events_of_some_types_only(
+    store_url: str, monkeypatch: pytest.MonkeyPatch, lag: int | None
+) -> None:
+    """``read_entities(..., types=)`` - how ``evstore history`` reads the names another provider
+    was given without decoding the rest of its history - answers exactly the entity's events of
+    those types, paged by ``after`` and bounded by ``until``; on SQLite both through the history
+    index and for the newest events it does not hold yet (``lag``: how far it may lag)."""
+    if lag is not None:
+        if not store_url.startswith("sqlite"):
+            pytest.skip("the history index lags on SQLite only")
+        from evstore.log import sqlite as sqlite_backend
+
+        monkeypatch.setattr(sqlite_backend, "HISTORY_LAG", lag)
+    naming = ("ProviderCreated", "ProviderUpdated")
+    async with open_store(store_url) as store:
+        await _mixed_workload(store, seed=9, commands=80)
+        events = await _events(store)
+        providers, _ = await _entity_uuids(store, events)
+        middle = events[len(events) // 2].position
+        for rp in providers:
+            for until in (None, middle):
+                want = [
+                    e.position
+                    for e in events
+                    if f"provider:{rp}" in e.entities()
+                    and e.type in naming
+                    and (until is None or e.position <= until)
+                ]
+                got: list[int] = []
+                while batch := await store.backend.read_entities(
+                    [f"provider:{rp}"], got[-1] if got else 0, 2, until, types=naming
+                ):
+                    assert all(e.type in naming for e in batch)
+                    got += [e.position for e in batch]
+                assert got == want, (rp, until)
+        assert any(len([e for e in events if e.type in naming and rp in _text(e)]) > 1 for rp in providers)

@@ -1938,15 +1938,25 @@ class PostgresBackend:
         return {str(r["entity"]): int(r["last"]) for r in rows}
 
     async def read_entities(
-        self, entities: Sequence[str], after: int, limit: int, until: int | None = None
+        self,
+        entities: Sequence[str],
+        after: int,
+        limit: int,
+        until: int | None = None,
+        types: Sequence[str] | None = None,
     ) -> list[RecordedEvent]:
+        """The events naming one of ``entities`` in ``(after, until]``, in order, at most ``limit``;
+        with ``types``, only those of these types."""
         cols = ", ".join("e." + c.strip() for c in EVENT_COLUMNS.split(","))
+        of_type = "" if types is None else "AND e.type = ANY($5::text[]) "
         sql = (
-            f"SELECT {cols} FROM events e WHERE e.position > $2 AND e.position <= $4 AND e.seq IN "
+            f"SELECT {cols} FROM events e WHERE e.position > $2 AND e.position <= $4 {of_type}AND e.seq IN "
             "(SELECT seq FROM event_entities WHERE entity = ANY($1::text[])) ORDER BY e.position LIMIT $3"
         )
         last = until if until is not None else MAX_POSITION
-        args = (sql, list(entities), after, limit, last)
+        args: tuple[Any, ...] = (sql, list(entities), after, limit, last)
+        if types is not None:
+            args += (list(types),)
 
         async def work(conn: Any) -> list[Any]:
             rows = await _fetch_untracked(conn, *args)

@@ -1361,10 +1361,19 @@ class SqliteBackend:
         return await self._on_reader(q)
 
     async def read_entities(
-        self, entities: Sequence[str], after: int, limit: int, until: int | None = None
+        self,
+        entities: Sequence[str],
+        after: int,
+        limit: int,
+        until: int | None = None,
+        types: Sequence[str] | None = None,
     ) -> list[RecordedEvent]:
+        """The events naming one of ``entities`` in ``(after, until]``, in order, at most ``limit``;
+        with ``types``, only those of these types (the others are not decoded)."""
         keys = list(entities)
         last = until if until is not None else MAX_POSITION
+        only = list(types) if types is not None else None
+        of_type = "" if only is None else f"AND e.type IN ({_in_clause(len(only))}) "
 
         def q(conn: sqlite3.Connection) -> list[RecordedEvent]:
             through = history_through(conn)
@@ -1375,12 +1384,12 @@ class SqliteBackend:
                     f"SELECT {', '.join('e.' + c.strip() for c in EVENT_COLUMNS.split(','))} FROM events e "
                     "WHERE e.position IN (SELECT DISTINCT position FROM event_entities "
                     f"WHERE entity IN ({_in_clause(len(keys))}) AND position > ? AND position <= ?) "
-                    "ORDER BY e.position LIMIT ?",
-                    (*keys, after, upto, limit),
+                    f"{of_type}ORDER BY e.position LIMIT ?",
+                    (*keys, after, upto, *(only or ()), limit),
                 ).fetchall()
                 found = decode_rows(rows)
             if len(found) < limit and last > through:
-                found += _scan_unindexed(conn, keys, max(after, through), last, limit - len(found))
+                found += _scan_unindexed(conn, keys, max(after, through), last, limit - len(found), only)
             return found
 
         return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
@@ -1809,16 +1818,25 @@ def _retry_busy(fn: Callable[[], T], timeout: float, between: Callable[[], None]
 
 
 def _scan_unindexed(
-    conn: sqlite3.Connection, keys: Sequence[str], after: int, last: int, limit: int
+    conn: sqlite3.Connection,
+    keys: Sequence[str],
+    after: int,
+    last: int,
+    limit: int,
+    types: Sequence[str] | None = None,
 ) -> list[RecordedEvent]:
     """The events in ``(after, last]`` that name one of ``keys``, found without the history index
     (the newest events, which it does not hold yet: fewer than :data:`HISTORY_LAG`). An event
     names an entity only through its payload, so the entity's id is in its stored text: only
-    those rows are decoded (a damaged one fails the read with CorruptEvent, as through the index)."""
+    those rows are decoded (a damaged one fails the read with CorruptEvent, as through the index),
+    and with ``types`` only those of these types."""
     wanted = set(keys)
     found: list[RecordedEvent] = []
     for row in _rows_naming(conn, EVENT_COLUMNS, keys, after, last):
-        recorded = decode_raw(RawEvent._make(row))
+        raw = RawEvent._make(row)
+        if types is not None and raw.type not in types:
+            continue
+        recorded = decode_raw(raw)
         if recorded.event.entities() & wanted:
             found.append(recorded)
             if len(found) == limit:
