@@ -152,10 +152,13 @@ def test_time_points_the_commands_take_and_refuse(tmp_path: Path) -> None:
     before = state(just_before, "--consumer", MIGRATION)
     assert before["position"] == earlier and before["on_behalf_of"] == SERVER and before["allocations"]
     assert state(just_before, "--provider", GONE)["position"] == earlier
-    for point in ("-1", "1.5", "0x10", "1e3"):  # (past the head, no zone, words: test_cli_debugging)
+    for point in ("1.5", "0x10", "1e3"):  # (past the head, no zone, words: test_cli_debugging)
         code, out, err = _run("state", "--at", point, "--db", str(db))
         assert (code, out) == (1, ""), (point, code, out, err)
         assert err.startswith("error: evstore.invalid_input: ") and err.count("\n") == 1, err
+    code, out, err = _run("state", "--at", "-1", "--db", str(db))  # out of range: a usage error
+    assert (code, out) == (2, ""), (code, out, err)
+    assert err.startswith("error: evstore.usage: ") and err.count("\n") == 1, err
     code, out, err = _run("diff", deleted_at, "8", "--db", str(db), "--json")
     assert code == 0, err
     assert (json.loads(out)["from_position"], json.loads(out)["events_by_type"]) == (8, {})
