@@ -42,7 +42,7 @@ from pydantic import BaseModel, ValidationError
 
 from evstore import commands as cmd
 from evstore import errors as err
-from evstore.events import GENESIS_HASH, Metadata, RecordedEvent
+from evstore.events import GENESIS_HASH, Metadata, RecordedEvent, sorted_json
 from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, follows_on, random_bits
 from evstore.schema import (
     ConsumerAllocations,
@@ -283,8 +283,15 @@ _METADATA_TOO_DEEP = (
 def _metadata_json(meta: dict[str, Any], check: bool) -> str:
     """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
     caller values) as every reader of the log decodes it: from that text."""
+    text = None
+    for value in meta.values():
+        if type(value) is not str:
+            break
+    else:  # (most metadata is strings only - evstore's own keys, request ids: the same text, 10x faster)
+        text = sorted_json(meta)
     try:
-        text = _METADATA_ENCODER.encode(meta)
+        if text is None:
+            text = _METADATA_ENCODER.encode(meta)
     except RecursionError:
         raise err.InvalidInput(_METADATA_TOO_DEEP) from None
     except (TypeError, ValueError):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evstore.errors import ProjectionCorrupt
-from evstore.events import MAX_GENERATION
+from evstore.events import MAX_GENERATION, sorted_json
 from evstore.schema import MAX_INT, Inventory
 from projections.state import ConsumerState, ProviderState, State
 
@@ -173,8 +173,16 @@ def _parse_inventories(text: str) -> dict[str, Inventory]:
     }
 
 
+def _counts_json(value: Any) -> str:
+    """A row's JSON of class names (ASCII), consumer types and counts (ints: loaded rows are
+    checked, see :func:`check_loaded_consumer`), as :data:`_ROW_JSON` writes it; through
+    :func:`~evstore.events.sorted_json` (~3x faster: the write-back encodes about two per command)."""
+    text = sorted_json(value)
+    return _ROW_JSON(value) if text is None else text
+
+
 def usages_json(usages: dict[str, int]) -> str:
-    return _ROW_JSON(usages)
+    return _counts_json(usages)
 
 
 def provider_row(p: ProviderState) -> tuple[Any, ...]:
@@ -297,12 +305,12 @@ def allocation_rows(c: ConsumerState) -> list[tuple[str, str, str, int]]:
 
 def resources_json(resources: dict[str, int]) -> str:
     """What a consumer holds of one provider, as one row stores it (``{class: amount}``)."""
-    return _ROW_JSON(resources)
+    return _counts_json(resources)
 
 
 def holding_rows(c: ConsumerState) -> list[tuple[str, str, str]]:
     """One ``(consumer, provider, {class: amount} as JSON)`` row per provider the consumer holds."""
-    return [(c.uuid, p, _ROW_JSON(res)) for p, res in c.allocations.items()]
+    return [(c.uuid, p, _counts_json(res)) for p, res in c.allocations.items()]
 
 
 def resources_from_json(consumer: str, provider: str, text: Any) -> dict[str, int]:
@@ -330,7 +338,7 @@ UserCounters = dict[str, tuple[int, dict[str, int]]]
 def user_counters_json(counters: UserCounters) -> str:
     """A (project, user)'s counters as its row stores them: ``[[type, count, {class: amount}], ...]``
     in type order (``""`` for no type)."""
-    return _ROW_JSON([[t, n, amounts] for t, (n, amounts) in sorted(counters.items())])
+    return _counts_json([[t, n, amounts] for t, (n, amounts) in sorted(counters.items())])
 
 
 def user_counters_from_json(project: str, user: str, text: Any) -> UserCounters:
