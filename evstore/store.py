@@ -106,7 +106,6 @@ class _BoundOnce:
         self._name = name
         self._config: dict[str, Any] | None = None
         self._bound: Any = None
-        self._info = True
 
     def get(self) -> Any:
         config = structlog.get_config()
@@ -114,15 +113,16 @@ class _BoundOnce:
         if seen is None or any(config[k] is not seen.get(k) for k in config):
             self._bound = structlog.get_logger(self._name).bind()
             self._config = config
-            # (structlog's own filtering loggers know their level: a host that logs warnings only
-            # drops every command line, so the line is not built; other wrappers are asked by logging)
-            self._info = _info_enabled(self._bound)
         return self._bound
 
     def for_info(self) -> Any:
-        """:meth:`get`, or None when the logger says it drops info lines (the line need not be built)."""
+        """:meth:`get`, or None when the logger says it drops info lines (the line need not be built).
+
+        Asked at each use, not once per configuration: a ``structlog.stdlib`` logger answers from
+        the standard library logger's level, which a host changes without reconfiguring structlog
+        (``setLevel``, ``dictConfig``), and a line dropped once must come back when it is raised."""
         bound = self.get()
-        return bound if self._info else None
+        return bound if _info_enabled(bound) else None
 
 
 def _info_enabled(bound: Any) -> bool:
