@@ -514,6 +514,13 @@ class AllocationStore:
             running = asyncio.get_running_loop()
         except RuntimeError:  # (not in a coroutine: a property read from plain code)
             return
+        if running is not loop and loop.is_closed():
+            raise err.WrongEventLoop(
+                "The event loop that opened this store has ended without closing it (its queue, futures "
+                "and connections belonged to that loop): open a new store in this loop, and close a "
+                "store before its loop ends (`async with open_store(...)`, or `await store.close()` "
+                "in that loop)"
+            )
         if running is not loop:
             raise err.WrongEventLoop(
                 "This store was opened on another event loop and can only be used there (its queue, "

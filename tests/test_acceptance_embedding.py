@@ -322,6 +322,27 @@ async def test_every_kind_of_call_from_another_loop_raises_wrong_event_loop(stor
         assert (await store.audit()).clean
 
 
+def test_a_store_whose_loop_ended_unclosed_says_so_in_the_next_loop(sqlite_url: str) -> None:
+    """A program (a test suite's fixtures, a CLI calling asyncio.run per action) whose first loop
+    ended without closing its store used it from the next: refused, as it must be, but told to
+    run the call on the store's loop - a loop that had ended. It says the loop ended now."""
+
+    async def first() -> AllocationStore:
+        store = await open_store(sqlite_url)
+        await provider(store)
+        return store
+
+    store = asyncio.run(first())
+
+    async def second() -> None:
+        await store.head()
+
+    with pytest.raises(WrongEventLoop, match="has ended without closing it") as info:
+        asyncio.run(second())
+    assert info.value.code == "evstore.store.wrong_loop"
+    assert "run_coroutine_threadsafe" not in info.value.message
+
+
 async def test_a_worker_thread_hands_calls_to_the_stores_loop(store_url: str) -> None:
     """The way for a thread pool to use the store: hand each call to the store's loop."""
     async with open_store(store_url) as store:
