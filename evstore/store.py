@@ -422,6 +422,11 @@ def _log_outcome(job: Job, outcome: Outcome, **extra: Any) -> None:
     if isinstance(outcome, Receipt):
         if context["provider"] is None:  # (a command naming consumers: the providers it changed)
             context["provider"] = sorted(outcome.provider_generations) or None
+        changed, named = outcome.consumer_generations, context["consumer"] or ()
+        if changed and (len(changed) != len(named) or any(c not in changed for c in named)):
+            # (and the consumers it changed that it did not name: a revert's instance, the
+            # migrations a delete released; a log searched by an instance's uuid finds them)
+            context["consumer"] = sorted({*named, *changed})
         logger.info(
             "command.accepted",
             positions=list(outcome.positions),

@@ -80,6 +80,28 @@ async def test_a_request_handlers_lines_carry_its_context_and_nothing_reaches_st
     assert out == "" and err == "", (out, err)
 
 
+async def test_a_command_line_names_every_consumer_the_command_changed(
+    store_url: str, host_logs: structlog.testing.LogCapture
+) -> None:
+    """The race evstore exists for, read from the logs by an instance's uuid: the revert that
+    gave an instance its allocations back named only the migration, and the delete that released
+    a migration's allocations with its instance named only the instance. The accepted line names
+    every consumer the receipt names."""
+    async with open_store(store_url) as store:
+        source, dest = await provider(store), await provider(store)
+        instance, migration = new_uuid(), new_uuid()
+        await claim(store, instance, source)
+        await store.start_migration(instance, migration)
+        await claim(store, instance, dest)
+        await store.revert_migration(migration, metadata={"request_id": "req-revert"})
+        await store.start_migration(instance, second := new_uuid())
+        await store.delete_consumer(instance, metadata={"request_id": "req-delete"})
+    by_request = {e.get("request_id"): e for e in host_logs.entries if e["event"] == "command.accepted"}
+    assert by_request["req-revert"]["consumer"] == sorted([instance, migration])
+    assert by_request["req-delete"]["consumer"] == sorted([instance, second])
+    assert by_request["req-delete"]["provider"] == [source]
+
+
 async def test_a_log_level_raised_at_run_time_brings_the_command_lines(store_url: str) -> None:
     """A host routing structlog through the standard library (``structlog.stdlib``) sets levels
     on its loggers, and changes them while it runs (an operator turning on info for evstore to
