@@ -4,6 +4,7 @@ SQLite's (a missing place is ``evstore.not_found``, a wrong URL ``evstore.invali
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -134,3 +135,203 @@ async def test_a_table_an_upgrade_would_create_clashing_says_what_to_do(pg_url: 
         await conn.close()
     async with open_store(pg_url) as store:
         assert await store.head() == 1
+
+
+def _shaped_as(version: int) -> list[str]:
+    """Statements that make a current store's objects those of schema ``version`` (9, 8 or 4)."""
+    from tests.test_postgres import _downgrade_to_v4_sql
+
+    if version == SCHEMA_VERSION:
+        return []
+    if version == 8:  # (9 set enable_bitmapscan off for the sequencer)
+        return [
+            "ALTER FUNCTION evstore_sequence(bigint, boolean, bigint[]) RESET enable_bitmapscan",
+            "UPDATE evstore_meta SET value = '8' WHERE key = 'schema_version'",
+        ]
+    assert version == 4
+    return _downgrade_to_v4_sql()
+
+
+async def _what_is_there(conn: object) -> tuple[object, ...]:
+    """The schema's tables, functions (with their settings) and evstore_meta's rows."""
+    tables = await _tables(conn)
+    functions = await conn.fetch(  # type: ignore[attr-defined]
+        "SELECT proname, proconfig, prosrc FROM pg_proc WHERE pronamespace = current_schema()::regnamespace "
+        "ORDER BY 1, 2, 3"
+    )
+    meta = []
+    if "evstore_meta" in tables:
+        meta = await conn.fetch("SELECT key, value FROM evstore_meta ORDER BY 1")  # type: ignore[attr-defined]
+    return tables, [tuple(f) for f in functions], [tuple(m) for m in meta]
+
+
+def _statement(message: str) -> str:
+    """The SQL a message gives to run (between backticks)."""
+    found = re.findall(r"`([^`]+)`", message)
+    assert len(found) == 1, message
+    return str(found[0])
+
+
+async def _refused_then_repaired(pg_url: str, said: str, version: int) -> str:
+    """Open the damaged store (create=True and create=False): refused alike, ``said`` in the
+    message, nothing written; returns the statement the message gives, which names ``version``."""
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        before = await _what_is_there(conn)
+        statements = set()
+        for create in (True, False):
+            with pytest.raises(SchemaVersionError) as caught:
+                await open_store(pg_url, create=create)
+            message = str(caught.value)
+            assert caught.value.code == "evstore.schema.version"
+            assert said in message, message
+            assert "another application" not in message and "None" not in message, message
+            assert "backup" in message and "Nothing was written" in message, message
+            if version < SCHEMA_VERSION:
+                assert f"schema version {version}: this evstore upgrades it to {SCHEMA_VERSION}" in message
+            else:
+                assert f"schema version {SCHEMA_VERSION}, this evstore's" in message, message
+            statements.add(_statement(message))
+            assert await _what_is_there(conn) == before  # (nothing written)
+    finally:
+        await conn.close()
+    (statement,) = statements
+    assert f"'{version}'" in statement, statement
+    return statement
+
+
+@pytest.mark.parametrize("version", [SCHEMA_VERSION, 8, 4])
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ("DELETE FROM evstore_meta WHERE key = 'schema_version'", "evstore_meta lost its schema_version row"),
+        ("UPDATE evstore_meta SET value = 'nine' WHERE key = 'schema_version'", "is 'nine', not a number"),
+        ("DROP TABLE evstore_meta", "has lost evstore_meta"),
+    ],
+    ids=["row deleted", "not a number", "table dropped"],
+)
+async def test_a_store_that_lost_its_schema_version_is_refused_with_the_statement_that_gives_it_back(
+    pg_url: str, damage: str, said: str, version: int
+) -> None:
+    """Regression: a store whose evstore_meta lost its schema_version row was refused as "schema
+    version is None: not one evstore writes (... another application's)", and one whose version
+    was not a number as "not a number", neither saying what to do; a dropped evstore_meta was
+    given back at this evstore's version whatever the store's objects were (an older store's
+    upgrade then skipped). Now: the message says what is lost and gives the statement that puts
+    back the version the store's tables and functions show (schema-qualified, for a psql whose
+    search_path is not the store's); run as given, the store opens again (an older one upgraded),
+    as it was."""
+    import asyncpg
+
+    from tests.conftest import allocate, make_provider, new_uuid
+
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        inst, mig = new_uuid(), new_uuid()
+        await allocate(store, inst, {rp: {"VCPU": 2}}, consumer_type="BAREMETAL")
+        await store.start_migration(inst, mig)
+        head = await store.head()
+        for sql in _shaped_as(version):
+            await store.backend.tamper(sql)  # type: ignore[attr-defined]
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute(damage)
+    finally:
+        await conn.close()
+    statement = await _refused_then_repaired(pg_url, said, version)
+    conn = await asyncpg.connect(server_url())  # (its search_path is not the store's)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+    async with open_store(pg_url, create=False) as store:
+        assert await store.head() == head
+        report = await store.audit()
+        assert report.clean, [f.message for f in report.findings]
+        await store.revert_migration(mig)
+        assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
+        assert (await store.usage(rp)).usages == {"VCPU": 2}
+    conn = await asyncpg.connect(pg_url)
+    try:
+        value = await conn.fetchval("SELECT value FROM evstore_meta WHERE key = 'schema_version'")
+        assert value == str(SCHEMA_VERSION)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (f" {SCHEMA_VERSION}", "not a number"),
+        (f"{SCHEMA_VERSION} ", "not a number"),
+        (f"+{SCHEMA_VERSION}", "not a number"),
+        (" 5", "not a number"),
+        ("\u0669", "not a number"),  # (ARABIC-INDIC DIGIT NINE: int() reads 9)
+        ("9_0", "not a number"),
+        ("9" * 5000, "not a number"),  # (more digits than int() reads)
+        ("0", "evstore numbers its versions from 1"),
+        ("-9", "evstore numbers its versions from 1"),
+    ],
+    ids=[
+        "space 9",
+        "9 space",
+        "plus",
+        "space 5",
+        "arabic-indic",
+        "underscore",
+        "5000 digits",
+        "zero",
+        "minus",
+    ],
+)
+async def test_a_store_whose_version_is_not_as_evstore_writes_it_is_refused_strictly(
+    pg_url: str, value: str, said: str
+) -> None:
+    """Regression: PostgreSQL read the schema version with int(), as SQLite did before 9a5443a:
+    ' 9', '+9' and an Arabic-Indic nine opened a store of version 9 as 9, ' 5' as 5 (migrations
+    5-8 run again over it, the projection refolded), '9_0' as 90 ("upgrade evstore"), and 5000
+    digits were refused as "not a number" without a word of what to do. Versions are now read as
+    SQLite reads them (_parse_version: ASCII digits, bounded); a store holding another value is
+    refused with the statement that sets it, which opens it again."""
+    import asyncpg
+
+    from tests.conftest import make_provider
+
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        head = await store.head()
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute("UPDATE evstore_meta SET value = $1 WHERE key = 'schema_version'", value)
+    finally:
+        await conn.close()
+    statement = await _refused_then_repaired(pg_url, said, SCHEMA_VERSION)
+    assert statement.startswith("UPDATE "), statement
+    conn = await asyncpg.connect(server_url())
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+    async with open_store(pg_url, create=False) as store:
+        assert await store.head() == head and (await store.usage(rp)).usages == {"VCPU": 0}
+        assert (await store.audit()).clean
+
+
+async def test_an_evstore_meta_without_a_store_and_a_version_int_reads_is_refused(pg_url: str) -> None:
+    """Regression: a schema holding an evstore_meta whose version is ' 9' (int() reads 9) and no
+    evstore tables was taken for a store of version 9, and the open went on to make the
+    projection's tables in it. It is now "not a number", with nothing written."""
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute("CREATE TABLE evstore_meta (key text PRIMARY KEY, value text NOT NULL)")
+        await conn.execute("INSERT INTO evstore_meta VALUES ('schema_version', $1)", f" {SCHEMA_VERSION}")
+        for create in (True, False):
+            with pytest.raises(SchemaVersionError, match="not a number"):
+                await open_store(pg_url, create=create)
+            assert await _tables(conn) == ["evstore_meta"]
+    finally:
+        await conn.close()

@@ -86,7 +86,7 @@ import re
 import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
@@ -109,7 +109,7 @@ from evstore.log import (
     follows_on,
     store_keyword_hint,
 )
-from evstore.log.sqlite import decode_rows, history_keys, imported_keys
+from evstore.log.sqlite import _parse_version, decode_rows, history_keys, imported_keys
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.exchange import duplicate_id
@@ -774,6 +774,102 @@ async def _holds_evstore_events(conn: Any, schema: str) -> bool:
     return found is not None and EVENTS_COLUMNS <= set(found)
 
 
+async def _version_of_objects(conn: Any, schema: str) -> int:
+    """The schema version the store's objects in ``schema`` show: the newest whose objects, and
+    those of every version before it, are there as the migrations made them (the version a store
+    that lost its own is to be given again: the open upgrades it from there, and the migrations
+    after version 1 can run again over what they made). Versions 6 and 7 have the same objects
+    (7 changed only the number): 6, from which the open upgrades through 7 doing nothing."""
+    rows = await conn.fetch(
+        "SELECT p.proname::text, p.prosrc, coalesce(p.proconfig, '{}'), coalesce(p.proargnames, '{}') "
+        "FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = $1 "
+        "AND p.proname IN ('evstore_sequence', 'evstore_write', 'evstore_lock_load_near')",
+        schema,
+    )
+    sequencer = next((r for r in rows if r[0] == "evstore_sequence"), None)
+    snapshots = await conn.fetchval(
+        "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = $1 AND c.relname = 'snapshots'",
+        schema,
+    )
+    # (each version's mark, oldest first - 7 has none; a lost snapshots table, which the open
+    # re-creates, does not make a store of version 3 or later one of version 1)
+    marks = {
+        2: bool(snapshots) or sequencer is not None,
+        3: sequencer is not None,  # (the write path's functions)
+        4: sequencer is not None and "lock_timeout=0" in sequencer[2],
+        5: any(r[0] == "evstore_write" and "c_instance_type" in r[3] for r in rows),
+        6: sequencer is not None and "evstore_positions" not in sequencer[1],
+        8: any(r[0] == "evstore_lock_load_near" for r in rows),
+        9: sequencer is not None and "enable_bitmapscan=off" in sequencer[2],
+    }
+    version = 1
+    for number, mark in marks.items():
+        if not mark:
+            break
+        version = number
+    return version
+
+
+async def _lost_version(
+    conn: Any, url: str, schema: str, lost: Literal["table", "row", "value"], value: object
+) -> err.SchemaVersionError:
+    """The error for the store in ``schema`` of ``url`` (evstore's events table is there) that
+    lost evstore_meta (``lost`` "table"), its schema_version row ("row"), or whose version is not
+    one evstore writes ("value": ``value``): evstore does not guess the version. The message gives
+    the statement that puts back the version its objects show (:func:`_version_of_objects`),
+    evstore_meta named with its schema (psql's search_path need not be the store's)."""
+    shaped = await _version_of_objects(conn, schema)
+    meta = f"{await conn.fetchval('SELECT quote_ident($1)', schema)}.evstore_meta"
+    where = f"The store in schema {schema!r} of {url}"
+    if shaped == SCHEMA_VERSION:
+        as_shaped = f" (its tables and functions are those of schema version {shaped}, this evstore's)"
+    else:
+        of = f"{shaped} or 7, which differ only in the number" if shaped == 6 else f"{shaped}"
+        as_shaped = (
+            f" (its tables and functions are those of schema version {of}: this evstore upgrades "
+            f"it to {SCHEMA_VERSION} on its next open - stop processes running an older evstore first)"
+        )
+    if lost == "table":
+        what = (
+            f"{where} has lost evstore_meta, the table of its schema version (its events and other "
+            "tables are there): it was dropped by hand, or a restore left it out"
+        )
+        fix = (
+            f"restore evstore_meta from a backup, or make it again{as_shaped}: `CREATE TABLE {meta} "
+            f"(key text PRIMARY KEY, value text NOT NULL); INSERT INTO {meta} VALUES ('schema_version', "
+            f"'{shaped}')`"
+        )
+    elif lost == "row":
+        what = (
+            f"{where} has evstore's tables but no schema version (evstore_meta lost its "
+            "schema_version row): it was deleted by hand, or a restore left it out"
+        )
+        fix = (
+            f"restore evstore_meta from a backup, or put the row back{as_shaped}: `INSERT INTO {meta} "
+            f"VALUES ('schema_version', '{shaped}')`"
+        )
+    else:
+        number = _parse_version(value)
+        what = (
+            f"{where}: its schema version is {value!r:.40}, "
+            + ("not a number" if number is None else "and evstore numbers its versions from 1")
+            + ", so it was changed by hand, or damaged"
+        )
+        fix = (
+            f"restore evstore_meta from a backup, or set the version{as_shaped}: `UPDATE {meta} SET "
+            f"value = '{shaped}' WHERE key = 'schema_version'`"
+        )
+    return err.SchemaVersionError(
+        f"{what}. evstore neither guesses the version of a store nor creates one over its tables: "
+        f"{fix}. Nothing was written",
+        url=url,
+        schema=schema,
+        found=value if lost == "value" else None,
+        supported=SCHEMA_VERSION,
+    )
+
+
 #: the schema of the store: the first of the search_path holding its evstore_meta, else the first
 #: that exists. (A scan of pg_class, not to_regclass: that would cache the name's absence in this
 #: session, and the open's check after waiting for another open's migration would believe it.)
@@ -1275,21 +1371,7 @@ class PostgresBackend:
                     found = 0
                     exists = await conn.fetchval("SELECT to_regclass('evstore_meta')") is not None
                     if not exists and await _holds_evstore_events(conn, schema):
-                        raise err.SchemaVersionError(
-                            f"The store in schema {schema!r} of {self.safe_url} has lost evstore_meta, "
-                            "the table of its schema version (its events and other tables are "
-                            "there): it was dropped by hand, or a restore left it out. evstore "
-                            "neither guesses the version nor creates a store over those tables: "
-                            "restore evstore_meta from a backup, or, if an evstore of schema "
-                            f"version {SCHEMA_VERSION} (this one) last opened the store, make it "
-                            "again: CREATE TABLE evstore_meta (key text PRIMARY KEY, value text "
-                            f"NOT NULL); INSERT INTO evstore_meta VALUES ('schema_version', "
-                            f"'{SCHEMA_VERSION}'). Nothing was written",
-                            url=self.safe_url,
-                            schema=schema,
-                            found=None,
-                            supported=SCHEMA_VERSION,
-                        )
+                        raise await _lost_version(conn, self.safe_url, schema, "table", None)
                     if not exists and not self.create:
                         raise err.NotFound(
                             f"No evstore store in schema {schema!r} of {self.safe_url} (check the URL "
@@ -1300,14 +1382,17 @@ class PostgresBackend:
                         value = await conn.fetchval(
                             "SELECT value FROM evstore_meta WHERE key = 'schema_version'"
                         )
-                        try:
-                            found = int(value) if value is not None else 0
-                        except ValueError:
+                        parsed = _parse_version(value)
+                        if (parsed is None or parsed < 1) and await _holds_evstore_events(conn, schema):
+                            lost: Literal["row", "value"] = "row" if value is None else "value"
+                            raise await _lost_version(conn, self.safe_url, schema, lost, value)
+                        if parsed is None and value is not None:
                             raise err.SchemaVersionError(
                                 f"This database's schema version is {value!r:.40}, not a number: it "
                                 "was not written by evstore, or was damaged",
                                 found=value,
-                            ) from None
+                            )
+                        found = parsed or 0
                         if found < 1:  # (evstore writes its tables and a version >= 1 together)
                             raise err.SchemaVersionError(
                                 f"This database's schema version is {value!r:.40}: not one evstore "
