@@ -34,7 +34,7 @@ from collections.abc import (
     Mapping,
 )
 from dataclasses import asdict
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any, Concatenate, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack
 
 import structlog
@@ -347,12 +347,59 @@ def _check_progress(value: object, signature: str) -> None:
         )
 
 
-def _position(value: object, what: str = "position") -> int:
+def _position(value: object, what: str = "position", time_in: str | None = None) -> int:
+    """A position argument. ``time_in``: where the same call takes a time instead (``at=``), said
+    to a caller who gave one here."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POSITION:
+        hint = f" (a time goes in {time_in})" if time_in is not None and isinstance(value, date) else ""
         raise err.InvalidInput(
-            f"{what} must be an integer position from 0 to 2**63-1, got {value!r:.60}", field=what
+            f"{what} must be an integer position from 0 to 2**63-1, got {_given(value)}{hint}", field=what
         )
     return value
+
+
+def _given(value: object) -> str:
+    """What a caller gave where a position or a time belongs, for the message refusing it: a date
+    or time in ISO form (its repr was cut at 60 characters, inside the tzinfo)."""
+    if isinstance(value, datetime) and value.utcoffset() is None:
+        return f"a naive datetime {value.isoformat()}"
+    if isinstance(value, date):
+        return f"{type(value).__name__} {value.isoformat()}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _time_hint(value: object) -> str:
+    """What to do instead with a value refused as a time: a date has no time of day, and a
+    naive datetime no zone."""
+    if isinstance(value, datetime):
+        return " (no time zone: e.g. .replace(tzinfo=UTC) if it is UTC)"
+    if isinstance(value, date):
+        return (
+            f" (a date has no time of day: datetime({value.year}, {value.month}, {value.day}, "
+            "tzinfo=UTC) is its start in UTC)"
+        )
+    return ""
+
+
+def _point(value: object, what: str, field: str) -> int | datetime:
+    """A position-or-time argument (``diff``'s ``a`` and ``b``, ``position_of``): an integer
+    position or a timezone-aware datetime; anything else refused in one wording naming both."""
+    if isinstance(value, datetime) and value.utcoffset() is not None:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_POSITION:
+        return value
+    hint = (
+        " (a string: int(text) for a position, datetime.fromisoformat(text) for a time)"
+        if isinstance(value, str)
+        else _time_hint(value)
+    )
+    raise err.InvalidInput(
+        f"{what} must be a position (an integer from 0 to 2**63-1) or a timezone-aware datetime, "
+        f"e.g. datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC), got {_given(value)}{hint}",
+        field=field,
+    )
 
 
 _Positioned = TypeVar("_Positioned", RecordedEvent, RawEvent)
@@ -368,8 +415,8 @@ def _aware_time(value: object, what: str = "at") -> datetime:
     """A time argument: a timezone-aware datetime, refused in one wording everywhere otherwise."""
     if isinstance(value, datetime) and value.utcoffset() is not None:
         return value
-    got = "a naive datetime" if isinstance(value, datetime) else f"{type(value).__name__} {value!r:.60}"
-    hint = " (a string: datetime.fromisoformat(text))" if isinstance(value, str) else ""
+    got = _given(value)
+    hint = " (a string: datetime.fromisoformat(text))" if isinstance(value, str) else _time_hint(value)
     raise err.InvalidInput(
         f"{what} must be a timezone-aware datetime, e.g. datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC), "
         f"got {got}{hint}",
@@ -1353,7 +1400,7 @@ class AllocationStore:
                 raise err.InvalidInput("replay takes at most one of to_position or at=")
             to_position = await self.position_of(_aware_time(at))
         if to_position is not None:
-            _position(to_position, "to_position")
+            _position(to_position, "to_position", time_in="at=")
             head = await self._backend.head()
             if to_position > head:  # (as state_at and diff: a position the log has not reached)
                 raise err.InvalidInput(f"position {to_position} is beyond the head of the log ({head})")
@@ -1379,7 +1426,7 @@ class AllocationStore:
             raise err.InvalidInput("state_at needs exactly one of position= or at=")
         if at is not None:
             position = await self.position_of(_aware_time(at))
-        position = _position(position)
+        position = _position(position, time_in="at=")
         head = await self._backend.head()
         if position > head:  # (as diff and the CLI: a position the log has not reached yet)
             raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})")
@@ -1444,14 +1491,17 @@ class AllocationStore:
 
     async def position_of(self, point: int | datetime) -> int:
         """A position given as itself or as a timezone-aware time (the last event at or before it)."""
-        if isinstance(point, datetime | str):
-            point = _aware_time(point, "a time")  # (naive: no tzinfo, or one that gives no offset)
+        return await self._position_of(point, "point", "point")
+
+    async def _position_of(self, point: object, what: str, field: str) -> int:
+        point = _point(point, what, field)  # (naive: no tzinfo, or one that gives no offset)
+        if isinstance(point, datetime):
             try:
                 point.astimezone(UTC)
             except OverflowError:  # within hours of datetime.min or .max: not a time UTC can say
                 return 0 if point.year == 1 else await self.head()
             return await self._backend.position_at(point)
-        return _position(point)
+        return point
 
     async def diff(self, a: int | datetime, b: int | datetime) -> Diff:
         """What changed between ``a`` and ``b`` (positions or times): usage deltas per provider and
@@ -1459,7 +1509,8 @@ class AllocationStore:
         deleted, what only an imported log holds), and the events responsible."""
         from projections.diff import diff_states
 
-        start, end = await self.position_of(a), await self.position_of(b)
+        start = await self._position_of(a, "diff's a (from)", "a")
+        end = await self._position_of(b, "diff's b (to)", "b")
         if start > end:
             raise err.InvalidInput(f"diff needs a <= b, got positions {start} and {end}")
         head = await self.head()

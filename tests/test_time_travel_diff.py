@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import re
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -91,6 +92,55 @@ async def test_diff_by_time_and_bad_bounds(store: AllocationStore) -> None:
         await store.diff(0, head + 1)
     with pytest.raises(InvalidInput):
         await store.diff(datetime.now(), head)  # naive time: ambiguous
+
+
+async def test_a_bound_of_the_wrong_kind_is_refused_saying_what_a_bound_may_be(
+    store: AllocationStore,
+) -> None:
+    """Regression: ``diff(date(...), n)`` - a date, not a datetime - answered "position must be an
+    integer position", as if a time were not allowed there, and its repr was cut inside the
+    tzinfo for an aware datetime given as ``state_at``'s position. Each entry taking a position
+    or a time now says which it takes, what it got (a date or time in ISO form) and what to do."""
+    rp = await make_provider(store, VCPU=8)
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    head = await store.head()
+    dated = r".* got date 2026-01-02 \(a date has no time of day: datetime\(2026, 1, 2, tzinfo=UTC\)"
+    either = r"must be a position \(an integer from 0 to 2\*\*63-1\) or a timezone-aware datetime"
+    for call, field in (
+        (lambda: store.diff(date(2026, 1, 2), head), "a"),  # type: ignore[arg-type]
+        (lambda: store.diff(0, date(2026, 1, 2)), "b"),  # type: ignore[arg-type]
+        (lambda: store.position_of(date(2026, 1, 2)), "point"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidInput, match=either + dated) as caught:
+            await call()
+        assert caught.value.details["field"] == field
+    for bad, got in ((1.5, "float 1.5"), (None, "NoneType None"), (True, "bool True"), (-1, "-1")):
+        with pytest.raises(InvalidInput, match=r"diff's b \(to\) " + either + f".* got {re.escape(got)}$"):
+            await store.diff(0, bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"got str '3' \(a string: int\(text\) for a position"):
+        await store.diff("3", head)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"got a naive datetime 2026-01-02T03:04:05 \(no time zone"):
+        await store.diff(0, datetime(2026, 1, 2, 3, 4, 5))
+    # where the position and the time are separate arguments, the position's says where a time goes
+    aware = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    position_only = (
+        r"must be an integer position .*, got (datetime 2026-01-02T03:04:05\+00:00|date 2026-01-02) "
+        r"\(a time goes in at=\)$"
+    )
+    for call, field in (
+        (lambda: store.state_at(position=aware), "position"),  # type: ignore[arg-type]
+        (lambda: store.state_at(position=date(2026, 1, 2)), "position"),  # type: ignore[arg-type]
+        (lambda: store.replay(aware), "to_position"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidInput, match=position_only) as caught:
+            await call()
+        assert caught.value.details["field"] == field
+    for call in (lambda: store.state_at(at=date(2026, 1, 2)), lambda: store.replay(at=date(2026, 1, 2))):  # type: ignore[arg-type]
+        with pytest.raises(
+            InvalidInput, match=r"at must be a timezone-aware datetime.* got date 2026-01-02 \(a date"
+        ):
+            await call()
+    assert (await store.diff(0, aware + timedelta(days=36500))).to_position == head  # (the right kinds pass)
 
 
 async def test_a_consumer_rewritten_for_another_project_is_a_change(store: AllocationStore) -> None:
