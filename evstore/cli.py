@@ -302,8 +302,9 @@ def _root(
 
 
 def usage_table(state: State, title: str) -> Table:
-    """Per provider: each class as used/capacity (red when over capacity)."""
-    classes = sorted({rc for p in state.providers.values() for rc in p.inventories})
+    """Per provider: each class as used/capacity (red when over capacity); a class used without
+    inventory (only an imported log's allocations do that) as used/-."""
+    classes = sorted({rc for p in state.providers.values() for rc in (*p.inventories, *p.usages)})
     table = Table(title=title, min_width=len(title))  # (a narrow table must not fold its title)
     table.add_column("provider")
     table.add_column("uuid", no_wrap=True)
@@ -325,14 +326,16 @@ def usage_table(state: State, title: str) -> Table:
 
 
 def usage_json(state: State) -> list[dict[str, Any]]:
+    """What :func:`usage_table` shows: a class used without inventory has ``capacity`` null."""
     return [
         {
             "provider": p.uuid,
             "name": p.name,
             "generation": p.generation,
             "usages": {
-                rc: {"used": p.usages.get(rc, 0), "capacity": inv.capacity}
-                for rc, inv in sorted(p.inventories.items())
+                rc: {"used": p.usages.get(rc, 0), "capacity": inv.capacity if inv is not None else None}
+                for rc in sorted(p.inventories.keys() | p.usages.keys())
+                for inv in (p.inventories.get(rc),)
             },
         }
         for p in sorted(state.providers.values(), key=lambda p: p.name)
@@ -843,8 +846,10 @@ def history(
                 if not count:  # (with --json too: the same exit code either way)
                     raise err.NotFound(f"no event in this log touches {key}")
                 if json_out:
-                    # (the bytes emit_json prints for {"uuid": key, "events": [...]})
-                    sys.stdout.write(f'{{\n  "uuid": {json.dumps(key)},\n  "events": [\n')
+                    # (the bytes emit_json prints for {"uuid": key, "name": ..., "events": [...]};
+                    # name: the provider's, as the table's title gives it, null for a consumer)
+                    name = json.dumps(names.get(key))
+                    sys.stdout.write(f'{{\n  "uuid": {json.dumps(key)},\n  "name": {name},\n  "events": [\n')
                     spool.seek(0)
                     shutil.copyfileobj(spool, sys.stdout)
                     sys.stdout.write("\n  ]\n}\n")
@@ -866,7 +871,10 @@ def sorted_allocations(allocs: Mapping[str, Mapping[str, int]]) -> dict[str, dic
     return {key: dict(sorted(amounts.items())) for key, amounts in sorted(allocs.items())}
 
 
-def consumer_json(view: Any, migrations: list[str]) -> dict[str, Any]:
+def consumer_json(view: Any, migrations: list[str], allocated_at: int | None, names: Names) -> dict[str, Any]:
+    """``state --consumer --json``: the table's fields (``allocated_at``: its "last allocation
+    change at"; ``provider_names``: the names it gives the providers of the allocations, as they
+    were then)."""
     return {
         "consumer": view.consumer,
         "allocations": sorted_allocations(view.allocations),
@@ -878,6 +886,8 @@ def consumer_json(view: Any, migrations: list[str]) -> dict[str, Any]:
         "deleted_at": view.deleted_at,
         "on_behalf_of": view.on_behalf_of,
         "migrations_holding_for_it": migrations,
+        "allocated_at": allocated_at,
+        "provider_names": {uuid: names[uuid] for uuid in sorted(view.allocations) if uuid in names},
     }
 
 
@@ -940,6 +950,10 @@ def state(
                         **header,
                         "provider": usage_json(_only(st, puuid))[0],
                         "allocations": sorted_allocations(holders),
+                        "consumer_types": {
+                            cuuid: c.consumer_type if (c := st.consumers.get(cuuid)) else None
+                            for cuuid in sorted(holders)
+                        },
                     }
                 )
                 return EXIT_OK
@@ -965,11 +979,11 @@ def state(
             cuuid = normalize_uuid(consumer, "consumer uuid")
             cview = await view.allocations(cuuid)
             migrations = sorted(m.uuid for m in st.migrations_for(cuuid))
-            doc = consumer_json(cview, migrations)
+            known = st.consumers.get(cuuid)
+            doc = consumer_json(cview, migrations, known.allocated_at if known else None, names)
             if json_out:
                 emit_json({**header, **doc})
                 return EXIT_OK
-            known = st.consumers.get(cuuid)
             status = (
                 "deleted (tombstone)"
                 if cview.deleted
@@ -989,7 +1003,7 @@ def state(
                 ("deleted at position", cview.deleted_at),
                 ("on behalf of (migration of)", cview.on_behalf_of),
                 ("migrations holding for it", ", ".join(migrations) or "-"),
-                ("last allocation change at", known.allocated_at if known else None),
+                ("last allocation change at", doc["allocated_at"]),
             ):
                 table.add_row(label, safe("-" if value is None else str(value)))
             out.print(table)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from evstore import open_store
+from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
 
 
@@ -380,3 +381,88 @@ def test_a_date_without_a_time_of_day_is_refused_as_such(tmp_path: Path) -> None
         assert "is a date without a time of day" in done.stderr and "add Z" not in done.stderr, done.stderr
     naive = evstore("diff", "2026-12-05T04:05:27", "1", "--db", str(db))
     assert "has no time zone: add Z or +00:00" in naive.stderr, naive.stderr
+
+
+def _table_row(text: str, label: str) -> str:
+    """The value cell of the row ``label`` in a two-column table (``state --consumer``)."""
+    row = next(line for line in text.splitlines() if line.startswith(f"│ {label} "))
+    return row.split("│")[2].strip()
+
+
+async def _a_migration_whose_instance_was_deleted(db: Path) -> dict[str, Any]:
+    """An instance on node-a, migrated (mig holds node-a for it, the instance node-b), then
+    deleted - which releases what mig holds - and node-a renamed afterwards."""
+    async with open_store(f"sqlite:///{db}") as store:
+        a = await make_provider(store, "node-a", VCPU=8)
+        b = await make_provider(store, "node-b", VCPU=8)
+        inst, mig = new_uuid(), new_uuid()
+        await allocate(store, inst, {a: {"VCPU": 2}})
+        allocated = await store.head()
+        started = (await store.start_migration(inst, mig)).position
+        await allocate(store, inst, {b: {"VCPU": 2}})
+        deleted = (await store.delete_consumer(inst)).position
+        await store.rename_provider(a, "node-a-renamed")
+        return {"a": a, "b": b, "inst": inst, "mig": mig, "allocated": allocated,
+                "started": started, "deleted": deleted}  # fmt: skip
+
+
+def test_state_json_carries_what_its_table_shows(tmp_path: Path) -> None:
+    """Regression: ``state --consumer --json`` lacked the "last allocation change at" the table
+    shows (and the providers' names the table gives), ``state --provider --json`` the holders'
+    types, and ``history --json`` the provider's name in the table's title."""
+    db = tmp_path / "c.db"
+    s = asyncio.run(_a_migration_whose_instance_was_deleted(db))
+    a, inst, mig = s["a"], s["inst"], s["mig"]
+    for position, consumer, changed in (
+        (s["allocated"], inst, s["allocated"]),
+        (s["started"], mig, s["started"]),
+        (s["deleted"], mig, s["deleted"]),  # (released by the deletion: a change of allocations)
+    ):
+        at = ("--at", str(position), "--consumer", consumer, "--db", str(db))
+        doc = _json("state", *at)
+        table = evstore("state", *at)
+        assert table.returncode == 0, table.stderr
+        assert doc["allocated_at"] == changed == int(_table_row(table.stdout, "last allocation change at"))
+        # the names the table gives the providers, as they were then (node-a was renamed since)
+        expected_names = {a: "node-a"} if doc["allocations"] else {}
+        assert doc["provider_names"] == expected_names, position
+        assert ("node-a:" in _table_row(table.stdout, "allocations")) == bool(expected_names)
+    holders = _json("state", "--at", str(s["started"]), "--provider", a, "--db", str(db))
+    assert holders["allocations"] == {mig: {"VCPU": 2}}
+    assert holders["consumer_types"] == {mig: "MIGRATION"}
+    assert _json("history", a, "--db", str(db))["name"] == "node-a-renamed"
+    assert _json("history", inst, "--db", str(db))["name"] is None  # (a consumer has no name)
+
+
+def test_a_class_used_without_inventory_is_in_state_json_as_in_the_table(tmp_path: Path) -> None:
+    """Regression: an imported log's inventory change that removed a class still in use (what
+    ``decide`` refuses, an older writer did not) leaves a usage without inventory: ``state
+    --json`` left it out, and the table had no column for it unless another provider had that
+    class ("3/-" then)."""
+    from tests.test_audit_findings import append_row, chained
+
+    source, imported = tmp_path / "source.db", tmp_path / "imported.db"
+
+    async def log() -> tuple[str, list[str]]:
+        async with open_store(f"sqlite:///{source}") as store:
+            node = await make_provider(store, "node", VCPU=8)
+            await allocate(store, new_uuid(), {node: {"VCPU": 3}})
+            lines = [line async for line in store.export()]
+            [last] = await store.backend.read_raw(await store.head() - 1, 1)
+        emptied = {"provider": node, "inventories": {}, "generation": 3}
+        append_row(lines, chained(last, "InventoriesReplaced", emptied))
+        return node, lines
+
+    node, lines = asyncio.run(log())
+    (tmp_path / "log.jsonl").write_text("\n".join(lines) + "\n")
+    done = evstore("import", str(tmp_path / "log.jsonl"), "--db", str(imported))
+    assert done.returncode in (0, 3), done.stderr
+    head = _json("stats", "--db", str(imported))["head"]
+    for at in ((), ("--at", str(head))):  # (the projection, and a fold)
+        [shown] = _json("state", *at, "--db", str(imported))["providers"]
+        assert shown["usages"] == {"VCPU": {"used": 3, "capacity": None}}, at
+        table = evstore("state", *at, "--db", str(imported))
+        assert table.returncode == 0, table.stderr
+        assert "VCPU" in table.stdout and "3/-" in next(x for x in table.stdout.splitlines() if node in x)
+    one = _json("state", "--provider", node, "--at", str(head), "--db", str(imported))
+    assert one["provider"]["usages"] == shown["usages"]
