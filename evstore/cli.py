@@ -984,14 +984,21 @@ def state(
             if json_out:
                 emit_json({**header, **doc})
                 return EXIT_OK
+            # A migration consumer emptied by its instance's deletion keeps its on_behalf_of (so a
+            # late revert learns the instance is gone): it holds nothing for it any more.
+            behalf_label = "on behalf of (migration of)"
+            if cview.on_behalf_of is not None and not cview.allocations:
+                behalf_label = "was on behalf of (migration of)"
             status = (
                 "deleted (tombstone)"
                 if cview.deleted
                 else "holds allocations"
                 if cview.allocations
+                else f"released (was on behalf of {cview.on_behalf_of})"
+                if cview.on_behalf_of is not None
                 else "absent"
             )
-            out.print(f"Consumer {cuuid} at position {position} ({shown_when}): {status}")
+            out.print(f"Consumer {cuuid} at position {position} ({shown_when}): {safe(status)}")
             table = Table(show_header=False)
             table.add_column("field")
             table.add_column("value")
@@ -1001,7 +1008,7 @@ def state(
                 ("project / user", f"{cview.project_id or '-'} / {cview.user_id or '-'}"),
                 ("type", cview.consumer_type),
                 ("deleted at position", cview.deleted_at),
-                ("on behalf of (migration of)", cview.on_behalf_of),
+                (behalf_label, cview.on_behalf_of),
                 ("migrations holding for it", ", ".join(migrations) or "-"),
                 ("last allocation change at", doc["allocated_at"]),
             ):

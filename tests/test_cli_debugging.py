@@ -466,3 +466,27 @@ def test_a_class_used_without_inventory_is_in_state_json_as_in_the_table(tmp_pat
         assert "VCPU" in table.stdout and "3/-" in next(x for x in table.stdout.splitlines() if node in x)
     one = _json("state", "--provider", node, "--at", str(head), "--db", str(imported))
     assert one["provider"]["usages"] == shown["usages"]
+
+
+def test_a_migration_released_by_its_instances_deletion_says_so(tmp_path: Path) -> None:
+    """Regression: a migration consumer released when its instance was deleted keeps the link
+    (SPEC: a late revert must learn that the instance is gone), and ``state --consumer`` showed
+    it as "absent" with "on behalf of (migration of) <instance>", as if it still held something
+    for it. The table now says it was released and holds nothing for it; the data is unchanged."""
+    db = tmp_path / "c.db"
+    s = asyncio.run(_a_migration_whose_instance_was_deleted(db))
+    inst, mig = s["inst"], s["mig"]
+    holding = evstore("state", "--at", str(s["started"]), "--consumer", mig, "--db", str(db))
+    assert holding.returncode == 0, holding.stderr
+    assert holding.stdout.splitlines()[0].endswith(": holds allocations")
+    assert _table_row(holding.stdout, "on behalf of (migration of)") == inst
+    released = evstore("state", "--at", str(s["deleted"]), "--consumer", mig, "--db", str(db))
+    assert released.returncode == 0, released.stderr
+    assert released.stdout.splitlines()[0].endswith(f": released (was on behalf of {inst})")
+    assert _table_row(released.stdout, "was on behalf of (migration of)") == inst
+    assert not any(line.startswith("│ on behalf of") for line in released.stdout.splitlines())
+    doc = _json("state", "--at", str(s["deleted"]), "--consumer", mig, "--db", str(db))
+    assert (doc["allocations"], doc["on_behalf_of"], doc["deleted"]) == ({}, inst, False)
+    # a consumer that never was a migration, holding nothing: still plainly absent
+    never = evstore("state", "--consumer", new_uuid(), "--db", str(db))
+    assert never.returncode == 0 and never.stdout.splitlines()[0].endswith(": absent"), never.stdout
