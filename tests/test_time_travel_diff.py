@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
 import pytest
 
 from evstore import AllocationStore, InvalidInput
+from projections.diff import ChangeKind
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -281,3 +283,13 @@ async def test_a_diff_lists_things_in_one_order_and_only_what_moved(store: Alloc
     assert d.providers_created == sorted(created)
     assert [c.consumer for c in d.consumers] == sorted(consumers)
     assert list(d.to_dict()["events_by_type"]) == ["AllocationsReplaced", "ProviderCreated"]
+
+
+def test_every_change_kind_is_described_where_the_readme_describes_diff() -> None:
+    """Regression: ``transient`` was described only in projections/diff.py's docstring, so a
+    reader of ``evstore diff --json`` met a change kind the README never named."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("`diff(a, b)` (")
+    described = readme[start : readme.index("), `audit`", start)]
+    for kind in get_args(ChangeKind):
+        assert f"`{kind}`" in described, kind
