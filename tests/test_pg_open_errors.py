@@ -293,7 +293,7 @@ async def test_a_store_whose_version_is_not_as_evstore_writes_it_is_refused_stri
     ' 9', '+9' and an Arabic-Indic nine opened a store of version 9 as 9, ' 5' as 5 (migrations
     5-8 run again over it, the projection refolded), '9_0' as 90 ("upgrade evstore"), and 5000
     digits were refused as "not a number" without a word of what to do. Versions are now read as
-    SQLite reads them (_parse_version: ASCII digits, bounded); a store holding another value is
+    SQLite reads them (parse_version: ASCII digits, bounded); a store holding another value is
     refused with the statement that sets it, which opens it again."""
     import asyncpg
 

@@ -109,7 +109,7 @@ from evstore.log import (
     follows_on,
     store_keyword_hint,
 )
-from evstore.log.sqlite import _parse_version, decode_rows, history_keys, imported_keys
+from evstore.log.sqlite import decode_rows, history_keys, imported_keys, parse_version
 from evstore.schema import validate_int_option, validate_seconds_option
 from projections import persisted
 from projections.exchange import duplicate_id
@@ -850,7 +850,7 @@ async def _lost_version(
             f"VALUES ('schema_version', '{shaped}')`"
         )
     else:
-        number = _parse_version(value)
+        number = parse_version(value)
         what = (
             f"{where}: its schema version is {value!r:.40}, "
             + ("not a number" if number is None else "and evstore numbers its versions from 1")
@@ -1382,7 +1382,7 @@ class PostgresBackend:
                         value = await conn.fetchval(
                             "SELECT value FROM evstore_meta WHERE key = 'schema_version'"
                         )
-                        parsed = _parse_version(value)
+                        parsed = parse_version(value)
                         if (parsed is None or parsed < 1) and await _holds_evstore_events(conn, schema):
                             lost: Literal["row", "value"] = "row" if value is None else "value"
                             raise await _lost_version(conn, self.safe_url, schema, lost, value)

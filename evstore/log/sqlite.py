@@ -2003,7 +2003,7 @@ def _schema_state(conn: sqlite3.Connection, path: str = "") -> bool:
                 "Not an evstore database: it has a meta table without evstore's schema version "
                 "(another application's?). Use another file for the store."
             )
-        version = _parse_version(row[0])
+        version = parse_version(row[0])
         if version is None or version < 1:
             if store:
                 raise _lost_version(path, "value", row[0], _version_of_tables(outdated, reshaped_in))
@@ -2039,7 +2039,7 @@ def _schema_state(conn: sqlite3.Connection, path: str = "") -> bool:
     )
 
 
-def _parse_version(value: object) -> int | None:
+def parse_version(value: object) -> int | None:
     """A schema version as meta holds it: the decimal text evstore writes (a sign allowed, for the
     message that says a version below 1 is none of evstore's); None for anything else ('1.1', 'x',
     but also ' 5' or '5_0', which int() would take, and numbers of more digits than int() reads:
@@ -2090,7 +2090,7 @@ def _lost_version(
             f"('schema_version', '{shaped}')`"
         )
     else:
-        number = _parse_version(value)
+        number = parse_version(value)
         what = (
             f"{store}: its schema version is {value!r:.40}, not a number"
             if number is None
@@ -2169,7 +2169,7 @@ def _refuse_newer(conn: sqlite3.Connection, found: dict[str, str]) -> None:
     if tuple(r[1] for r in conn.execute("PRAGMA table_info(meta)")) != ("key", "value"):
         return  # (another application's meta table: the column checks say so)
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    version = _parse_version(row[0]) if row is not None else None
+    version = parse_version(row[0]) if row is not None else None
     if version is not None and version > SCHEMA_VERSION:
         raise err.SchemaVersionError(
             f"This database has schema version {version}; this evstore understands up to "
