@@ -335,3 +335,30 @@ async def test_an_evstore_meta_without_a_store_and_a_version_int_reads_is_refuse
             assert await _tables(conn) == ["evstore_meta"]
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("value", [None, "nine", "0"])
+async def test_an_evstore_meta_without_a_log_says_what_to_do(pg_url: str, value: str | None) -> None:
+    """Regression (review of stop 30): an evstore_meta holding no schema version, or one evstore
+    does not write, beside no evstore log was refused as "This database's schema version is
+    'nine', not a number: it was not written by evstore, or was damaged" (or None: "not one
+    evstore writes"), not saying what to do - where SQLite's open of the same says "Use another
+    file for the store" and PostgreSQL's for another application's events table "Put the store in
+    a schema of its own". It now names the schema and says so; nothing is written."""
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute("CREATE TABLE evstore_meta (key text PRIMARY KEY, value text NOT NULL)")
+        if value is not None:
+            await conn.execute("INSERT INTO evstore_meta VALUES ('schema_version', $1)", value)
+        for create in (True, False):
+            with pytest.raises(SchemaVersionError) as caught:
+                await open_store(pg_url, create=create)
+            message = str(caught.value)
+            assert "schema of its own (?search_path=...)" in message, message
+            assert "no evstore log" in message and "nothing was written" in message, message
+            assert caught.value.details["found"] == value
+            assert await _tables(conn) == ["evstore_meta"]
+    finally:
+        await conn.close()

@@ -1386,17 +1386,21 @@ class PostgresBackend:
                         if (parsed is None or parsed < 1) and await _holds_evstore_events(conn, schema):
                             lost: Literal["row", "value"] = "row" if value is None else "value"
                             raise await _lost_version(conn, self.safe_url, schema, lost, value)
-                        if parsed is None and value is not None:
-                            raise err.SchemaVersionError(
-                                f"This database's schema version is {value!r:.40}, not a number: it "
-                                "was not written by evstore, or was damaged",
-                                found=value,
-                            )
                         found = parsed or 0
                         if found < 1:  # (evstore writes its tables and a version >= 1 together)
+                            held = (
+                                "no schema version"
+                                if value is None
+                                else f"schema version {value!r:.40}, "
+                                + ("not a number" if parsed is None else "not one evstore writes")
+                            )
                             raise err.SchemaVersionError(
-                                f"This database's schema version is {value!r:.40}: not one evstore "
-                                "writes (it was damaged, or the schema is another application's)",
+                                f"The schema {schema!r} of {self.safe_url} holds an evstore_meta "
+                                f"table with {held}, and no evstore log: it is not a store "
+                                "evstore wrote (another application's table?). Put the store in a "
+                                "schema of its own (?search_path=...); nothing was written",
+                                url=self.safe_url,
+                                schema=schema,
                                 found=value,
                             )
                     if found > SCHEMA_VERSION:
