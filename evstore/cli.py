@@ -786,13 +786,41 @@ async def provider_names(store: Any) -> Names:
 async def provider_names_at(store: Any, position: int, head: int) -> Names | None:
     """The providers' names as they were at ``position``: what a listing of the events after it
     (``tail --after``) starts from, learning each later name from them (today's names at the
-    head); None when the log up to it cannot be folded (a damaged row is the listing's to report)."""
+    head); None when the log cannot be read (a damaged row is the listing's to report).
+
+    Today's names, but for the providers the events after ``position`` create, rename or delete:
+    those read from their own naming events up to ``position`` (the history index). It reads the
+    events the listing is about to list, not the log up to ``position`` (folding that, as
+    ``state_at`` does, took 29 s and wrote snapshots into the store for ``tail --after`` near the
+    head of a 200k-event log)."""
     if position >= head:
         return await provider_names(store)
+    names = await provider_names(store)
+    touched: set[str] = set()
+    after = position
     try:
-        return dict(await (await store.state_at(position=position)).providers())
+        while after < head and (batch := await store.read(after, 1000)):
+            for recorded in batch:
+                if recorded.position <= head and recorded.type in NAMED_BY:
+                    touched.add(recorded.event["provider"])
+            after = batch[-1].position
+        for provider in touched:
+            last, seen = None, 0
+            while batch := await store.backend.read_entities(
+                [f"provider:{provider}"], seen, 1000, position, types=tuple(NAMED_BY)
+            ):
+                last, seen = batch[-1], batch[-1].position
+            if last is not None and last.type != "ProviderDeleted":
+                names[provider] = last.event["name"]
+            else:  # (made after it, or deleted by then)
+                names.pop(provider, None)
     except err.CorruptEvent:
         return None
+    return names
+
+
+#: the events after which a provider is called otherwise (or no longer at all)
+NAMED_BY = frozenset({"ProviderCreated", "ProviderUpdated", "ProviderDeleted"})
 
 
 @app.command()
