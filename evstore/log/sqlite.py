@@ -594,7 +594,8 @@ class _WriterCache:
     the transaction touched, as stored: the write-back is exactly the difference. Entities found
     through a secondary index (provider names, children, an instance's migrations) are looked
     up in the stored rows, which are current for every entity this transaction has not touched,
-    and among the touched ones by their current value.
+    and among the touched ones by their current value, which the cache indexes by those columns
+    (:meth:`_touched_with`).
     """
 
     #: past this many remembered entities (present or known absent), start again: memory stays
@@ -643,6 +644,17 @@ class _WriterCache:
         self.before = State()
         self.touched_consumers: set[str] = set()
         self.touched_providers: set[str] = set()
+        #: column -> value -> the touched entities whose current value it is (None is not
+        #: indexed: no lookup asks for it), for the lookups of ``load`` by on_behalf_of (consumers),
+        #: name and parent (providers); brought up to date only when a lookup needs it
+        #: (:meth:`_touched_with`)
+        self._by_value: dict[str, dict[str, set[str]]] = {"on_behalf_of": {}, "name": {}, "parent": {}}
+        #: column -> uuid -> the value it is indexed under in ``_by_value``
+        self._indexed_as: dict[str, dict[str, str]] = {"on_behalf_of": {}, "name": {}, "parent": {}}
+        #: the touched entities whose value may have changed since they were last indexed: each
+        #: one that a job first touches (``_take``) and each one a job's fold went through (``settle``)
+        self._unindexed_consumers: list[str] = []
+        self._unindexed_providers: list[str] = []
 
     def begin(self, conn: sqlite3.Connection) -> None:
         """First thing in each write transaction: keep what is remembered only if no other
@@ -713,10 +725,12 @@ class _WriterCache:
                 _load_providers(conn, loaded, missing)
             known |= missing
             current.update(getattr(loaded, kind))
-        for uuid in wanted - touched:  # first touched by this transaction: keep it as stored
+        first = wanted - touched
+        for uuid in first:  # first touched by this transaction: keep it as stored
             if uuid in current:
                 stored[uuid] = clone(current[uuid])
-        touched |= wanted
+        touched |= first
+        (self._unindexed_consumers if consumers else self._unindexed_providers).extend(first)
         target = getattr(into, kind)
         for uuid in wanted:
             if uuid in current:
@@ -738,15 +752,14 @@ class _WriterCache:
         ):
             if not values:
                 continue
-            current: dict[str, Any]
             if column == "on_behalf_of":
-                table, touched, current = "p_consumers", self.touched_consumers, self.now.consumers
+                table, touched = "p_consumers", self.touched_consumers
             else:
-                table, touched, current = "p_providers", self.touched_providers, self.now.providers
+                table, touched = "p_providers", self.touched_providers
             for chunk in _chunks(sorted(values)):
                 sql = f"SELECT uuid FROM {table} WHERE {column} IN ({_in_clause(len(chunk))})"
                 into.update(r[0] for r in conn.execute(sql, chunk) if r[0] not in touched)
-            into.update(u for u in touched if u in current and getattr(current[u], column) in values)
+            into.update(self._touched_with(column, values))
         state = State()
         self._take(conn, "consumers", consumers, state)
         # a migration's decision reads its instance too
@@ -787,21 +800,58 @@ class _WriterCache:
 
     def settle(self, wanted: State, after: State) -> None:
         """Record what a job's fold did to its slice (entities created, changed or forgotten)."""
-        for uuid in wanted.consumers.keys() | after.consumers.keys():
+        consumers = wanted.consumers.keys() | after.consumers.keys()
+        for uuid in consumers:
             self.known_consumers.add(uuid)
             self.touched_consumers.add(uuid)
             if uuid in after.consumers:
                 self.now.consumers[uuid] = after.consumers[uuid]
             else:
                 self.now.consumers.pop(uuid, None)
-        for uuid in wanted.providers.keys() | after.providers.keys():
+        self._unindexed_consumers.extend(consumers)
+        providers = wanted.providers.keys() | after.providers.keys()
+        for uuid in providers:
             self.known_providers.add(uuid)
             self.touched_providers.add(uuid)
             if uuid in after.providers:
                 self.now.providers[uuid] = after.providers[uuid]
             else:
                 self.now.providers.pop(uuid, None)
+        self._unindexed_providers.extend(providers)
         self.now.custom_classes |= after.custom_classes
+
+    def _touched_with(self, column: str, values: set[str]) -> list[str]:
+        """The entities this transaction touched whose current ``column`` (``on_behalf_of`` of a
+        consumer, ``name`` or ``parent`` of a provider) is one of ``values``, those it forgot
+        (deleted, absent) left out. From the index kept by value, not a walk of every touched
+        entity: a lookup costs what it finds, and the commands of a group commit that look one
+        up (a consumer's deletion, a provider's creation, renaming or deletion) were quadratic in
+        its size (up to ``max_batch``)."""
+        current: Mapping[str, Any]
+        columns: tuple[str, ...]
+        if column == "on_behalf_of":
+            pending, current, columns = self._unindexed_consumers, self.now.consumers, ("on_behalf_of",)
+        else:
+            pending, current, columns = self._unindexed_providers, self.now.providers, ("name", "parent")
+        if pending:
+            for indexed in columns:
+                by_value, indexed_as = self._by_value[indexed], self._indexed_as[indexed]
+                for uuid in pending:
+                    entity = current.get(uuid)
+                    value = None if entity is None else getattr(entity, indexed)
+                    old = indexed_as.get(uuid)
+                    if value == old:
+                        continue
+                    if old is not None:
+                        by_value[old].discard(uuid)
+                    if value is None:
+                        del indexed_as[uuid]
+                    else:
+                        indexed_as[uuid] = value
+                        by_value.setdefault(value, set()).add(uuid)
+            pending.clear()
+        by_value = self._by_value[column]
+        return [uuid for value in values for uuid in by_value.get(value, ())]
 
 
 def _load_providers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> None:
