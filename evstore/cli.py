@@ -700,14 +700,19 @@ class NamesThen:
         return self.given[provider]
 
     async def _naming(self, provider: str, until: int | None) -> tuple[list[int], list[str]]:
-        positions: list[int] = []
-        given: list[str] = []
-        while batch := await self.store.backend.read_entities(
-            [f"provider:{provider}"], positions[-1] if positions else 0, 1000, until, types=self.NAMING
-        ):
-            positions += [recorded.position for recorded in batch]
-            given += [recorded.event["name"] for recorded in batch]
-        return positions, given
+        named = await provider_events(self.store, provider, until, self.NAMING)
+        return [recorded.position for recorded in named], [recorded.event["name"] for recorded in named]
+
+
+async def provider_events(store: Any, provider: str, until: int | None, types: Sequence[str]) -> list[Any]:
+    """The events of ``types`` in ``provider``'s history up to ``until``, read through the history
+    index without decoding the others (a provider's naming events are few)."""
+    found: list[Any] = []
+    while batch := await store.backend.read_entities(
+        [f"provider:{provider}"], found[-1].position if found else 0, 1000, until, types=types
+    ):
+        found += batch
+    return found
 
 
 def event_json(recorded: Any, names: Names, learned: Names | None = None) -> dict[str, Any]:
@@ -786,36 +791,34 @@ async def provider_names(store: Any) -> Names:
 async def provider_names_at(store: Any, position: int, head: int) -> Names | None:
     """The providers' names as they were at ``position``: what a listing of the events after it
     (``tail --after``) starts from, learning each later name from them (today's names at the
-    head); None when the log cannot be read (a damaged row is the listing's to report).
+    head, none at 0); None when the log cannot be read (a damaged row is the listing's to report).
 
-    Today's names, but for the providers the events after ``position`` create, rename or delete:
-    those read from their own naming events up to ``position`` (the history index). It reads the
-    events the listing is about to list, not the log up to ``position`` (folding that, as
-    ``state_at`` does, took 29 s and wrote snapshots into the store for ``tail --after`` near the
-    head of a 200k-event log)."""
-    if position >= head:
-        return await provider_names(store)
+    Today's names, but for the providers the events after ``position`` create, rename or delete
+    (found in their payloads, undecoded): those read from their own events up to ``position``
+    (the history index). Not a fold of the log up to ``position``, as ``state_at`` makes: that
+    took 29 s and wrote snapshots into the store for a tail near the head of a 200k-event log."""
+    if position == 0:
+        return {}
     names = await provider_names(store)
     touched: set[str] = set()
     after = position
     try:
-        while after < head and (batch := await store.read(after, 1000)):
-            for recorded in batch:
-                if recorded.position <= head and recorded.type in NAMED_BY:
-                    touched.add(recorded.event["provider"])
-            after = batch[-1].position
-        for provider in touched:
-            last, seen = None, 0
-            while batch := await store.backend.read_entities(
-                [f"provider:{provider}"], seen, 1000, position, types=tuple(NAMED_BY)
-            ):
-                last, seen = batch[-1], batch[-1].position
-            if last is not None and last.type != "ProviderDeleted":
-                names[provider] = last.event["name"]
-            else:  # (made after it, or deleted by then)
-                names.pop(provider, None)
-    except err.CorruptEvent:
+        while after < head and (rows := await store.backend.read_payloads(after, 1000)):
+            for at, kind, _, data in rows:
+                if at <= head and kind in NAMED_BY:
+                    touched.add(json.loads(data)["provider"])
+            after = rows[-1][0]
+    except (err.CorruptEvent, ValueError, KeyError, TypeError):  # (a payload that cannot be read)
         return None
+    for provider in touched:
+        try:
+            events = await provider_events(store, provider, position, tuple(NAMED_BY))
+        except err.CorruptEvent:
+            return None
+        if events and events[-1].type != "ProviderDeleted":
+            names[provider] = events[-1].event["name"]
+        else:  # (made after it, or deleted by then)
+            names.pop(provider, None)
     return names
 
 
