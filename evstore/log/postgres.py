@@ -738,13 +738,28 @@ async def _init_connection(conn: Any) -> None:
     await conn.execute("SET default_transaction_isolation = 'read committed'")
 
 
-async def _reset_connection(conn: Any) -> None:
+async def _reset_connection(conn: Any, unsynced: set[int]) -> None:
     """What a connection needs before it goes back to the pool: no open transaction.
 
     asyncpg's default reset (unlock all advisory locks, close cursors, unlisten, ``RESET ALL``)
     costs a round trip per release; this backend keeps no session state (locks are per
     transaction; ``search_path`` and other URL settings are session defaults that stay).
+
+    ``unsynced``: the server pids of connections whose holder was cancelled (see
+    :meth:`PostgresBackend._connection`). asyncpg prepares a statement with Parse and Describe
+    and no Sync, and sends Bind, Execute and Sync once the prepare has answered; a task cancelled
+    after that answer came and before it resumed sends neither and requests no cancellation, and
+    the server sits in the implicit transaction the Parse began (with a snapshot: a SELECT's
+    analysis takes one) while asyncpg, whose transaction state comes from the last ReadyForQuery,
+    thinks the connection idle. The next holder's ``BEGIN`` ran inside it: ``BEGIN ISOLATION
+    LEVEL REPEATABLE READ`` failed "SET TRANSACTION ISOLATION LEVEL must be called before any
+    query", and a plain ``BEGIN`` joined it. A simple query ends that transaction (the Parse's
+    work is all it holds: asyncpg sends a Sync with every Bind/Execute) and brings the
+    ReadyForQuery that says where the server is.
     """
+    if unsynced and conn.get_server_pid() in unsynced:
+        unsynced.discard(conn.get_server_pid())
+        await conn.execute("SELECT 1")
     if conn.is_in_transaction():
         await conn.execute("ROLLBACK")
 
@@ -1097,6 +1112,8 @@ class PostgresBackend:
         if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None
+        #: server pids of pooled connections whose holder was cancelled (_reset_connection)
+        self._unsynced: set[int] = set()
         self._namespace = ""
         # Commands use at most all but one connection: waiting for a lock another process holds
         # (its rebuild's fence, a hot entity), they must not take every connection from the reads
@@ -1130,7 +1147,7 @@ class PostgresBackend:
                 timeout=self.connect_timeout,
                 command_timeout=self.command_timeout,
                 statement_cache_size=self.statement_cache_size,
-                reset=_reset_connection,
+                reset=functools.partial(_reset_connection, unsynced=self._unsynced),
                 init=_init_connection,
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -1295,6 +1312,10 @@ class PostgresBackend:
         try:
             yield conn
         except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                # (perhaps between a prepare's answer and its Bind/Execute/Sync: _reset_connection)
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    self._unsynced.add(conn.get_server_pid())
             if _timed_out(exc):
                 # asyncpg cancels a statement that ran out of command_timeout, and releasing the
                 # connection waits for that cancellation, up to command_timeout again: where the
