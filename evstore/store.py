@@ -23,7 +23,10 @@ import json
 import logging
 import operator
 import sys
+import traceback
 import uuid as _uuid
+import warnings
+import weakref
 from collections.abc import (
     AsyncGenerator,
     Callable,
@@ -536,6 +539,39 @@ class AllocationStore:
         #: batches or jobs running (PostgreSQL): kept alive until they end, even if the writer is
         #: cancelled, and waited for by close()
         self._running: set[asyncio.Future[Any]] = set()
+        #: where it was opened (in asyncio's debug mode, ``python -X dev``): the warning for a
+        #: store never closed names it
+        self._source_traceback: traceback.StackSummary | None = None
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # A store dropped, or left at exit, without close(): say so as asyncio's and sqlite3's
+        # resources do (a ResourceWarning, shown under -X dev or -W default), and let go of its
+        # connections and writer task without the loop's help - it may be closed already. What
+        # was committed is durable either way; commands queued had no caller left to answer.
+        # (``_warn``: bound now, as asyncio's own __del__ do - late in the interpreter's exit the
+        # module's globals may be gone)
+        loop: asyncio.AbstractEventLoop | None = getattr(self, "_loop", None)
+        if loop is None or self._closing or self._closed is not None:
+            return  # (never opened - its options refused, even - or closed)
+        where = (
+            ", opened at (most recent call last):\n" + "".join(self._source_traceback.format()).rstrip()
+            if self._source_traceback
+            else " (python -X dev shows where it was opened)"
+        )
+        how = "`async with open_store(...)`, or `await store.close()`"
+        message = f"unclosed store {self!r}: close it ({how}){where}"
+        self._closing = True
+        writer = self._writer
+        with contextlib.suppress(Exception):
+            if writer is not None and not writer.done():
+                if loop.is_closed():  # (nothing will run it again: asyncio need not say it was pending)
+                    writer._log_destroy_pending = False  # type: ignore[attr-defined]
+                else:
+                    loop.call_soon_threadsafe(writer.cancel)
+        with contextlib.suppress(Exception):
+            self._impl.abandon()
+        # (last: -W error makes it raise)
+        _warn(message, ResourceWarning, source=self)
 
     @property
     def url(self) -> str:
@@ -611,7 +647,13 @@ class AllocationStore:
             # close() was called while this connected: it waited for the connections to be
             # made and closes them now; nothing may use them
             raise err.StoreClosed("The store was closed while it was being opened")
-        self._writer = self._loop.create_task(self._write_loop(), name="evstore-writer")
+        if self._loop.get_debug():
+            self._source_traceback = traceback.extract_stack(sys._getframe(1))
+        # (the writer holds the store weakly while it waits for commands: a store its program
+        # dropped without closing it is collected, and warns, rather than kept by its own task)
+        self._writer = self._loop.create_task(
+            _write_loop(weakref.ref(self), self._wake), name="evstore-writer"
+        )
         return self
 
     async def close(self) -> None:
@@ -657,23 +699,13 @@ class AllocationStore:
 
     # --- the writer -----------------------------------------------------------------------
 
-    async def _write_loop(self) -> None:
-        try:
-            await self._write_queued()
-        finally:
-            # Cancelled (e.g. a shutdown that cancels every task): what is still queued will
-            # never run, and its callers must hear so rather than wait forever.
-            self._fail_queued(err.StoreClosed("The store was closed before this command ran"))
-
-    async def _write_queued(self) -> None:
+    async def _write_queued(self) -> bool:
+        """Run what is queued; True once the store closes, False when the queue is empty (the
+        writer then waits for ``_wake``, see :func:`_write_loop`)."""
         drain = getattr(self._backend, "drain", None)
         while True:
             if not self._queue:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+                return self._closing
             if drain is not None:
                 # The backend's writer thread takes batches off the queue itself, one after the
                 # other, and delivers each batch's outcomes back on the loop: no loop round trip
@@ -1658,6 +1690,31 @@ _NOT_SYNC = (
     "open_store(url) is an async context manager: use `async with open_store(url) as store:` (the "
     "store is closed when the block ends), or `store = await open_store(url)` and `await store.close()`"
 )
+
+
+async def _write_loop(ref: weakref.ref[AllocationStore], wake: asyncio.Event) -> None:
+    """The store's writer task: runs the queued commands, then waits for more holding only a weak
+    reference to the store, so that a store its program dropped unclosed is collected (its
+    ``__del__`` warns and lets go of its connections) instead of living as long as its loop."""
+    while (store := ref()) is not None:
+        stopped = True
+        try:
+            stopped = await store._write_queued()
+        finally:
+            if stopped:
+                # Closed, or cancelled (e.g. a shutdown that cancels every task): what is still
+                # queued will never run, and its callers must hear so rather than wait forever.
+                store._fail_queued(err.StoreClosed("The store was closed before this command ran"))
+        if stopped:
+            return
+        del store
+        wake.clear()  # (the queue was found empty just now, with no await since: no wake-up lost)
+        try:
+            await wake.wait()
+        except BaseException:
+            if (store := ref()) is not None:
+                store._fail_queued(err.StoreClosed("The store was closed before this command ran"))
+            raise
 
 
 class StoreOptions(TypedDict, total=False):

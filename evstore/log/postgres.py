@@ -1253,6 +1253,16 @@ class PostgresBackend:
             except (TimeoutError, OSError, asyncpg.InterfaceError):
                 pool.terminate()
 
+    def abandon(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        loop = getattr(pool, "_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(pool.terminate)  # (asyncpg's transports are the loop's)
+        else:
+            pool.terminate()
+
     def _timeout_named(self, option: str) -> str:
         """``option`` with its value, as a timeout message names it: ``command_timeout (0.5 s)``."""
         value = self.connect_timeout if option == "connect_timeout" else self.command_timeout

@@ -1264,6 +1264,12 @@ class SqliteBackend:
             self._reader = self._writer = None
             self._cache = _WriterCache()  # (a reopened store must not trust what this one remembered)
 
+    def abandon(self) -> None:
+        self._stop.set()
+        for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
+            _close_unheard(conn)
+        self._reader = self._writer = None
+
     async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` on the writer's thread. Its waits for another connection's lock
         (:func:`_retry_busy`) stop at the next slice once its caller gives up (cancelled) or the
@@ -1767,15 +1773,52 @@ def _close_later(conn: aiosqlite.Connection) -> None:
     task.add_done_callback(_closing.discard)
 
 
+def _close_unheard(conn: aiosqlite.Connection) -> None:
+    """Close ``conn`` on its own thread and end that thread, telling no event loop (the store
+    was dropped unclosed: its loop may be closed, and a thread calling into a closed loop dies
+    with a traceback at exit). Queued behind whatever the thread is running."""
+    from aiosqlite import core
+
+    stop: Any = core._STOP_RUNNING_SENTINEL
+
+    def close() -> object:
+        inner, conn._connection = conn._connection, None
+        if inner is not None:
+            inner.close()
+        return stop  # (aiosqlite 0.22: the thread ends after this)
+
+    conn._running = False
+    if isinstance(conn, threading.Thread):  # (aiosqlite < 0.22: the connection is the thread)
+        tx: Any = conn._tx  # (a queue of (future, call) pairs and this sentinel)
+        tx.put_nowait((_Unheard(), close))
+        tx.put_nowait(stop)
+    else:
+        conn._tx.put_nowait((None, close))
+
+
+class _Unheard:
+    """A stand-in for the future aiosqlite < 0.22 answers each call to: no one waits."""
+
+    def get_loop(self) -> _Unheard:
+        return self
+
+    def call_soon_threadsafe(self, *args: object) -> None:
+        return None
+
+
 async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Connection], T]) -> T:
     if conn is None:
         raise err.StoreClosed("The store is closed")
+    # (``fn`` reached through a box emptied when it runs: aiosqlite's thread keeps the last
+    # call it ran until the next, and a drain's ``fn`` holds the store, which then lived on -
+    # unclosed, never warned of - after its program dropped it)
+    box = [fn]
 
     def call() -> T:
         # aiosqlite's worker thread owns the sqlite3 connection; we run the whole unit of work
         # there in one hop. ``_execute`` is aiosqlite's own primitive for that (every public
         # method is built on it); the version range in pyproject pins it.
-        return fn(conn._conn)
+        return box.pop()(conn._conn)
 
     try:
         return await conn._execute(call)  # type: ignore[no-any-return,no-untyped-call]
