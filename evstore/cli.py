@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import contextlib
 import json
 import logging
@@ -569,7 +570,7 @@ def audit(
 Names = dict[str, str]
 
 
-def fmt_allocs(allocs: dict[str, dict[str, int]], names: Names) -> str:
+def fmt_allocs(allocs: dict[str, dict[str, int]], names: Mapping[str, str]) -> str:
     """``compute-01: VCPU=2 MEMORY_MB=4096`` (providers by name where known)."""
     if not allocs:
         return "nothing"
@@ -580,7 +581,7 @@ def fmt_allocs(allocs: dict[str, dict[str, int]], names: Names) -> str:
     return "; ".join(parts)
 
 
-def describe(event: Any, names: Names, short: bool = False, learned: Names | None = None) -> str:
+def describe(event: Any, names: Mapping[str, str], short: bool = False, learned: Names | None = None) -> str:
     """One line saying what an event did, for people (``short``: consumer uuids cut to 8 characters;
     ``learned``: the names the events listed before this one gave, see :func:`learn_name`)."""
     from evstore import events as ev
@@ -667,9 +668,11 @@ class NamesThen:
         #: provider: (positions, names given there, the last position its history could be read to)
         self.given: dict[str, tuple[list[int], list[str], int | None]] = {}
 
-    async def at(self, recorded: Any, names: Names) -> Names:
-        """``names``, with each other provider ``recorded`` names as it was called before it."""
-        then = names
+    async def at(self, recorded: Any, names: Names) -> Mapping[str, str]:
+        """``names``, with each other provider ``recorded`` names as it was called before it: the
+        few names that differ laid over ``names`` (a copy of it cost ~70 us an event with 5,000
+        providers). Read it before ``names`` changes (``learn_name``)."""
+        then: dict[str, str] | None = None
         for key in recorded.entities():
             kind, _, provider = key.partition(":")
             if kind != "provider" or provider == self.listed:
@@ -679,9 +682,9 @@ class NamesThen:
                 continue  # (past a damaged row of its history: no telling, today's name)
             i = bisect.bisect_left(positions, recorded.position)
             if i:
-                then = then if then is not names else dict(names)
+                then = then if then is not None else {}
                 then[provider] = given[i - 1]
-        return then
+        return names if then is None else collections.ChainMap(then, names)
 
     async def _given(self, provider: str) -> tuple[list[int], list[str], int | None]:
         if provider not in self.given:
@@ -715,7 +718,7 @@ async def provider_events(store: Any, provider: str, until: int | None, types: S
     return found
 
 
-def event_json(recorded: Any, names: Names, learned: Names | None = None) -> dict[str, Any]:
+def event_json(recorded: Any, names: Mapping[str, str], learned: Names | None = None) -> dict[str, Any]:
     out: dict[str, Any] = recorded.to_json()
     out["summary"] = describe(recorded.event, names, learned=learned)
     return out
@@ -731,7 +734,9 @@ def events_table(title: str) -> Table:
     return table
 
 
-def event_row(recorded: Any, names: Names, learned: Names | None = None) -> tuple[str, str, str, str, str]:
+def event_row(
+    recorded: Any, names: Mapping[str, str], learned: Names | None = None
+) -> tuple[str, str, str, str, str]:
     """One event's cells in an :func:`events_table`."""
     meta = recorded.metadata
     who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
