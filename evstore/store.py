@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import copy
 import functools
 import hashlib
 import importlib
@@ -530,7 +531,13 @@ class AllocationStore:
         self._poll_interval = poll_interval
         self._queue: collections.deque[tuple[Job, asyncio.Future[Receipt]]] = collections.deque()
         self._wake = asyncio.Event()
-        self._appended = asyncio.Event()
+        #: wake-ups of the subscribers so far (this process's commits, the poller, close): a
+        #: subscriber that saw it change since it began its read reads again instead of waiting
+        self._wakes = 0
+        #: subscribers waiting for appends, each with the position it has delivered up to
+        self._idle: dict[asyncio.Future[None], int] = {}
+        #: the one task polling the head for them (other processes' appends): None when none waits
+        self._poller: asyncio.Task[None] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
@@ -669,7 +676,9 @@ class AllocationStore:
 
     async def _close(self) -> None:
         self._closing = True
-        self._appended.set()  # subscribers waiting for appends learn of it now, not at their next poll
+        self._wake_subscribers()  # subscribers waiting for appends learn of it now, not at their next poll
+        if self._poller is not None:
+            self._poller.cancel()
         stop_waiting = getattr(self._impl, "stop_waiting", None)
         if stop_waiting is not None and self._opening is not None and not self._opening.done():
             # (SQLite: an open waiting for another process's write lock stops waiting - no one
@@ -681,6 +690,8 @@ class AllocationStore:
         try:
             if self._opening is not None:  # (an open() in progress: let it make what is to be closed)
                 await asyncio.shield(self._opening)
+            if self._poller is not None:  # (cancelled above: it ends before the connections close)
+                await asyncio.wait([self._poller])
             if self._writer is not None:
                 # The writer finishes the batch in its transaction and everything queued, then
                 # stops: every caller gets its answer before the connections close.
@@ -829,8 +840,7 @@ class AllocationStore:
             # what the other callers bound in their contexts)
             object.__setattr__(job, "context", None)
         if appended:
-            self._appended.set()
-            self._appended = asyncio.Event()
+            self._wake_subscribers()
 
     def _fail_queued(self, exc: err.EvstoreError) -> None:
         while self._queue:
@@ -1315,7 +1325,9 @@ class AllocationStore:
     def subscribe(self, after: int = 0, *, batch_size: int = 500) -> AsyncGenerator[RecordedEvent, None]:
         """Every recorded event after ``after``: catch up, then follow new appends live.
 
-        Wakes on this process's commits at once and polls for other processes' commits. The
+        Wakes on this process's commits at once; other processes' commits are seen within about
+        ``poll_interval``, by one task per store that polls the head of the log while any subscriber
+        waits (idle subscribers read nothing themselves, however many there are). The
         arguments are checked at the call (``InvalidInput``); an ``after`` beyond the head of the
         log (a checkpoint from another store, or from before a restore) is refused at the first
         iteration, as ``state_at`` refuses it: followed, it would skip the events appended until
@@ -1337,7 +1349,7 @@ class AllocationStore:
         while True:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
-            signal = self._appended
+            wakes = self._wakes
             try:
                 batch = _contiguous(after, await self._backend.read(after, batch_size))
             except err.CorruptEvent as exc:
@@ -1354,11 +1366,86 @@ class AllocationStore:
                 yield recorded
                 after = recorded.position
             if len(batch) < batch_size:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
-                # that arrives as the wake-up fires, and the subscriber would follow forever.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._poll_interval):
-                        await signal.wait()
+                await self._until_appended(after, wakes)
+
+    async def _until_appended(self, after: int, wakes: int) -> None:
+        """Wait, as a subscriber that has delivered up to ``after``, until the log may hold more:
+        a commit of this process, the poller finding the head beyond ``after``, or the store
+        closing. ``wakes``: :attr:`_wakes` before the subscriber's last read (a wake-up since then
+        may be for what that read missed: no wait). Raises what the poller's read of the head
+        raised, when it failed while this waited."""
+        if self._wakes != wakes or self._closing:
+            return
+        # (a plain await of a future: wait_for on Python 3.11 swallowed a cancellation that
+        # arrived as the wake-up fired, and the subscriber followed forever)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle[waiter] = after
+        if self._poller is None:
+            # (in a context of its own: not the first waiting subscriber's, whose bound request
+            # id would be on the poller's log lines)
+            self._poller = asyncio.get_running_loop().create_task(
+                self._poll_for_subscribers(), name="evstore-subscribers-poller", context=contextvars.Context()
+            )
+            self._poller.add_done_callback(self._poller_ended)
+        try:
+            await waiter
+        finally:
+            del self._idle[waiter]
+            if waiter.done() and not waiter.cancelled():
+                # (this subscriber was cancelled as the poller failed: its copy of the error is
+                # retrieved here, not logged as "never retrieved")
+                waiter.exception()
+
+    def _wake_subscribers(self) -> None:
+        """Wake every subscriber waiting for appends (each reads what is new, or finds the store
+        closed)."""
+        self._wakes += 1
+        for waiter in self._idle:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _poll_for_subscribers(self) -> None:
+        """Every ``poll_interval`` while a subscriber waits, read the head of the log (on
+        PostgreSQL that also positions what a writer that died left unpositioned, as a read
+        does) and wake the subscribers when it is beyond what one of them has delivered: other
+        processes' appends, which no commit of this store announces. One read per interval
+        however many subscribers wait (each polling on its own cost 2,500 reads a second for
+        500 of them). Ends when none waits at a tick, or the store closes; a failed read of the
+        head is raised in every waiting subscriber, as its own read would have raised it, and
+        ends this task (the next subscriber to wait starts another)."""
+        while True:
+            await asyncio.sleep(self._poll_interval)
+            if self._closing or not self._idle:
+                return
+            try:
+                head = await self._impl.head()
+            except Exception as exc:
+                self._fail_idle(exc)
+                return
+            if any(after < head for after in self._idle.values()):
+                self._wake_subscribers()
+
+    def _poller_ended(self, poller: asyncio.Task[None]) -> None:
+        if self._poller is poller:
+            self._poller = None
+        if self._idle and not self._closing:
+            # (cancelled - a shutdown cancelling tasks, even before it first ran - or failed: who
+            # still waits must not wait for a poller that is gone; it reads, the next wait starts one)
+            self._wake_subscribers()
+
+    def _fail_idle(self, exc: Exception) -> None:
+        """Raise the poller's failure in each waiting subscriber (a copy each: an exception raised
+        in several tasks would gather every task's traceback)."""
+        log.warning("subscribe.poll_failed", error=repr(exc), subscribers=len(self._idle))
+        for waiter in self._idle:
+            if waiter.done():
+                continue
+            if isinstance(exc, err.EvstoreError):
+                failed = copy.copy(exc)
+                failed.details = dict(exc.details)
+            else:  # (a backend bug: as the writer reports one)
+                failed = err.StorageError(f"Storage failure: {exc!r}")
+            waiter.set_exception(failed)
 
     async def audit(self, *, history: bool = False) -> AuditReport:
         """Replay the log, check its integrity and compare with the persisted projection.

@@ -285,7 +285,7 @@ async def test_a_subscriber_cancelled_just_as_an_append_wakes_it_stops(store: Al
         while len(positions) < 2:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.02)  # now waiting for the next append
-        store._appended.set()  # the wake-up of a commit...
+        store._wake_subscribers()  # the wake-up of a commit...
         task.cancel()  # ...and the cancellation, in the same iteration
         done, _ = await asyncio.wait({task}, timeout=2)
         assert task in done and task.cancelled(), "the subscriber went on after being cancelled"
