@@ -2192,3 +2192,31 @@ async def test_a_read_cancelled_right_after_its_prepare_leaves_its_connection_cl
         assert (await again.usage(rp))["VCPU"] == 3
         assert (await again.allocations(c)).allocations == {rp: {"VCPU": 2}}
         assert (await again.audit()).clean
+
+
+async def test_a_statement_whose_arguments_asyncpg_cannot_encode_leaves_its_connection_clean(
+    pg_url: str,
+) -> None:
+    """Stop 31's window without a cancellation: asyncpg prepares (Parse, Describe, no Sync) and
+    then encodes the arguments; one it cannot encode (a DataError, raised on the client) sent no
+    Bind, Execute or Sync either, and the server sat in the Parse's implicit transaction while
+    asyncpg thought the connection idle: the next holder's REPEATABLE READ read failed "SET
+    TRANSACTION ISOLATION LEVEL must be called before any query". (Public input is validated
+    before it reaches a statement; this is evstore passing a wrong type, through tamper.)"""
+    async with open_store(pg_url, pool_size=1) as store:  # (one connection: the next call gets it)
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        with pytest.raises(StorageError, match=r"invalid input for query argument \$1"):
+            await pg(store).tamper("SELECT count(*) FROM p_providers WHERE uuid = $1", [12])
+        pool = pg(store)._pool
+        assert pool is not None
+        async with pool.acquire() as conn:
+            pid = conn.get_server_pid()
+        state = (await admin_fetch(pg_url, "SELECT state FROM pg_stat_activity WHERE pid = $1", pid))[0][
+            "state"
+        ]
+        assert state == "idle", f"the pooled connection went back {state!r}"
+        assert (await store.usage(rp))["VCPU"] == 1  # (a REPEATABLE READ read on that connection)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+    async with open_store(pg_url) as again:  # (the command committed, not held in a leftover transaction)
+        assert (await again.usage(rp))["VCPU"] == 3

@@ -745,8 +745,9 @@ async def _reset_connection(conn: Any, unsynced: set[int]) -> None:
     costs a round trip per release; this backend keeps no session state (locks are per
     transaction; ``search_path`` and other URL settings are session defaults that stay).
 
-    ``unsynced``: the server pids of connections whose holder was cancelled (see
-    :meth:`PostgresBackend._connection`). asyncpg prepares a statement with Parse and Describe
+    ``unsynced``: the server pids of connections whose holder was cancelled, or stopped by
+    asyncpg before it sent a statement's arguments (see :meth:`PostgresBackend._connection` and
+    :func:`_maybe_unsynced`). asyncpg prepares a statement with Parse and Describe
     and no Sync, and sends Bind, Execute and Sync once the prepare has answered; a task cancelled
     after that answer came and before it resumed sends neither and requests no cancellation, and
     the server sits in the implicit transaction the Parse began (with a snapshot: a SELECT's
@@ -977,6 +978,26 @@ def _timed_out(exc: BaseException | None) -> bool:
         if exc is None:
             return False
         if isinstance(exc, TimeoutError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _maybe_unsynced(exc: BaseException | None) -> bool:
+    """Whether a holder that failed with ``exc`` may have left its connection between a
+    prepare's answer and the Bind, Execute and Sync that follow it (see _reset_connection):
+    cancelled there, or stopped by asyncpg on the client's side - an argument it cannot encode
+    is found once the statement is prepared, and nothing more is sent (its ``DataError``, a
+    ``PostgresError`` made on the client: without the severity every error the server reports
+    has). Also when evstore's errors replace these (``from None`` keeps them as the context).
+    Not for an error the server reported (asyncpg synced after it) nor evstore's own outcomes:
+    those cost no extra round trip at release."""
+    for _ in range(10):
+        if exc is None:
+            return False
+        if isinstance(exc, asyncio.CancelledError | asyncpg.InterfaceError):
+            return True
+        if isinstance(exc, asyncpg.PostgresError) and getattr(exc, "severity", None) is None:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -1322,7 +1343,7 @@ class PostgresBackend:
         try:
             yield conn
         except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
+            if _maybe_unsynced(exc):
                 # (perhaps between a prepare's answer and its Bind/Execute/Sync: _reset_connection)
                 with contextlib.suppress(asyncpg.InterfaceError):
                     self._unsynced.add(conn.get_server_pid())
