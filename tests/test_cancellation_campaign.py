@@ -58,6 +58,18 @@ class Ledger:
     unexpected: list[str] = field(default_factory=list)
 
 
+class _StoreOf:
+    """One of a storm's stores, looked up at each call: a command repeated once the stores were
+    reopened (after a shutdown) runs on the new ones."""
+
+    def __init__(self, storm: Storm, index: int) -> None:
+        self._storm, self._index = storm, index
+
+    def __getattr__(self, name: str) -> Any:
+        stores = self._storm.stores
+        return getattr(stores[self._index % len(stores)], name)
+
+
 class Storm:
     def __init__(self, stores: list[AllocationStore], rng: random.Random, cancel_jobs: bool = False) -> None:
         self.stores = stores
@@ -91,7 +103,8 @@ class Storm:
 
     def command(self) -> tuple[str, Callable[[str], Awaitable[Any]]]:
         """A random command, as a function of its idempotency key."""
-        s, rng = self.store, self.rng
+        rng = self.rng
+        s: Any = _StoreOf(self, rng.randrange(len(self.stores)))
         kind = rng.choice(
             [
                 "create_provider",
@@ -778,3 +791,65 @@ async def test_an_open_cancelled_at_each_asyncpg_entry_point_leaves_no_connectio
         assert (await store.provider(rp)).name == "rp"
         assert (await store.audit()).clean
     assert fired >= 3, "no cancellation landed: asyncpg's entry points changed"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_shutdown_cancelling_every_task_mid_storm_loses_nothing_accepted(
+    store_url: str, seed: int
+) -> None:
+    """A storm, then a shutdown's cancellation of every task at once (asyncio.run's way: the
+    callers, the stores' writers, PostgreSQL's jobs, the task that holds the stores open). The
+    stores close, no PostgreSQL connection of theirs is left on the server, and once reopened a
+    command whose caller heard success is in the log, a rejected one is not, one given up is
+    wholly in or out, and the audit is clean."""
+    import asyncpg
+
+    postgres = not store_url.startswith("sqlite")
+    name = f"evs_shutdown_{uuid.uuid4().hex[:12]}"
+    url = store_url + (("&" if "?" in store_url else "?") + f"application_name={name}" if postgres else "")
+    options: dict[str, Any] = {"pool_size": 3} if postgres else {}
+    rng = random.Random(seed)
+    storms: list[Storm] = []
+    spared = asyncio.all_tasks()
+
+    async def hold_open() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            opened = [
+                await stack.enter_async_context(open_store(url, **options))
+                for _ in range(3 if postgres else 2)
+            ]
+            storm = Storm(opened, rng, cancel_jobs=postgres)
+            storms.append(storm)
+            for i in range(4):
+                rp = new_uuid()
+                await opened[0].create_provider(rp, f"rp-{i}-{rp[:8]}")
+                await opened[0].set_inventories(
+                    rp, {"VCPU": Inventory(total=64, allocation_ratio=16.0)}, generation=0
+                )
+                storm.providers.append(rp)
+            await storm.run(10**9)
+
+    holder = asyncio.ensure_future(hold_open())
+    async with asyncio.timeout(GUARD):
+        while not storms or len(storms[0].ledger.ok) < 10 + rng.randrange(40):
+            assert not holder.done(), holder
+            await asyncio.sleep(0.001)
+        for task in asyncio.all_tasks() - spared:
+            task.cancel()
+        while pending := [t for t in asyncio.all_tasks() - spared if not t.done()]:
+            await asyncio.wait(pending)
+    assert holder.cancelled() or holder.exception() is None, holder
+    if postgres:
+        monitor = await asyncpg.connect(store_url)
+        try:
+            async with asyncio.timeout(GUARD):  # (a closed connection leaves the list soon after)
+                while await monitor.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name
+                ):
+                    await asyncio.sleep(0.01)
+        finally:
+            await monitor.close()
+    storm = storms[0]
+    async with open_store(url, **options) as reopened:
+        storm.stores = [reopened]
+        await check_after(storm, url, postgres)

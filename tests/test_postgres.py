@@ -2220,3 +2220,43 @@ async def test_a_statement_whose_arguments_asyncpg_cannot_encode_leaves_its_conn
         await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
     async with open_store(pg_url) as again:  # (the command committed, not held in a leftover transaction)
         assert (await again.usage(rp))["VCPU"] == 3
+
+
+async def test_a_shutdown_cancelling_every_task_during_a_release_leaves_no_connection_checked_out(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncpg's Pool.release runs the connection's reset in a task of its own (asyncio.shield, so
+    that its caller's cancellation does not stop it); a shutdown cancels every task at once
+    (asyncio.run's way), and cancelled that one too before its first step when it had just been
+    made: the release never ran, the connection stayed checked out for ever, and the pool's close
+    waited for it until evstore gave up (10 s) and terminated the pool. Here the cancellation
+    comes right as a read's release begins; the store's close must close the pool, not terminate
+    it."""
+    from asyncpg.pool import Pool
+
+    releasing = asyncio.Event()
+    release, terminate = Pool.release, Pool.terminate
+    terminated: list[Pool] = []
+
+    async def signalled(self: Any, connection: Any, *, timeout: float | None = None) -> Any:
+        releasing.set()  # (the test's task runs before the release's own task takes its first step)
+        return await release(self, connection, timeout=timeout)
+
+    def recorded(self: Pool) -> None:
+        terminated.append(self)
+        terminate(self)
+
+    monkeypatch.setattr(Pool, "terminate", recorded)
+    async with open_store(pg_url, pool_size=2) as store:
+        rp = await make_provider(store, VCPU=8)
+        monkeypatch.setattr(Pool, "release", signalled)
+        spared = asyncio.all_tasks()
+        read = asyncio.ensure_future(store.usage(rp))
+        await releasing.wait()
+        for task in asyncio.all_tasks() - spared:  # (the read, and the release's task: not begun)
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await read
+        monkeypatch.setattr(Pool, "release", release)
+        assert (await store.usage(rp))["VCPU"] == 0  # (the pool's other connection)
+    assert not terminated, "the pool's close waited for a connection no one would release"

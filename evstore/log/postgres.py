@@ -1135,6 +1135,8 @@ class PostgresBackend:
         self._pool: asyncpg.Pool | None = None
         #: server pids of pooled connections whose holder was cancelled (_reset_connection)
         self._unsynced: set[int] = set()
+        #: pooled connections whose release was cancelled, which may never have run (_give_back)
+        self._interrupted: set[Any] = set()
         self._namespace = ""
         # Commands use at most all but one connection: waiting for a lock another process holds
         # (its rebuild's fence, a hot entity), they must not take every connection from the reads
@@ -1269,6 +1271,11 @@ class PostgresBackend:
     async def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
+            for conn in self._interrupted:  # (see _give_back)
+                if not _closed(conn):
+                    with contextlib.suppress(asyncpg.InterfaceError):
+                        conn.terminate()
+            self._interrupted.clear()
             try:
                 await asyncio.wait_for(pool.close(), 10)
             except (TimeoutError, OSError, asyncpg.InterfaceError):
@@ -1338,7 +1345,7 @@ class PostgresBackend:
             # for the connections held when it began, so it hands this one over and then closes
             # it under its holder (a read would fail as a lost connection, not a closed store)
             with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
-                await pool.release(conn)
+                await self._give_back(pool, conn, None)
             raise err.StoreClosed("The store is closed")
         try:
             yield conn
@@ -1359,7 +1366,28 @@ class PostgresBackend:
                 # (a timeout of its own: asyncpg bounds the release's reset by the acquire's
                 # timeout otherwise, what was left of connect_timeout - ~1 ms after retries near
                 # its end - and closes a connection whose reset ran out)
-                await pool.release(conn, timeout=max(self.connect_timeout, self.command_timeout or 0))
+                await self._give_back(pool, conn, max(self.connect_timeout, self.command_timeout or 0))
+
+    async def _give_back(self, pool: Any, conn: Any, reset_within: float | None) -> None:
+        """``pool.release(conn)``; if that is cancelled, ``conn`` is remembered until released.
+
+        asyncpg runs the release (the wait for a cancellation in flight, the reset) in a task of
+        its own, under ``asyncio.shield``, so that its caller's cancellation does not stop it. A
+        shutdown cancels every task at once (``asyncio.run``'s way), that one too: made a moment
+        before, it was cancelled before its first step and never ran - the connection stayed
+        checked out for ever, and the pool's close waited for it (10 s for each store, then
+        terminated the pool). The caller cannot tell that from a release still under way (it was
+        cancelled again while waiting for one): ``close`` closes those still checked out first.
+        (Closing them here cost a connection, and an unretrieved error of asyncpg's release task,
+        at every second cancellation during a release.)"""
+        try:
+            await pool.release(conn, timeout=reset_within)
+        except asyncio.CancelledError:
+            interrupted = self._interrupted
+            for gone in [c for c in interrupted if _closed(c)]:  # (released since: detached)
+                interrupted.discard(gone)
+            interrupted.add(conn)
+            raise
 
     async def _acquire(self, pool: Any) -> Any:
         """``pool.acquire()``; when the server refuses the pool another connection (too many
