@@ -670,9 +670,19 @@ class AllocationStore:
         on in the background, and a second ``close()`` waits for it.
         """
         self._check_loop()
-        if self._closed is None:
+        if self._closed is None or self._closed.cancelled():
+            # (a closing cancelled itself - a shutdown cancelling every task: see below - never
+            # finished: it is begun again, not waited for, which raised CancelledError for ever)
             self._closed = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._closed)
+        try:
+            await asyncio.shield(self._closed)
+        except asyncio.CancelledError:
+            if self._closed.cancelled():
+                # The closing task was cancelled too: a shutdown cancels every task at once,
+                # and one made a moment before never took its first step (nothing was closed).
+                # Begun again, in the background, as a cancelled close() goes on.
+                self._closed = asyncio.ensure_future(self._close())
+            raise
 
     async def _close(self) -> None:
         self._closing = True

@@ -178,3 +178,27 @@ async def test_postgres_reads_waiting_for_a_connection_when_close_begins_raise_s
             if isinstance(outcome, BaseException) and not isinstance(outcome, StoreClosed):
                 errors.append(f"{type(outcome).__name__}: {outcome}")
     assert not errors, f"{len(errors)}/100 reads racing close() were not StoreClosed: {errors[:2]}"
+
+
+async def test_a_close_whose_task_a_shutdown_cancelled_before_it_began_is_done_by_the_next(
+    store_url: str,
+) -> None:
+    """close() runs the closing in a task of its own (a cancelled close goes on in the
+    background); a shutdown that cancels every task at once, right after a close() began,
+    cancelled that task before its first step: nothing was closed (the writer task ran on, the
+    connections stayed open), and every later close() - the ``async with``'s exit, a second try -
+    raised CancelledError at once, though no one had cancelled it, and closed nothing either."""
+    store = await open_store(store_url)
+    await store.head()
+    spared = asyncio.all_tasks()
+    closing = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0)  # (close() made its closing task, which has not begun)
+    for task in asyncio.all_tasks() - spared:
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await asyncio.wait_for(store.close(), 60)  # (a hang guard, not a timing assertion)
+    writer = store._writer
+    assert writer is not None and writer.done()
+    with pytest.raises(StoreClosed):
+        await store.head()
