@@ -2260,3 +2260,54 @@ async def test_a_shutdown_cancelling_every_task_during_a_release_leaves_no_conne
         monkeypatch.setattr(Pool, "release", release)
         assert (await store.usage(rp))["VCPU"] == 0  # (the pool's other connection)
     assert not terminated, "the pool's close waited for a connection no one would release"
+
+
+async def test_a_command_job_cancelled_during_its_begin_is_rolled_back_without_an_error_log(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop 31 (helper-110's campaign): a command's transaction was started and ended by hand;
+    a cancellation of its job (a shutdown's way) while BEGIN waited for its answer left asyncpg's
+    failed transaction on the connection, evstore's rollback of it was refused ("in error
+    state"), and the pool's reset logged "Resetting connection with an active transaction" at
+    ERROR through the loop's exception handler before its ROLLBACK. Now the transaction is
+    asyncpg's context manager: the reset rolls back without a word."""
+    from asyncpg.connection import Connection
+
+    execute = Connection.execute
+    fired: list[str] = []
+
+    async def cancelled_at_begin(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        if query.startswith("BEGIN") and armed and not fired and task is not None:
+            fired.append(query)
+            asyncio.get_running_loop().call_soon(task.cancel)  # (while BEGIN waits for its answer)
+        return await execute(self, query, *args, **kwargs)
+
+    armed = False
+    monkeypatch.setattr(Connection, "execute", cancelled_at_begin)
+    reported: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(str(context.get("message"))))
+    try:
+        async with open_store(pg_url, pool_size=1) as store:
+            rp = await make_provider(store, VCPU=8)
+            c = new_uuid()
+            armed = True
+            with pytest.raises(StorageError) as info:
+                await allocate(store, c, {rp: {"VCPU": 1}})
+            armed = False
+            assert fired, "no BEGIN went through Connection.execute: asyncpg changed"
+            assert info.value.details.get("outcome_unknown") is not False
+            while store._running:
+                await asyncio.wait(list(store._running))
+            pool = pg(store)._pool
+            assert pool is not None
+            while pool.get_idle_size() < pool.get_size():
+                await asyncio.sleep(0.01)
+            assert (await store.allocations(c)).allocations == {}  # (rolled back: nothing of it)
+            await allocate(store, c, {rp: {"VCPU": 2}})
+            assert (await store.usage(rp))["VCPU"] == 2
+            assert (await store.audit()).clean
+    finally:
+        loop.set_exception_handler(None)
+    assert not [m for m in reported if "active transaction" in m], reported

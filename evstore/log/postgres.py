@@ -1081,6 +1081,15 @@ def _storage_error(
     return err.StorageError(f"{lead}; {outcome}", sqlstate=sqlstate, outcome_unknown=committing)
 
 
+class _Refused(Exception):
+    """A command's decision was to refuse it: raised inside its transaction to roll it back, and
+    its outcome returned (see PostgresBackend._attempt)."""
+
+    def __init__(self, outcome: err.EvstoreError) -> None:
+        super().__init__(outcome.code)
+        self.outcome = outcome
+
+
 class PostgresBackend:
     """Log and projection in one PostgreSQL database (or schema), shared by many processes.
 
@@ -1726,29 +1735,33 @@ class PostgresBackend:
         async with contextlib.AsyncExitStack() as held:
             conn = await held.enter_async_context(self._connection(command=True))
             committing = False
-            tx = conn.transaction()
             try:
-                try:
-                    await tx.start()
-                except DB_ERRORS as exc:
-                    if _is_connection_error(exc) and not isinstance(exc, TimeoutError):
-                        raise _StaleConnection() from None  # nothing was sent: safe to retry
-                    # (a BEGIN that ran out of command_timeout is no dead connection: the server
-                    # did not answer - a partition - and the pool's next one would wait as long)
-                    raise
-                outcome = await self._decide_and_append(conn, job, keys)
-                if isinstance(outcome, err.EvstoreError):
-                    await tx.rollback()
-                    return outcome
-                hook = self._before_commit
-                if hook is not None:
-                    await hook(conn)
-                committing = True
-                await tx.commit()
+                # (asyncpg's transaction as a context manager - entered and left by a stack of its
+                # own, so that only BEGIN's failures are told apart below: one started and ended
+                # by hand that a cancellation - a shutdown's - stopped at its BEGIN, or whose
+                # ROLLBACK it stopped, stayed the connection's, and the pool's reset logged
+                # "Resetting connection with an active transaction" at ERROR for it)
+                async with contextlib.AsyncExitStack() as transaction:
+                    try:
+                        await transaction.enter_async_context(conn.transaction())
+                    except DB_ERRORS as exc:
+                        if _is_connection_error(exc) and not isinstance(exc, TimeoutError):
+                            raise _StaleConnection() from None  # nothing was sent: safe to retry
+                        # (a BEGIN that ran out of command_timeout is no dead connection: the
+                        # server did not answer - a partition - and the pool's next one would
+                        # wait as long)
+                        raise
+                    outcome = await self._decide_and_append(conn, job, keys)
+                    if isinstance(outcome, err.EvstoreError):
+                        raise _Refused(outcome)  # (rolled back on the way out)
+                    hook = self._before_commit
+                    if hook is not None:
+                        await hook(conn)
+                    committing = True
+                # (committed on the way out of the block above)
+            except _Refused as refused:
+                return refused.outcome
             except BaseException as exc:
-                if not committing and not _closed(conn):
-                    with contextlib.suppress(Exception):
-                        await tx.rollback()
                 if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE_SQLSTATES:
                     raise
                 if isinstance(exc, asyncpg.PostgresError) or _is_connection_error(exc):
