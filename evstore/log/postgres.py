@@ -758,8 +758,8 @@ async def _reset_connection(conn: Any, unsynced: set[int]) -> None:
     work is all it holds: asyncpg sends a Sync with every Bind/Execute) and brings the
     ReadyForQuery that says where the server is.
     """
-    if unsynced and conn.get_server_pid() in unsynced:
-        unsynced.discard(conn.get_server_pid())
+    if unsynced and (pid := conn.get_server_pid()) in unsynced:
+        unsynced.discard(pid)
         await conn.execute("SELECT 1")
     if conn.is_in_transaction():
         await conn.execute("ROLLBACK")
@@ -971,16 +971,22 @@ def _closed(conn: Any) -> bool:
         return True
 
 
-def _timed_out(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is, or was raised while handling, asyncpg's ``TimeoutError`` (a statement
-    that ran out of ``command_timeout``: evstore's errors replace it ``from None``)."""
+def _in_chain(exc: BaseException | None, found: Callable[[BaseException], bool]) -> bool:
+    """Whether ``exc``, or an error it was raised from or while handling (evstore's errors
+    replace asyncpg's ``from None``, which keeps them as the context), is ``found``."""
     for _ in range(10):
         if exc is None:
             return False
-        if isinstance(exc, TimeoutError):
+        if found(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was raised while handling, asyncpg's ``TimeoutError`` (a statement
+    that ran out of ``command_timeout``)."""
+    return _in_chain(exc, lambda e: isinstance(e, TimeoutError))
 
 
 def _maybe_unsynced(exc: BaseException | None) -> bool:
@@ -989,18 +995,15 @@ def _maybe_unsynced(exc: BaseException | None) -> bool:
     cancelled there, or stopped by asyncpg on the client's side - an argument it cannot encode
     is found once the statement is prepared, and nothing more is sent (its ``DataError``, a
     ``PostgresError`` made on the client: without the severity every error the server reports
-    has). Also when evstore's errors replace these (``from None`` keeps them as the context).
-    Not for an error the server reported (asyncpg synced after it) nor evstore's own outcomes:
-    those cost no extra round trip at release."""
-    for _ in range(10):
-        if exc is None:
-            return False
-        if isinstance(exc, asyncio.CancelledError | asyncpg.InterfaceError):
-            return True
-        if isinstance(exc, asyncpg.PostgresError) and getattr(exc, "severity", None) is None:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    has). Not for an error the server reported (asyncpg synced after it) nor evstore's own
+    outcomes: those cost no extra round trip at release."""
+    return _in_chain(
+        exc,
+        lambda e: (
+            isinstance(e, asyncio.CancelledError | asyncpg.InterfaceError)
+            or (isinstance(e, asyncpg.PostgresError) and getattr(e, "severity", None) is None)
+        ),
+    )
 
 
 def _reason(exc: BaseException) -> BaseException:
@@ -1359,16 +1362,17 @@ class PostgresBackend:
         try:
             yield conn
         except BaseException as exc:
-            if _maybe_unsynced(exc):
-                # (perhaps between a prepare's answer and its Bind/Execute/Sync: _reset_connection)
-                with contextlib.suppress(asyncpg.InterfaceError):
-                    self._unsynced.add(conn.get_server_pid())
             if _timed_out(exc):
                 # asyncpg cancels a statement that ran out of command_timeout, and releasing the
                 # connection waits for that cancellation, up to command_timeout again: where the
                 # server does not answer (a partition), every failure took twice the timeout.
                 # Closed instead (the server rolls back what it held; the pool connects anew).
                 conn.terminate()
+            elif _maybe_unsynced(exc):
+                # (perhaps between a prepare's answer and its Bind/Execute/Sync: _reset_connection;
+                # not for a connection closed above, which no reset would take off the set)
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    self._unsynced.add(conn.get_server_pid())
             raise
         finally:
             with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
