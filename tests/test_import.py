@@ -138,6 +138,33 @@ async def test_an_import_whose_caller_is_cancelled_while_it_writes_leaves_the_st
     assert (await store.audit()).clean
 
 
+async def test_a_progress_callback_that_raises_ends_the_import_with_nothing_kept(
+    store: AllocationStore, tmp_path: Path
+) -> None:
+    """Regression (review 32, helper D): on SQLite the import pass handed ``progress`` to the
+    event loop without waiting for it, so an exception it raised went to asyncio's exception
+    handler ("Exception in callback") and the import committed regardless; on PostgreSQL it
+    reached the caller and the import was rolled back. Now both: raised, nothing kept, on the
+    event loop's thread."""
+    lines, rp, _ = await _source(tmp_path, consumers=300)
+    loop_thread = threading.get_ident()
+    threads: set[int] = set()
+
+    def progress(phase: str, done: int) -> None:
+        threads.add(threading.get_ident())
+        if phase == "import":
+            raise KeyError("stop")
+
+    with pytest.raises(KeyError, match="stop"):
+        await store.import_events(lambda: iter(lines), batch_size=50, progress=progress)
+    assert threads == {loop_thread}
+    assert await store.head() == 0
+    assert await store.providers() == []
+    assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
+    assert (await store.usage(rp))["VCPU"] == 299
+    assert (await store.audit()).clean
+
+
 async def test_a_cancelled_import_whose_file_then_fails_still_ends_cancelled(
     store: AllocationStore, tmp_path: Path
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -80,6 +81,32 @@ async def test_rebuild_reports_progress_up_to_the_head(store: AllocationStore) -
     assert [d for d, _ in seen] == sorted(d for d, _ in seen), "progress never goes back"
     assert all(0 < done <= total for done, total in seen), "the total never falls behind"
     assert seen[-1] == (head, head)
+
+
+async def test_rebuild_calls_progress_on_the_event_loops_thread(store: AllocationStore) -> None:
+    """Regression (review 32, helper D): on SQLite the last ``progress(head, head)`` - the catch-up
+    folded - was called on the writer's thread, where an asyncio caller's callback (one setting
+    an ``asyncio.Event`` or feeding a queue) is unsafe; PostgreSQL called every one on the loop."""
+    await random_workload(store, seed=9, commands=60)
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    await store.rebuild(batch_size=20, progress=lambda done, total: threads.append(threading.get_ident()))
+    await store.rebuild(full=True, progress=lambda done, total: threads.append(threading.get_ident()))
+    assert threads and set(threads) == {loop_thread}
+
+
+async def test_a_progress_callback_that_raises_stops_the_rebuild(store: AllocationStore) -> None:
+    """Its exception reaches the caller, as any of the caller's own (on both backends alike)."""
+    await random_workload(store, seed=10, commands=60)
+    head = await store.head()
+
+    def stop(done: int, total: int) -> None:
+        if done == head:
+            raise KeyError("stop")
+
+    with pytest.raises(KeyError, match="stop"):
+        await store.rebuild(progress=stop)
+    assert (await store.audit()).clean
 
 
 # --- SQLite: a rebuild writes only the rows that differ from the fold -----------------------------

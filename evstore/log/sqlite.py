@@ -11,6 +11,7 @@ so they are gap-free.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -1628,12 +1629,7 @@ class SqliteBackend:
         or another, decides a command against a half-imported store, and an import that fails or
         is killed leaves the store as empty as it was.
         """
-        loop = asyncio.get_running_loop()
-
-        def report(done: int) -> None:
-            if progress is not None:
-                loop.call_soon_threadsafe(progress, done)
-
+        report = None if progress is None else _on_the_loop(asyncio.get_running_loop(), progress)
         stop = threading.Event()
 
         def work(conn: sqlite3.Connection) -> int:
@@ -1687,9 +1683,10 @@ class SqliteBackend:
             batch_size=batch_size,
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
+        report = None if progress is None else _on_the_loop(asyncio.get_running_loop(), progress)
         folded: int = await self._on_writer(
             lambda conn: _retry_busy(
-                lambda: _rebuild(conn, state, batch_size, progress, full, self.busy_timeout),
+                lambda: _rebuild(conn, state, batch_size, report, full, self.busy_timeout),
                 self.busy_timeout,
             )
         )
@@ -1804,6 +1801,39 @@ class _Unheard:
 
     def call_soon_threadsafe(self, *args: object) -> None:
         return None
+
+
+def _on_the_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` (a caller's ``progress``) made callable from the writer's thread: each call runs on
+    the event loop's thread, where an asyncio caller's callback belongs (one setting an
+    ``asyncio.Event`` or feeding a queue is unsafe on another), and the writer waits for it, so
+    that an exception it raises ends the work - rolled back, raised to the caller - as on
+    PostgreSQL, whose rebuild and import call ``progress`` on the loop inside their transaction.
+    (Handed over without the wait, its exception went to asyncio's handler and an import
+    committed regardless.)"""
+
+    def call(*args: Any) -> None:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:
+                done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise  # (KeyboardInterrupt, SystemExit: the loop's to handle as well)
+            else:
+                done.set_result(None)
+
+        loop.call_soon_threadsafe(run)
+        while True:
+            try:
+                return done.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if loop.is_closed():  # (it will never run: no wait for ever on the thread)
+                    raise err.StoreClosed("The event loop closed during the work") from None
+
+    return call
 
 
 async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Connection], T]) -> T:
