@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from uuid import UUID
 
 from evstore.events import decode_event
 from projections.gcpause import gc_paused
@@ -92,8 +93,13 @@ class Diff:
     def of_change(self, kind: ChangeKind) -> list[ConsumerChange]:
         return [c for c in self.consumers if c.change == kind]
 
-    def consumer(self, uuid: str) -> ConsumerChange | None:
-        return next((c for c in self.consumers if c.consumer == uuid), None)
+    def consumer(self, uuid: str | UUID) -> ConsumerChange | None:
+        """The change of one consumer, ``None`` if it is not listed; the uuid in any form the
+        store's queries take (a ``uuid.UUID``, any case), a malformed one ``InvalidInput``."""
+        from evstore.schema import normalize_uuid
+
+        key = normalize_uuid(uuid, "consumer uuid")
+        return next((c for c in self.consumers if c.consumer == key), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {

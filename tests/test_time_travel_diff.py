@@ -6,12 +6,31 @@ import re
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any, get_args
+from uuid import UUID
 
 import pytest
 
 from evstore import AllocationStore, InvalidInput
 from projections.diff import ChangeKind
 from tests.conftest import allocate, make_provider, new_uuid
+
+
+async def test_a_diffs_consumer_is_found_by_its_uuid_in_any_form(store: AllocationStore) -> None:
+    """Regression (review 32, helper D): ``Diff.consumer`` compared strings, so a ``uuid.UUID``
+    (or the uuid in capitals) - what every query of the store takes for the same consumer -
+    found nothing, as if the consumer had not changed; a malformed one said the same."""
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    start = await store.head()
+    await allocate(store, c, {rp: {"VCPU": 1}})
+    diff = await store.diff(start, await store.head())
+    found = diff.consumer(c)
+    assert found is not None and found.change == "created"
+    assert diff.consumer(UUID(c)) == found
+    assert diff.consumer(c.upper()) == found
+    assert diff.consumer(new_uuid()) is None
+    with pytest.raises(InvalidInput, match="Malformed consumer uuid"):
+        diff.consumer("not-a-uuid")
 
 
 async def test_diff_names_each_change_and_its_events(store: AllocationStore) -> None:
