@@ -1495,7 +1495,10 @@ class AllocationStore:
         every index regardless (for storage-level damage, e.g. an index that lost entries), on
         both backends writing the history index (what ``history`` and the entity slices of
         ``state_at`` read) again from the log.
-        Snapshots are dropped too (they are re-made on demand by the current fold)."""
+        Snapshots are dropped too (they are re-made on demand by the current fold).
+
+        ``progress(events_folded, head)`` is called on the event loop's thread, last with both at
+        the head; an exception it raises ends the rebuild, the projection left as it was."""
         for name, flag in (("full", full), ("force", force)):
             if not isinstance(flag, bool):
                 raise err.InvalidInput(f"{name} must be True or False, got {flag!r:.40}", field=name)
@@ -1689,7 +1692,8 @@ class AllocationStore:
         is kept) and refused in that transaction, which rolls back; ``open_lines`` is then
         called a third time, to name the line. Memory is bounded by the state folded (providers,
         consumers, tombstones), not by the number of events.
-        ``progress(phase, events)`` reports both passes ("validate", "import").
+        ``progress(phase, events)`` reports both passes ("validate", "import"), on the event
+        loop's thread; an exception it raises ends the import, nothing kept, and reaches the caller.
         """
         from projections.exchange import ChainCheck, duplicate_id, read_export, second_row_of
 
