@@ -17,9 +17,9 @@ import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from evstore.errors import CorruptEvent, EvstoreError, ProjectionCorrupt
+from evstore.errors import CorruptEvent, EvstoreError, InvalidInput, ProjectionCorrupt
 from evstore.events import (
     CAPACITY_PRESSURE,
     CHECKED_PAYLOAD_VALIDATORS,
@@ -39,9 +39,13 @@ if TYPE_CHECKING:
     from evstore.log import HistoryCheck, LostTail
 
 
+FindingKind = Literal["drift", "leak", "over_capacity", "integrity"]
+FINDING_KINDS: tuple[str, ...] = get_args(FindingKind)
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
-    kind: str
+    kind: str  # (one of FINDING_KINDS)
     message: str
     positions: tuple[int, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
@@ -65,7 +69,13 @@ class AuditReport:
     def clean(self) -> bool:
         return not self.findings
 
-    def of_kind(self, kind: str) -> list[Finding]:
+    def of_kind(self, kind: FindingKind) -> list[Finding]:
+        """The findings of one kind; a kind no finding can have (a typo: "leaks") is refused,
+        not answered with an empty list that reads as "none found"."""
+        if kind not in FINDING_KINDS:
+            raise InvalidInput(
+                f"unknown kind of finding {kind!r:.40}: one of {', '.join(FINDING_KINDS)}", field="kind"
+            )
         return [f for f in self.findings if f.kind == kind]
 
     @property

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from uuid import UUID
 
+from evstore.errors import InvalidInput
 from evstore.events import decode_event
 from projections.gcpause import gc_paused
 from projections.persisted import clone
@@ -26,6 +27,7 @@ from projections.state import ConsumerState, State, dismantle, evolve_noting_pro
 
 Allocs = dict[str, dict[str, int]]
 ChangeKind = Literal["created", "changed", "released", "deleted", "transient", "leaked"]
+CHANGE_KINDS: tuple[str, ...] = get_args(ChangeKind)
 ReadRaw = Callable[[int, int], Awaitable[list[Any]]]
 
 
@@ -91,6 +93,12 @@ class Diff:
     provider_names: dict[str, str] = field(default_factory=dict)
 
     def of_change(self, kind: ChangeKind) -> list[ConsumerChange]:
+        """The consumers with one kind of change; a kind no change can have (a typo: "deletes")
+        is refused, not answered with an empty list that reads as "none"."""
+        if kind not in CHANGE_KINDS:
+            raise InvalidInput(
+                f"unknown kind of change {kind!r:.40}: one of {', '.join(CHANGE_KINDS)}", field="kind"
+            )
         return [c for c in self.consumers if c.change == kind]
 
     def consumer(self, uuid: str | UUID) -> ConsumerChange | None:

@@ -33,6 +33,26 @@ async def test_a_diffs_consumer_is_found_by_its_uuid_in_any_form(store: Allocati
         diff.consumer("not-a-uuid")
 
 
+async def test_a_kind_no_change_or_finding_has_is_refused_not_answered_empty(store: AllocationStore) -> None:
+    """Regression (review 32, helper D): ``Diff.of_change("deletes")`` and ``AuditReport.of_kind(
+    "leaks")`` - a typo - answered ``[]``, which reads as "none": for a debugging tool, "no leaks"."""
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    start = await store.head()
+    await allocate(store, c, {rp: {"VCPU": 1}})
+    await store.delete_consumer(c)
+    diff = await store.diff(start, await store.head())
+    assert [x.consumer for x in diff.of_change("deleted")] == [c]
+    with pytest.raises(InvalidInput, match="unknown kind of change 'deletes'") as info:
+        diff.of_change("deletes")  # type: ignore[arg-type]
+    assert info.value.code == "evstore.invalid_input" and "deleted" in info.value.message
+    report = await store.audit()
+    assert report.of_kind("leak") == [] and report.clean
+    with pytest.raises(InvalidInput, match="unknown kind of finding 'leaks'") as info:
+        report.of_kind("leaks")  # type: ignore[arg-type]
+    assert "over_capacity" in info.value.message
+
+
 async def test_diff_names_each_change_and_its_events(store: AllocationStore) -> None:
     a = await make_provider(store, "a", VCPU=8)
     b = await make_provider(store, "b", VCPU=8)
