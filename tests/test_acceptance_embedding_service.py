@@ -190,6 +190,10 @@ def test_ctrl_c_mid_traffic_exits_and_leaves_a_consistent_store(store_url: str, 
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # (a shell starts background jobs with SIGINT ignored, and an ignored SIGINT is inherited:
+        # a suite run in the background - `bash .ci/run &` - gave the service no KeyboardInterrupt
+        # to raise, and it ran on until the guard's timeout)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
