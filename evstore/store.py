@@ -167,9 +167,18 @@ def _request_id(meta: Any) -> Any:
     """The request id of a refused command's metadata, for its log line (the metadata may be what
     was refused: a caller's object whose attribute or ``get`` raises must not replace the error)."""
     try:
-        return meta.get("request_id") if isinstance(meta, Mapping) else getattr(meta, "request_id", None)
+        found = meta.get("request_id") if isinstance(meta, Mapping) else getattr(meta, "request_id", None)
     except Exception:
         return None
+    if found is None or type(found) in (int, float, bool):
+        return found
+    # (as text any log stream can hold: the refusal may be of a lone surrogate, which structlog's
+    # default line, printed to stdout in UTF-8, cannot encode; nor may a repr that raises break it)
+    try:
+        text = found if isinstance(found, str) else repr(found)[:100]
+    except Exception:
+        return type(found).__name__
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _logs_rejections(

@@ -677,6 +677,37 @@ async def test_a_rejection_log_line_cannot_replace_the_rejection(store: Allocati
         await store.release(new_uuid(), metadata=OddObject())  # type: ignore[arg-type]
 
 
+async def test_a_refused_request_id_not_text_cannot_replace_the_rejection(store: AllocationStore) -> None:
+    """Probe of stop 32: metadata whose ``request_id`` is a lone surrogate is refused (the log
+    could not store it), but the rejection's log line carried that request id as it was, and
+    structlog's default renderer printing it to a UTF-8 stream - stdout, unconfigured - raised
+    UnicodeEncodeError from the logging instead of the command's InvalidInput. The line carries it
+    escaped, and a value that is not text as its repr (an object whose repr raises as its type)."""
+
+    class NoRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # (strict, as stdout is)
+    saved = structlog.get_config()
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        processors=[structlog.dev.ConsoleRenderer(colors=False)],
+    )
+    try:
+        with pytest.raises(InvalidInput, match="not valid unicode text"):
+            await store.release(new_uuid(), metadata={"request_id": "req-\ud800"})
+        with pytest.raises(InvalidInput, match="JSON-serialisable"):
+            await store.release(new_uuid(), metadata={"request_id": NoRepr()})
+    finally:
+        structlog.configure(**saved)
+    out.seek(0)
+    lines = out.buffer.getvalue().decode().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 2 and all("command.rejected" in line for line in lines), lines
+    assert "request_id=req-\\ud800" in lines[0] and "request_id=NoRepr" in lines[1], lines
+
+
 async def _log_two_outcomes(store: AllocationStore, rp: str) -> None:
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
     with pytest.raises(evstore.CapacityExceeded):
