@@ -7,13 +7,15 @@ show text "with control characters as ``\\xNN``, so a stored string cannot ... s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
-from evstore import AllocationStore, ConcurrentUpdate, Inventory, open_store
+import evstore as evstore_package
+from evstore import AllocationStore, ConcurrentUpdate, Inventory, commands, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
 
@@ -81,3 +83,17 @@ async def test_set_inventory_adding_a_class_checks_the_generation_as_an_update_d
     assert await store.head() == head and "DISK_GB" not in await store.inventories(rp)
     assert await store.set_inventory(rp, "DISK_GB", Inventory(total=100), generation=1) == 2
     assert (await store.inventories(rp))["DISK_GB"].total == 100
+
+
+def test_the_errors_the_readme_names_have_the_codes_it_gives() -> None:
+    """README, "The embedded API": each error class it names with its code - ``ConcurrentUpdate``
+    (``placement.concurrent_update``), ... - is importable from ``evstore`` with that ``.code``, and
+    the refusals are all of them: every ``EvstoreError`` a command's decision raises is named."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    named = dict(re.findall(r"`([A-Z][A-Za-z]+)`\s+\(`([a-z_]+\.[a-z_.]+)`", readme))
+    assert len(named) >= 14, named
+    for name, code in named.items():
+        cls = getattr(evstore_package, name)
+        assert issubclass(cls, evstore_package.EvstoreError) and cls.code == code, (name, code, cls.code)
+    decided = set(re.findall(r"err\.([A-Z][A-Za-z]+)\(", Path(commands.__file__).read_text()))
+    assert decided - {"InvalidInventoryValue"} <= set(named), decided - set(named)
