@@ -22,6 +22,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+import evstore.log.postgres as pg_module
 from evstore import (
     AllocationStore,
     CapacityExceeded,
@@ -928,6 +929,56 @@ async def test_a_read_only_session_reads_and_audits_while_events_wait_for_positi
         pg(writer)._after_commit = None
         assert await writer.head() == 4
         assert (await reader.audit()).clean
+
+
+@pytest.mark.parametrize("cannot_write", ["read-only", "select only"])
+async def test_a_session_that_cannot_write_does_not_run_the_sequencer(
+    pg_url: str, cannot_write: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review 32; test_a_read_only_session_reads_and_audits... failed under load, the
+    writer's head 2 where 3): a session that cannot write ran the sequencer to fail at its UPDATE,
+    holding the sequencer's try-lock meanwhile; a writer's catch-up that tried the lock then gave
+    up ("another run positions them") and the head it read stayed behind (an audit on a read-only
+    session polls it every 50 ms). Such a session does not run it now: the writers position."""
+    parts = urlsplit(pg_url)
+    schema = dict(parse_qsl(parts.query))["search_path"]
+    role = f"evt_reader_{os.getpid()}"
+    admin = await asyncpg.connect(pg_url)
+    try:
+        if cannot_write == "read-only":
+            reader_url = f"{pg_url}&default_transaction_read_only=on"
+        else:
+            await admin.execute(f"CREATE ROLE {role} LOGIN NOSUPERUSER")
+            reader_url = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rsplit('@', 1)[-1]}"))
+        async with open_store(pg_url) as writer:
+            rp = await make_provider(writer, VCPU=4)
+            if cannot_write != "read-only":
+                await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+                await admin.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+            async with open_store(reader_url, create=False) as reader:
+                pg(writer)._after_commit = _die_after_commit
+                with pytest.raises(StorageError):
+                    await allocate(writer, new_uuid(), {rp: {"VCPU": 1}})
+                pg(writer)._after_commit = None
+                ran: list[object] = []
+                real = pg_module._sequence
+
+                async def spy(conn: Any, *args: Any) -> Any:
+                    ran.append(conn)
+                    return await real(conn, *args)
+
+                monkeypatch.setattr(pg_module, "_sequence", spy)
+                assert await reader.head() == 2  # (the positioned prefix)
+                assert [e.position for e in await reader.read(0, 10)] == [1, 2]
+                assert ran == []  # (before: it ran, and failed at the UPDATE)
+                assert await writer.head() == 3
+                assert len(ran) == 1
+                assert await reader.head() == 3
+    finally:
+        if cannot_write != "read-only":
+            await admin.execute(f"DROP OWNED BY {role} CASCADE")
+            await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()
 
 
 async def test_history_shows_the_events_of_a_writer_that_died_after_commit(pg_url: str) -> None:

@@ -2038,9 +2038,16 @@ class PostgresBackend:
         """Position events left by a writer that died between its commit and the sequencing.
 
         Runs on the reader's own connection (a pool of one must not wait for a second one);
-        returns how many events it positioned.
+        returns how many events it positioned. A session that cannot write (read-only, or no
+        UPDATE on ``events``: see CANNOT_WRITE) does not try: the sequencer's try-lock it would
+        hold until its UPDATE failed made a writer's catch-up at that moment give up ("another
+        run positions them"), and the head it read stayed behind.
         """
-        if not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"):
+        if not await conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM events WHERE position IS NULL)"
+            " AND current_setting('transaction_read_only') = 'off'"
+            " AND has_table_privilege('events', 'UPDATE')"
+        ):
             return 0
         try:
             return (await _sequence(conn, self._key("!sequencer"), False, []))[0]
