@@ -379,6 +379,8 @@ def demo(
     when the final audit is clean.
     """
 
+    created: list[Path] = []  # the SQLite file this demo creates: removed if it ends with no event
+
     async def work() -> int:
         from evstore.demo import COUNTS, run_demo
         from evstore.store import open_store
@@ -398,6 +400,7 @@ def demo(
                 path, _ = parse_sqlite_url(target)
                 if path != ":memory:":
                     _fresh_file(Path(path))
+        created.extend(_new_file(target))
         async with open_store(target) as store:
             if await store.head() != 0:
                 shown_url = shown(target)
@@ -452,7 +455,27 @@ def demo(
                 out.print(f"Try: evstore history {inst} {safe(where)}", soft_wrap=True)
         return EXIT_OK if audit.clean else EXIT_FINDINGS
 
-    run(work)
+    try:
+        run(work)
+    except typer.Exit as exc:
+        # Ended before its first event (Ctrl-C in its first moments, a failure): the empty store
+        # it created would be refused by the next demo as not its own (an empty store may be
+        # anyone's), so it goes, as a refused import's does
+        if exc.exit_code in (EXIT_ERROR, 130) and created and _holds_no_events(created[0]):
+            _remove_database(created[0])
+        raise
+
+
+def _new_file(url: str) -> list[Path]:
+    """The SQLite file opening ``url`` would create ([] when it exists, or is no file)."""
+    file = _sqlite_file(url)
+    return [Path(file)] if file is not None and not Path(file).exists() else []
+
+
+def _remove_database(path: Path) -> None:
+    """Remove a SQLite database and its -wal and -shm files."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(path) + suffix).unlink(missing_ok=True)
 
 
 def _is_demo_database(path: Path) -> bool:
@@ -1637,8 +1660,7 @@ def import_(
             else:
                 note("interrupted: nothing was imported")
         if exc.exit_code in (EXIT_ERROR, 130) and created is not None and _holds_no_events(created):
-            for suffix in ("", "-wal", "-shm"):  # leave nothing behind from a refused import
-                Path(str(created) + suffix).unlink(missing_ok=True)
+            _remove_database(created)  # leave nothing behind from a refused import
         raise
     finally:
         if spooled is not None:

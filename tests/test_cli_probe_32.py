@@ -1,0 +1,74 @@
+"""The CLI as an acceptance reviewer drives it: an interrupted demo, `--json` on every command.
+
+From review 32 (helper B): each test failed on 65bdca0. They drive the CLI in a subprocess, as an
+operator would (tests/test_cli_support.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli_support import REPO, evstore
+
+# --- an interrupted or failed demo -------------------------------------------------------------------
+
+
+def _demo_that(failure: str, db: Path) -> subprocess.CompletedProcess[str]:
+    """``evstore demo --db DB`` whose simulation raises ``failure`` once the store is open (its
+    tables written, no event yet: where Ctrl-C lands in the demo's first moments)."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import evstore.demo
+        from evstore import errors
+        async def fails(store, **kwargs):
+            raise {failure}
+        evstore.demo.run_demo = fails
+        from evstore.cli import main
+        main(sys.argv[1:])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    return subprocess.run(
+        [sys.executable, "-c", script, "demo", "--db", str(db)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=REPO, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("failure", "exit_code"),
+    [("KeyboardInterrupt", 130), ("errors.StorageError('disk I/O error')", 1)],
+)
+def test_a_demo_ended_before_its_first_event_leaves_no_file_the_next_demo_refuses(
+    tmp_path: Path, failure: str, exit_code: int
+) -> None:
+    """Regression: Ctrl-C in the demo's first moments left an empty store at ./evstore-demo.db,
+    which every later `evstore demo` refused ("exists and is not a database the demo wrote ...
+    remove it yourself"): the demo now removes the database it created when it ends, interrupted
+    or failed, with no event in it, as a refused or interrupted import does."""
+    db = tmp_path / "evstore-demo.db"
+    done = _demo_that(failure, db)
+    assert done.returncode == exit_code, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+    again = evstore("demo", "--db", str(db), "--instances", "10")
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_failed_demo_leaves_a_previous_demos_events_or_an_other_file_alone(tmp_path: Path) -> None:
+    """The clean-up removes only a file the failing demo created: an empty store someone else
+    made is still refused, untouched."""
+    import sqlite3
+
+    db = tmp_path / "theirs.db"
+    assert evstore("demo", "--db", str(db), "--instances", "5").returncode == 0
+    sqlite3.connect(db).execute("DELETE FROM events").connection.commit()  # (anyone's empty store)
+    done = _demo_that("KeyboardInterrupt", db)
+    assert done.returncode == 1 and "not a database the demo wrote" in done.stderr, done.stderr
+    assert db.exists()
