@@ -1467,6 +1467,13 @@ def export(
         str | None,
         typer.Option("--output", "-o", help="File to write (default, or -: stdout).", metavar="<file>"),
     ] = None,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="With --output: what was written, as JSON on stdout (the export is JSON lines always).",
+        ),
+    ] = False,
 ) -> None:
     """Write the whole log as JSON lines (a header, then every row verbatim, hashes included)."""
     output = None
@@ -1511,10 +1518,22 @@ def export(
                 raise
         # (what was written: the export reads its own head, after the one above, and writers
         # may have appended in between)
-        note(f"exported {written} events to {output}")
+        if json_out and not _is_stdout(output):  # (-o /dev/stdout: the lines are the output)
+            emit_json({"url": shown(source), "output": str(output), "exported": written})
+        else:
+            note(f"exported {written} events to {output}")
         return EXIT_OK
 
     run(work)
+
+
+def _is_stdout(path: Path) -> bool:
+    """Whether ``path`` is the file, pipe or terminal standard output writes to."""
+    try:
+        mine, theirs = os.fstat(sys.stdout.fileno()), os.stat(path)
+    except (OSError, ValueError):  # (no stdout, or one without a descriptor)
+        return False
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def _refuse_own_database(url: str, output: Path) -> None:

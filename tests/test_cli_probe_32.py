@@ -72,3 +72,29 @@ def test_a_failed_demo_leaves_a_previous_demos_events_or_an_other_file_alone(tmp
     done = _demo_that("KeyboardInterrupt", db)
     assert done.returncode == 1 and "not a database the demo wrote" in done.stderr, done.stderr
     assert db.exists()
+
+
+# --- --json on every command (issue 3: "`--json` on every command for machines") ----------------------
+
+
+def test_export_takes_json_as_every_command_does(tmp_path: Path) -> None:
+    """Regression: `evstore export --json` was a usage error (exit 2, "No such option: --json"),
+    the one command without it. To stdout it writes the JSON lines it always writes; with -o, what
+    it wrote, as JSON on stdout, where the note on stderr says it for people."""
+    import json
+
+    from tests.test_cli_support import demo_db
+
+    db = demo_db(tmp_path / "s.db", instances=10)
+    plain, as_json = evstore("export", "--db", str(db)), evstore("export", "--db", str(db), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert as_json.stdout == plain.stdout and as_json.stdout.startswith('{"format":"evstore-export"')
+    head = json.loads(plain.stdout.splitlines()[0])["head"]
+
+    out = tmp_path / "e.jsonl"
+    done = evstore("export", "--db", str(db), "-o", str(out), "--json")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads(done.stdout) == {"url": f"sqlite:///{db}", "output": str(out), "exported": head}
+    assert out.read_text() == plain.stdout
+    people = evstore("export", "--db", str(db), "-o", str(out))
+    assert people.stdout == "" and people.stderr == f"exported {head} events to {out}\n"
