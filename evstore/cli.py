@@ -15,6 +15,7 @@ import asyncio
 import bisect
 import collections
 import contextlib
+import io
 import json
 import logging
 import os
@@ -1704,6 +1705,7 @@ def _holds_no_events(path: Path) -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``evstore`` script."""
     _open_closed_streams()
+    _escape_what_cannot_be_encoded()
     try:
         code = app(args=list(argv) if argv is not None else None, standalone_mode=False, prog_name="evstore")
     except NoArgsIsHelpError as exc:  # (a bare `evstore`: the help, not an error line holding it)
@@ -1728,6 +1730,17 @@ def _open_closed_streams() -> None:
     for name in ("stdout", "stderr"):
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))  # (for the process's life)
+
+
+def _escape_what_cannot_be_encoded() -> None:
+    """A character of a stored name that standard output's encoding cannot show (a Latin-1 or
+    ASCII locale, PYTHONIOENCODING, a Windows code page when redirected) is printed as its escape
+    (``\\u0153``), as a control character is shown ``\\xNN`` (:func:`visible`), instead of ending
+    the command with a UnicodeEncodeError. (``--json`` is ASCII, and the export is written as
+    UTF-8 text ASCII-escaped: neither is changed.)"""
+    stream = sys.stdout
+    if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+        stream.reconfigure(errors="backslashreplace")
 
 
 def _exit(code: int) -> NoReturn:

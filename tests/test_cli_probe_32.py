@@ -98,3 +98,44 @@ def test_export_takes_json_as_every_command_does(tmp_path: Path) -> None:
     assert out.read_text() == plain.stdout
     people = evstore("export", "--db", str(db), "-o", str(out))
     assert people.stdout == "" and people.stderr == f"exported {head} events to {out}\n"
+
+
+# --- an output encoding that cannot show every name -------------------------------------------------
+
+P1 = "11111111-1111-4111-8111-111111111111"
+C1 = "22222222-2222-4222-8222-222222222222"
+
+
+async def test_tables_print_names_their_output_encoding_cannot_show(tmp_path: Path) -> None:
+    """Regression: with standard output in an encoding that cannot show a stored name (a Latin-1
+    or ASCII locale, PYTHONIOENCODING, a Windows code page when redirected), every table of it
+    ended in `error: evstore.internal: UnicodeEncodeError` after printing nothing. Such a
+    character is now shown as its escape (``\\u0153``), as a control character is shown ``\\xNN``;
+    --json (ASCII JSON) and the export (written as UTF-8) were never affected."""
+    from evstore import Inventory, open_store
+
+    db = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{db}") as store:
+        await store.create_provider(P1, "nœud-节点", metadata={"request_id": "req-é", "actor": "opérateur"})
+        await store.set_inventories(P1, {"VCPU": Inventory(total=8)}, generation=0)
+        await store.set_allocations(
+            C1, {P1: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+        )
+    for encoding in ("ascii", "latin-1"):
+        for command in (
+            ["history", P1],
+            ["history", C1],
+            ["state"],
+            ["state", "--provider", P1],
+            ["state", "--consumer", C1],
+            ["diff", "0", "3"],
+            ["tail", "--after", "0", "--no-follow"],
+        ):
+            env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+            env.update(COLUMNS="250", PYTHONIOENCODING=encoding)
+            done = subprocess.run(
+                [sys.executable, "-m", "evstore.cli", *command, "--db", str(db)],
+                capture_output=True, encoding=encoding, timeout=120, env=env, cwd=REPO, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, (encoding, command, done.stderr)
+            assert "n\\u0153ud-\\u8282\\u70b9" in done.stdout, (encoding, command, done.stdout)
