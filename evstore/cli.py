@@ -142,9 +142,22 @@ def _reader_gone() -> NoReturn:
 
 
 def console() -> Console:
-    # Piped output (scripts, tests) must not be folded at 80 columns: uuids are 36 characters.
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return _Console(highlight=False, soft_wrap=False, width=width)
+    return _Console(highlight=False, soft_wrap=False, width=output_width(sys.stdout))
+
+
+def output_width(stream: Any) -> int:
+    """The width tables are laid out in: COLUMNS when it is a width; else the terminal's; else,
+    piped (scripts, tests), 200 - not rich's 80, which folds uuids (36 characters). (Left to
+    rich, COLUMNS=0, which some containers and CI runners export, made it render nothing at all.)"""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isascii() and columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        if stream.isatty():
+            return os.get_terminal_size(stream.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):  # (no descriptor, or not a terminal after all)
+        pass
+    return 200
 
 
 #: C0 and C1 control characters and DEL: never sent to the terminal as they are
@@ -1347,7 +1360,7 @@ def progress_bar() -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        console=Console(stderr=True, width=output_width(sys.stderr)),
         transient=False,
         disable=not sys.stderr.isatty(),  # piped: no bar (and no stray newline before an error line)
     )

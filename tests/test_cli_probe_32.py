@@ -139,3 +139,28 @@ async def test_tables_print_names_their_output_encoding_cannot_show(tmp_path: Pa
             )  # fmt: skip
             assert done.returncode == 0, (encoding, command, done.stderr)
             assert "n\\u0153ud-\\u8282\\u70b9" in done.stdout, (encoding, command, done.stdout)
+
+
+# --- COLUMNS ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("columns", ["0", "-5", "abc", " "])
+def test_a_columns_variable_that_is_no_width_does_not_empty_or_fold_the_output(
+    tmp_path: Path, columns: str
+) -> None:
+    """Regression: with COLUMNS=0 (what some containers and CI runners export) every table and
+    line of human output was empty - `evstore audit` printed nothing and exited 0 - since rich
+    renders nothing at width 0; and a COLUMNS that is not a number (``abc``) folded piped tables
+    at 80 columns, cutting uuids, where an unset one gives them 200. Both are now as if unset."""
+    from tests.test_cli_support import demo_db
+
+    db = demo_db(tmp_path / "s.db", instances=10)
+    unset = {
+        command: evstore(*command, "--db", str(db), env={"COLUMNS": ""}).stdout
+        for command in (("audit",), ("stats",), ("state",), ("tail", "--after", "0", "--no-follow"))
+    }
+    for command, expected in unset.items():
+        assert expected.strip(), command
+        done = evstore(*command, "--db", str(db), env={"COLUMNS": columns})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == expected, (command, done.stdout)
