@@ -1348,6 +1348,30 @@ async def test_a_nul_in_the_store_url_is_invalid_input_on_every_backend(tmp_path
     assert (tmp_path / "a%00b.db").exists()
 
 
+@pytest.mark.parametrize(
+    ("query", "keyword", "says"),
+    [
+        ("create=maybe", {"create": False}, "create must be true or false, got 'maybe'"),
+        ("busy_timeout=soon", {"busy_timeout": 5}, "busy_timeout must be a number of seconds"),
+        ("synchronous=fast", {"synchronous": "FULL"}, "synchronous must be OFF, NORMAL, FULL or EXTRA"),
+    ],
+)
+async def test_a_url_option_a_keyword_overrides_is_still_checked(
+    tmp_path: Path, query: str, keyword: dict[str, Any], says: str
+) -> None:
+    """Regression (review 32, helper-112): SQLite merged the keywords over the URL's ``?k=v``
+    before checking them, so ``evstore audit --url 'sqlite:///x.db?create=maybe'`` (the CLI
+    passes ``create=False``) opened the store, where PostgreSQL refuses the URL's value."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with open_store(url) as store:
+        await store.create_provider(new_uuid(), "node")
+    with pytest.raises(InvalidInput, match=says):
+        async with open_store(f"{url}?{query}", **keyword):
+            pass
+    async with open_store(url, **keyword) as store:  # (the keyword alone is fine)
+        assert await store.head() == 1
+
+
 @pytest.mark.parametrize("create", ["false", "true", 0, 1, None])
 async def test_a_create_keyword_that_is_not_a_bool_is_refused_on_every_backend(
     store_url: str, create: object

@@ -1041,6 +1041,25 @@ def _check_keyword_options(options: dict[str, Any]) -> None:
         raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r:.40}")
 
 
+def _option_from_url(name: str, text: str) -> Any:
+    """A ``?k=v`` option of the URL, from its text."""
+    if name == "synchronous" and text.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+        raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {text.upper()!r:.40}")
+    if name == "busy_timeout":
+        try:
+            return float(text)
+        except ValueError:
+            raise err.InvalidInput(
+                f"busy_timeout must be a number of seconds from 0 to 86400, got {text!r:.40}",
+                field="busy_timeout",
+            ) from None
+    if name == "create":
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise err.InvalidInput(f"create must be true or false, got {text!r:.40}", field="create")
+        return text.lower() in ("true", "1")
+    return text
+
+
 class SqliteBackend:
     """Log and projection in one SQLite file; one writer connection, one reader connection."""
 
@@ -1048,41 +1067,37 @@ class SqliteBackend:
         self.url = url
         path, url_options = parse_sqlite_url(url)
         _check_keyword_options(options)
-        merged = {**url_options, **{k: str(v) for k, v in options.items()}}
-        unknown = sorted(set(merged) - set(OPTIONS))
+        unknown = sorted((set(url_options) | set(options)) - set(OPTIONS))
         if unknown:
             raise err.InvalidInput(
                 f"Unknown SQLite store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
                 + store_keyword_hint(unknown)
             )
+        # (the URL's values are checked also where a keyword overrides them: `--url
+        # 'sqlite:///x.db?create=maybe'` opened, the CLI's create=False winning unchecked)
+        chosen = {name: _option_from_url(name, text) for name, text in url_options.items()}
+        chosen.update(options)
         self.path = path
         #: the file as the process's current directory names it now (SQLite keeps the full path).
         #: Joined, not normalized: ``link/..`` is the parent of the link's target for the kernel
         #: and SQLite, where ``os.path.abspath`` drops both (another file, or none)
         self._abs_path = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
         self._parent_dir = os.path.dirname(os.path.abspath(path))
-        sync = merged.pop("synchronous", "FULL").upper()
+        sync = str(chosen.get("synchronous", "FULL")).upper()
         if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}")
         self.synchronous = sync
-        raw_timeout = merged.pop("busy_timeout", "30")
-        try:
-            busy_timeout = float(raw_timeout)
-        except ValueError:
-            busy_timeout = -1.0
+        busy_timeout = float(chosen.get("busy_timeout", 30.0))
         if not 0 <= busy_timeout <= 86_400:  # (also refuses nan and inf)
             raise err.InvalidInput(
-                f"busy_timeout must be a number of seconds from 0 to 86400, got {raw_timeout!r:.40}",
+                f"busy_timeout must be a number of seconds from 0 to 86400, got {busy_timeout!r:.40}",
                 field="busy_timeout",
             )
         self.busy_timeout_ms = int(busy_timeout * 1000)
         #: seconds: how long a transaction waits for another connection's write lock, in all
         self.busy_timeout = busy_timeout
-        create = merged.pop("create", "true").lower()
-        if create not in ("true", "false", "1", "0"):
-            raise err.InvalidInput(f"create must be true or false, got {create!r}")
         #: False: refuse a database that holds no store instead of creating the tables in it
-        self.create = create in ("true", "1")
+        self.create = bool(chosen.get("create", True))
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         #: used on the writer's thread only
