@@ -515,6 +515,30 @@ def _still_waiting(batch: list[tuple[Job, asyncio.Future[Receipt]]]) -> list[boo
     return [not fut.done() for _, fut in batch]
 
 
+def _own_copy(exc: BaseException) -> Exception:
+    """A copy of ``exc`` for one of the several tasks it is raised in (one exception object raised
+    in each would gather every task's traceback); a failure that is not evstore's (a backend bug)
+    as a ``StorageError``, as the writer reports one."""
+    if isinstance(exc, err.EvstoreError):
+        failed = copy.copy(exc)
+        failed.details = dict(exc.details)
+        return failed
+    return err.StorageError(f"Storage failure: {exc!r}")
+
+
+class _SharedRead:
+    """One read of the log in flight for the subscribers at one position (see
+    :meth:`AllocationStore._read_for_subscriber`): its task, the subscribers' wake-ups counter
+    when it began, and how many subscribers wait for it."""
+
+    __slots__ = ("task", "waiters", "wakes")
+
+    def __init__(self, task: asyncio.Task[list[RecordedEvent]], wakes: int) -> None:
+        self.task = task
+        self.wakes = wakes
+        self.waiters = 0
+
+
 class AllocationStore:
     """Providers, inventories, consumers and their allocations, kept as an event log.
 
@@ -547,6 +571,9 @@ class AllocationStore:
         self._idle: dict[asyncio.Future[None], int] = {}
         #: the one task polling the head for them (other processes' appends): None when none waits
         self._poller: asyncio.Task[None] | None = None
+        #: the reads of the log in flight for subscribers, by (after, limit): subscribers at the same
+        #: position share one (a commit wakes them all at once)
+        self._reads: dict[tuple[int, int], _SharedRead] = {}
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
@@ -1346,7 +1373,9 @@ class AllocationStore:
 
         Wakes on this process's commits at once; other processes' commits are seen within about
         ``poll_interval``, by one task per store that polls the head of the log while any subscriber
-        waits (idle subscribers read nothing themselves, however many there are). The
+        waits (idle subscribers read nothing themselves, however many there are). Subscribers at
+        the same position share one read of the log (a commit wakes them all), so they are handed
+        the same event objects: treat events as read-only. The
         arguments are checked at the call (``InvalidInput``); an ``after`` beyond the head of the
         log (a checkpoint from another store, or from before a restore) is refused at the first
         iteration, as ``state_at`` refuses it: followed, it would skip the events appended until
@@ -1368,16 +1397,16 @@ class AllocationStore:
         while True:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
-            wakes = self._wakes
             try:
-                batch = _contiguous(after, await self._backend.read(after, batch_size))
+                read, wakes = await self._read_for_subscriber(after, batch_size)
+                batch = _contiguous(after, read)
             except err.CorruptEvent as exc:
                 # Deliver what comes before the damaged row first (a debugging tool must show the
                 # events leading up to it), then raise.
                 damaged = exc.details.get("position")
                 if not isinstance(damaged, int) or damaged <= after + 1:
                     raise
-                batch = await self._backend.read(after, damaged - after - 1)
+                batch, _ = await self._read_for_subscriber(after, damaged - after - 1)
                 for recorded in batch:
                     yield recorded
                 raise
@@ -1386,6 +1415,54 @@ class AllocationStore:
                 after = recorded.position
             if len(batch) < batch_size:
                 await self._until_appended(after, wakes)
+
+    async def _read_for_subscriber(self, after: int, limit: int) -> tuple[list[RecordedEvent], int]:
+        """The events after ``after`` (at most ``limit``) for a subscriber, and :attr:`_wakes` as
+        the read began (what the subscriber waits from when the batch was short). Subscribers at
+        the same position share one read: a commit wakes them all at once, and K of them reading
+        it each cost K reads, decodes and (PostgreSQL) pool connections per commit. The read runs
+        as a task of its own, so a subscriber cancelled while others wait for it does not cancel
+        it (it is cancelled once none waits); a read that fails raises a copy of its error in each
+        (as :meth:`_fail_idle`), and one cancelled from outside (a shutdown cancelling tasks) is
+        begun again by those still waiting. The subscribers share the same event objects: events
+        are read-only (README)."""
+        while True:
+            key = (after, limit)
+            shared = self._reads.get(key)
+            if shared is None:
+                # (in a context of its own, as the poller: not the first subscriber's)
+                task = asyncio.get_running_loop().create_task(
+                    self._backend.read(after, limit),
+                    name="evstore-subscribers-read",
+                    context=contextvars.Context(),
+                )
+                shared = self._reads[key] = _SharedRead(task, self._wakes)
+                task.add_done_callback(functools.partial(self._read_ended, key, shared))
+            shared.waiters += 1
+            try:
+                await asyncio.wait([shared.task])
+            finally:
+                shared.waiters -= 1
+                if not shared.waiters and not shared.task.done():
+                    # (the last subscriber waiting for it was cancelled: as its own read would be)
+                    shared.task.cancel()
+                    self._read_ended(key, shared)
+            if shared.task.cancelled():
+                if self._closing:
+                    raise err.StoreClosed("The store was closed while this subscriber followed it")
+                continue
+            failed = shared.task.exception()
+            if failed is not None:
+                raise _own_copy(failed)
+            return shared.task.result(), shared.wakes
+
+    def _read_ended(self, key: tuple[int, int], shared: _SharedRead, *_: object) -> None:
+        """Take a read that ended (or is being cancelled) off :attr:`_reads`: a subscriber that
+        comes later reads anew (what it shares is a read in flight, never an older result)."""
+        if self._reads.get(key) is shared:
+            del self._reads[key]
+        if shared.task.done() and not shared.task.cancelled():
+            shared.task.exception()  # (retrieved: each waiter raised its own copy)
 
     async def _until_appended(self, after: int, wakes: int) -> None:
         """Wait, as a subscriber that has delivered up to ``after``, until the log may hold more:
@@ -1457,14 +1534,8 @@ class AllocationStore:
         in several tasks would gather every task's traceback)."""
         log.warning("subscribe.poll_failed", error=repr(exc), subscribers=len(self._idle))
         for waiter in self._idle:
-            if waiter.done():
-                continue
-            if isinstance(exc, err.EvstoreError):
-                failed = copy.copy(exc)
-                failed.details = dict(exc.details)
-            else:  # (a backend bug: as the writer reports one)
-                failed = err.StorageError(f"Storage failure: {exc!r}")
-            waiter.set_exception(failed)
+            if not waiter.done():
+                waiter.set_exception(_own_copy(exc))
 
     async def audit(self, *, history: bool = False) -> AuditReport:
         """Replay the log, check its integrity and compare with the persisted projection.

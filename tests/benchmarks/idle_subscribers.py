@@ -84,7 +84,7 @@ async def measure(url: str, n: int, idle_seconds: float, commands: int, gap: flo
 
         counted = Counted(store)
         subscribers = [asyncio.create_task(follow()) for _ in range(n)]
-        while counted.reads < n:  # (each has read the log once: now they wait)
+        while len(store._idle) < n:  # (each has read the log: now they wait for appends)
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.5)
         reads, heads = counted.reads, counted.heads
