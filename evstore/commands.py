@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from evstore import errors as err
 from evstore import events as ev
-from evstore.schema import CUSTOM_PREFIX, STANDARD_CLASSES, Inventory, is_known_class
+from evstore.schema import CUSTOM_PREFIX, STANDARD_CLASSES, Inventory, is_known_class, where
 from projections.invariants import allocation_fits, format_amount
 from projections.state import ConsumerState, ProviderState, State
 
@@ -287,11 +287,13 @@ class _Change:
     generation: int | None = None
 
 
-def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
+def _check_and_plan(state: State, changes: list[_Change], written: bool = False) -> list[str]:
     """Placement's check order for a replace of several consumers at once.
 
     Returns the providers named by the command's rows, in first-seen order (each gets one
-    generation bump). Raises the first error Placement would report.
+    generation bump). Raises the first error Placement would report. ``written``: the changes
+    are a ``WriteAllocations``' (an unknown class is named where ``write_allocations``' argument
+    has it; ``set_allocations`` shortens the path to its own argument's).
     """
     # 1. generations of all consumers, in the order given.
     for ch in changes:
@@ -322,14 +324,18 @@ def _check_and_plan(state: State, changes: list[_Change]) -> list[str]:
     for rc in classes:
         if not is_known_class(rc, state.custom_classes) and not _in_use(state, rc, changes, named):
             # (Placement's PUT /allocations/{c} wording, naming the first consumer asking for it)
-            asking = next(
-                (ch.consumer for ch in changes if any(rc in res for res in ch.new.values())),
-                changes[0].consumer,
+            asking, provider = next(
+                ((ch.consumer, p) for ch in changes for p, res in ch.new.items() if rc in res),
+                (changes[0].consumer, None),
             )
+            at = {}
+            if written and provider is not None:
+                at = where("allocations", ["allocations", asking, "allocations", provider, rc])
             raise err.UnknownResourceClass(
                 f"Unable to allocate inventory for consumer {asking}: No such resource class {rc}.",
                 resource_class=rc,
                 consumer=asking,
+                **at,
             )
     # 4. every provider has inventory of at least one class of the command.
     class_set = set(classes)
@@ -428,10 +434,14 @@ def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.Eve
     seen: set[str] = set()
     for w in writes:
         if w.consumer in seen:
-            raise err.InvalidInput(f"Consumer {w.consumer} appears twice in one command", consumer=w.consumer)
+            raise err.InvalidInput(
+                f"Consumer {w.consumer} appears twice in one command",
+                consumer=w.consumer,
+                **where("allocations", ["allocations", w.consumer]),
+            )
         seen.add(w.consumer)
     changes = [_Change(w.consumer, w.allocations, True, w.generation) for w in writes]
-    named = _check_and_plan(state, changes)
+    named = _check_and_plan(state, changes, written=True)
     move = _as_move(state, writes)
     if move is not None:
         src, to = move
@@ -501,7 +511,7 @@ def _release(state: State, command: Release) -> list[ev.EventBase]:
 
 def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase]:
     if command.instance == command.migration:
-        raise err.InvalidInput("instance and migration must be different consumers")
+        raise err.InvalidInput("instance and migration must be different consumers", field="migration")
     inst = state.consumer(command.instance)
     mig = state.consumer(command.migration)
     if inst.deleted:
@@ -529,7 +539,9 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
             "one that holds nothing",
         )
     if inst.on_behalf_of is not None:
-        raise err.InvalidInput(f"Consumer {inst.uuid} is itself a migration; it cannot be migrated")
+        raise err.InvalidInput(
+            f"Consumer {inst.uuid} is itself a migration; it cannot be migrated", field="instance"
+        )
     changes = [_Change(inst.uuid, {}, False), _Change(mig.uuid, inst.allocations, False)]
     named = _check_and_plan(state, changes)
     return [_migration_started(state, inst, mig.uuid, "MIGRATION", named)]
@@ -608,6 +620,7 @@ def _migration_and_instance(
             consumer=inst.uuid,
             migration=migration,
             on_behalf_of=inst.on_behalf_of,
+            field="migration",
         )
     return mig, inst
 
@@ -666,7 +679,15 @@ def _in_use(state: State, rc: str, changes: list[_Change], named: list[str]) -> 
     return any(rc in res for ch in changes for res in state.consumer(ch.consumer).allocations.values())
 
 
-def _check_inventories(state: State, provider: str, inventories: dict[str, Inventory]) -> None:
+def _inventory_where(rc: str, single: bool, what: str = "inventory") -> dict[str, object]:
+    """Where an inventory refusal is in the arguments: ``set_inventory``'s (``single``) ``what``
+    (``inventory`` or ``resource_class``), or ``set_inventories``' ``inventories`` at ``rc``."""
+    return where(what) if single else where("inventories", ["inventories", rc])
+
+
+def _check_inventories(
+    state: State, provider: str, inventories: dict[str, Inventory], single: bool = False
+) -> None:
     """Placement's order after the generation: reserved above total (Placement checks each
     record's capacity as it reads the body), then unknown classes. The messages begin with
     Placement's detail for the same refusal. (What only evstore refuses comes after everything
@@ -680,6 +701,7 @@ def _check_inventories(state: State, provider: str, inventories: dict[str, Inven
                 inv,
                 f"Invalid inventory for '{rc}' on resource provider '{provider}'. "
                 f"The reserved value is greater than total. ({problems})",
+                single,
             )
     for rc in inventories:
         if not is_known_class(rc, state.custom_classes):
@@ -688,10 +710,11 @@ def _check_inventories(state: State, provider: str, inventories: dict[str, Inven
                 f"No such resource class {rc}.",
                 provider=provider,
                 resource_class=rc,
+                **_inventory_where(rc, single, "resource_class"),
             )
 
 
-def _check_sanity(provider: str, inventories: dict[str, Inventory]) -> None:
+def _check_sanity(provider: str, inventories: dict[str, Inventory], single: bool = False) -> None:
     """evstore's own refusals (``min_unit > max_unit``), which Placement accepts: checked last, so
     that a command Placement refuses is refused for Placement's reason."""
     for rc, inv in inventories.items():
@@ -702,15 +725,17 @@ def _check_sanity(provider: str, inventories: dict[str, Inventory]) -> None:
                 rc,
                 inv,
                 f"Invalid inventory for '{rc}' on resource provider '{provider}': {problems}",
+                single,
             )
 
 
-def _refuse_inventory(provider: str, rc: str, inv: Inventory, what: str) -> NoReturn:
+def _refuse_inventory(provider: str, rc: str, inv: Inventory, what: str, single: bool) -> NoReturn:
     raise err.InvalidInventoryValue(
         f"Unable to update inventory for resource provider {provider}: {what}",
         provider=provider,
         resource_class=rc,
         problems=inv.problems(),
+        **_inventory_where(rc, single),
     )
 
 
@@ -732,7 +757,7 @@ def _set_inventories(
             got=generation,
         )
     checked = inventories if changed is None else {rc: inventories[rc] for rc in changed}
-    _check_inventories(state, provider, checked)
+    _check_inventories(state, provider, checked, changed is not None)
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
         raise err.InventoryInUse(
@@ -740,7 +765,7 @@ def _set_inventories(
             provider=provider,
             resource_classes=removed_in_use,
         )
-    _check_sanity(provider, checked)
+    _check_sanity(provider, checked, changed is not None)
     return [
         ev.InventoriesReplaced(provider=provider, inventories=inventories, generation=prov.generation + 1)
     ]
@@ -775,7 +800,7 @@ def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase
     root = command.provider
     if command.parent is not None:
         if command.parent == command.provider:
-            raise err.InvalidInput("A resource provider cannot be its own parent")
+            raise err.InvalidInput("A resource provider cannot be its own parent", field="parent")
         parent = state.providers.get(command.parent)
         if parent is None:
             raise err.ProviderNotFound(
@@ -837,7 +862,8 @@ def _create_resource_class(state: State, command: CreateResourceClass) -> list[e
         # (Placement's pattern for a custom class: ^CUSTOM_[A-Z0-9_]+$)
         raise err.InvalidInput(
             f"Custom resource classes must be {CUSTOM_PREFIX} followed by at least one of A-Z, 0-9 "
-            f"or _: {name}"
+            f"or _: {name}",
+            field="name",
         )
     if name in state.custom_classes:
         return []

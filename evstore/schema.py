@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import uuid as _uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,24 @@ STANDARD_CLASSES: frozenset[str] = frozenset(os_resource_classes.STANDARDS)
 UuidLike = str | _uuid.UUID
 
 
+def where(field: str, path: Sequence[str] | None = None) -> dict[str, Any]:
+    """The details naming what an :class:`InvalidInput` refuses: ``field``, the argument as the
+    caller wrote it, and ``path``, for a problem inside a nested structure, the keys from that
+    argument down to it (``["allocations", "<provider uuid>", "VCPU"]``; a uuid key in its
+    canonical form, any other key as given). No ``path`` for the argument as a whole."""
+    if path is None or len(path) <= 1:
+        return {"field": field}
+    return {"field": field, "path": list(path)}
+
+
+def path_key(key: object) -> str:
+    """A mapping key as an element of ``details["path"]``: text as given, anything else as its
+    str (a ``uuid.UUID``) or repr, cut short."""
+    if isinstance(key, str):
+        return key
+    return str(key) if isinstance(key, _uuid.UUID) else repr(key)[:100]
+
+
 #: a uuid already in the form normalize_uuid returns (the common case: checked without parsing)
 CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 #: the other spellings accepted (any case): dashed, 32 hex digits, in braces, or as a urn:uuid: URN.
@@ -50,78 +68,111 @@ _UUID_SPELLINGS = re.compile(
 )
 
 
-def normalize_uuid(value: object, what: str = "uuid") -> str:
-    """Return the lowercase dashed form of a uuid given as ``str`` or ``UUID``."""
+def normalize_uuid(
+    value: object, what: str = "uuid", field: str | None = None, path: Sequence[str] | None = None
+) -> str:
+    """Return the lowercase dashed form of a uuid given as ``str`` or ``UUID``. ``what`` names it
+    in the message, ``field`` (``what`` by default) and ``path`` in the details (see :func:`where`)."""
     if type(value) is str and CANONICAL_UUID.match(value):
         return value
     if isinstance(value, _uuid.UUID):
         return str(value)
     if isinstance(value, str) and _UUID_SPELLINGS.fullmatch(value):
         return str(_uuid.UUID(value))
-    raise InvalidInput(f"Malformed {what}: {value!r} is not a UUID", field=what, value=repr(value)[:100])
+    raise InvalidInput(
+        f"Malformed {what}: {value!r} is not a UUID", **where(field or what, path), value=repr(value)[:100]
+    )
 
 
-def validate_resource_class_name(name: object) -> str:
+def validate_resource_class_name(
+    name: object, field: str = "resource_class", path: Sequence[str] | None = None
+) -> str:
     if not isinstance(name, str) or not RC_PATTERN.fullmatch(name) or len(name) > 255:
         raise InvalidInput(
             f"Invalid resource class {name!r}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
             resource_class=repr(name)[:100],
+            **where(field, path),
         )
     return name
 
 
-def validate_amount(amount: object, resource_class: str) -> int:
+def validate_amount(
+    amount: object, resource_class: str, field: str = "amount", path: Sequence[str] | None = None
+) -> int:
     if isinstance(amount, bool) or not isinstance(amount, int):
         raise InvalidInput(
-            f"Amount of {resource_class} must be an integer, got {amount!r}", resource_class=resource_class
+            f"Amount of {resource_class} must be an integer, got {amount!r}",
+            resource_class=resource_class,
+            **where(field, path),
         )
     if amount < 1 or amount > MAX_INT:
         raise InvalidInput(
             f"Amount of {resource_class} must be between 1 and {MAX_INT}, got {amount}",
             resource_class=resource_class,
             amount=amount,
+            **where(field, path),
         )
     return amount
 
 
 def normalize_allocations(value: object, what: str = "allocations") -> dict[str, dict[str, int]]:
-    """``{provider: {class: amount}}`` with canonical uuids, order preserved (it decides errors)."""
+    """``{provider: {class: amount}}`` with canonical uuids, order preserved (it decides errors).
+    ``what``: the argument's name (the errors' ``field``, and the first key of their ``path``)."""
     if not isinstance(value, Mapping):
-        raise InvalidInput(f"{what} must be a mapping of provider uuid to {{class: amount}}")
+        raise InvalidInput(f"{what} must be a mapping of provider uuid to {{class: amount}}", field=what)
     out: dict[str, dict[str, int]] = {}
     for provider, resources in value.items():
-        puuid = normalize_uuid(provider, "provider uuid")
+        try:
+            puuid = normalize_uuid(provider, "provider uuid", what)
+        except InvalidInput as exc:  # (the path built only for an error: every write comes here)
+            exc.details.update(where(what, [what, path_key(provider)]))
+            raise
         if not isinstance(resources, Mapping):
-            raise InvalidInput(f"{what} for provider {puuid} must be a mapping of class to amount")
+            raise InvalidInput(
+                f"{what} for provider {puuid} must be a mapping of class to amount",
+                **where(what, [what, puuid]),
+            )
         if not resources:
-            raise InvalidInput(f"{what} for provider {puuid} names no resource class")
+            raise InvalidInput(
+                f"{what} for provider {puuid} names no resource class", **where(what, [what, puuid])
+            )
         if isinstance(resources.get("resources"), Mapping):
             raise InvalidInput(
                 f"{what} for provider {puuid} are in Placement's shape {{'resources': {{...}}}}; evstore "
-                f"takes {{provider: {{class: amount}}}}, e.g. {{'{puuid}': {{'VCPU': 2}}}}"
+                f"takes {{provider: {{class: amount}}}}, e.g. {{'{puuid}': {{'VCPU': 2}}}}",
+                **where(what, [what, puuid]),
             )
         if puuid in out:
             raise InvalidInput(
-                f"{what} name provider {puuid} twice (spelled {provider!r:.60} the second time)"
+                f"{what} name provider {puuid} twice (spelled {provider!r:.60} the second time)",
+                **where(what, [what, path_key(provider)]),
             )
         row = out[puuid] = {}
         for rc, amount in resources.items():
-            rc = validate_resource_class_name(rc)
-            row[rc] = validate_amount(amount, rc)
+            try:
+                rc = validate_resource_class_name(rc, what)
+                row[rc] = validate_amount(amount, rc, what)
+            except InvalidInput as exc:  # (the path built only for an error)
+                exc.details.update(where(what, [what, puuid, path_key(rc)]))
+                raise
     return out
 
 
-def validate_name(value: object, what: str, max_len: int = 255) -> str:
+def validate_name(value: object, what: str, max_len: int = 255, field: str | None = None) -> str:
+    """Text of 1..``max_len`` characters; ``what`` names it in the message, ``field`` (``what`` by
+    default) in the details."""
     if not isinstance(value, str) or not (1 <= len(value) <= max_len):
-        raise InvalidInput(f"{what} must be a string of 1..{max_len} characters, got {value!r:.80}")
+        raise InvalidInput(
+            f"{what} must be a string of 1..{max_len} characters, got {value!r:.80}", field=field or what
+        )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidInput(
-            f"{what} must be valid Unicode text (no lone surrogates), got {value!r:.80}"
+            f"{what} must be valid Unicode text (no lone surrogates), got {value!r:.80}", field=field or what
         ) from None
     if "\x00" in value:  # (PostgreSQL cannot store it: refused on every backend alike)
-        raise InvalidInput(f"{what} must not contain NUL characters, got {value!r:.80}")
+        raise InvalidInput(f"{what} must not contain NUL characters, got {value!r:.80}", field=field or what)
     return value
 
 
@@ -131,19 +182,49 @@ def validate_consumer_type(value: object, query: bool = False) -> str:
     if not isinstance(value, str) or not RC_PATTERN.fullmatch(value) or len(value) > 255:
         also = ', or "all" or "unknown"' if query else ""
         raise InvalidInput(
-            f"consumer_type must match ^[A-Z0-9_]+$ (at most 255 characters){also}, got {value!r:.80}"
+            f"consumer_type must match ^[A-Z0-9_]+$ (at most 255 characters){also}, got {value!r:.80}",
+            field="consumer_type",
         )
     return value
 
 
-def validate_generation(value: object, what: str = "generation", nullable: bool = True) -> int | None:
+def validate_generation(
+    value: object, what: str = "generation", nullable: bool = True, field: str = "generation"
+) -> int | None:
     if value is None and nullable:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 2**62:
         raise InvalidInput(
-            f"{what} must be an integer from 0 to 2**62{' or None' if nullable else ''}, got {value!r}"
+            f"{what} must be an integer from 0 to 2**62{' or None' if nullable else ''}, got {value!r}",
+            field=field,
         )
     return value
+
+
+def pydantic_path(exc: ValidationError) -> list[str]:
+    """Where the first problem of ``exc`` is: its field and the keys below it (a nested
+    InvalidInput's own ``path`` where a validator raised one)."""
+    errors = exc.errors()
+    if not errors:
+        return []
+    first = errors[0]
+    cause = getattr(first.get("ctx", {}).get("error"), "__cause__", None)
+    if isinstance(cause, InvalidInput) and "path" in cause.details:
+        return list(cause.details["path"])
+    return [str(p) for p in first["loc"]]
+
+
+def pydantic_where(exc: ValidationError) -> dict[str, Any]:
+    """The ``field`` and ``path`` details of a refusal of a value type's keyword arguments."""
+    parts = pydantic_path(exc)
+    return where(parts[0], parts) if parts else {}
+
+
+def _inner_path(exc: InvalidInput) -> list[str]:
+    """Where a value type's refusal is, inside the value: its ``path``, or its ``field`` alone."""
+    if "path" in exc.details:
+        return list(exc.details["path"])
+    return [exc.details["field"]] if "field" in exc.details else []
 
 
 def pydantic_message(exc: ValidationError) -> str:
@@ -188,7 +269,9 @@ class Inventory(BaseModel):
             try:
                 super().__init__(**data)
             except ValidationError as exc:
-                raise InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}") from None
+                raise InvalidInventoryValue(
+                    f"Invalid inventory: {pydantic_message(exc)}", **pydantic_where(exc)
+                ) from None
 
     @field_validator("allocation_ratio", mode="before")
     @classmethod
@@ -220,7 +303,12 @@ class Inventory(BaseModel):
         return (self.total - self.reserved) * self.allocation_ratio
 
 
-def coerce_inventory(value: object, resource_class: str) -> Inventory:
+def coerce_inventory(
+    value: object, resource_class: str, field: str = "inventory", path: Sequence[str] = ()
+) -> Inventory:
+    """``path``: where the inventory is inside the argument ``field`` (``[class]`` in a mapping of
+    inventories), for the errors' details."""
+    at = [field, *path]
     if isinstance(value, Inventory):
         # Checked again: model_copy(update=...) and model_construct make instances that never were
         # (an event with an inventory of total 0 could never be decoded again).
@@ -230,16 +318,20 @@ def coerce_inventory(value: object, resource_class: str) -> Inventory:
             raise InvalidInventoryValue(
                 f"Invalid inventory for {resource_class}: field names must be strings",
                 resource_class=resource_class,
+                **where(field, at),
             )
         try:
             return Inventory(**dict(value))
         except InvalidInventoryValue as exc:
             problem = exc.message.removeprefix("Invalid inventory: ")
             raise InvalidInventoryValue(
-                f"Invalid inventory for {resource_class}: {problem}", resource_class=resource_class
+                f"Invalid inventory for {resource_class}: {problem}",
+                resource_class=resource_class,
+                **where(field, [*at, *_inner_path(exc)]),
             ) from None
     raise InvalidInput(
-        f"Inventory for {resource_class} must be an Inventory or a mapping, got {type(value).__name__}"
+        f"Inventory for {resource_class} must be an Inventory or a mapping, got {type(value).__name__}",
+        **where(field, at),
     )
 
 
@@ -248,9 +340,14 @@ def make_inventory(**fields: Any) -> Inventory:
     try:
         inventory = Inventory(**fields)
     except ValidationError as exc:
-        raise InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}") from None
+        raise InvalidInventoryValue(
+            f"Invalid inventory: {pydantic_message(exc)}", **pydantic_where(exc)
+        ) from None
     if inventory.problems():
-        raise InvalidInventoryValue(f"Invalid inventory: {'; '.join(inventory.problems())}")
+        raise InvalidInventoryValue(
+            f"Invalid inventory: {'; '.join(inventory.problems())}",
+            field="reserved" if inventory.reserved > inventory.total else "min_unit",
+        )
     return inventory
 
 
@@ -306,7 +403,9 @@ class ConsumerAllocations(BaseModel):
             try:
                 super().__init__(**data)
             except ValidationError as exc:
-                raise InvalidInput(f"Invalid consumer allocations: {pydantic_message(exc)}") from None
+                raise InvalidInput(
+                    f"Invalid consumer allocations: {pydantic_message(exc)}", **pydantic_where(exc)
+                ) from None
 
     @field_validator("project_id", "user_id")
     @classmethod
@@ -322,10 +421,14 @@ class ConsumerAllocations(BaseModel):
         try:
             return normalize_allocations(v)
         except InvalidInput as exc:
-            raise ValueError(exc.message) from None
+            raise ValueError(exc.message) from exc  # (its details: see pydantic_path)
 
 
-def coerce_consumer_allocations(value: object, consumer: str) -> ConsumerAllocations:
+def coerce_consumer_allocations(
+    value: object, consumer: str, field: str = "allocations"
+) -> ConsumerAllocations:
+    """One consumer's entry of ``write_allocations``' argument ``field``."""
+    at = [field, consumer]
     if isinstance(value, ConsumerAllocations):
         value = value.model_dump()  # (checked again: see coerce_inventory)
     if isinstance(value, Mapping):
@@ -333,8 +436,13 @@ def coerce_consumer_allocations(value: object, consumer: str) -> ConsumerAllocat
             return ConsumerAllocations(**{str(k): v for k, v in value.items()})
         except InvalidInput as exc:
             problem = exc.message.removeprefix("Invalid consumer allocations: ")
-            raise InvalidInput(f"Invalid allocations for consumer {consumer}: {problem}") from None
-    raise InvalidInput(f"Allocations for consumer {consumer} must be a ConsumerAllocations or a mapping")
+            raise InvalidInput(
+                f"Invalid allocations for consumer {consumer}: {problem}",
+                **where(field, [*at, *_inner_path(exc)]),
+            ) from None
+    raise InvalidInput(
+        f"Allocations for consumer {consumer} must be a ConsumerAllocations or a mapping", **where(field, at)
+    )
 
 
 def is_known_class(name: str, custom: set[str] | frozenset[str]) -> bool:

@@ -55,12 +55,14 @@ from evstore.schema import (
     coerce_inventory,
     normalize_allocations,
     normalize_uuid,
+    path_key,
     validate_consumer_type,
     validate_generation,
     validate_int_option,
     validate_name,
     validate_resource_class_name,
     validate_seconds_option,
+    where,
 )
 from projections import audit as _audit
 from projections.audit import AuditReport
@@ -262,9 +264,9 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
         merged.update(metadata.model_dump(exclude_none=True))
     elif metadata is not None:
         if not isinstance(metadata, Mapping):
-            raise err.InvalidInput("metadata must be a mapping or evstore.Metadata")
+            raise err.InvalidInput("metadata must be a mapping or evstore.Metadata", field="metadata")
         if not all(isinstance(k, str) for k in metadata):
-            raise err.InvalidInput("metadata keys must be strings")
+            raise err.InvalidInput("metadata keys must be strings", field="metadata")
         merged.update({k: v for k, v in metadata.items() if v is not None})
     return merged
 
@@ -306,25 +308,29 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
         if text is None:
             text = _METADATA_ENCODER.encode(meta)
     except RecursionError:
-        raise err.InvalidInput(_METADATA_TOO_DEEP) from None
+        raise err.InvalidInput(_METADATA_TOO_DEEP, field="metadata") from None
     except (TypeError, ValueError):
         raise err.InvalidInput(
             "metadata values must be JSON-serialisable (strings, numbers other than NaN and Infinity, "
-            "booleans, null, lists and mappings)"
+            "booleans, null, lists and mappings)",
+            field="metadata",
         ) from None
     if check:
         try:
             Metadata.model_validate_json(text)
         except ValidationError as exc:
             if any("recursion limit" in e["msg"] for e in exc.errors()):
-                raise err.InvalidInput(_METADATA_TOO_DEEP) from None
+                raise err.InvalidInput(_METADATA_TOO_DEEP, field="metadata") from None
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}"
                 if e["loc"]
                 else f"a value is not valid unicode text ({e['msg']})"  # e.g. a lone surrogate
                 for e in exc.errors()
             )
-            raise err.InvalidInput(f"metadata is not valid: {problems}") from None
+            first = [str(p) for p in exc.errors()[0]["loc"]] if exc.errors() else []
+            raise err.InvalidInput(
+                f"metadata is not valid: {problems}", **where("metadata", ["metadata", *first])
+            ) from None
     return text
 
 
@@ -967,7 +973,7 @@ class AllocationStore:
         creating one that exists changes nothing). Raises ``InvalidInput`` for a name off the
         pattern or a standard class."""
         return await self._submit(
-            cmd.CreateResourceClass(validate_resource_class_name(name)), idempotency_key, metadata
+            cmd.CreateResourceClass(validate_resource_class_name(name, "name")), idempotency_key, metadata
         )
 
     @_logs_rejections("CreateProvider", provider=("uuid",))
@@ -985,9 +991,9 @@ class AllocationStore:
         Raises ``DuplicateName`` (name or uuid taken), ``ProviderNotFound`` (parent),
         ``InvalidInput`` (malformed uuid, empty or over-long name)."""
         command = cmd.CreateProvider(
-            normalize_uuid(uuid, "provider uuid"),
-            validate_name(name, "provider name", 200),
-            normalize_uuid(parent, "parent provider uuid") if parent is not None else None,
+            normalize_uuid(uuid, "provider uuid", "uuid"),
+            validate_name(name, "provider name", 200, "name"),
+            normalize_uuid(parent, "parent provider uuid", "parent") if parent is not None else None,
         )
         return await self._submit(command, idempotency_key, metadata)
 
@@ -1004,7 +1010,7 @@ class AllocationStore:
         inventory changes and allocation writes bump it). Raises ``ProviderNotFound``,
         ``DuplicateName``."""
         command = cmd.RenameProvider(
-            normalize_uuid(uuid, "provider uuid"), validate_name(name, "provider name", 200)
+            normalize_uuid(uuid, "provider uuid", "uuid"), validate_name(name, "provider name", 200, "name")
         )
         return await self._submit(command, idempotency_key, metadata)
 
@@ -1019,7 +1025,7 @@ class AllocationStore:
         """Delete a provider. Raises ``ProviderNotFound``, ``ProviderInUse`` (it holds allocations)
         and ``CannotDeleteParent`` (it has children), as Placement does."""
         return await self._submit(
-            cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid")), idempotency_key, metadata
+            cmd.DeleteProvider(normalize_uuid(uuid, "provider uuid", "uuid")), idempotency_key, metadata
         )
 
     @_logs_rejections("SetInventories", provider=("provider",))
@@ -1041,11 +1047,16 @@ class AllocationStore:
         ``InvalidInventory`` (``reserved > total``, ``min_unit > max_unit``: an
         ``InvalidInput`` too), ``UnknownResourceClass``, ``InventoryInUse`` (removing a class
         that allocations hold)."""
-        puuid = normalize_uuid(provider, "provider uuid")
+        puuid = normalize_uuid(provider, "provider uuid", "provider")
         if not isinstance(inventories, Mapping):
-            raise err.InvalidInput("inventories must be a mapping of resource class to Inventory")
+            raise err.InvalidInput(
+                "inventories must be a mapping of resource class to Inventory", field="inventories"
+            )
         invs = {
-            validate_resource_class_name(rc): coerce_inventory(inv, rc) for rc, inv in inventories.items()
+            validate_resource_class_name(rc, "inventories", ["inventories", path_key(rc)]): coerce_inventory(
+                inv, rc, "inventories", [rc]
+            )
+            for rc, inv in inventories.items()
         }
         gen = validate_generation(generation, "provider generation", nullable=False)
         assert gen is not None
@@ -1068,7 +1079,7 @@ class AllocationStore:
         ``inventory``: an ``Inventory`` (or a mapping of its fields); ``generation``: the
         provider's current one. Raises ``ProviderNotFound``, ``ConcurrentUpdate``,
         ``InvalidInventory`` and ``UnknownResourceClass`` as ``set_inventories`` does."""
-        puuid = normalize_uuid(provider, "provider uuid")
+        puuid = normalize_uuid(provider, "provider uuid", "provider")
         rc = validate_resource_class_name(resource_class)
         gen = validate_generation(generation, "provider generation", nullable=False)
         assert gen is not None
@@ -1087,7 +1098,7 @@ class AllocationStore:
     ) -> int:
         """Remove one class from the provider's inventory; returns the new provider generation.
         Raises ``InventoryInUse`` while allocations hold that class, ``NotFound`` if it has none."""
-        puuid = normalize_uuid(provider, "provider uuid")
+        puuid = normalize_uuid(provider, "provider uuid", "provider")
         command = cmd.DeleteInventory(puuid, validate_resource_class_name(resource_class))
         receipt = await self._submit(command, idempotency_key, metadata)
         return receipt.provider_generations[puuid]
@@ -1123,11 +1134,16 @@ class AllocationStore:
         """
         if not isinstance(allocations, Mapping) or not allocations:
             raise err.InvalidInput(
-                "write_allocations needs a non-empty mapping of consumer to ConsumerAllocations"
+                "write_allocations needs a non-empty mapping of consumer to ConsumerAllocations",
+                field="allocations",
             )
         writes = []
         for consumer, value in allocations.items():
-            cuuid = normalize_uuid(consumer, "consumer uuid")
+            try:
+                cuuid = normalize_uuid(consumer, "consumer uuid", "allocations")
+            except err.InvalidInput as exc:  # (the path built only for an error)
+                exc.details.update(where("allocations", ["allocations", path_key(consumer)]))
+                raise
             ca = coerce_consumer_allocations(value, cuuid)
             writes.append(
                 cmd.ConsumerWrite(
@@ -1167,14 +1183,22 @@ class AllocationStore:
         argument, ``IdempotencyConflict`` for a key used by another command.
         """
         write = cmd.ConsumerWrite(
-            normalize_uuid(consumer, "consumer uuid"),
+            normalize_uuid(consumer, "consumer uuid", "consumer"),
             normalize_allocations(allocations),
             validate_name(project_id, "project_id"),
             validate_name(user_id, "user_id"),
             validate_consumer_type(consumer_type),
             validate_generation(generation, "consumer generation"),
         )
-        return await self._submit(cmd.WriteAllocations((write,)), idempotency_key, metadata)
+        try:
+            return await self._submit(cmd.WriteAllocations((write,)), idempotency_key, metadata)
+        except err.InvalidInput as exc:
+            # (the writer names where write_allocations' argument has it: {consumer: {"allocations":
+            # {provider: ...}}}; this argument is the inner {provider: ...})
+            path = exc.details.get("path")
+            if isinstance(path, list) and path[:3] == ["allocations", write.consumer, "allocations"]:
+                exc.details["path"] = ["allocations", *path[3:]]
+            raise
 
     @_logs_rejections("Release", consumer=("consumer",))
     async def release(
@@ -1189,7 +1213,7 @@ class AllocationStore:
         deleted: ``delete_consumer`` tombstones). Raises ``NotFound`` when it holds nothing
         (``exc.details["deleted_at"]``: its tombstone's position, if it was deleted)."""
         return await self._submit(
-            cmd.Release(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
+            cmd.Release(normalize_uuid(consumer, "consumer uuid", "consumer")), idempotency_key, metadata
         )
 
     @_logs_rejections("StartMigration", consumer=("instance", "migration"))
@@ -1207,7 +1231,8 @@ class AllocationStore:
         already holds allocations), ``InvalidInput`` (same uuid twice, or the instance is itself a
         migration)."""
         command = cmd.StartMigration(
-            normalize_uuid(instance, "instance uuid"), normalize_uuid(migration, "migration uuid")
+            normalize_uuid(instance, "instance uuid", "instance"),
+            normalize_uuid(migration, "migration uuid", "migration"),
         )
         return await self._submit(command, idempotency_key, metadata)
 
@@ -1227,7 +1252,9 @@ class AllocationStore:
         A revert never needs room: no provider's usage grows, so a source whose total shrank below
         its usage meanwhile still takes the allocations back (Placement's over-capacity tolerance)."""
         return await self._submit(
-            cmd.RevertMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
+            cmd.RevertMigration(normalize_uuid(migration, "migration uuid", "migration")),
+            idempotency_key,
+            metadata,
         )
 
     @_logs_rejections("ConfirmMigration", consumer=("migration",))
@@ -1242,7 +1269,9 @@ class AllocationStore:
         the destination). Raises ``NotFound`` when ``migration`` holds nothing for a migration in
         progress, ``ConsumerDeleted`` when its instance was deleted and nothing is left to release."""
         return await self._submit(
-            cmd.ConfirmMigration(normalize_uuid(migration, "migration uuid")), idempotency_key, metadata
+            cmd.ConfirmMigration(normalize_uuid(migration, "migration uuid", "migration")),
+            idempotency_key,
+            metadata,
         )
 
     @_logs_rejections("DeleteConsumer", consumer=("consumer",))
@@ -1259,7 +1288,9 @@ class AllocationStore:
         ``ConsumerDeleted``. A consumer never seen, or absent, is tombstoned all the same;
         deleting a deleted one changes nothing (the receipt has no positions)."""
         return await self._submit(
-            cmd.DeleteConsumer(normalize_uuid(consumer, "consumer uuid")), idempotency_key, metadata
+            cmd.DeleteConsumer(normalize_uuid(consumer, "consumer uuid", "consumer")),
+            idempotency_key,
+            metadata,
         )
 
     # --- queries --------------------------------------------------------------------------
@@ -1281,7 +1312,7 @@ class AllocationStore:
         return ProviderView.of(await self._provider_state(provider))
 
     async def _provider_state(self, provider: str | _uuid.UUID) -> ProviderState:
-        uuid = normalize_uuid(provider, "provider uuid")
+        uuid = normalize_uuid(provider, "provider uuid", "provider")
         prov: ProviderState | None = await self._backend.query("provider", uuid)
         if prov is None:
             raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
@@ -1291,13 +1322,13 @@ class AllocationStore:
         """A consumer's allocations ``{provider: {class: amount}}`` (empty for an unknown or absent
         consumer), with ``.generation``, ``.project_id``, ``.user_id``, ``.consumer_type``,
         ``.on_behalf_of`` (a migration's instance) and ``.deleted`` (tombstoned)."""
-        uuid = normalize_uuid(consumer, "consumer uuid")
+        uuid = normalize_uuid(consumer, "consumer uuid", "consumer")
         return ConsumerView.of(uuid, await self._backend.query("consumer", uuid))
 
     async def provider_allocations(self, provider: str | _uuid.UUID) -> dict[str, dict[str, int]]:
         """``{consumer: {class: amount}}`` of every consumer holding resources of the provider
         (Placement's GET /resource_providers/{uuid}/allocations). Raises ``ProviderNotFound``."""
-        uuid = normalize_uuid(provider, "provider uuid")
+        uuid = normalize_uuid(provider, "provider uuid", "provider")
         found: dict[str, dict[str, int]] | None = await self._backend.query("provider_allocations", uuid)
         if found is None:
             raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
@@ -1609,13 +1640,16 @@ class AllocationStore:
         (``state_at`` answers the same question from the nearest snapshot.)"""
         if at is not None:
             if to_position is not None:
-                raise err.InvalidInput("replay takes at most one of to_position or at=")
+                raise err.InvalidInput("replay takes at most one of to_position or at=", field="at")
             to_position = await self.position_of(_aware_time(at))
         if to_position is not None:
             _position(to_position, "to_position", time_in="at=")
             head = await self._backend.head()
             if to_position > head:  # (as state_at and diff: a position the log has not reached)
-                raise err.InvalidInput(f"position {to_position} is beyond the head of the log ({head})")
+                raise err.InvalidInput(
+                    f"position {to_position} is beyond the head of the log ({head})",
+                    field="at" if at is not None else "to_position",
+                )
         return await replay(self._backend.read_payloads, to_position)
 
     async def state_at(
@@ -1633,20 +1667,23 @@ class AllocationStore:
         history (and, for a provider, its latest slice snapshot): far faster on a long log.
         """
         if provider is not None and consumer is not None:
-            raise err.InvalidInput("state_at takes at most one of provider= or consumer=")
+            raise err.InvalidInput("state_at takes at most one of provider= or consumer=", field="consumer")
         if (position is None) == (at is None):
-            raise err.InvalidInput("state_at needs exactly one of position= or at=")
+            raise err.InvalidInput(
+                "state_at needs exactly one of position= or at=", field="position" if at is None else "at"
+            )
         if at is not None:
             position = await self.position_of(_aware_time(at))
+        given = "position" if at is None else "at"
         position = _position(position, time_in="at=")
         head = await self._backend.head()
         if position > head:  # (as diff and the CLI: a position the log has not reached yet)
-            raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})")
+            raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})", field=given)
         if provider is not None or consumer is not None:
             from projections import snapshots
 
             kind, uuid = ("provider", provider) if provider is not None else ("consumer", consumer)
-            entity = f"{kind}:{normalize_uuid(uuid, f'{kind} uuid')}"
+            entity = f"{kind}:{normalize_uuid(uuid, f'{kind} uuid', kind)}"
             state = await snapshots.fold_entity_to(
                 self._backend, self._backend.read_entities, entity, position
             )
@@ -1725,10 +1762,10 @@ class AllocationStore:
         start = await self._position_of(a, "diff's a (from)", "a")
         end = await self._position_of(b, "diff's b (to)", "b")
         if start > end:
-            raise err.InvalidInput(f"diff needs a <= b, got positions {start} and {end}")
+            raise err.InvalidInput(f"diff needs a <= b, got positions {start} and {end}", field="b")
         head = await self.head()
         if end > head:
-            raise err.InvalidInput(f"position {end} is beyond the head of the log ({head})")
+            raise err.InvalidInput(f"position {end} is beyond the head of the log ({head})", field="b")
         return await diff_states(await self._fold_to(start), self._backend.read_raw, end)
 
     def export(self, batch_size: int = 1000) -> AsyncGenerator[str, None]:
@@ -1781,7 +1818,8 @@ class AllocationStore:
         _check_progress(progress, "progress(phase, events)")
         if not callable(open_lines):
             raise err.InvalidInput(
-                "open_lines must be a callable returning the export's lines (it is called twice)"
+                "open_lines must be a callable returning the export's lines (it is called twice)",
+                field="open_lines",
             )
         importer: Any = self._backend
         if not callable(getattr(importer, "import_all", None)):
@@ -1795,7 +1833,9 @@ class AllocationStore:
         def lines() -> Iterable[str]:
             opened = open_lines()
             if not isinstance(opened, Iterable) or isinstance(opened, str | bytes):
-                raise err.InvalidInput(f"open_lines() must return the lines, got a {type(opened).__name__}")
+                raise err.InvalidInput(
+                    f"open_lines() must return the lines, got a {type(opened).__name__}", field="open_lines"
+                )
             return opened
 
         validated = ChainCheck()
@@ -1837,7 +1877,7 @@ _BACKEND_MODULES = {
 
 def make_backend(url: str, **options: Any) -> Backend:
     if not isinstance(url, str):
-        raise err.InvalidInput("url must be a string such as sqlite:///evstore.db")
+        raise err.InvalidInput("url must be a string such as sqlite:///evstore.db", field="url")
     postgres = url.startswith(("postgresql://", "postgres://"))
     if "\x00" in url or (postgres and "%00" in url):
         # (neither a file name nor a PostgreSQL connection can hold one, %-encoded in a libpq URL:

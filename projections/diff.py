@@ -106,7 +106,7 @@ class Diff:
         store's queries take (a ``uuid.UUID``, any case), a malformed one ``InvalidInput``."""
         from evstore.schema import normalize_uuid
 
-        key = normalize_uuid(uuid, "consumer uuid")
+        key = normalize_uuid(uuid, "consumer uuid", "uuid")
         return next((c for c in self.consumers if c.consumer == key), None)
 
     def to_dict(self) -> dict[str, Any]:

@@ -231,7 +231,8 @@ class StateView:
     def _in_scope(self, kind: str, uuid: str) -> None:
         if self.scope is not None and self.scope != f"{kind}:{uuid}":
             raise InvalidInput(
-                f"This view was folded for {self.scope} only; ask state_at() about {kind} {uuid}"
+                f"This view was folded for {self.scope} only; ask state_at() about {kind} {uuid}",
+                field=kind,  # (the argument's name: provider or consumer)
             )
 
     @property
@@ -241,7 +242,7 @@ class StateView:
     def _provider(self, provider: str | UUID) -> ProviderState:
         from evstore.schema import normalize_uuid
 
-        uuid = normalize_uuid(provider, "provider uuid")
+        uuid = normalize_uuid(provider, "provider uuid", "provider")
         self._in_scope("provider", uuid)
         prov = self.state.providers.get(uuid)
         if prov is None:
@@ -262,14 +263,14 @@ class StateView:
     async def allocations(self, consumer: str | UUID) -> ConsumerView:
         from evstore.schema import normalize_uuid
 
-        uuid = normalize_uuid(consumer, "consumer uuid")
+        uuid = normalize_uuid(consumer, "consumer uuid", "consumer")
         self._in_scope("consumer", uuid)
         return ConsumerView.of(uuid, self.state.consumers.get(uuid))
 
     async def provider_allocations(self, provider: str | UUID) -> dict[str, dict[str, int]]:
         from evstore.schema import normalize_uuid
 
-        uuid = normalize_uuid(provider, "provider uuid")
+        uuid = normalize_uuid(provider, "provider uuid", "provider")
         self._in_scope("provider", uuid)
         if uuid not in self.state.providers:
             raise ProviderNotFound(
