@@ -1397,6 +1397,13 @@ class SqliteBackend:
 
         await _on_thread(self._writer, work)
 
+    async def settle(self) -> None:
+        """Wait until the writer connection's thread has done what it was given before this call
+        (a drain whose caller was cancelled goes on: see ``AllocationStore._write_queued``). Its
+        calls run in order, so a call that does nothing ends after them."""
+        with contextlib.suppress(err.StoreClosed):
+            await _on_thread(self._writer, _nothing)
+
     async def head(self) -> int:
         def q(conn: sqlite3.Connection) -> int:
             row = conn.execute("SELECT max(position) FROM events").fetchone()
@@ -1849,6 +1856,10 @@ def _on_the_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Ca
                     raise err.StoreClosed("The event loop closed during the work") from None
 
     return call
+
+
+def _nothing(conn: sqlite3.Connection) -> None:
+    """A call on a connection's thread that does nothing (see ``SqliteBackend.settle``)."""
 
 
 async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Connection], T]) -> T:
