@@ -1491,9 +1491,12 @@ class AllocationStore:
             finally:
                 shared.waiters -= 1
                 if not shared.waiters and not shared.task.done():
-                    # (the last subscriber waiting for it was cancelled: as its own read would be)
+                    # (the last subscriber waiting for it was cancelled: as its own read would be,
+                    # and, as one awaiting its own read did, it ends once the read has - a
+                    # PostgreSQL read ends after the server answers the cancellation, on the pool)
                     shared.task.cancel()
                     self._read_ended(key, shared)
+                    await asyncio.wait([shared.task])
             if shared.task.cancelled():
                 if self._closing:
                     raise err.StoreClosed("The store was closed while this subscriber followed it")
