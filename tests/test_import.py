@@ -165,6 +165,33 @@ async def test_a_progress_callback_that_raises_ends_the_import_with_nothing_kept
     assert (await store.audit()).clean
 
 
+@pytest.mark.parametrize(
+    "raised",
+    [ValueError("I/O operation on closed file."), TimeoutError("the dashboard did not answer")],
+    ids=["ValueError-closed", "TimeoutError"],
+)
+async def test_a_progress_callbacks_exception_reaches_the_caller_as_it_was_raised(
+    store: AllocationStore, tmp_path: Path, raised: Exception
+) -> None:
+    """Regression (review 32, helper R): on SQLite the exception came back through the writer's
+    thread, where a ValueError saying "closed" (a progress writing to a closed file) became
+    ``StoreClosed("The store is closed")`` - the store was open - and a TimeoutError was taken
+    for the writer's own wait for the callback, which it then waited for again, for ever (the
+    writer, holding the write lock, hung, and the import's caller with it)."""
+    lines, rp, _ = await _source(tmp_path, consumers=30)
+
+    def progress(phase: str, done: int) -> None:
+        if phase == "import":
+            raise raised
+
+    with pytest.raises(type(raised), match=str(raised)):
+        async with asyncio.timeout(60):
+            await store.import_events(lambda: iter(lines), batch_size=10, progress=progress)
+    assert await store.head() == 0
+    assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
+    assert (await store.usage(rp))["VCPU"] == 29
+
+
 async def test_a_cancelled_import_whose_file_then_fails_still_ends_cancelled(
     store: AllocationStore, tmp_path: Path
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -109,6 +110,32 @@ async def test_a_progress_callback_that_raises_stops_the_rebuild(store: Allocati
     with pytest.raises(KeyError, match="stop"):
         await store.rebuild(progress=stop)
     assert (await store.audit()).drift, "left as it was: not repaired"
+    await store.rebuild()
+    assert (await store.audit()).clean
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [ValueError("I/O operation on closed file."), TimeoutError("the dashboard did not answer")],
+    ids=["ValueError-closed", "TimeoutError"],
+)
+async def test_a_progress_callbacks_exception_reaches_the_rebuilds_caller_as_it_was_raised(
+    store: AllocationStore, raised: Exception
+) -> None:
+    """Regression (review 32, helper R): on SQLite the last call's exception (inside the
+    rebuild's write transaction) came back through the writer's thread, where a ValueError saying
+    "closed" became ``StoreClosed`` and a TimeoutError hung the writer for ever."""
+    await random_workload(store, seed=11, commands=30)
+    calls: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        calls.append(done)
+        if len(calls) > 1 and done == total:  # (the last call: from the write transaction)
+            raise raised
+
+    with pytest.raises(type(raised), match=str(raised)):
+        async with asyncio.timeout(60):
+            await store.rebuild(progress=progress)
     await store.rebuild()
     assert (await store.audit()).clean
 

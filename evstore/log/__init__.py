@@ -130,6 +130,29 @@ __all__ = ["GENESIS_HASH", "Backend", "Job", "Outcome", "PayloadRow", "RawEvent"
 PayloadRow = tuple[int, str, int, str]
 
 
+class CallbackFailed(Exception):
+    """A caller's callback (a rebuild's or an import's ``progress``) raised ``error`` inside a
+    backend's work: carried past the backend's conversions of its own failures (an ``OSError`` -
+    a ``TimeoutError``, a broken pipe - is not the database's, a ``ValueError`` saying "closed" is
+    not the store closed), and raised to the caller as it was."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def carried(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` raising its exceptions as :class:`CallbackFailed`."""
+
+    def call(*args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            raise CallbackFailed(exc) from None
+
+    return call
+
+
 class LostTail(NamedTuple):
     """The newest change the projection records by an event the log no longer holds: the log
     lost its last events (the audit's ``log_truncated``; a rebuild would forget them)."""

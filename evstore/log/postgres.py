@@ -99,6 +99,7 @@ from evstore.log import (
     HISTORY_EXAMPLES,
     MAX_POSITION,
     STORE_KEYWORDS,
+    CallbackFailed,
     HistoryCheck,
     Job,
     LostTail,
@@ -106,6 +107,7 @@ from evstore.log import (
     PayloadRow,
     RawEvent,
     Receipt,
+    carried,
     follows_on,
     store_keyword_hint,
 )
@@ -2377,9 +2379,11 @@ class PostgresBackend:
                                 entity_rows,
                             )
                         if progress is not None:
-                            progress(expected - 1)
+                            carried(progress)(expected - 1)
                     await _rebuild(conn, state, batch_size, None)
                     return expected - 1
+            except CallbackFailed as exc:  # (not the database's: see CallbackFailed)
+                raise exc.error from None
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "importing events") from None
 
@@ -2410,12 +2414,15 @@ class PostgresBackend:
                     async with conn.transaction():
                         await self._fenced(conn)
                         await _recreate(conn, await _missing_objects(conn))  # (lost tables, indexes)
-                        folded = await _rebuild(conn, state, batch_size, progress)
+                        report = None if progress is None else carried(progress)
+                        folded = await _rebuild(conn, state, batch_size, report)
                         if history is not None:  # (storage-level damage: an index that lost entries)
                             await history.swap(conn, batch_size)
                             for table in PROJECTION_TABLES:
                                 await conn.execute(f"REINDEX TABLE {table}")
                         return folded
+                except CallbackFailed as exc:  # (not the database's: see CallbackFailed)
+                    raise exc.error from None
                 except DB_ERRORS as exc:
                     raise _storage_error(exc, "rebuilding the projection") from None
         finally:

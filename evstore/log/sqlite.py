@@ -48,6 +48,7 @@ from evstore.log import (
     GENESIS_HASH,
     HISTORY_EXAMPLES,
     MAX_POSITION,
+    CallbackFailed,
     HistoryCheck,
     Job,
     LostTail,
@@ -1848,12 +1849,15 @@ def _on_the_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Ca
                 done.set_result(None)
 
         loop.call_soon_threadsafe(run)
-        while True:
-            try:
-                return done.result(timeout=0.1)
-            except concurrent.futures.TimeoutError:
-                if loop.is_closed():  # (it will never run: no wait for ever on the thread)
-                    raise err.StoreClosed("The event loop closed during the work") from None
+        # (waited for, not ``done.result(timeout)``: a TimeoutError ``fn`` raised is not the wait's)
+        while not concurrent.futures.wait([done], timeout=0.1).done:
+            if loop.is_closed():  # (it will never run: no wait for ever on the thread)
+                raise err.StoreClosed("The event loop closed during the work")
+        failed = done.exception()
+        if isinstance(failed, Exception):
+            raise CallbackFailed(failed)  # (past _on_thread's conversions: see CallbackFailed)
+        if failed is not None:
+            raise failed
 
     return call
 
@@ -1878,6 +1882,8 @@ async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Co
 
     try:
         return await conn._execute(call)  # type: ignore[no-any-return,no-untyped-call]
+    except CallbackFailed as exc:
+        raise exc.error from None
     except sqlite3.ProgrammingError as exc:
         if "closed database" in str(exc):
             # (queued on the connection's thread just behind its close: aiosqlite forgets the
