@@ -1353,6 +1353,9 @@ async def test_a_nul_in_the_store_url_is_invalid_input_on_every_backend(tmp_path
     [
         ("create=maybe", {"create": False}, "create must be true or false, got 'maybe'"),
         ("busy_timeout=soon", {"busy_timeout": 5}, "busy_timeout must be a number of seconds"),
+        # (a number out of range too: checked only after the keyword had replaced it)
+        ("busy_timeout=-1", {"busy_timeout": 5}, "busy_timeout must be a number of seconds"),
+        ("busy_timeout=nan", {"busy_timeout": 5}, "busy_timeout must be a number of seconds"),
         ("synchronous=fast", {"synchronous": "FULL"}, "synchronous must be OFF, NORMAL, FULL or EXTRA"),
     ],
 )

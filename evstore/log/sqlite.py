@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import math
 import operator
 import os
 import re
@@ -1048,12 +1049,15 @@ def _option_from_url(name: str, text: str) -> Any:
         raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {text.upper()!r:.40}")
     if name == "busy_timeout":
         try:
-            return float(text)
+            seconds = float(text)
         except ValueError:
+            seconds = math.nan
+        if not 0 <= seconds <= 86_400:  # (here too: a keyword may replace it, unchecked below)
             raise err.InvalidInput(
                 f"busy_timeout must be a number of seconds from 0 to 86400, got {text!r:.40}",
                 field="busy_timeout",
-            ) from None
+            )
+        return seconds
     if name == "create":
         if text.lower() not in ("true", "false", "1", "0"):
             raise err.InvalidInput(f"create must be true or false, got {text!r:.40}", field="create")
