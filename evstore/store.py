@@ -1421,8 +1421,8 @@ class AllocationStore:
         Wakes on this process's commits at once; other processes' commits are seen within about
         ``poll_interval``, by one task per store that polls the head of the log while any subscriber
         waits (idle subscribers read nothing themselves, however many there are). Subscribers at
-        the same position share one read of the log (a commit wakes them all), so they are handed
-        the same event objects: treat events as read-only. The
+        the same position (and ``batch_size``) share one read of the log (a commit wakes them
+        all), so they are handed the same event objects: treat events as read-only. The
         arguments are checked at the call (``InvalidInput``); an ``after`` beyond the head of the
         log (a checkpoint from another store, or from before a restore) is refused at the first
         iteration, as ``state_at`` refuses it: followed, it would skip the events appended until

@@ -1368,9 +1368,10 @@ async def test_a_url_option_a_keyword_overrides_is_still_checked(
     url = f"sqlite:///{tmp_path}/s.db"
     async with open_store(url) as store:
         await store.create_provider(new_uuid(), "node")
-    with pytest.raises(InvalidInput, match=says):
+    with pytest.raises(InvalidInput, match=says) as refused:
         async with open_store(f"{url}?{query}", **keyword):
             pass
+    assert refused.value.details.get("field") == query.split("=")[0]
     async with open_store(url, **keyword) as store:  # (the keyword alone is fine)
         assert await store.head() == 1
 

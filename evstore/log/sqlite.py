@@ -1040,13 +1040,17 @@ def _check_keyword_options(options: dict[str, Any]) -> None:
         )
     sync = options.get("synchronous", "FULL")
     if not isinstance(sync, str):
-        raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r:.40}")
+        raise err.InvalidInput(
+            f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r:.40}", field="synchronous"
+        )
 
 
 def _option_from_url(name: str, text: str) -> Any:
     """A ``?k=v`` option of the URL, from its text."""
     if name == "synchronous" and text.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
-        raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {text.upper()!r:.40}")
+        raise err.InvalidInput(
+            f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {text.upper()!r:.40}", field="synchronous"
+        )
     if name == "busy_timeout":
         try:
             seconds = float(text)
@@ -1090,7 +1094,9 @@ class SqliteBackend:
         self._parent_dir = os.path.dirname(os.path.abspath(path))
         sync = str(chosen.get("synchronous", "FULL")).upper()
         if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
-            raise err.InvalidInput(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}")
+            raise err.InvalidInput(
+                f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}", field="synchronous"
+            )
         self.synchronous = sync
         busy_timeout = float(chosen.get("busy_timeout", 30.0))
         if not 0 <= busy_timeout <= 86_400:  # (also refuses nan and inf)
