@@ -1038,19 +1038,23 @@ def _check_keyword_options(options: dict[str, Any]) -> None:
             f"busy_timeout must be a number of seconds from 0 to 86400, got {timeout!r:.40}",
             field="busy_timeout",
         )
-    sync = options.get("synchronous", "FULL")
-    if not isinstance(sync, str):
+    _sync_mode(options.get("synchronous", "FULL"))
+
+
+def _sync_mode(value: object) -> str:
+    """``synchronous`` (a keyword's, or the URL's text) as SQLite's mode name."""
+    mode = value.upper() if isinstance(value, str) else value
+    if mode not in ("OFF", "NORMAL", "FULL", "EXTRA"):
         raise err.InvalidInput(
-            f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r:.40}", field="synchronous"
+            f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {mode!r:.40}", field="synchronous"
         )
+    return str(mode)
 
 
 def _option_from_url(name: str, text: str) -> Any:
     """A ``?k=v`` option of the URL, from its text."""
-    if name == "synchronous" and text.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
-        raise err.InvalidInput(
-            f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {text.upper()!r:.40}", field="synchronous"
-        )
+    if name == "synchronous":
+        return _sync_mode(text)
     if name == "busy_timeout":
         try:
             seconds = float(text)
@@ -1092,12 +1096,7 @@ class SqliteBackend:
         #: and SQLite, where ``os.path.abspath`` drops both (another file, or none)
         self._abs_path = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
         self._parent_dir = os.path.dirname(os.path.abspath(path))
-        sync = str(chosen.get("synchronous", "FULL")).upper()
-        if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
-            raise err.InvalidInput(
-                f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {sync!r}", field="synchronous"
-            )
-        self.synchronous = sync
+        self.synchronous = _sync_mode(chosen.get("synchronous", "FULL"))
         busy_timeout = float(chosen.get("busy_timeout", 30.0))
         if not 0 <= busy_timeout <= 86_400:  # (also refuses nan and inf)
             raise err.InvalidInput(
