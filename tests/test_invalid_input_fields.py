@@ -15,8 +15,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from evstore import AllocationStore, ConsumerAllocations, InvalidInput, Inventory
+from evstore import AllocationStore, ConsumerAllocations, InvalidInput, Inventory, Metadata
 from evstore.schema import make_inventory
 from tests.conftest import allocate, make_provider, new_uuid
 
@@ -479,6 +480,40 @@ def test_value_types_name_their_keyword() -> None:
         "allocations",
         ["allocations", rp, "VCPU"],
     )
+
+
+def test_metadata_built_by_a_caller_refuses_as_invalid_input() -> None:
+    """``evstore.Metadata`` is a public value type too. Regression: ``Metadata(request_id=5)`` raised
+    pydantic's ValidationError (no code, no field) where Inventory and ConsumerAllocations raise
+    InvalidInput; a command given such a value as a mapping already refused it with InvalidInput."""
+    with pytest.raises(InvalidInput) as caught:
+        Metadata(request_id=5)
+    assert caught.value.code == INVALID
+    assert caught.value.details["field"] == "request_id"
+    assert "request_id" in str(caught.value)
+    # what is valid still builds, with a caller's own keys, and typed as Metadata
+    built = Metadata(request_id="req-1", tenant={"zone": 3})
+    assert built.request_id == "req-1" and built.model_dump()["tenant"] == {"zone": 3}
+    # decoding (every read of a stored event) is not the caller's call: pydantic's own error there
+    with pytest.raises(ValidationError):
+        Metadata.model_validate_json('{"request_id": 5}')
+
+
+async def test_metadata_value_reaches_the_log(store: AllocationStore) -> None:
+    """A Metadata built by the caller is accepted by a command and read back as given."""
+    rp = await make_provider(store, VCPU=4)
+    c = new_uuid()
+    receipt = await store.set_allocations(
+        c,
+        {rp: {"VCPU": 1}},
+        project_id="p",
+        user_id="u",
+        consumer_type="INSTANCE",
+        generation=None,
+        metadata=Metadata(request_id="req-9", actor="alice"),
+    )
+    [event] = await store.read(after=receipt.position - 1, limit=1)
+    assert (event.metadata.request_id, event.metadata.actor) == ("req-9", "alice")
 
 
 async def test_time_travel_views_name_their_argument(store: AllocationStore) -> None:
