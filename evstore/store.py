@@ -295,6 +295,11 @@ _METADATA_TOO_DEEP = (
 )
 
 
+#: the most JSON text a command's metadata may take (each of its events stores a copy; the
+#: envelope's ids and a caller's short facts are ~100-300 bytes)
+_METADATA_MAX_BYTES = 65_536
+
+
 def _metadata_json(meta: dict[str, Any], check: bool) -> str:
     """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
     caller values) as every reader of the log decodes it: from that text."""
@@ -316,6 +321,16 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
             field="metadata",
         ) from None
     if check:
+        # (a character is at most 4 bytes of UTF-8: most metadata is not encoded to be measured)
+        if (
+            len(text) > _METADATA_MAX_BYTES // 4
+            and (size := len(text.encode("utf-8", "surrogatepass"))) > _METADATA_MAX_BYTES
+        ):
+            raise err.InvalidInput(
+                f"metadata is too large: {size:,} bytes of JSON, at most {_METADATA_MAX_BYTES:,} (every "
+                "event of the command carries it: keep ids and short facts there, not documents)",
+                field="metadata",
+            )
         try:
             Metadata.model_validate_json(text)
         except ValidationError as exc:

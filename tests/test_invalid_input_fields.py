@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from evstore import AllocationStore, ConsumerAllocations, InvalidInput, Inventory, Metadata
+from evstore import AllocationStore, ConsumerAllocations, InvalidInput, Inventory, Metadata, command_metadata
 from evstore.schema import make_inventory
 from tests.conftest import allocate, make_provider, new_uuid
 
@@ -514,6 +514,36 @@ async def test_metadata_value_reaches_the_log(store: AllocationStore) -> None:
     )
     [event] = await store.read(after=receipt.position - 1, limit=1)
     assert (event.metadata.request_id, event.metadata.actor) == ("req-9", "alice")
+
+
+async def test_metadata_size_is_bounded(store: AllocationStore) -> None:
+    """Every event of a command stores its metadata. Regression: it had no bound - a caller's
+    10 MB document was copied into each event of the command (and the log kept it for good)."""
+    rp = await make_provider(store, VCPU=4)
+    head = await store.head()
+    owner: dict[str, Any] = {
+        "project_id": "p",
+        "user_id": "u",
+        "consumer_type": "INSTANCE",
+        "generation": None,
+    }
+    big = {"request_id": "r", "note": "x" * 70_000}
+    with pytest.raises(InvalidInput) as caught:
+        await store.set_allocations(new_uuid(), {rp: {"VCPU": 1}}, **owner, metadata=big)
+    assert caught.value.details["field"] == "metadata" and "too large" in str(caught.value)
+    # counted in bytes of UTF-8, not characters
+    with pytest.raises(InvalidInput):
+        await store.set_allocations(
+            new_uuid(), {rp: {"VCPU": 1}}, **owner, metadata={"note": "\u00e9" * 40_000}
+        )
+    with pytest.raises(InvalidInput), command_metadata(note="y" * 70_000):
+        pass
+    assert await store.head() == head  # nothing written
+    # what a service puts there is far below it
+    fits = {"request_id": "r", "note": "z" * 60_000}
+    receipt = await store.set_allocations(new_uuid(), {rp: {"VCPU": 1}}, **owner, metadata=fits)
+    [event] = await store.read(after=receipt.position - 1, limit=1)
+    assert event.metadata.model_dump()["note"] == fits["note"]
 
 
 async def test_time_travel_views_name_their_argument(store: AllocationStore) -> None:
