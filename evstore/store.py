@@ -547,6 +547,40 @@ def _own_copy(exc: BaseException) -> Exception:
     return err.StorageError(f"Storage failure: {exc!r}")
 
 
+#: a subscriber's read of the log, or the poller's read of the head, that failed for a reason
+#: that may pass (``details["transient"]``: a connection lost, refused or timed out - a server
+#: restart, a failover, a pooled connection reset) is tried again after pauses that double from
+#: the first to the last, for up to ``_OUTAGE_RETRY_FOR`` seconds of consecutive failures; then,
+#: or at once for any other failure, the subscribers end with it
+_OUTAGE_RETRY_FOR = 30.0
+_OUTAGE_FIRST_PAUSE = 0.25
+_OUTAGE_LAST_PAUSE = 5.0
+
+
+class _Outage:
+    """The consecutive transient failures of one reader of the log for subscribers (the poller,
+    or one subscriber): how many so far, and when the first was."""
+
+    __slots__ = ("attempts", "since")
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.since = 0.0
+
+    def pause_after(self, exc: BaseException) -> float | None:
+        """The pause before reading again after ``exc``, or None when ``exc`` is to be raised: it
+        is not transient, or the failures have gone on for longer than ``_OUTAGE_RETRY_FOR``."""
+        if not isinstance(exc, err.StorageError) or exc.details.get("transient") is not True:
+            return None
+        now = asyncio.get_running_loop().time()
+        if not self.attempts:
+            self.since = now
+        elif now - self.since > _OUTAGE_RETRY_FOR:
+            return None
+        self.attempts += 1
+        return min(_OUTAGE_LAST_PAUSE, _OUTAGE_FIRST_PAUSE * 2.0 ** min(self.attempts - 1, 16))
+
+
 class _SharedRead:
     """One read of the log in flight for the subscribers at one position (see
     :meth:`AllocationStore._read_for_subscriber`): its task, the subscribers' wake-ups counter
@@ -1442,6 +1476,13 @@ class AllocationStore:
         log (a checkpoint from another store, or from before a restore) is refused at the first
         iteration, as ``state_at`` refuses it: followed, it would skip the events appended until
         the log reached it.
+
+        A read that fails for a reason that may pass (PostgreSQL's connection lost, refused or
+        timed out - a server restart, a failover: ``details["transient"]``) is tried again, with
+        pauses growing to 5 s (each logged as a warning, with its attempt), for up to 30 s of
+        consecutive failures; one that goes on longer, and any other failure (a damaged row, a
+        permission refused, a closed store), ends the subscriber with its error. Subscribe again
+        then with ``after=`` the last position delivered: nothing is skipped or repeated.
         """
         _position(after, "after")
         _count(batch_size, "batch_size")
@@ -1456,6 +1497,7 @@ class AllocationStore:
                 "store (a checkpoint from another store, or from before a restore?)",
                 field="after",
             )
+        outage: _Outage | None = None  # (while reads fail for a reason that may pass)
         while True:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
@@ -1472,6 +1514,23 @@ class AllocationStore:
                 for recorded in batch:
                     yield recorded
                 raise
+            except err.StorageError as exc:
+                # (a server restart must not end every service following the log: read again once
+                # it may be back - woken sooner by the poller finding the head beyond ``after``)
+                outage = outage or _Outage()
+                pause = outage.pause_after(exc)
+                if pause is None:
+                    raise
+                log.warning(
+                    "subscribe.read_retry",
+                    error=exc.message,
+                    after=after,
+                    attempt=outage.attempts,
+                    retry_in=pause,
+                )
+                await self._until_appended(after, self._wakes, pause)
+                continue
+            outage = None
             for recorded in batch:
                 yield recorded
                 after = recorded.position
@@ -1529,12 +1588,12 @@ class AllocationStore:
         if shared.task.done() and not shared.task.cancelled():
             shared.task.exception()  # (retrieved: each waiter raised its own copy)
 
-    async def _until_appended(self, after: int, wakes: int) -> None:
+    async def _until_appended(self, after: int, wakes: int, at_most: float | None = None) -> None:
         """Wait, as a subscriber that has delivered up to ``after``, until the log may hold more:
         a commit of this process, the poller finding the head beyond ``after``, or the store
-        closing. ``wakes``: :attr:`_wakes` before the subscriber's last read (a wake-up since then
-        may be for what that read missed: no wait). Raises what the poller's read of the head
-        raised, when it failed while this waited."""
+        closing (or ``at_most`` seconds, when given). ``wakes``: :attr:`_wakes` before the
+        subscriber's last read (a wake-up since then may be for what that read missed: no wait).
+        Raises what the poller's read of the head raised, when it failed while this waited."""
         if self._wakes != wakes or self._closing:
             return
         # (a plain await of a future: wait_for on Python 3.11 swallowed a cancellation that
@@ -1549,7 +1608,13 @@ class AllocationStore:
             )
             self._poller.add_done_callback(self._poller_ended)
         try:
-            await waiter
+            if at_most is None:
+                await waiter
+            else:
+                # (asyncio.wait, not wait_for: see above; the waiter is not cancelled at the timeout)
+                await asyncio.wait([waiter], timeout=at_most)
+                if waiter.done():
+                    waiter.result()  # (the poller's failure, if it failed)
         finally:
             del self._idle[waiter]
             if waiter.done() and not waiter.cancelled():
@@ -1571,18 +1636,37 @@ class AllocationStore:
         does) and wake the subscribers when it is beyond what one of them has delivered: other
         processes' appends, which no commit of this store announces. One read per interval
         however many subscribers wait (each polling on its own cost 2,500 reads a second for
-        500 of them). Ends when none waits at a tick, or the store closes; a failed read of the
-        head is raised in every waiting subscriber, as its own read would have raised it, and
-        ends this task (the next subscriber to wait starts another)."""
+        500 of them). Ends when none waits at a tick, or the store closes. A read of the head
+        that failed for a reason that may pass (see ``_OUTAGE_RETRY_FOR``) is tried again after
+        a pause (``poll_interval`` at least), the subscribers waiting on; a failure that goes on
+        longer, or any other, is raised in every waiting subscriber, as its own read would have
+        raised it, and ends this task (the next subscriber to wait starts another)."""
+        outage: _Outage | None = None
+        pause = self._poll_interval
         while True:
-            await asyncio.sleep(self._poll_interval)
+            await asyncio.sleep(pause)
             if self._closing or not self._idle:
                 return
             try:
                 head = await self._impl.head()
             except Exception as exc:
-                self._fail_idle(exc)
-                return
+                outage = outage or _Outage()
+                retry = outage.pause_after(exc)
+                if retry is None:
+                    self._fail_idle(exc, outage.attempts)
+                    return
+                pause = max(self._poll_interval, retry)
+                log.warning(
+                    "subscribe.poll_retry",
+                    error=str(exc),
+                    attempt=outage.attempts,
+                    retry_in=pause,
+                    subscribers=len(self._idle),
+                )
+                continue
+            if outage is not None:
+                log.info("subscribe.poll_recovered", attempts=outage.attempts)
+                outage, pause = None, self._poll_interval
             if any(after < head for after in self._idle.values()):
                 self._wake_subscribers()
 
@@ -1594,10 +1678,11 @@ class AllocationStore:
             # still waits must not wait for a poller that is gone; it reads, the next wait starts one)
             self._wake_subscribers()
 
-    def _fail_idle(self, exc: Exception) -> None:
+    def _fail_idle(self, exc: Exception, retried: int = 0) -> None:
         """Raise the poller's failure in each waiting subscriber (a copy each: an exception raised
-        in several tasks would gather every task's traceback)."""
-        log.warning("subscribe.poll_failed", error=repr(exc), subscribers=len(self._idle))
+        in several tasks would gather every task's traceback); ``retried``: the transient failures
+        before it."""
+        log.warning("subscribe.poll_failed", error=repr(exc), retried=retried, subscribers=len(self._idle))
         for waiter in self._idle:
             if not waiter.done():
                 waiter.set_exception(_own_copy(exc))

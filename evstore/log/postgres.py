@@ -1048,7 +1048,10 @@ def _storage_error(
     """``committing``: True while a command's COMMIT was in flight, False inside its transaction
     (rolled back), None for work that writes nothing of the caller's (reads, the sequencer).
     ``timeout``: the setting a ``TimeoutError`` means ran out, as the message names it; ``keyed``:
-    the command carries an idempotency key (a retry with it is safe, without it is not)."""
+    the command carries an idempotency key (a retry with it is safe, without it is not).
+    A failure of the connection rather than of the work (lost, refused, timed out, the server
+    shutting down or full) says ``transient=True``: the same call may succeed on a new
+    connection once the server is back (subscribers wait for that: AllocationStore.subscribe)."""
     exc = _reason(exc)
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -1058,6 +1061,8 @@ def _storage_error(
         lead = f"PostgreSQL did not answer within {timeout} while {doing}"
     elif _is_connection_error(exc):
         lead = f"Lost the connection to PostgreSQL while {doing}: {text}"
+    elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
+        lead = f"PostgreSQL error while {doing}: {text}"
     else:
         lead = f"PostgreSQL error while {doing}: {text}"
         if sqlstate == "57014" and "statement timeout" in text:
@@ -1072,7 +1077,7 @@ def _storage_error(
         # the server answered with an error: the transaction is rolled back, also at COMMIT
         return err.StorageError(f"{lead}; it was rolled back", sqlstate=sqlstate, outcome_unknown=False)
     if committing is None:
-        return err.StorageError(lead, sqlstate=sqlstate)
+        return err.StorageError(lead, sqlstate=sqlstate, transient=True)
     outcome = (
         (
             "it may or may not have been committed (retry with the same idempotency key to be sure)"
@@ -1083,7 +1088,9 @@ def _storage_error(
         if committing
         else "it was rolled back"
     )
-    return err.StorageError(f"{lead}; {outcome}", sqlstate=sqlstate, outcome_unknown=committing)
+    return err.StorageError(
+        f"{lead}; {outcome}", sqlstate=sqlstate, outcome_unknown=committing, transient=True
+    )
 
 
 class _Refused(Exception):
