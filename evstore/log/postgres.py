@@ -1062,6 +1062,7 @@ def _storage_error(
     elif _is_connection_error(exc):
         lead = f"Lost the connection to PostgreSQL while {doing}: {text}"
     elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
+        # (the server's answer, but to the connect: nothing ran, and a later try may get a slot)
         lead = f"PostgreSQL error while {doing}: {text}"
     else:
         lead = f"PostgreSQL error while {doing}: {text}"
