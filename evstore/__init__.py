@@ -32,11 +32,11 @@ from evstore.errors import (
     UnknownResourceClass,
     WrongEventLoop,
 )
-from evstore.events import Metadata, RecordedEvent
-from evstore.schema import ConsumerAllocations, Inventory
 
 if TYPE_CHECKING:
+    from evstore.events import Metadata, RecordedEvent
     from evstore.log import Receipt
+    from evstore.schema import ConsumerAllocations, Inventory
     from evstore.store import (
         AllocationsByConsumer,
         AllocationStore,
@@ -61,8 +61,14 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 # The store pulls in the projections package, which itself imports evstore.events: load it on
-# first use so that `import evstore` stays light and the import graph cannot cycle.
+# first use so that `import evstore` stays light and the import graph cannot cycle. The models
+# (pydantic, ~0.1 s to import) too: the `evstore` script imports this package before it can
+# catch a Ctrl-C (evstore/__main__.py), and a command that needs none of them - `--help` - loads none.
 _LAZY = {
+    "Metadata": "evstore.events",
+    "RecordedEvent": "evstore.events",
+    "ConsumerAllocations": "evstore.schema",
+    "Inventory": "evstore.schema",
     "open_store": "evstore.store",
     "AllocationStore": "evstore.store",
     "command_metadata": "evstore.store",
@@ -88,15 +94,20 @@ _LAZY = {
     "ConsumerChange": "projections.diff",
 }
 
+#: the submodules `import evstore` imported, and so bound as its attributes, before they were lazy
+_SUBMODULES = frozenset({"events", "schema"})
+
 
 if not TYPE_CHECKING:  # (to a type checker a module __getattr__ says that every name exists)
 
     def __getattr__(name: str) -> Any:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module 'evstore' has no attribute {name!r}")
         import importlib
 
+        module = _LAZY.get(name)
+        if module is None:
+            if name in _SUBMODULES:  # (bound by `import evstore` when it imported them eagerly)
+                return importlib.import_module(f"evstore.{name}")
+            raise AttributeError(f"module 'evstore' has no attribute {name!r}")
         return getattr(importlib.import_module(module), name)
 
 
