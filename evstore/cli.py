@@ -28,8 +28,7 @@ import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Unpack
@@ -254,15 +253,66 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
     return chosen
 
 
-def open_existing(
-    target: str, **options: Unpack[StoreOptions]
-) -> AbstractAsyncContextManager[AllocationStore]:
+@contextlib.asynccontextmanager
+async def open_existing(
+    target: str, *, upgrade: bool = False, **options: Unpack[StoreOptions]
+) -> AsyncIterator[AllocationStore]:
     """Open a store that must already exist: a database (file or PostgreSQL schema) without one is
-    refused with NotFound, never turned into an empty store."""
+    refused with NotFound, never turned into an empty store. Unless ``upgrade`` (the commands that
+    write: rebuild, snapshot, upgrade), a SQLite store an older evstore wrote is refused rather
+    than upgraded (:func:`refuse_older`)."""
     from evstore.store import open_store
 
+    if not upgrade:
+        await refuse_older(target)
     options["create"] = False
-    return open_store(target, **options)
+    async with open_store(target, **options) as store:
+        yield store
+
+
+async def refuse_older(target: str) -> None:
+    """``evstore.schema.version`` for a SQLite store of an older schema version: opening it upgrades
+    it - rewrites its tables, and closes it to the older evstore processes that still use it - which
+    a command that only reads (audit, history, state, diff, tail, stats, export: debugging, often
+    on a live store) must not do behind its user's back. ``evstore upgrade`` does it, once those
+    processes are stopped. (A file this look cannot read is left to the open, which says why;
+    PostgreSQL is not looked at: its open upgrades as before.)"""
+    from evstore.log.sqlite import SCHEMA_VERSION
+
+    path = _sqlite_file(target)
+    if path is None:
+        return
+    found = await asyncio.to_thread(_schema_version_of, path)
+    if found is None or found >= SCHEMA_VERSION:
+        return
+    raise err.SchemaVersionError(
+        f"{path} is a store of schema version {found}, written by an older evstore: opening it "
+        f"would upgrade it to {SCHEMA_VERSION}, which closes it to the older evstore processes still "
+        "using it, and a command that only reads does not do that. Once no older evstore uses it, "
+        f"run `evstore upgrade --db {shlex.quote(path)}` (nothing was written)",
+        found=found,
+        supported=SCHEMA_VERSION,
+        path=path,
+    )
+
+
+def _schema_version_of(path: str) -> int | None:
+    """The schema version the SQLite store at ``path`` says it has, read without writing anything
+    (None: no file, no store, a version that is no number, or a file that cannot be read)."""
+    from evstore.log.sqlite import parse_version
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    version = parse_version(row[0]) if row is not None else None
+    return version if version is not None and version >= 1 else None
 
 
 def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
@@ -1390,7 +1440,7 @@ def rebuild(
 
     async def work() -> int:
 
-        async with open_existing(resolve_url(db, url)) as store:
+        async with open_existing(resolve_url(db, url), upgrade=True) as store:
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("rebuilding", total=head or 1)
@@ -1422,7 +1472,7 @@ def snapshot(
     async def work() -> int:
 
         options: StoreOptions = {} if every is None else {"snapshot_every": every}
-        async with open_existing(resolve_url(db, url), **options) as store:
+        async with open_existing(resolve_url(db, url), upgrade=True, **options) as store:
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("folding", total=head or 1)
@@ -1468,6 +1518,45 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
                 f"{found['backend']['unpositioned']} committed event(s) not yet given a position "
                 "(the next command or read of the log positions them)"
             )
+        return EXIT_OK
+
+    run(work)
+
+
+@app.command()
+def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = False) -> None:
+    """Upgrade a store an older evstore wrote to this evstore's schema version.
+
+    Stop the processes running an older evstore on it first: the upgrade closes the store to them.
+    The commands that only read refuse such a store (evstore.schema.version) rather than upgrade
+    it; the ones that write (rebuild, snapshot) upgrade it as they open it, as open_store does.
+    """
+
+    async def work() -> int:
+        target = resolve_url(db, url)
+        path = _sqlite_file(target)
+        found = None if path is None else await asyncio.to_thread(_schema_version_of, path)
+        async with open_existing(target, upgrade=True):
+            pass  # (the open upgrades it, in one transaction)
+        if path is not None:
+            from evstore.log.sqlite import SCHEMA_VERSION
+        else:
+            from evstore.log.postgres import SCHEMA_VERSION
+        upgraded_from = found if found is not None and found < SCHEMA_VERSION else None
+        if json_out:
+            # (upgraded_from: the version it had, when this upgraded it; null when it was current,
+            # and on PostgreSQL, whose version is not read before the open)
+            emit_json(
+                {"url": shown(target), "schema_version": SCHEMA_VERSION, "upgraded_from": upgraded_from}
+            )
+        elif upgraded_from is not None:
+            console().print(
+                f"{safe(shown(target))}: upgraded from schema version {upgraded_from} to {SCHEMA_VERSION}"
+            )
+        elif path is not None:
+            console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION} already")
+        else:
+            console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION}")
         return EXIT_OK
 
     run(work)
