@@ -1162,6 +1162,17 @@ def _only(state: State, provider: str) -> State:
     return State(state.position, {provider: state.providers[provider]})
 
 
+def backwards(a: str, b: str) -> NoReturn:
+    """``diff A B`` with A after B: arguments that conflict, a usage error (exit 2), as ``--db``
+    with ``--url`` is - not a reverse diff, whose "events that did it" would be none."""
+    fail(
+        "evstore.usage",
+        f"A ({a.strip():.60}) is after B ({b.strip():.60}): diff shows what changed from A to B; "
+        "give the earlier point first",
+        EXIT_USAGE,
+    )
+
+
 def _positions(positions: Sequence[int], limit: int = 8) -> str:
     shown = ", ".join(map(str, positions[:limit]))
     return shown + (f" (+{len(positions) - limit} more)" if len(positions) > limit else "")
@@ -1181,7 +1192,13 @@ def diff(
         not_empty(a, "A", "a position or an ISO time with a zone")
         not_empty(b, "B", "a position or an ISO time with a zone")
         start, end = parse_point(a, "A"), parse_point(b, "B")  # (before the store is opened)
+        if type(start) is type(end) and start > end:  # type: ignore[operator]
+            backwards(a, b)
         async with open_existing(resolve_url(db, url)) as store:
+            if type(start) is not type(end):  # (a time and a position: the log says which is first)
+                start, end = await store.position_of(start), await store.position_of(end)
+                if start > end:
+                    backwards(a, b)
             result = await store.diff(start, end)
             # (names as the usage deltas give them, at b or else at a; today's only for a
             # provider neither end holds: allocations an imported log left on an absent one)
