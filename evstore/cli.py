@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import codecs
 import collections
 import contextlib
 import io
@@ -1856,10 +1857,37 @@ def _escape_what_cannot_be_encoded() -> None:
     ASCII locale, PYTHONIOENCODING, a Windows code page when redirected) is printed as its escape
     (``\\u0153``), as a control character is shown ``\\xNN`` (:func:`visible`), instead of ending
     the command with a UnicodeEncodeError. (``--json`` is ASCII, and the export is written as
-    UTF-8 text ASCII-escaped: neither is changed.)"""
+    UTF-8 text ASCII-escaped: neither is changed.) In the C or POSIX locale, with its coercion to
+    UTF-8 turned off (PYTHONCOERCECLOCALE=0), Python writes with ``surrogateescape`` - which puts
+    back the bytes of a file name it could not decode, and fails on any other character: that is
+    kept for those bytes, the escape used for the rest."""
     stream = sys.stdout
-    if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+    if not isinstance(stream, io.TextIOWrapper):
+        return
+    if stream.errors == "strict":
         stream.reconfigure(errors="backslashreplace")
+    elif stream.errors == "surrogateescape":
+        try:
+            codecs.lookup_error(_ESCAPE_OR_BYTES)
+        except LookupError:  # (registered once a process: main may run more than once in one)
+            codecs.register_error(_ESCAPE_OR_BYTES, _escape_or_bytes)
+        stream.reconfigure(errors=_ESCAPE_OR_BYTES)
+
+
+#: the error handler of :func:`_escape_or_bytes`
+_ESCAPE_OR_BYTES = "evstore.surrogateescape_or_backslashreplace"
+
+
+def _escape_or_bytes(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """``surrogateescape`` where it applies (the bytes of an undecodable file name, put back),
+    else ``backslashreplace`` (a character the encoding has not: its escape)."""
+    try:
+        return _SURROGATEESCAPE(exc)
+    except UnicodeError:
+        return codecs.backslashreplace_errors(exc)
+
+
+_SURROGATEESCAPE = codecs.lookup_error("surrogateescape")
 
 
 def _exit(code: int) -> NoReturn:

@@ -5,9 +5,14 @@ They drive the CLI in a subprocess, as an operator would (tests/test_cli_support
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from tests.test_cli_support import demo_db, evstore
+from tests.test_cli_support import REPO, demo_db, evstore
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +50,43 @@ def test_diff_of_a_point_with_itself_or_in_order_still_answers(db: str) -> None:
 def test_diff_past_the_head_is_still_the_stores_error(db: str) -> None:
     done = evstore("diff", "1", "100000", "--db", db)
     assert done.returncode == 1 and done.stderr.startswith("error: evstore.invalid_input: "), done.stderr
+
+
+# --- the C locale, not coerced to UTF-8 -----------------------------------------------------------------
+
+P1 = "11111111-1111-4111-8111-111111111111"
+C1 = "22222222-2222-4222-8222-222222222222"
+
+
+async def test_tables_print_names_in_the_c_locale_not_coerced_to_utf8(tmp_path: Path) -> None:
+    """Regression: in the C (or POSIX) locale with its coercion to UTF-8 off (PYTHONCOERCECLOCALE=0,
+    PYTHONUTF8=0: an old container, a cron job, ``env -i``), Python writes standard output as ASCII
+    with ``surrogateescape``, which stop 32's fix (for ``strict``, what PYTHONIOENCODING gives)
+    left alone: every table holding a non-ASCII name ended in ``evstore.internal:
+    UnicodeEncodeError`` after printing nothing. The character is now shown as its escape."""
+    from evstore import Inventory, open_store
+
+    db = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{db}") as store:
+        await store.create_provider(P1, "nœud-节点", metadata={"request_id": "req-é", "actor": "opérateur"})
+        await store.set_inventories(P1, {"VCPU": Inventory(total=8)}, generation=0)
+        await store.set_allocations(
+            C1, {P1: {"VCPU": 2}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHON", "EVSTORE_URL"))}
+    env.update(LC_ALL="C", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0", COLUMNS="250")
+    for command in (
+        ["history", P1],
+        ["history", C1],
+        ["state"],
+        ["state", "--provider", P1],
+        ["state", "--consumer", C1],
+        ["diff", "0", "3"],
+        ["tail", "--after", "0", "--no-follow"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "evstore.cli", *command, "--db", str(db)],
+            capture_output=True, timeout=120, env=env, cwd=REPO, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, (command, done.stderr)
+        assert b"n\\u0153ud-\\u8282\\u70b9" in done.stdout, (command, done.stdout)
