@@ -43,13 +43,16 @@ from rich.table import Table
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
 from evstore import errors as err
-from evstore.log import MAX_POSITION
-from projections.audit import AuditReport
-from projections.invariants import format_amount
-from projections.state import State
 
 if TYPE_CHECKING:
     from evstore.store import AllocationStore, StoreOptions
+    from projections.audit import AuditReport
+    from projections.state import State
+
+#: the largest position, evstore.log.MAX_POSITION (tests/test_cli_probe_33.py checks they agree),
+#: written out so that the options are declared without loading the log and its models: pydantic
+#: and the projections are imported once a command runs, not for `--help` or a usage error
+MAX_POSITION = 2**63 - 1
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -370,6 +373,8 @@ def _root(
 def usage_table(state: State, title: str) -> Table:
     """Per provider: each class as used/capacity (red when over capacity); a class used without
     inventory (only an imported log's allocations do that) as used/-."""
+    from projections.invariants import format_amount
+
     classes = sorted({rc for p in state.providers.values() for rc in (*p.inventories, *p.usages)})
     table = Table(title=title, min_width=len(title))  # (a narrow table must not fold its title)
     table.add_column("provider")
@@ -1160,6 +1165,8 @@ def state(
 
 
 def _only(state: State, provider: str) -> State:
+    from projections.state import State
+
     return State(state.position, {provider: state.providers[provider]})
 
 
