@@ -1847,6 +1847,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
+    except OSError as exc:  # (writing the help or the version)
+        _exit(_output_failed(exc))
     _exit(code if isinstance(code, int) else EXIT_OK)
 
 
@@ -1898,13 +1900,27 @@ _SURROGATEESCAPE = codecs.lookup_error("surrogateescape")
 
 
 def _exit(code: int) -> NoReturn:
+    try:
+        sys.stdout.flush()
+    except OSError as exc:
+        code = _output_failed(exc)
     # A storage failure while opening can leave a database worker thread behind (non-daemon);
     # a command line must still end with its exit status rather than hang.
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _output_failed(exc: OSError) -> int:
+    """The exit status when standard output cannot be written outside :func:`run` (the help, the
+    version), as ``run`` answers it: 141 quietly for a reader gone, else ``evstore.io``. (Piped to
+    a reader gone they exited 1 saying nothing; written to a full disk, with a traceback.)"""
+    if not isinstance(exc, BrokenPipeError):
+        print(f"error: evstore.io: {visible(str(exc))}", file=sys.stderr, flush=True)
+    # (what stays in its buffer would fail Python's own flush at exit again)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141 if isinstance(exc, BrokenPipeError) else EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -112,3 +112,22 @@ def test_the_command_line_loads_the_models_only_once_a_command_runs() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+# --- the help and the version, written where they cannot be -----------------------------------------
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["audit", "--help"]], ids=" ".join)
+def test_help_or_version_on_a_full_disk_is_one_error_line(args: list[str]) -> None:
+    """Regression: the help and the version are printed outside the code that turns a failed
+    write into ``evstore.io`` (exit 1, one line): written to a full disk (``> /dev/full``), they
+    ended with a traceback of the OSError."""
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "evstore.cli", *args],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=60, env=env, cwd=REPO, check=False,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: evstore.io: ") and done.stderr.count("\n") == 1, done.stderr
