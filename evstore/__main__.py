@@ -1,9 +1,10 @@
 """The ``evstore`` script and ``python -m evstore``: the command line of :mod:`evstore.cli`.
 
 The script's entry point is here rather than in :mod:`evstore.cli` so that a Ctrl-C while Python
-still imports the command line (typer, rich, pydantic, the projections: ~0.3 s) ends the command as
-a Ctrl-C during its work does - exit 130, nothing printed - instead of with a traceback of the
-import. (This package's ``__init__`` imports only the errors: its other names load on first use.)
+still imports the command line (typer, rich, structlog: ~0.2 s; the models and the store are
+imported once a command runs, where it catches its own) ends the command as a Ctrl-C during its
+work does - exit 130, nothing printed - instead of with a traceback of the import. (This
+package's ``__init__`` imports only the errors: its other names load on first use.)
 """
 
 from __future__ import annotations

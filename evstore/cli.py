@@ -1914,12 +1914,14 @@ def _exit(code: int) -> NoReturn:
 
 def _output_failed(exc: OSError) -> int:
     """The exit status when standard output cannot be written outside :func:`run` (the help, the
-    version), as ``run`` answers it: 141 quietly for a reader gone, else ``evstore.io``. (Piped to
-    a reader gone they exited 1 saying nothing; written to a full disk, with a traceback.)"""
+    version: written to a full disk, they ended with a traceback), as ``run`` answers it:
+    ``evstore.io``, or 141 quietly for a reader gone. (click itself ends a help piped to a reader
+    gone with 1, saying nothing: left so.)"""
     if not isinstance(exc, BrokenPipeError):
         print(f"error: evstore.io: {visible(str(exc))}", file=sys.stderr, flush=True)
     # (what stays in its buffer would fail Python's own flush at exit again)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 141 if isinstance(exc, BrokenPipeError) else EXIT_ERROR
 
 
