@@ -69,7 +69,7 @@ async def test_an_upgrade_that_fills_the_disk_says_so_and_leaves_the_store_as_it
         conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
     conn.execute("VACUUM")
     conn.close()
-    done = _evstore_limited(64 * 1024, "stats", "--db", str(path))
+    done = _evstore_limited(64 * 1024, "upgrade", "--db", str(path))  # (stats refuses an older store)
     assert done.returncode == 1, done.stdout + done.stderr
     error = done.stderr.splitlines()[-1]  # (after the upgrade's warning that it refolds)
     assert error.startswith("error: evstore.storage: "), done.stderr
