@@ -109,3 +109,25 @@ async def test_a_file_that_cannot_be_looked_up_is_not_said_to_be_deleted(
         assert "Permission denied" in caught.value.message and "nothing was committed" in caught.value.message
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         assert await store.head() == 3
+
+
+async def test_a_path_that_is_not_utf8_opens_and_is_checked(tmp_path: Path) -> None:
+    """Regression: a directory named in Latin-1 (``caf\\xe9``: not UTF-8) could not hold a store -
+    the file check read SQLite's name for the file as UTF-8 text, and every open failed with
+    ``StorageError: Could not decode to UTF-8 column 'file'``. The file check still works there:
+    the file deleted under the open store is noticed."""
+    import os
+
+    odd = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
+    os.mkdir(odd)
+    path = os.fsdecode(os.path.join(odd, b"s.db"))
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=Inventory(total=10))
+        assert await store.head() == 2
+        os.replace(path, path + ".moved")
+        with pytest.raises(StorageError) as caught:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert caught.value.details.get("sqlite_error") == "file_replaced"
+        os.replace(path + ".moved", path)
+    async with open_store(f"sqlite:///{path}") as store:
+        assert await store.head() == 2 and (await store.audit()).clean

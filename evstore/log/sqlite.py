@@ -1778,9 +1778,12 @@ def _file_opened(conn: sqlite3.Connection, given: str) -> tuple[str, int, int] |
     whatever the process's cwd becomes) when it names that file - so a symlink swapped to another
     file later is noticed - else SQLite's own name for it (a ``file:`` URI it parsed, which no
     ``os.stat`` of the given text finds)."""
-    name = next((row[2] for row in conn.execute("PRAGMA database_list") if row[1] == "main"), "")
-    if not name:
+    # (as bytes, which sqlite3 had from os.fsencode: a path need not be UTF-8 - a Latin-1 directory
+    # name - and sqlite3 decoding it as text refused to)
+    row = conn.execute("SELECT CAST(file AS BLOB) FROM pragma_database_list WHERE name = 'main'").fetchone()
+    if row is None or not row[0]:
         return None
+    name = os.fsdecode(bytes(row[0]))
     opened = os.stat(name)
     try:
         found: os.stat_result | None = os.stat(given)
