@@ -188,14 +188,28 @@ def validate_consumer_type(value: object, query: bool = False) -> str:
     return value
 
 
+#: the generations a caller may give: any 64-bit integer. One that no provider or consumer can
+#: have (below 0, past the 2**62 evstore writes at most) is a generation conflict, as in Placement
+#: (409 ``expected 1 but got -1``), not malformed input; past 64 bits it is refused as malformed.
+GIVEN_GENERATION_MIN = -(2**63)
+GIVEN_GENERATION_MAX = 2**63
+
+
 def validate_generation(
     value: object, what: str = "generation", nullable: bool = True, field: str = "generation"
 ) -> int | None:
     if value is None and nullable:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 2**62:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not GIVEN_GENERATION_MIN <= value <= GIVEN_GENERATION_MAX
+    ):
+        shown = (
+            repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "an integer past 64 bits"
+        )
         raise InvalidInput(
-            f"{what} must be an integer from 0 to 2**62{' or None' if nullable else ''}, got {value!r}",
+            f"{what} must be an integer from -2**63 to 2**63{' or None' if nullable else ''}, got {shown}",
             field=field,
         )
     return value
@@ -368,7 +382,10 @@ class ConsumerAllocations(BaseModel):
     consumer_type: StrictStr = Field(min_length=1, max_length=255, pattern=r"^[A-Z0-9_]+$")
     #: strict: a bool, a string or a float is not a generation (``set_allocations`` refuses them too)
     consumer_generation: StrictInt | None = Field(
-        default=None, ge=0, le=2**62, validation_alias=AliasChoices("consumer_generation", "generation")
+        default=None,
+        ge=GIVEN_GENERATION_MIN,
+        le=GIVEN_GENERATION_MAX,
+        validation_alias=AliasChoices("consumer_generation", "generation"),
     )
 
     if TYPE_CHECKING:

@@ -143,7 +143,7 @@ def _rows(
             "inventories",
             ["inventories", "VCPU"],
         ),
-        ("si generation", lambda: s.set_inventories(rp, {}, -1), INVALID, "generation", None),
+        ("si generation", lambda: s.set_inventories(rp, {}, 2**64), INVALID, "generation", None),
         ("si generation none", lambda: s.set_inventories(rp, {}, None), INVALID, "generation", None),  # type: ignore[arg-type]
         ("si generation bool", lambda: s.set_inventories(rp, {}, True), INVALID, "generation", None),
         (
@@ -246,7 +246,7 @@ def _rows(
         ("sa project", sa(project_id=""), INVALID, "project_id", None),
         ("sa user", sa(user_id=b"u"), INVALID, "user_id", None),
         ("sa type", sa(consumer_type="instance"), INVALID, "consumer_type", None),
-        ("sa generation", sa(generation=-1), INVALID, "generation", None),
+        ("sa generation", sa(generation=2**64), INVALID, "generation", None),
         ("sa generation float", sa(generation=1.0), INVALID, "generation", None),
         ("sa key", sa(idempotency_key="k" * 256), INVALID, "idempotency_key", None),
         ("sa metadata", sa(metadata={"request_id": 5}), INVALID, "metadata", ["metadata", "request_id"]),

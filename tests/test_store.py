@@ -758,7 +758,7 @@ async def test_subscribe_catches_up_then_follows(store: AllocationStore) -> None
         lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 0}}, 1),
         lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "reserved": 5}}, 1),
         lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4, "allocation_ratio": float("inf")}}, 1),
-        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4}}, -1),
+        lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4}}, 2**64),  # past 64 bits
         lambda s, rp: s.set_inventories(rp, {"VCPU": {"total": 4}}, "1"),
         lambda s, rp: s.set_allocations(
             new_uuid(),
@@ -1080,7 +1080,7 @@ def test_the_value_models_refuse_bad_values_with_typed_errors() -> None:
             consumer_generation=1,
             generation=2,
         )
-    for wrong in (True, "2", 3.0, -1):  # were coerced to 1, 2 and 3 past the generation check
+    for wrong in (True, "2", 3.0, 2**64):  # were coerced to 1, 2 and 3 past the generation check
         with pytest.raises(InvalidInput, match="generation: Input should be"):
             ConsumerAllocations(
                 allocations={}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=wrong
@@ -1138,10 +1138,10 @@ async def test_a_value_out_of_range_is_refused_naming_the_range(store: Allocatio
         await _put(store, {rp: {"VCPU": 1}}, consumer_type="A" * 256)
     with pytest.raises(InvalidInput, match="at most 255 characters"):
         await store.usages("p", consumer_type="A" * 256)
-    with pytest.raises(InvalidInput, match=r"from 0 to 2\*\*62 or None, got 4611686018427387905"):
-        await _put(store, {rp: {"VCPU": 1}}, generation=2**62 + 1)
-    with pytest.raises(InvalidInput, match=r"from 0 to 2\*\*62, got 9223372036854775807"):
-        await store.set_inventories(rp, {"VCPU": Inventory(total=8)}, generation=2**63 - 1)
+    with pytest.raises(InvalidInput, match=r"from -2\*\*63 to 2\*\*63 or None, got 18446744073709551616"):
+        await _put(store, {rp: {"VCPU": 1}}, generation=2**64)
+    with pytest.raises(InvalidInput, match=r"from -2\*\*63 to 2\*\*63, got an integer past 64 bits"):
+        await store.set_inventories(rp, {"VCPU": Inventory(total=8)}, generation=10**400)
     assert await store.head() == head
 
 
@@ -2167,3 +2167,37 @@ async def test_a_store_opened_by_this_version_is_closed_to_one_that_refuses_its_
     ):
         async with open_store(f"sqlite:///{path}"):
             pass
+
+
+async def test_a_generation_no_entity_can_have_is_a_generation_conflict(store: AllocationStore) -> None:
+    """As in Placement 16 (checked against it: 409 ``placement.concurrent_update``, ``consumer
+    generation conflict - expected 1 but got -1``; ``expected 1 but got 9223372036854775808``), a
+    generation below 0 or past the largest evstore writes is a stale generation, not malformed input.
+    Regression: evstore refused them as ``evstore.invalid_input`` ('must be an integer from 0 to
+    2**62'), where SPEC says a mismatch is ``ConcurrentUpdate`` with Placement's message."""
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+    head = await store.head()
+    owner: dict[str, Any] = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE"}
+    for given in (-1, 2**62 + 1, 2**63):
+        with pytest.raises(
+            evstore.ConcurrentUpdate, match=f"consumer generation conflict - expected null but got {given}$"
+        ):
+            await store.set_allocations(c, {rp: {"VCPU": 1}}, **owner, generation=given)
+        with pytest.raises(evstore.ConcurrentUpdate, match=f"expected null but got {given}$") as caught:
+            await store.write_allocations(
+                {c: {"allocations": {rp: {"VCPU": 1}}, **owner, "consumer_generation": given}}
+            )
+        assert caught.value.code == "placement.concurrent_update"
+        with pytest.raises(
+            evstore.ConcurrentUpdate,
+            match=f"resource provider generation conflict - expected 1 but got {given}",
+        ):
+            await store.set_inventories(rp, {"VCPU": Inventory(total=9)}, generation=given)
+    assert await store.head() == head  # nothing written
+    await store.set_allocations(c, {rp: {"VCPU": 1}}, **owner, generation=None)
+    with pytest.raises(
+        evstore.ConcurrentUpdate, match=r"consumer generation conflict - expected 1 but got -1$"
+    ):
+        await store.set_allocations(c, {rp: {"VCPU": 2}}, **owner, generation=-1)
+    assert (await store.allocations(c)).allocations == {rp: {"VCPU": 1}}
