@@ -29,6 +29,7 @@ import stat
 import sys
 import tempfile
 import threading
+import unicodedata
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -176,8 +177,27 @@ def safe(text: object) -> str:
 
 
 def visible(text: str) -> str:
-    """``text`` with its control characters shown as ``\\xNN`` (see :func:`safe`)."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """``text`` with its control characters shown as ``\\xNN`` (see :func:`safe`), and, beyond
+    ASCII, the characters that split a line or reorder or hide what is shown - the line and
+    paragraph separators (U+2028, U+2029) and the format characters (bidi overrides such as
+    U+202E, zero-width spaces and joiners, U+FEFF) - as ``\\uNNNN``."""
+    text = _CONTROL.sub(_escaped, text)
+    if text.isascii():
+        return text
+    return "".join(_escaped_char(ch) if unicodedata.category(ch) in _HIDDEN else ch for ch in text)
+
+
+#: Unicode categories shown escaped (Cc, the controls, is _CONTROL's)
+_HIDDEN = frozenset({"Zl", "Zp", "Cf"})
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return _escaped_char(match.group())
+
+
+def _escaped_char(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def shown(url: str) -> str:

@@ -105,6 +105,23 @@ def test_tail_prints_one_line_per_event_even_with_a_newline_in_a_name(tmp_path: 
     assert all(line.split()[0].isdigit() for line in lines), lines
 
 
+def test_unicode_line_separators_and_bidi_overrides_are_shown_escaped(tmp_path: Path) -> None:
+    """Regression (helper-119): U+2028 in a provider name split the ``state`` table's row in two
+    (and a ``tail`` line for ``str.splitlines``), and U+202E / U+2066 / U+200B reordered or hid
+    what the line shows: the README says a stored string cannot split a line. Shown as ``\\uNNNN``
+    now, as control characters are shown as ``\\xNN``; ordinary non-ASCII text is left alone."""
+    db = tmp_path / "s.db"
+    _store_with_provider(db, "caf\u00e9 rack\u2028forged\u2029row \u202eevil\u2066x\u200by")
+    for args in (["state"], ["history", P1], ["tail", "--after", "0", "--no-follow"], ["diff", "0", "3"]):
+        done = evstore(*args, "--db", str(db))
+        assert done.returncode == 0, (args, done.stderr)
+        for hidden in ("\u2028", "\u2029", "\u202e", "\u2066", "\u200b"):
+            assert hidden not in done.stdout, (args, hidden, done.stdout)
+        assert "\\u2028forged\\u2029row" in done.stdout and "caf\u00e9" in done.stdout, (args, done.stdout)
+    done = evstore("tail", "--after", "0", "--no-follow", "--db", str(db))
+    assert len(done.stdout.splitlines()) == 3, done.stdout
+
+
 # --- read-only directory ---------------------------------------------------------------------------
 
 
