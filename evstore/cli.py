@@ -832,7 +832,7 @@ async def provider_events(store: Any, provider: str, until: int | None, types: S
 
 
 def event_json(recorded: Any, names: Mapping[str, str], learned: Names | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = recorded.to_json()
+    out: dict[str, Any] = recorded.to_dict()
     out["summary"] = describe(recorded.event, names, learned=learned)
     return out
 

@@ -995,11 +995,15 @@ class RecordedEvent:
         # equal recorded events have the same position and id)
         return hash((self.position, self.event_id))
 
-    def to_dict(self) -> dict[str, Any]:
-        """The event and its envelope as plain JSON-ready values (as ``to_json``)."""
-        return self.to_json()
+    def to_json(self) -> str:
+        """The event and its envelope as one JSON text (:meth:`to_dict`'s values), as
+        ``Receipt.to_json`` answers text. (It answered the dict until stop 33.)"""
+        return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        """The event and its envelope as plain JSON-ready values: ``position``, ``event_id``,
+        ``type``, ``schema_version``, ``recorded_at`` (ISO 8601, UTC), ``metadata`` (without the
+        keys not given) and ``data`` (the payload)."""
         return {
             "position": self.position,
             "event_id": self.event_id,
