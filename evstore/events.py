@@ -813,6 +813,24 @@ class Metadata(BaseModel, metaclass=_RefusesAsInvalidInput):
     command: str | None = None
     command_id: str | None = None
 
+    if TYPE_CHECKING:
+        # (for type checkers, as Inventory's: mypy reads a model's fields as its constructor's
+        # arguments from the dataclass_transform on pydantic's metaclass, not through a subclass
+        # of it, so Metadata(request_id=5) passed mypy --strict; and keys of a caller's own,
+        # extra="allow", are any JSON values)
+        def __init__(
+            self,
+            /,
+            *,
+            request_id: str | None = None,
+            correlation_id: str | None = None,
+            causation_id: str | None = None,
+            actor: str | None = None,
+            command: str | None = None,
+            command_id: str | None = None,
+            **extra: Any,
+        ) -> None: ...
+
     @property
     def idempotency_key(self) -> str | None:
         """The command's idempotency key (evstore writes it; ``None`` for a command sent without).

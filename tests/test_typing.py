@@ -64,7 +64,9 @@ async def wrong(store: AllocationStore, allocs: dict[str, dict[str, str]]) -> Re
 """
 
 
-def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+def _mypy(
+    tmp_path: Path, source: str, config: Path = ROOT / "pyproject.toml"
+) -> subprocess.CompletedProcess[str]:
     pytest.importorskip("mypy")
     path = tmp_path / "service.py"
     path.write_text(source)
@@ -76,7 +78,7 @@ def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
             "mypy",
             "--strict",
             "--config-file",
-            str(ROOT / "pyproject.toml"),
+            str(config),
             "--cache-dir",
             str(tmp_path / ".mypy_cache"),
             str(path),
@@ -157,6 +159,28 @@ def test_mistakes_in_value_type_constructors_are_reported(tmp_path: Path) -> Non
     assert result.returncode == 1, result.stdout + result.stderr
     for line in (4, 5, 6, 9):
         assert f"service.py:{line}: error" in result.stdout, result.stdout
+
+
+METADATA_MISTAKES = """
+from evstore import Metadata
+
+ok = Metadata(request_id="req-1", actor="me", ticket="T-1")
+wrong = Metadata(request_id=5)  # line 5
+"""
+
+
+def test_a_wrong_metadata_field_is_reported_without_the_pydantic_plugin(tmp_path: Path) -> None:
+    """Regression (review 33, helper-R): the metaclass that turns ``Metadata(...)``'s pydantic error
+    into InvalidInput (f7e2ca8) hid the model's fields from mypy, which reads them from the
+    ``dataclass_transform`` on pydantic's own metaclass only: ``Metadata(request_id=5)`` passed
+    ``mypy --strict`` in a project without the pydantic plugin (most users'), as it had not. A
+    caller's own keys (``extra="allow"``) type-check, as they run; with the plugin too."""
+    config = tmp_path / "mypy.ini"
+    config.write_text("[mypy]\n\n[mypy-os_resource_classes,aiosqlite.*]\nignore_missing_imports = True\n")
+    for result in (_mypy(tmp_path, METADATA_MISTAKES, config), _mypy(tmp_path, METADATA_MISTAKES)):
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "service.py:5: error" in result.stdout and "request_id" in result.stdout, result.stdout
+        assert "service.py:4:" not in result.stdout, result.stdout
 
 
 MISSPELT_NAMES = """
