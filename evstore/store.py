@@ -1491,17 +1491,20 @@ class AllocationStore:
     async def _subscribe(self, after: int, batch_size: int) -> AsyncGenerator[RecordedEvent, None]:
         if self._closing:  # (closed before the first iteration: not "while it followed")
             raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
-        if after and after > (head := await self._backend.head()):
-            raise err.InvalidInput(
-                f"position {after} is beyond the head of the log ({head}): not a position of this "
-                "store (a checkpoint from another store, or from before a restore?)",
-                field="after",
-            )
         outage: _Outage | None = None  # (while reads fail for a reason that may pass)
+        checked = not after  # (an after beyond the head is refused: read the head first, retried too)
         while True:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
             try:
+                if not checked:
+                    if after > (head := await self._backend.head()):
+                        raise err.InvalidInput(
+                            f"position {after} is beyond the head of the log ({head}): not a position of "
+                            "this store (a checkpoint from another store, or from before a restore?)",
+                            field="after",
+                        )
+                    checked = True
                 read, wakes = await self._read_for_subscriber(after, batch_size)
                 batch = _contiguous(after, read)
             except err.CorruptEvent as exc:

@@ -283,3 +283,38 @@ def test_a_lost_connection_is_transient_and_an_answer_of_the_server_is_not() -> 
             assert _storage_error(exc, "reading", committing).details["transient"] is True, exc
         for exc in answered:
             assert "transient" not in _storage_error(exc, "reading", committing).details, exc
+
+
+async def test_a_subscriber_resumed_during_an_outage_waits_for_it_too(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review 33, helper-R): ``subscribe(after=N)`` first reads the head (to refuse an
+    ``after`` beyond it), and that read was not retried: a transient failure ended the subscriber
+    at its first iteration - the very subscriber the README says to start, ``after=`` the last
+    position delivered, once an outage that lasted ended the previous one."""
+    async with open_store(store_url, poll_interval=0.05) as store:
+        rp = await make_provider(store, VCPU=100)
+        start = await store.head()
+        real = store.backend.head
+        failures = 0
+
+        async def failing() -> int:
+            nonlocal failures
+            if failures < 2:
+                failures += 1
+                raise StorageError("Lost the connection: refused", sqlstate=None, transient=True)
+            return await real()
+
+        monkeypatch.setattr(store.backend, "head", failing)
+        with structlog.testing.capture_logs() as logs:
+            followers = Followers(store, 1, start)
+            await until(lambda: failures == 2 or any(followers.failures()))
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+            await until(lambda: followers.seen == [[start + 1]] or any(followers.failures()))
+        assert followers.failures() == [None] and followers.seen == [[start + 1]]
+        assert any(e["event"] == "subscribe.read_retry" for e in logs), logs
+        # an after beyond the head is still refused at the first iteration, once the head is read
+        with pytest.raises(evstore.InvalidInput, match="beyond the head"):
+            async for _ in store.subscribe(after=start + 5):
+                pass
+        await followers.stop()
