@@ -321,11 +321,8 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
             field="metadata",
         ) from None
     if check:
-        # (a character is at most 4 bytes of UTF-8: most metadata is not encoded to be measured)
-        if (
-            len(text) > _METADATA_MAX_BYTES // 4
-            and (size := len(text.encode("utf-8", "surrogatepass"))) > _METADATA_MAX_BYTES
-        ):
+        # (the text is ASCII - JSON escapes the rest - so its length is its size in bytes)
+        if (size := len(text)) > _METADATA_MAX_BYTES:
             raise err.InvalidInput(
                 f"metadata is too large: {size:,} bytes of JSON, at most {_METADATA_MAX_BYTES:,} (every "
                 "event of the command carries it: keep ids and short facts there, not documents)",

@@ -531,7 +531,7 @@ async def test_metadata_size_is_bounded(store: AllocationStore) -> None:
     with pytest.raises(InvalidInput) as caught:
         await store.set_allocations(new_uuid(), {rp: {"VCPU": 1}}, **owner, metadata=big)
     assert caught.value.details["field"] == "metadata" and "too large" in str(caught.value)
-    # counted in bytes of UTF-8, not characters
+    # counted as stored: a non-ASCII character is stored escaped (\u00e9: 6 bytes)
     with pytest.raises(InvalidInput):
         await store.set_allocations(
             new_uuid(), {rp: {"VCPU": 1}}, **owner, metadata={"note": "\u00e9" * 40_000}
