@@ -295,12 +295,16 @@ _METADATA_TOO_DEEP = (
 )
 
 
-#: the most JSON text a command's metadata may take (each of its events stores a copy; the
-#: envelope's ids and a caller's short facts are ~100-300 bytes)
+#: the most JSON text a caller's metadata for one command may take (each of its events stores a
+#: copy; the envelope's ids and a caller's short facts are ~100-300 bytes) ...
 _METADATA_MAX_BYTES = 65_536
+#: ... and the room for the keys evstore adds to it: the command's name, its id, an idempotency key
+#: (255 characters, at most 12 bytes each escaped), so that metadata ``command_metadata`` accepted
+#: is not refused by every command run in it
+_OWN_KEYS_ROOM = 4_096
 
 
-def _metadata_json(meta: dict[str, Any], check: bool) -> str:
+def _metadata_json(meta: dict[str, Any], check: bool, room: int = 0) -> str:
     """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
     caller values) as every reader of the log decodes it: from that text."""
     text = None
@@ -322,7 +326,7 @@ def _metadata_json(meta: dict[str, Any], check: bool) -> str:
         ) from None
     if check:
         # (the text is ASCII - JSON escapes the rest - so its length is its size in bytes)
-        if (size := len(text)) > _METADATA_MAX_BYTES:
+        if (size := len(text)) > _METADATA_MAX_BYTES + room:
             raise err.InvalidInput(
                 f"metadata is too large: {size:,} bytes of JSON, at most {_METADATA_MAX_BYTES:,} (every "
                 "event of the command carries it: keep ids and short facts there, not documents)",
@@ -988,7 +992,7 @@ class AllocationStore:
         job = Job(
             command,
             meta,
-            _metadata_json(meta, from_caller),
+            _metadata_json(meta, from_caller, _OWN_KEYS_ROOM),
             n,
             key,
             *(_fingerprints(command) if key is not None else ("", "")),

@@ -539,6 +539,13 @@ async def test_metadata_size_is_bounded(store: AllocationStore) -> None:
     with pytest.raises(InvalidInput), command_metadata(note="y" * 70_000):
         pass
     assert await store.head() == head  # nothing written
+    # metadata command_metadata accepts is not refused by the commands in it for the keys evstore
+    # adds (its name, its id, an idempotency key: helper-120 found them counted against the caller)
+    with command_metadata(note="w" * (65_536 - 20)):
+        keyed = await store.set_allocations(
+            new_uuid(), {rp: {"VCPU": 1}}, **owner, idempotency_key="\U0001f600" * 255
+        )
+    assert keyed.positions
     # what a service puts there is far below it
     fits = {"request_id": "r", "note": "z" * 60_000}
     receipt = await store.set_allocations(new_uuid(), {rp: {"VCPU": 1}}, **owner, metadata=fits)
