@@ -301,12 +301,12 @@ async def refuse_older(target: str) -> None:
     on a live store) must not do behind its user's back. ``evstore upgrade`` does it, once those
     processes are stopped. (A file this look cannot read is left to the open, which says why;
     PostgreSQL is not looked at: its open upgrades as before.)"""
-    from evstore.log.sqlite import SCHEMA_VERSION
+    from evstore.log.sqlite import SCHEMA_VERSION, stored_version
 
     path = _sqlite_file(target)
     if path is None:
         return
-    found = await asyncio.to_thread(_schema_version_of, path)
+    found = await asyncio.to_thread(stored_version, path)
     if found is None or found >= SCHEMA_VERSION:
         return
     raise err.SchemaVersionError(
@@ -318,25 +318,6 @@ async def refuse_older(target: str) -> None:
         supported=SCHEMA_VERSION,
         path=path,
     )
-
-
-def _schema_version_of(path: str) -> int | None:
-    """The schema version the SQLite store at ``path`` says it has, read without writing anything
-    (None: no file, no store, a version that is no number, or a file that cannot be read)."""
-    from evstore.log.sqlite import parse_version
-
-    if not os.path.isfile(path):
-        return None
-    try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return None
-    version = parse_version(row[0]) if row is not None else None
-    return version if version is not None and version >= 1 else None
 
 
 def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
@@ -1580,7 +1561,9 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
     async def work() -> int:
         target = resolve_url(db, url)
         path = _sqlite_file(target)
-        found = None if path is None else await asyncio.to_thread(_schema_version_of, path)
+        from evstore.log.sqlite import stored_version
+
+        found = None if path is None else await asyncio.to_thread(stored_version, path)
         async with open_existing(target, upgrade=True):
             pass  # (the open upgrades it, in one transaction)
         if path is not None:

@@ -2054,6 +2054,24 @@ def _table_names(path: str) -> list[str]:
         conn.close()
 
 
+def stored_version(path: str) -> int | None:
+    """The schema version the store at ``path`` says it has, read without a lock or writing
+    anything (None: no file, no store, a version that is no number, or a file that cannot be
+    read): what the CLI's read-only commands look at before an open that would upgrade it."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    version = parse_version(row[0]) if row is not None else None
+    return version if version is not None and version >= 1 else None
+
+
 def _no_store_reason(path: str) -> str | None:
     """Why ``path`` (for which :func:`_holds_no_store` holds) is no store; None when it has
     evstore's tables but lost its schema version, or its meta table (damage, not absence), or
