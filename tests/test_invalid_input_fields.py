@@ -15,7 +15,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
 from evstore import AllocationStore, ConsumerAllocations, InvalidInput, Inventory, Metadata, command_metadata
 from evstore.schema import make_inventory
@@ -494,9 +493,9 @@ def test_metadata_built_by_a_caller_refuses_as_invalid_input() -> None:
     # what is valid still builds, with a caller's own keys, and typed as Metadata
     built = Metadata(request_id="req-1", tenant={"zone": 3})
     assert built.request_id == "req-1" and built.model_dump()["tenant"] == {"zone": 3}
-    # decoding (every read of a stored event) is not the caller's call: pydantic's own error there
-    with pytest.raises(ValidationError):
-        Metadata.model_validate_json('{"request_id": 5}')
+    # decoding (every read of a stored event) does not go through it: pydantic runs a model's own
+    # __init__ for model_validate_json too (1.8 -> 3.5 us per stored event's metadata), so none
+    assert not Metadata.__pydantic_custom_init__
 
 
 async def test_metadata_value_reaches_the_log(store: AllocationStore) -> None:
