@@ -54,7 +54,7 @@ async def make_provider(
 ) -> str:
     """Create a provider with inventories given as ``VCPU=8`` (total) or ``VCPU=Inventory(...)``."""
     rp = new_uuid()
-    await store.create_provider(rp, name or f"rp-{rp[:8]}", parent=parent)
+    await store.create_provider(rp, name or f"rp-{rp}", parent=parent)
     if inventories:
         invs = {
             rc: inv if isinstance(inv, Inventory) else Inventory(total=inv) for rc, inv in inventories.items()

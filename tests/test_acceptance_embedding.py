@@ -36,7 +36,7 @@ def new_uuid() -> str:
 
 async def provider(store: AllocationStore, vcpu: int = 10_000) -> str:
     rp = new_uuid()
-    await store.create_provider(rp, f"rp-{rp[:8]}")
+    await store.create_provider(rp, f"rp-{rp}")
     await store.set_inventories(rp, {"VCPU": Inventory(total=vcpu)}, generation=0)
     return rp
 

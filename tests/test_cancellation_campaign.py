@@ -438,7 +438,7 @@ async def storm_on(
         s = opened[0]
         for i in range(4):
             rp = new_uuid()
-            await s.create_provider(rp, f"rp-{i}-{rp[:8]}")
+            await s.create_provider(rp, f"rp-{i}-{rp}")
             await s.set_inventories(rp, {"VCPU": Inventory(total=64, allocation_ratio=16.0)}, generation=0)
             storm.providers.append(rp)
         for _ in range(20):
@@ -828,7 +828,7 @@ async def test_a_shutdown_cancelling_every_task_mid_storm_loses_nothing_accepted
             storms.append(storm)
             for i in range(4):
                 rp = new_uuid()
-                await opened[0].create_provider(rp, f"rp-{i}-{rp[:8]}")
+                await opened[0].create_provider(rp, f"rp-{i}-{rp}")
                 await opened[0].set_inventories(
                     rp, {"VCPU": Inventory(total=64, allocation_ratio=16.0)}, generation=0
                 )

@@ -498,7 +498,7 @@ async def test_a_lookup_by_instance_name_or_parent_does_not_walk_everything_the_
         await asyncio.gather(*(store.delete_provider(p) for p in providers))
         assert walks == []
         assert (await store.usage(rp)).usages == {"VCPU": 0}
-        assert [name for _, name in await store.providers()] == [f"rp-{rp[:8]}"]
+        assert [name for _, name in await store.providers()] == [f"rp-{rp}"]
         assert (await store.audit()).clean
 
 

@@ -30,7 +30,7 @@ async def test_a_stale_guess_taken_before_a_restart_is_not_waited_for_after_it(
             if backend._key(f"provider:{new}") < backend._key(f"consumer:{c}"):
                 break
         for rp in (old, new):
-            await first.create_provider(rp, f"rp-{rp[:8]}")
+            await first.create_provider(rp, f"rp-{rp}")
             await first.set_inventories(rp, {"VCPU": Inventory(total=8)}, generation=0)
         await allocate(first, c, {old: {"VCPU": 2}})  # first remembers c with old
         await allocate(second, c, {new: {"VCPU": 3}}, generation=1)  # another process moves it
@@ -78,7 +78,7 @@ async def test_a_command_naming_many_remembered_consumers_guesses_no_more_than_a
         providers = []
         for c in consumers:
             rp = new_uuid()
-            await store.create_provider(rp, f"rp-{rp[:8]}")
+            await store.create_provider(rp, f"rp-{rp}")
             await store.set_inventories(rp, {"VCPU": Inventory(total=8)}, generation=0)
             await allocate(store, c, {rp: {"VCPU": 1}})
             providers.append(rp)
