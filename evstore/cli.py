@@ -278,46 +278,20 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
 
 
 @contextlib.asynccontextmanager
-async def open_existing(
-    target: str, *, upgrade: bool = False, **options: Unpack[StoreOptions]
-) -> AsyncIterator[AllocationStore]:
+async def open_existing(target: str, **options: Unpack[StoreOptions]) -> AsyncIterator[AllocationStore]:
     """Open a store that must already exist: a database (file or PostgreSQL schema) without one is
     refused with NotFound, never turned into an empty store. Unless ``upgrade`` (the commands that
-    write: rebuild, snapshot, upgrade), a SQLite store an older evstore wrote is refused rather
-    than upgraded (:func:`refuse_older`)."""
+    write: rebuild, snapshot, upgrade), a store an older evstore wrote is refused
+    (``evstore.schema.version``, nothing written) rather than upgraded: the upgrade closes it to
+    the older evstore processes still using it, which a command that only reads (audit, history,
+    state, diff, tail, stats, export: debugging, often on a live store) must not do behind its
+    user's back; ``evstore upgrade`` does it, once those processes are stopped."""
     from evstore.store import open_store
 
-    if not upgrade:
-        await refuse_older(target)
     options["create"] = False
+    options.setdefault("upgrade", False)
     async with open_store(target, **options) as store:
         yield store
-
-
-async def refuse_older(target: str) -> None:
-    """``evstore.schema.version`` for a SQLite store of an older schema version: opening it upgrades
-    it - rewrites its tables, and closes it to the older evstore processes that still use it - which
-    a command that only reads (audit, history, state, diff, tail, stats, export: debugging, often
-    on a live store) must not do behind its user's back. ``evstore upgrade`` does it, once those
-    processes are stopped. (A file this look cannot read is left to the open, which says why;
-    PostgreSQL is not looked at: its open upgrades as before.)"""
-    from evstore.log.sqlite import SCHEMA_VERSION, stored_version
-
-    path = _sqlite_file(target)
-    if path is None:
-        return
-    found = await asyncio.to_thread(stored_version, path)
-    if found is None or found >= SCHEMA_VERSION:
-        return
-    raise err.SchemaVersionError(
-        f"{path} is a store of schema version {found}, written by an older evstore: opening it "
-        f"would upgrade it to {SCHEMA_VERSION}, which closes it to the older evstore processes still "
-        "using it, and a command that only reads does not do that. Once no older evstore uses it, "
-        f"run `evstore upgrade --db {shlex.quote(path)}` (nothing was written)",
-        found=found,
-        supported=SCHEMA_VERSION,
-        path=path,
-    )
 
 
 def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
@@ -1496,9 +1470,10 @@ def snapshot(
     """Take the missing snapshots of the folded state (every N events) so time travel is fast."""
 
     async def work() -> int:
-
-        options: StoreOptions = {} if every is None else {"snapshot_every": every}
-        async with open_existing(resolve_url(db, url), upgrade=True, **options) as store:
+        options: StoreOptions = {"upgrade": True}
+        if every is not None:
+            options["snapshot_every"] = every
+        async with open_existing(resolve_url(db, url), **options) as store:
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("folding", total=head or 1)
@@ -1561,19 +1536,14 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
     async def work() -> int:
         target = resolve_url(db, url)
         path = _sqlite_file(target)
-        from evstore.log.sqlite import stored_version
-
-        found = None if path is None else await asyncio.to_thread(stored_version, path)
-        async with open_existing(target, upgrade=True):
-            pass  # (the open upgrades it, in one transaction)
+        async with open_existing(target, upgrade=True) as store:
+            upgraded_from = store.backend.upgraded_from  # (the open upgrades it, in one transaction)
         if path is not None:
             from evstore.log.sqlite import SCHEMA_VERSION
         else:
             from evstore.log.postgres import SCHEMA_VERSION
-        upgraded_from = found if found is not None and found < SCHEMA_VERSION else None
         if json_out:
-            # (upgraded_from: the version it had, when this upgraded it; null when it was current,
-            # and on PostgreSQL, whose version is not read before the open)
+            # (upgraded_from: the version it had, when this upgraded it; null when it was current)
             emit_json(
                 {"url": shown(target), "schema_version": SCHEMA_VERSION, "upgraded_from": upgraded_from}
             )
@@ -1581,10 +1551,8 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
             console().print(
                 f"{safe(shown(target))}: upgraded from schema version {upgraded_from} to {SCHEMA_VERSION}"
             )
-        elif path is not None:
-            console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION} already")
         else:
-            console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION}")
+            console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION} already")
         return EXIT_OK
 
     run(work)

@@ -2071,9 +2071,9 @@ class StoreOptions(TypedDict, total=False):
     """The keywords of ``open_store`` (every one optional; see the README for each). A service that
     reads them from its configuration can annotate that mapping with this type. The store's own:
     ``max_batch``, ``poll_interval``, ``snapshot_every``; SQLite's: ``synchronous``,
-    ``busy_timeout``, ``create``; PostgreSQL's: ``pool_size``, ``min_pool_size``,
+    ``busy_timeout``, ``create``, ``upgrade``; PostgreSQL's: ``pool_size``, ``min_pool_size``,
     ``connect_timeout``, ``command_timeout``, ``max_retries``, ``statement_cache_size``,
-    ``create``. A backend refuses another backend's option (``InvalidInput``), as it refuses any
+    ``create``, ``upgrade``. A backend refuses another backend's option (``InvalidInput``), as it refuses any
     unknown one."""
 
     #: commands per group commit (256)
@@ -2084,6 +2084,8 @@ class StoreOptions(TypedDict, total=False):
     snapshot_every: int
     #: False: refuse a file or schema that holds no store instead of creating one (True)
     create: bool
+    #: False: refuse a store an older evstore wrote instead of upgrading it (True)
+    upgrade: bool
     #: SQLite: OFF, NORMAL, FULL (the default) or EXTRA
     synchronous: str
     #: SQLite: seconds a transaction waits for another connection's write lock (30)
@@ -2166,9 +2168,10 @@ def open_store(url: str, **options: Unpack[StoreOptions]) -> StoreOpener:
     processes' appends, 0.2), ``snapshot_every`` (events between time-travel snapshots, 10,000;
     at most 2**63-1). The backend's own (keywords, or ``?k=v`` in the URL): SQLite ``synchronous``
     (FULL by default; NORMAL trades the last commits on power loss for speed), ``busy_timeout``
-    (seconds, 30), ``create`` (false: refuse a file holding no store); PostgreSQL ``pool_size``,
+    (seconds, 30), ``create`` (false: refuse a file holding no store), ``upgrade`` (false: refuse
+    a store an older evstore wrote rather than upgrade it); PostgreSQL ``pool_size``,
     ``min_pool_size``, ``connect_timeout``, ``command_timeout``, ``max_retries``,
-    ``statement_cache_size``, ``create`` (see the README); their types are :class:`StoreOptions`.
+    ``statement_cache_size``, ``create``, ``upgrade`` (see the README); their types are :class:`StoreOptions`.
     Unknown options are refused (``InvalidInput``). The store belongs to the running event loop.
     """
     return StoreOpener(url, options)

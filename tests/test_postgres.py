@@ -1823,6 +1823,54 @@ async def test_a_read_only_session_opening_an_older_store_is_told_it_needs_the_u
         assert await store.head() == 2 and (await store.audit()).clean
 
 
+async def test_upgrade_false_refuses_an_older_store_and_the_cli_commands_that_only_read_open_so(
+    pg_url: str,
+) -> None:
+    """Regression: the CLI's read-only commands (audit, history, state, ...) refused a SQLite store
+    an older evstore wrote rather than upgrade it under the older processes still using it, but
+    opened a PostgreSQL one as every open does, which upgrades it. ``upgrade=False`` (both
+    backends, and the CLI's read-only commands) refuses it with ``evstore.schema.version`` and
+    writes nothing; ``evstore upgrade --url`` upgrades it and says from what."""
+    from tests.test_cli_support import evstore as run_cli
+
+    async with open_store(pg_url) as store:
+        await make_provider(store, VCPU=8)
+        for sql in _downgrade_to_v4_sql():
+            await store.backend.tamper(sql)  # type: ignore[attr-defined]
+
+    async def version() -> str:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            return str(await conn.fetchval("SELECT value FROM evstore_meta WHERE key = 'schema_version'"))
+        finally:
+            await conn.close()
+
+    for options in ({"upgrade": False}, {"upgrade": False, "create": False}):
+        with pytest.raises(SchemaVersionError) as raised:
+            async with open_store(pg_url, **options):  # type: ignore[arg-type]
+                pass
+        assert raised.value.details["found"] == 4 and raised.value.details["supported"] == SCHEMA_VERSION
+        assert "upgrade=False" in raised.value.message and "nothing was written" in raised.value.message
+    with pytest.raises(SchemaVersionError):
+        async with open_store(f"{pg_url}&upgrade=false"):
+            pass
+    audit = await asyncio.to_thread(run_cli, "audit", "--url", pg_url)
+    assert audit.returncode == 1, audit.stdout + audit.stderr
+    assert audit.stderr.startswith("error: evstore.schema.version: "), audit.stderr
+    assert "schema version 4" in audit.stderr and "evstore upgrade --url" in audit.stderr, audit.stderr
+    assert await version() == "4"  # (nothing written by any of them)
+
+    upgraded = await asyncio.to_thread(run_cli, "upgrade", "--url", pg_url, "--json")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert json.loads(upgraded.stdout)["upgraded_from"] == 4
+    assert await version() == str(SCHEMA_VERSION)
+    again = await asyncio.to_thread(run_cli, "upgrade", "--url", pg_url, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["upgraded_from"] is None, again.stderr
+    async with open_store(pg_url, upgrade=False) as store:  # (a current store opens as ever)
+        assert store.backend.upgraded_from is None
+        assert await store.head() == 2 and (await store.audit()).clean
+
+
 async def test_reads_on_pooled_connections_the_server_closed_are_tried_again(pg_url: str) -> None:
     """Regression (helper-59): a read handed a pooled connection that the server had closed while
     it sat idle (a restart, pg_terminate_backend, a firewall), before asyncpg noticed, failed

@@ -181,6 +181,8 @@ class LostTail(NamedTuple):
 
 class Backend(Protocol):
     url: str
+    #: the schema version the open upgraded the store from (None: it was current, or new)
+    upgraded_from: int | None
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...

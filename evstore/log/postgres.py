@@ -681,6 +681,7 @@ OPTIONS = (
     "max_retries",
     "statement_cache_size",
     "create",
+    "upgrade",
 )
 
 TestHook = Callable[[Any], Awaitable[None]]
@@ -711,9 +712,9 @@ def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
     rest = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in pairs if k not in OPTIONS])))
     options: dict[str, Any] = {}
     for name, text in ours.items():
-        if name == "create":
+        if name in ("create", "upgrade"):
             if text.lower() not in ("true", "false", "1", "0"):
-                raise err.InvalidInput(f"create must be true or false, got {text!r:.40}", field=name)
+                raise err.InvalidInput(f"{name} must be true or false, got {text!r:.40}", field=name)
             options[name] = text.lower() in ("true", "1")
             continue
         try:
@@ -1151,7 +1152,14 @@ class PostgresBackend:
         #: False: refuse to open a database (schema) that holds no store instead of creating one
         self.create = options.get("create", True)
         if not isinstance(self.create, bool):
-            raise err.InvalidInput(f"create must be true or false, got {self.create!r}")
+            raise err.InvalidInput(f"create must be true or false, got {self.create!r}", field="create")
+        #: False: refuse a store an older evstore wrote instead of upgrading it (which closes it
+        #: to the older evstore processes still using it)
+        self.upgrade = options.get("upgrade", True)
+        if not isinstance(self.upgrade, bool):
+            raise err.InvalidInput(f"upgrade must be true or false, got {self.upgrade!r}", field="upgrade")
+        #: the schema version this open upgraded the store from (None: it was current, or new)
+        self.upgraded_from: int | None = None
         if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
             raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
         self._pool: asyncpg.Pool | None = None
@@ -1514,6 +1522,18 @@ class PostgresBackend:
                             supported=SCHEMA_VERSION,
                         )
                     upgrading = 0 < found < SCHEMA_VERSION
+                    if upgrading and not self.upgrade:
+                        raise err.SchemaVersionError(
+                            f"The store at {self.safe_url} has schema version {found}, written by "
+                            f"an older evstore: opening it would upgrade it to {SCHEMA_VERSION}, "
+                            "which closes it to the older evstore processes still using it, and "
+                            "this open says not to (upgrade=False, as evstore's commands that only "
+                            "read open a store). Once no older evstore uses it, run `evstore "
+                            "upgrade --url ...` or open it with upgrade=True (nothing was written)",
+                            url=self.safe_url,
+                            found=found,
+                            supported=SCHEMA_VERSION,
+                        )
                     for version in range(found, SCHEMA_VERSION):
                         try:
                             await conn.execute(MIGRATIONS[version])
@@ -1558,6 +1578,8 @@ class PostgresBackend:
                             "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
                             str(SCHEMA_VERSION),
                         )
+                # (committed: an open that failed past here upgraded it all the same)
+                self.upgraded_from = found if upgrading else None
             except DB_ERRORS as exc:
                 if upgrading and isinstance(_reason(exc), CANNOT_WRITE):
                     # (a read-only role, database or hot standby opening a store an older evstore

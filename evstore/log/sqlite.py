@@ -19,6 +19,7 @@ import math
 import operator
 import os
 import re
+import shlex
 import sqlite3
 import stat
 import threading
@@ -1022,16 +1023,17 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
 
 
 #: what ``open_store(sqlite_url, **options)`` (or ``?k=v`` in the URL) may set on this backend
-OPTIONS = ("synchronous", "busy_timeout", "create")
+OPTIONS = ("synchronous", "busy_timeout", "create", "upgrade")
 
 
 def _check_keyword_options(options: dict[str, Any]) -> None:
     """Keywords are typed, as PostgreSQL's are: only the URL's ``?k=v`` are text to parse (a
     keyword ``create="false"`` or ``create=0`` refused a missing store here but is refused itself
     on PostgreSQL; ``busy_timeout="30"`` opened here where ``command_timeout="30"`` is refused)."""
-    create = options.get("create", False)
-    if not isinstance(create, bool):
-        raise err.InvalidInput(f"create must be True or False, got {create!r:.40}", field="create")
+    for name in ("create", "upgrade"):
+        flag = options.get(name, False)
+        if not isinstance(flag, bool):
+            raise err.InvalidInput(f"{name} must be True or False, got {flag!r:.40}", field=name)
     timeout = options.get("busy_timeout", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise err.InvalidInput(
@@ -1066,9 +1068,9 @@ def _option_from_url(name: str, text: str) -> Any:
                 field="busy_timeout",
             )
         return seconds
-    if name == "create":
+    if name in ("create", "upgrade"):
         if text.lower() not in ("true", "false", "1", "0"):
-            raise err.InvalidInput(f"create must be true or false, got {text!r:.40}", field="create")
+            raise err.InvalidInput(f"{name} must be true or false, got {text!r:.40}", field=name)
         return text.lower() in ("true", "1")
     return text
 
@@ -1108,6 +1110,11 @@ class SqliteBackend:
         self.busy_timeout = busy_timeout
         #: False: refuse a database that holds no store instead of creating the tables in it
         self.create = bool(chosen.get("create", True))
+        #: False: refuse a store an older evstore wrote instead of upgrading it (which closes it
+        #: to the older evstore processes still using it)
+        self.upgrade = bool(chosen.get("upgrade", True))
+        #: the schema version this open upgraded the store from (None: it was current, or new)
+        self.upgraded_from: int | None = None
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         #: used on the writer's thread only
@@ -1220,9 +1227,10 @@ class SqliteBackend:
             # (creating or upgrading the schema waits for the write lock as a command does, and
             # says so as a command does when it waited longer than busy_timeout: the hint below
             # is for the connection's pragmas, whose errors _on_writer does not convert)
-            await self._on_writer(
+            self.upgraded_from = await self._on_writer(
                 lambda conn: _retry_busy(
-                    lambda: _ensure_schema(conn, self.create, self.path), self.busy_timeout
+                    lambda: _ensure_schema(conn, self.create, self.path, self.upgrade),
+                    self.busy_timeout,
                 )
             )
             if not self.memory:
@@ -2054,24 +2062,6 @@ def _table_names(path: str) -> list[str]:
         conn.close()
 
 
-def stored_version(path: str) -> int | None:
-    """The schema version the store at ``path`` says it has, read without a lock or writing
-    anything (None: no file, no store, a version that is no number, or a file that cannot be
-    read): what the CLI's read-only commands look at before an open that would upgrade it."""
-    if not os.path.isfile(path):
-        return None
-    try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return None
-    version = parse_version(row[0]) if row is not None else None
-    return version if version is not None and version >= 1 else None
-
-
 def _no_store_reason(path: str) -> str | None:
     """Why ``path`` (for which :func:`_holds_no_store` holds) is no store; None when it has
     evstore's tables but lost its schema version, or its meta table (damage, not absence), or
@@ -2364,17 +2354,25 @@ def _refuse_newer(conn: sqlite3.Connection, found: dict[str, str]) -> None:
         )
 
 
-def _ensure_schema(conn: sqlite3.Connection, create: bool = True, path: str = "") -> None:
+def _ensure_schema(
+    conn: sqlite3.Connection, create: bool = True, path: str = "", upgrade: bool = True
+) -> int | None:
     """Create or migrate the store's schema (``create`` False: only migrate a store that is
     there, at ``path``; a database without one is refused, as the read-only check before the
-    open refuses it)."""
+    open refuses it; ``upgrade`` False: refuse a store of an older schema version rather than
+    upgrade it). Returns the version it upgraded the store from (None: current, or new)."""
     if _snapshot(conn, lambda: _schema_state(conn, path)):
-        return  # (nothing to create: no write lock, so a busy or read-only file still opens)
+        return None  # (nothing to create: no write lock, so a busy or read-only file still opens)
+    if not upgrade:  # (before the write lock: a refusal need not wait for writers)
+        _snapshot(conn, lambda: _refuse_upgrade(conn, path))
     conn.execute("BEGIN IMMEDIATE")
     try:
         _schema_state(conn, path)  # (again, under the lock: another process may have changed it)
         if not create:
             _refuse_no_store(conn, path)
+        if not upgrade:
+            _refuse_upgrade(conn, path)
+        older = _older_version(conn)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         reshaped: list[str] = []
         for table, (before, _) in RESHAPED_TABLES.items():
@@ -2422,6 +2420,34 @@ def _ensure_schema(conn: sqlite3.Connection, create: bool = True, path: str = ""
     except BaseException:
         _rollback(conn)
         raise
+    return older
+
+
+def _older_version(conn: sqlite3.Connection) -> int | None:
+    """The schema version of a store an older evstore wrote (after :func:`_schema_state`, which
+    refused a newer, damaged or foreign one); None for a current store or a database without one."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+        return None
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    version = parse_version(row[0]) if row is not None else None
+    return version if version is not None and 1 <= version < SCHEMA_VERSION else None
+
+
+def _refuse_upgrade(conn: sqlite3.Connection, path: str) -> None:
+    """For ``upgrade=False``: ``SchemaVersionError`` when the store is of an older schema version."""
+    found = _older_version(conn)
+    if found is None:
+        return
+    raise err.SchemaVersionError(
+        f"{path} is a store of schema version {found}, written by an older evstore: opening it "
+        f"would upgrade it to {SCHEMA_VERSION}, which closes it to the older evstore processes still "
+        "using it, and this open says not to (upgrade=False, as evstore's commands that only read "
+        "open a store). Once no older evstore uses it, run "
+        f"`evstore upgrade --db {shlex.quote(path)}` or open it with upgrade=True (nothing was written)",
+        found=found,
+        supported=SCHEMA_VERSION,
+        path=path,
+    )
 
 
 def _refuse_no_store(conn: sqlite3.Connection, path: str) -> None:
