@@ -465,6 +465,17 @@ def _count(value: object, what: str) -> int:
     return value
 
 
+#: the most rows a backend fetches at once (SQLite's ``fetchmany`` and asyncpg's cursor take a C
+#: int): a larger ``batch_size`` - accepted, up to 2**63-1 - fetches this many, which is all of any
+#: log that fits in memory anyway
+_MOST_PER_FETCH = 2**31 - 1
+
+
+def _batch(value: object) -> int:
+    """A ``batch_size`` argument, checked as a count and capped at what one fetch can take."""
+    return min(_count(value, "batch_size"), _MOST_PER_FETCH)
+
+
 def _validate_key(key: object) -> str | None:
     if key is None:
         return None
@@ -1742,7 +1753,7 @@ class AllocationStore:
                 lost.message(), reason="log_truncated", head=lost.head, consumer=lost.consumer
             )
         try:
-            folded = await self._backend.rebuild(_count(batch_size, "batch_size"), progress, full=full)
+            folded = await self._backend.rebuild(_batch(batch_size), progress, full=full)
         except OverflowError:
             # (only a log no command wrote holds such numbers: an import refuses them)
             raise err.CorruptEvent(
@@ -1937,7 +1948,7 @@ class AllocationStore:
         """
         from projections.exchange import ChainCheck, duplicate_id, read_export, second_row_of
 
-        _count(batch_size, "batch_size")
+        batch_size = _batch(batch_size)
         _check_progress(progress, "progress(phase, events)")
         if not callable(open_lines):
             raise err.InvalidInput(

@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 
-from evstore import AllocationStore, ConsumerAllocations, InvalidInput, Inventory, Metadata, command_metadata
+from evstore import (
+    AllocationStore,
+    ConsumerAllocations,
+    InvalidInput,
+    Inventory,
+    Metadata,
+    command_metadata,
+    open_store,
+)
 from evstore.schema import make_inventory
 from tests.conftest import allocate, make_provider, new_uuid
 
@@ -579,3 +587,29 @@ async def test_time_travel_views_name_their_argument(store: AllocationStore) -> 
     with pytest.raises(InvalidInput) as caught:
         diff.consumer("x")
     assert caught.value.details["field"] == "uuid"
+
+
+async def test_every_batch_size_the_checks_accept_works(store_url: str) -> None:
+    """Regression: ``batch_size`` is accepted from 1 to 2**63-1 (``_count``), but ``rebuild`` given
+    one of 2**31 or more failed with ``evstore.log.corrupt`` "The log holds a number too large to
+    store in the projection" - a sound log blamed for the argument (SQLite's ``fetchmany`` and
+    asyncpg's cursor take a C int) - and PostgreSQL's ``import_events`` raised a bare
+    ``OverflowError``. Each method taking a batch size must work at the top of the range."""
+    huge = 2**63 - 1
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        head = await store.head()
+        assert await store.rebuild(huge) == head
+        assert await store.rebuild(huge, full=True) == head
+        assert [e.position async for e in store.history(rp, batch_size=huge)] == [1, 2, 3]
+        assert (await _first(store.subscribe(0, batch_size=huge))).position == 1
+        lines = [line async for line in store.export(huge)]
+    other = store_url.replace("evstore.db", "imported.db") if store_url.startswith("sqlite") else None
+    if other is None:
+        from tests.pg import fresh_database_url
+
+        other = fresh_database_url()
+    async with open_store(other) as copy:
+        assert await copy.import_events(lambda: iter(lines), batch_size=huge) == head
+        assert (await copy.audit()).clean
