@@ -88,3 +88,19 @@ async def test_a_revert_breaking_the_sources_new_step_size_is_a_constraint_viola
         await store.revert_migration(migration)
     assert await store.head() == head + 1  # (the inventory only: the revert wrote nothing)
     assert (await store.allocations(migration)).allocations == {source: {"VCPU": 4}}
+
+
+@pytest.mark.parametrize("in_url", [False, True])
+async def test_a_min_pool_size_above_pool_size_names_both_and_what_they_were(in_url: bool) -> None:
+    """Regression: ``min_pool_size`` above ``pool_size`` was refused as "need pool_size >= 1, 0 <=
+    min_pool_size <= pool_size, max_retries >= 1", with no ``details["field"]`` and neither value
+    (each option's own range is checked, with its name and value, before: only this pair is left).
+    Refused before any connection is made, so no server is needed."""
+    url = "postgresql://evstore@127.0.0.1:1/none"
+    with pytest.raises(InvalidInput) as caught:
+        if in_url:
+            await open_store(f"{url}?pool_size=2&min_pool_size=5")
+        else:
+            await open_store(url, pool_size=2, min_pool_size=5)
+    assert caught.value.details["field"] == "min_pool_size"
+    assert "min_pool_size (5)" in caught.value.message and "pool_size (2)" in caught.value.message

@@ -1160,8 +1160,12 @@ class PostgresBackend:
             raise err.InvalidInput(f"upgrade must be true or false, got {self.upgrade!r}", field="upgrade")
         #: the schema version this open upgraded the store from (None: it was current, or new)
         self.upgraded_from: int | None = None
-        if self.pool_size < 1 or not (0 <= self.min_pool_size <= self.pool_size) or self.max_retries < 1:
-            raise err.InvalidInput("need pool_size >= 1, 0 <= min_pool_size <= pool_size, max_retries >= 1")
+        if self.min_pool_size > self.pool_size:  # (each one's own range was checked as it was read)
+            raise err.InvalidInput(
+                f"min_pool_size ({self.min_pool_size}) must not exceed pool_size ({self.pool_size}): "
+                "the pool keeps that many connections open and never opens more than pool_size",
+                field="min_pool_size",
+            )
         self._pool: asyncpg.Pool | None = None
         #: server pids of pooled connections whose holder was cancelled (_reset_connection)
         self._unsynced: set[int] = set()
