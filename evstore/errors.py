@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 
 class EvstoreError(Exception):
@@ -153,6 +154,38 @@ class WrongEventLoop(EvstoreError):
 
 _USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):.*@")
 _KEYWORD_PASSWORD = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)('[^']*'|[^&\s]*)")
+
+
+#: what :func:`redact_url` hides of a URL's userinfo: everything from the user's ":" to the last "@"
+_USERINFO_SECRET = re.compile(r"://[^:/@]*:(.*)@")
+_QUOTED = re.compile(r"'([^']+)'")
+
+
+def url_secrets(url: str) -> list[str]:
+    """The passwords in a store URL (or libpq keyword string), as :func:`redact_url` finds them,
+    and as a URL parser does (an "@" later in the URL widens the former)."""
+    found = [m.group(1) for m in _USERINFO_SECRET.finditer(url)]
+    found += [m.group(2).strip("'") for m in _KEYWORD_PASSWORD.finditer(url)]
+    try:
+        found.append(urlsplit(url).password or "")
+    except ValueError:  # (no URL a parser takes: the patterns above are all there is)
+        pass
+    return [secret for secret in found if secret]
+
+
+def redact_text(text: str, url: str) -> str:
+    """``text`` - a parser's or driver's message about ``url`` - with the URL's passwords hidden:
+    each one, and any value the text quotes that is part of one (a parser that splits the URL
+    elsewhere than at its "@" - at an unencoded "/" in the password - quotes a piece of it:
+    "Port could not be cast to integer value as 'pass'"). Hides too much rather than too little."""
+    secrets = url_secrets(url)
+    for secret in secrets:
+        text = text.replace(secret, "***")
+
+    def quoted(m: re.Match[str]) -> str:
+        return "'***'" if any(m.group(1) in secret for secret in secrets) else m.group(0)
+
+    return _QUOTED.sub(quoted, text) if secrets else text
 
 
 def redact_url(url: str) -> str:

@@ -201,6 +201,10 @@ async def test_a_server_that_is_down_is_named_without_its_password() -> None:
         "host=db.example password=TopSecret1 dbname=evstore",  # a libpq keyword string
         "postgresql://app:ab/cdTopSecret1@db.example/evstore",  # an unencoded "/": no URL parser's
         "postgresql://app:Top@Secret1@db.example:x/evstore",
+        # the "/" ends the parser's netloc: the password (or its part before the "/") is taken for
+        # the port, which the port check's error quoted ("... integer value as 'TopSecret1'")
+        "postgresql://app:TopSecret1/@db.example/evstore",
+        "postgresql://app:TopSecret1/x@db.example:5432/evstore",
     ],
 )
 def test_a_url_evstore_refuses_is_named_without_its_password(url: str) -> None:

@@ -1137,8 +1137,10 @@ class PostgresBackend:
             # URL, host1:port1,host2:port2, is left to asyncpg, which tries the hosts in turn)
             for host in parts.netloc.rsplit("@", 1)[-1].split(","):
                 urlsplit(f"//{host}").port  # noqa: B018
-        except ValueError as exc:
-            raise err.InvalidInput(f"Malformed PostgreSQL URL {self.safe_url}: {exc}") from None
+        except ValueError as exc:  # (its text may quote the password: one with a "/" ends the netloc)
+            raise err.InvalidInput(
+                f"Malformed PostgreSQL URL {self.safe_url}: {err.redact_text(str(exc), url)}"
+            ) from None
         self.pool_size = validate_int_option(options.get("pool_size", 10), "pool_size", 1)
         self.min_pool_size = validate_int_option(options.get("min_pool_size", 1), "min_pool_size", 0)
         self.max_retries = validate_int_option(options.get("max_retries", 10), "max_retries", 1)
@@ -1248,10 +1250,7 @@ class PostgresBackend:
         connects: the URL is wrong, not the server. Raised by the pool's first connection, made in
         ``open`` - or, with ``min_pool_size=0``, by the first acquire. (Its text names the value;
         the password is never in it, but is cut out should a parser ever quote the whole URL.)"""
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        password = urlsplit(self.url).password
-        if password:
-            text = text.replace(password, "***")
+        text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
         return err.InvalidInput(f"Malformed PostgreSQL URL {self.safe_url}: {text}", url=self.safe_url)
 
     async def _repair_projection(self) -> None:
