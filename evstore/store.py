@@ -337,10 +337,19 @@ def _metadata_json(meta: dict[str, Any], check: bool, room: int = 0) -> str:
         except ValidationError as exc:
             if any("recursion limit" in e["msg"] for e in exc.errors()):
                 raise err.InvalidInput(_METADATA_TOO_DEEP, field="metadata") from None
+            if (bad := _lone_surrogate(meta, [])) is not None:
+                keys, value, is_key = bad
+                inside = ".".join(keys[:-1]) or "the metadata"
+                what = f"a key of {inside}" if is_key else ".".join(keys)
+                raise err.InvalidInput(
+                    f"metadata is not valid: {what} must be valid Unicode text (no lone surrogates), "
+                    f"got {value!r:.80}",
+                    **where("metadata", ["metadata", *keys]),
+                ) from None
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}"
                 if e["loc"]
-                else f"a value is not valid unicode text ({e['msg']})"  # e.g. a lone surrogate
+                else f"a value is not valid unicode text ({e['msg']})"  # (what _lone_surrogate did not find)
                 for e in exc.errors()
             )
             first = [str(p) for p in exc.errors()[0]["loc"]] if exc.errors() else []
@@ -348,6 +357,31 @@ def _metadata_json(meta: dict[str, Any], check: bool, room: int = 0) -> str:
                 f"metadata is not valid: {problems}", **where("metadata", ["metadata", *first])
             ) from None
     return text
+
+
+def _lone_surrogate(value: Any, keys: list[str]) -> tuple[list[str], str, bool] | None:
+    """The keys down to the first string of ``value`` - a value, or a key of one of its mappings -
+    that is not valid Unicode text (a lone surrogate, which JSON escapes but no reader of the log
+    decodes), that string, and whether it is a key; list items by their index. None: there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return keys, value, False
+        return None
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate(key, []) is not None:
+            return [*keys, key], key, True
+        if (found := _lone_surrogate(item, [*keys, str(key)])) is not None:
+            return found
+    return None
 
 
 def _fingerprints(command: cmd.Command) -> tuple[str, str]:

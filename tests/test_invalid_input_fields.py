@@ -613,3 +613,27 @@ async def test_every_batch_size_the_checks_accept_works(store_url: str) -> None:
     async with open_store(other) as copy:
         assert await copy.import_events(lambda: iter(lines), batch_size=huge) == head
         assert (await copy.audit()).clean
+
+
+@pytest.mark.parametrize(
+    ("metadata", "path"),
+    [
+        ({"request_id": "req-\ud800"}, ["metadata", "request_id"]),
+        ({"mine": ["ok", {"deep": "x\udfff"}]}, ["metadata", "mine", "1", "deep"]),
+        ({"ok": 1, "bad\ud800key": 2}, ["metadata", "bad\ud800key"]),
+    ],
+)
+async def test_a_lone_surrogate_in_metadata_is_named_where_it_is(
+    store: AllocationStore, metadata: dict[str, Any], path: list[str]
+) -> None:
+    """Regression: a string of the metadata that is not valid Unicode text (a lone surrogate) was
+    refused as "metadata is not valid: a value is not valid unicode text (Invalid JSON: unexpected
+    end of hex escape at line 1 column 89)" - the JSON decoder's words about evstore's own encoding,
+    with no ``details["path"]``: the caller could not tell which value. As every other string
+    argument says it, and with the keys down to it, as the README promises for a problem inside."""
+    with pytest.raises(InvalidInput) as caught:
+        await store.create_provider(new_uuid(), "rp", metadata=metadata)
+    assert caught.value.details["field"] == "metadata"
+    assert caught.value.details["path"] == path
+    assert "lone surrogate" in caught.value.message and "Invalid JSON" not in caught.value.message
+    assert await store.head() == 0

@@ -696,7 +696,7 @@ async def test_a_refused_request_id_not_text_cannot_replace_the_rejection(store:
         processors=[structlog.dev.ConsoleRenderer(colors=False)],
     )
     try:
-        with pytest.raises(InvalidInput, match="not valid unicode text"):
+        with pytest.raises(InvalidInput, match=r"valid Unicode text \(no lone surrogates\)"):
             await store.release(new_uuid(), metadata={"request_id": "req-\ud800"})
         with pytest.raises(InvalidInput, match="JSON-serialisable"):
             await store.release(new_uuid(), metadata={"request_id": NoRepr()})
