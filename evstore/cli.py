@@ -446,7 +446,9 @@ def demo(
                 if path != ":memory:":
                     _fresh_file(Path(path))
         created.extend(_new_file(target))
-        async with open_store(target) as store:
+        # (upgrade=False: an older store is refused as it is, not upgraded and then refused for
+        # its events, closed to the older evstore processes still using it by a refused demo)
+        async with open_store(target, upgrade=False) as store:
             if await store.head() != 0:
                 shown_url = shown(target)
                 raise err.InvalidInput(f"the demo needs an empty store and {shown_url} already has events")
@@ -1530,7 +1532,8 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
 
     Stop the processes running an older evstore on it first: the upgrade closes the store to them.
     The commands that only read refuse such a store (evstore.schema.version) rather than upgrade
-    it; the ones that write (rebuild, snapshot) upgrade it as they open it, as open_store does.
+    it, as do demo and import (which need an empty store); rebuild and snapshot upgrade it as they
+    open it, as open_store does.
     """
 
     async def work() -> int:
@@ -1746,7 +1749,9 @@ def import_(
                         f"{export_file} is not UTF-8 text: not an evstore export"
                     ) from None
 
-        async with open_store(target) as store:
+        # (upgrade=False: an older store - one with events, which the import refuses - is refused
+        # as it is, not upgraded first; `evstore upgrade` upgrades one to import into)
+        async with open_store(target, upgrade=False) as store:
             with progress_bar() as bar:
                 tasks: dict[str, Any] = {}
 

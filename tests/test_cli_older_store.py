@@ -114,3 +114,66 @@ async def test_upgrade_must_be_true_or_false(url: str, options: dict[str, object
         async with open_store(url, **options):  # type: ignore[arg-type]
             pass
     assert raised.value.details["field"] == "upgrade"
+
+
+def test_import_into_an_older_store_with_events_refuses_it_without_upgrading_it(
+    older_store: Path, tmp_path: Path
+) -> None:
+    """Regression (session 34, helper B): ``evstore import`` opened its store as every open does,
+    which upgrades one an older evstore wrote, and only then refused it for holding events: the
+    refused import had closed the store to the older evstore processes still using it (and said
+    nothing of it). It now opens with ``upgrade=False``, as the read-only commands do."""
+    older = tmp_path / "older.db"
+    shutil.copy(older_store, older)
+    export = tmp_path / "log.jsonl"
+    source = demo_db(tmp_path / "current.db", instances=3, nodes=2)
+    assert evstore("export", "--db", str(source), "-o", str(export)).returncode == 0
+    done = evstore("import", str(export), "--db", str(older))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("error: evstore.schema.version: "), done.stderr
+    assert "evstore upgrade --db" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert _version(older) == "4"
+
+
+@pytest.fixture
+async def older_pg_store(pg_url: str) -> str:
+    """A PostgreSQL store with events at schema version 4 (as test_postgres builds one)."""
+    from tests.conftest import make_provider
+    from tests.test_postgres import _downgrade_to_v4_sql
+
+    async with open_store(pg_url) as store:
+        await make_provider(store, VCPU=8)
+        for sql in _downgrade_to_v4_sql():
+            await store.backend.tamper(sql)  # type: ignore[attr-defined]
+    return pg_url
+
+
+async def _pg_version(url: str) -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        return str(await conn.fetchval("SELECT value FROM evstore_meta WHERE key = 'schema_version'"))
+    finally:
+        await conn.close()
+
+
+async def test_every_command_but_upgrade_rebuild_and_snapshot_refuses_an_older_postgresql_store(
+    older_pg_store: str, tmp_path: Path
+) -> None:
+    """The read-only commands on PostgreSQL (test_postgres drives only ``audit``), and ``demo`` and
+    ``import``, which need an empty store: each refuses a store an older evstore wrote, one line,
+    ``evstore.schema.version``, and the store keeps its version. Regression (session 34, helper B):
+    ``demo --url`` and ``import --url`` upgraded it, then refused it for holding events."""
+    import asyncio
+
+    export = tmp_path / "log.jsonl"
+    source = demo_db(tmp_path / "current.db", instances=3, nodes=2)
+    assert evstore("export", "--db", str(source), "-o", str(export)).returncode == 0
+    for command in [*READ_ONLY, ["demo", "--instances", "3"], ["import", str(export)]]:
+        done = await asyncio.to_thread(evstore, *command, "--url", older_pg_store)
+        assert done.returncode == 1, (command, done.stdout + done.stderr)
+        assert done.stderr.startswith("error: evstore.schema.version: "), (command, done.stderr)
+        assert "schema version 4" in done.stderr and "evstore upgrade --url" in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1, (command, done.stderr)
+        assert await _pg_version(older_pg_store) == "4", command

@@ -1530,9 +1530,10 @@ class PostgresBackend:
                             f"The store at {self.safe_url} has schema version {found}, written by "
                             f"an older evstore: opening it would upgrade it to {SCHEMA_VERSION}, "
                             "which closes it to the older evstore processes still using it, and "
-                            "this open says not to (upgrade=False, as evstore's commands that only "
-                            "read open a store). Once no older evstore uses it, run `evstore "
-                            "upgrade --url ...` or open it with upgrade=True (nothing was written)",
+                            "this open says not to (upgrade=False, as evstore's commands open a store, "
+                            "all but upgrade, rebuild and snapshot). Once no older evstore uses it, "
+                            "run `evstore upgrade --url ...` or open it with upgrade=True (nothing was "
+                            "written)",
                             url=self.safe_url,
                             found=found,
                             supported=SCHEMA_VERSION,

@@ -2441,8 +2441,8 @@ def _refuse_upgrade(conn: sqlite3.Connection, path: str) -> None:
     raise err.SchemaVersionError(
         f"{path} is a store of schema version {found}, written by an older evstore: opening it "
         f"would upgrade it to {SCHEMA_VERSION}, which closes it to the older evstore processes still "
-        "using it, and this open says not to (upgrade=False, as evstore's commands that only read "
-        "open a store). Once no older evstore uses it, run "
+        "using it, and this open says not to (upgrade=False, as evstore's commands open a store, all "
+        "but upgrade, rebuild and snapshot). Once no older evstore uses it, run "
         f"`evstore upgrade --db {shlex.quote(path)}` or open it with upgrade=True (nothing was written)",
         found=found,
         supported=SCHEMA_VERSION,
