@@ -2248,31 +2248,16 @@ class PostgresBackend:
         (``lock_timeout``, in a savepoint), with pauses in which queued commands go through; for
         at most ``command_timeout`` when one is set (a caller that set one wants every wait bounded).
         """
-        key = self._key("!fence")
-        pause = 0.01
-        loop = asyncio.get_running_loop()
-        deadline = None if self.command_timeout is None else loop.time() + self.command_timeout
-        while True:
-            try:
-                async with conn.transaction():  # (a savepoint: an attempt that times out is undone alone)
-                    previous = await conn.fetchval("SELECT current_setting('lock_timeout')")
-                    await conn.execute(f"SET LOCAL lock_timeout = {int(self.FENCE_ATTEMPT_MS)}")
-                    await conn.execute("SELECT pg_advisory_xact_lock($1)", key)
-                    await conn.execute("SELECT set_config('lock_timeout', $1, true)", previous)
-                break
-            except asyncpg.LockNotAvailableError:
-                if deadline is not None and loop.time() >= deadline:
-                    raise err.StorageError(
-                        "Another session held evstore's advisory lock for longer than "
-                        f"{self._timeout_named('command_timeout')}, so writers could not be held back; "
-                        "nothing was done: retry. pg_locks says which: another process's audit, "
-                        "rebuild or import holds it exclusive (retry once it is done), a client stuck "
-                        "inside a command holds it shared (end that session; the server's "
-                        "idle_in_transaction_session_timeout ends such sessions)",
-                        sqlstate="55P03",
-                    ) from None
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 0.5)
+        await self._take_in_attempts(
+            conn,
+            "SELECT pg_advisory_xact_lock($1)",
+            self._key("!fence"),
+            refusal="Another session held evstore's advisory lock for longer than {timeout}, so writers "
+            "could not be held back; nothing was done: retry. pg_locks says which: another process's "
+            "audit, rebuild or import holds it exclusive (retry once it is done), a client stuck "
+            "inside a command holds it shared (end that session; the server's "
+            "idle_in_transaction_session_timeout ends such sessions)",
+        )
         if not can_wait:
             await _sequence(conn, self._key("!sequencer"), True, [])
             return
@@ -2282,6 +2267,30 @@ class PostgresBackend:
         except CANNOT_WRITE as exc:
             pending = int(await conn.fetchval("SELECT count(*) FROM events WHERE position IS NULL"))
             raise _CannotPosition(pending, str(exc).splitlines()[0]) from None
+
+    async def _take_in_attempts(self, conn: Any, statement: str, *args: Any, refusal: str) -> None:
+        """Inside a transaction: run ``statement``, which takes locks, in short attempts
+        (``lock_timeout``, each in a savepoint: one that times out lets go of what it took), with
+        pauses in which the sessions it waited for go on; for at most ``command_timeout`` when one
+        is set, then a StorageError saying ``refusal`` (``{timeout}`` names the option). A wait
+        made so never holds a lock another session waits for, so it cannot close a cycle."""
+        pause = 0.01
+        loop = asyncio.get_running_loop()
+        deadline = None if self.command_timeout is None else loop.time() + self.command_timeout
+        while True:
+            try:
+                async with conn.transaction():  # (a savepoint: an attempt that times out is undone alone)
+                    previous = await conn.fetchval("SELECT current_setting('lock_timeout')")
+                    await conn.execute(f"SET LOCAL lock_timeout = {int(self.FENCE_ATTEMPT_MS)}")
+                    await conn.execute(statement, *args)
+                    await conn.execute("SELECT set_config('lock_timeout', $1, true)", previous)
+                return
+            except asyncpg.LockNotAvailableError:
+                if deadline is not None and loop.time() >= deadline:
+                    timeout = self._timeout_named("command_timeout")
+                    raise err.StorageError(refusal.format(timeout=timeout), sqlstate="55P03") from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
 
     async def query(self, name: str, *args: Any) -> Any:
         fn = QUERIES[name]
@@ -2452,6 +2461,17 @@ class PostgresBackend:
                         folded = await _rebuild(conn, state, batch_size, report)
                         if history is not None:  # (storage-level damage: an index that lost entries)
                             await history.swap(conn, batch_size)
+                            # (REINDEX locks a table's indexes exclusively, one table after the
+                            # other, while a read holds the tables it read so far and waits for the
+                            # next: a deadlock. Every table at once first, giving way to the reads
+                            # meanwhile; until then they read the projection as it was.)
+                            await self._take_in_attempts(
+                                conn,
+                                f"LOCK TABLE {', '.join(PROJECTION_TABLES)} IN ACCESS EXCLUSIVE MODE",
+                                refusal="Reads of the projection went on for longer than {timeout} "
+                                "without a pause, so the full rebuild could not reindex it; nothing "
+                                "was done: retry",
+                            )
                             for table in PROJECTION_TABLES:
                                 await conn.execute(f"REINDEX TABLE {table}")
                         return folded
