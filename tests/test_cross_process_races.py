@@ -175,66 +175,74 @@ async def test_processes_racing_on_shared_instances_agree_with_an_outside_fold(
         await asyncio.sleep(0.3)  # an event past the head would show now
         follower.cancel()
 
-        rows = await _export_rows(store)
-        assert [r["position"] for r in rows] == list(range(1, head + 1)), f"seed {seed}"
-        assert seen == [(r["position"], r["event_id"]) for r in rows], f"seed {seed}: subscriber"
-        records = [json.loads(line) for out in outs for line in out.read_text().splitlines()]
-        by_rid = {r["rid"]: r for r in records}
-        rid_at = {r["position"]: json.loads(r["metadata"] or "{}").get("request_id") for r in rows}
-        accepted = [r for r in records if r["outcome"] == "accepted"]
-        assert accepted and any(
-            r["outcome"] == "rejected" and r["code"] == "evstore.consumer.deleted" for r in records
-        )
-        told: set[int] = set()
-        for r in accepted:
-            assert r["positions"] or r["op"] == "delete", r  # deleting a deleted consumer appends nothing
-            for p in r["positions"]:
-                assert rid_at[p] == r["rid"], f"seed {seed}: {r} told {p}, which holds {rid_at[p]}"
-                told.add(p)
-            if "again" in r:
-                assert r["again"] == r["positions"] and r["replayed"], f"seed {seed}: keyed repeat {r}"
-        untold = {p: rid_at[p] for p in range(setup_head + 1, head + 1) if p not in told}
-        assert not untold, (
-            f"seed {seed}: events of no accepted command: {[by_rid.get(r) for r in untold.values()][:3]}"
-        )
+        await check_against_outside_fold(store, outs, setup_head, seen, seed)
 
-        fold = Fold()
-        samples = set(random.Random(seed).sample(range(1, head + 1), 5))
-        at: dict[int, dict[str, dict[str, dict[str, int]]]] = {}
-        for r in rows:
-            fold.apply(r["position"], r["type"], json.loads(r["data"]))
-            if r["position"] in samples:
-                at[r["position"]] = {c: {p: dict(x) for p, x in a.items()} for c, a in fold.alloc.items()}
-        assert not fold.problems, f"seed {seed}: {fold.problems[:10]}"
-        for m, i in fold.behalf.items():
-            assert i not in fold.tomb, f"seed {seed}: migration {m} holds {fold.alloc[m]} for deleted {i}"
 
-        consumers = set(fold.owner) | set(fold.tomb)
+async def check_against_outside_fold(
+    store: AllocationStore, outs: list[Path], setup_head: int, seen: list[tuple[int, str]], seed: int
+) -> None:
+    """Check the log, the projection, time travel and the audit against this file's fold of the
+    export and what the writers (``tests/xproc_race_worker.py``, writing to ``outs``) were told;
+    ``seen`` is what a subscriber from position 0 received."""
+    head = await store.head()
+    rows = await _export_rows(store)
+    assert [r["position"] for r in rows] == list(range(1, head + 1)), f"seed {seed}"
+    assert seen == [(r["position"], r["event_id"]) for r in rows], f"seed {seed}: subscriber"
+    records = [json.loads(line) for out in outs for line in out.read_text().splitlines()]
+    by_rid = {r["rid"]: r for r in records}
+    rid_at = {r["position"]: json.loads(r["metadata"] or "{}").get("request_id") for r in rows}
+    accepted = [r for r in records if r["outcome"] == "accepted"]
+    assert accepted and any(
+        r["outcome"] == "rejected" and r["code"] == "evstore.consumer.deleted" for r in records
+    )
+    told: set[int] = set()
+    for r in accepted:
+        assert r["positions"] or r["op"] == "delete", r  # deleting a deleted consumer appends nothing
+        for p in r["positions"]:
+            assert rid_at[p] == r["rid"], f"seed {seed}: {r} told {p}, which holds {rid_at[p]}"
+            told.add(p)
+        if "again" in r:
+            assert r["again"] == r["positions"] and r["replayed"], f"seed {seed}: keyed repeat {r}"
+    untold = {p: rid_at[p] for p in range(setup_head + 1, head + 1) if p not in told}
+    assert not untold, (
+        f"seed {seed}: events of no accepted command: {[by_rid.get(r) for r in untold.values()][:3]}"
+    )
+
+    fold = Fold()
+    samples = set(random.Random(seed).sample(range(1, head + 1), 5))
+    at: dict[int, dict[str, dict[str, dict[str, int]]]] = {}
+    for r in rows:
+        fold.apply(r["position"], r["type"], json.loads(r["data"]))
+        if r["position"] in samples:
+            at[r["position"]] = {c: {p: dict(x) for p, x in a.items()} for c, a in fold.alloc.items()}
+    assert not fold.problems, f"seed {seed}: {fold.problems[:10]}"
+    for m, i in fold.behalf.items():
+        assert i not in fold.tomb, f"seed {seed}: migration {m} holds {fold.alloc[m]} for deleted {i}"
+
+    consumers = set(fold.owner) | set(fold.tomb)
+    for c in consumers:
+        view = await store.allocations(c)
+        assert view.allocations == fold.alloc.get(c, {}), f"seed {seed}: allocations({c})"
+        assert view.deleted == (c in fold.tomb)
+        if c in fold.alloc:
+            assert view.generation == fold.consumer_gen[c]
+    for p, g in fold.provider_gen.items():
+        u = await store.usage(p)
+        assert u.generation == g
+        assert dict(u) == {rc: fold.usage.get((p, rc), 0) for rc in fold.inv[p]}, f"seed {seed}: usage({p})"
+    for project in {o[0] for o in fold.owner.values()}:
+        want: dict[str, int] = defaultdict(int)
+        for c, a in fold.alloc.items():
+            if fold.owner[c][0] == project:
+                for rcs in a.values():
+                    for rc, n in rcs.items():
+                        want[rc] += n
+        assert dict(await store.usages(project)) == dict(want), f"seed {seed}: usages({project})"
+    for pos, allocs in at.items():
+        view = await store.state_at(position=pos)
         for c in consumers:
-            view = await store.allocations(c)
-            assert view.allocations == fold.alloc.get(c, {}), f"seed {seed}: allocations({c})"
-            assert view.deleted == (c in fold.tomb)
-            if c in fold.alloc:
-                assert view.generation == fold.consumer_gen[c]
-        for p, g in fold.provider_gen.items():
-            u = await store.usage(p)
-            assert u.generation == g
-            assert dict(u) == {rc: fold.usage.get((p, rc), 0) for rc in fold.inv[p]}, (
-                f"seed {seed}: usage({p})"
+            assert (await view.allocations(c)).allocations == allocs.get(c, {}), (
+                f"seed {seed}: state_at({pos})"
             )
-        for project in {o[0] for o in fold.owner.values()}:
-            want: dict[str, int] = defaultdict(int)
-            for c, a in fold.alloc.items():
-                if fold.owner[c][0] == project:
-                    for rcs in a.values():
-                        for rc, n in rcs.items():
-                            want[rc] += n
-            assert dict(await store.usages(project)) == dict(want), f"seed {seed}: usages({project})"
-        for pos, allocs in at.items():
-            view = await store.state_at(position=pos)
-            for c in consumers:
-                assert (await view.allocations(c)).allocations == allocs.get(c, {}), (
-                    f"seed {seed}: state_at({pos})"
-                )
-        report = await store.audit()
-        assert report.clean, f"seed {seed}: {report.findings}"
+    report = await store.audit()
+    assert report.clean, f"seed {seed}: {report.findings}"
