@@ -21,6 +21,7 @@ import json
 import os
 import random
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,27 @@ OPS = ["rebuild", "rebuild_full", "snapshots", "audit", "time_travel", "export",
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_SPAWNED: list[asyncio.subprocess.Process] = []
+
+
 async def _spawn(*args: str) -> asyncio.subprocess.Process:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return await asyncio.create_subprocess_exec(
+    proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", *args, env=env, stdout=asyncio.subprocess.DEVNULL
     )
+    _SPAWNED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+async def _no_process_left() -> AsyncIterator[None]:
+    """A test that failed leaves no process running (a maintenance process runs until told to stop)."""
+    yield
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 @pytest.mark.parametrize("seed", range(4) if SLOW else [random.randrange(1 << 30)])
