@@ -21,6 +21,15 @@ from typing import Any
 from evstore import AllocationStore, EvstoreError, SchemaVersionError, open_store
 
 
+def _history_lag_from_env() -> None:
+    """``EVSTORE_TEST_HISTORY_LAG``: index SQLite's history every that many events (a test's
+    choice, so that this process's catch-ups interleave with other processes' work)."""
+    if lag := os.environ.get("EVSTORE_TEST_HISTORY_LAG"):
+        from evstore.log import sqlite
+
+        sqlite.HISTORY_LAG = int(lag)
+
+
 async def one(store: AllocationStore | None, url: str, op: str, rng: random.Random) -> dict[str, Any]:
     line: dict[str, Any] = {"op": op}
     if op == "open_ro":
@@ -82,4 +91,5 @@ async def main(url: str, seed: int, ops: list[str], stop: Path, out_path: str) -
 
 
 if __name__ == "__main__":
+    _history_lag_from_env()
     asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), Path(sys.argv[4]), sys.argv[5]))

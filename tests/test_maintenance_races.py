@@ -65,11 +65,15 @@ async def _no_process_left() -> AsyncIterator[None]:
 
 @pytest.mark.parametrize("seed", range(4) if SLOW else [random.randrange(1 << 30)])
 async def test_maintenance_in_every_process_while_writers_race_loses_nothing(
-    store_url: str, tmp_path: Path, seed: int
+    store_url: str, tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from evstore.log import sqlite
     from tests.maintenance_race_worker import one
 
     rng = random.Random(seed)
+    lag = rng.choice([3, 40, sqlite.HISTORY_LAG])  # (SQLite's history index caught up that often)
+    monkeypatch.setenv("EVSTORE_TEST_HISTORY_LAG", str(lag))
+    monkeypatch.setattr(sqlite, "HISTORY_LAG", lag)
     async with open_store(store_url, snapshot_every=rng.choice([3, 20])) as store:
         for i in range(4):
             await make_provider(

@@ -25,6 +25,15 @@ NS = uuid.UUID("5d2c1a8e-9b7f-4c3d-8e6a-0f1b2c3d4e5f")
 INSTANCES = 24
 
 
+def _history_lag_from_env() -> None:
+    """``EVSTORE_TEST_HISTORY_LAG``: index SQLite's history every that many events (a test's
+    choice, so that this process's catch-ups interleave with other processes' work)."""
+    if lag := os.environ.get("EVSTORE_TEST_HISTORY_LAG"):
+        from evstore.log import sqlite
+
+        sqlite.HISTORY_LAG = int(lag)
+
+
 def shared_id(name: str) -> str:
     return str(uuid.uuid5(NS, name))
 
@@ -124,4 +133,5 @@ async def main(url: str, seed: int, proc: int, n: int, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    _history_lag_from_env()
     asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))
