@@ -113,9 +113,13 @@ async def test_maintenance_in_every_process_while_writers_race_loses_nothing(
             ]
             done = asyncio.gather(*(p.wait() for p in writers))
             here: list[dict[str, object]] = []
-            while not done.done():
-                op = rng.choice(OPS)
-                here.append(await one(store, store_url, op, rng))
+
+            async def maintain(task: int) -> None:  # (several at once on this one store)
+                trng = random.Random(seed * 13 + task)
+                while not done.done():
+                    here.append(await one(store, store_url, trng.choice(OPS), trng))
+
+            await asyncio.gather(*(maintain(t) for t in range(3)))
             assert await done == [0] * WRITERS, f"seed {seed}"
             stop.touch()
             assert [await p.wait() for p in keepers] == [0, 0], f"seed {seed}"
