@@ -2,10 +2,11 @@
 ``python -m tests.maintenance_race_worker URL SEED OPS STOP OUT``.
 
 Until the file STOP exists, runs maintenance operations picked at random from OPS (comma-separated:
-``rebuild``, ``rebuild_full``, ``snapshots``, ``audit``, ``time_travel``, ``export``, ``open_ro``)
-on a store others write, and writes one JSON line per operation to OUT: the operation, and either
-what it found wrong (``problem``) or ``ok``. Each open of the store is its own, so another
-process's writers see this one as any other connection.
+``rebuild``, ``rebuild_full``, ``snapshots``, ``audit``, ``time_travel``, ``export``, ``open_ro``,
+``cancelled``: one of the others given up on at a random moment, then a command) on a store others
+write, and writes one JSON line per operation to OUT: the operation, and what it found wrong
+(``problem``); a command's outcome also to OUT.commands, as ``tests/xproc_race_worker.py`` writes
+its own. Each open of the store is its own, so other processes see this one as any other.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import json
 import os
 import random
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 from evstore import AllocationStore, EvstoreError, SchemaVersionError, open_store
+
+OPS = ("rebuild", "rebuild_full", "snapshots", "audit", "time_travel", "export", "open_ro", "cancelled")
 
 
 def _history_lag_from_env() -> None:
@@ -40,7 +44,23 @@ async def one(store: AllocationStore | None, url: str, op: str, rng: random.Rand
             line["refused"] = True
         return line
     assert store is not None
-    if op == "rebuild":
+    if op == "cancelled":  # another operation, given up on at a random moment; then a command
+        inner = rng.choice([o for o in OPS if o not in ("cancelled", "open_ro")])
+        try:
+            async with asyncio.timeout(rng.uniform(0, 0.05)):
+                await one(store, url, inner, rng)
+        except TimeoutError:
+            line["gave_up"] = inner
+        rid = f"m-{uuid.uuid4()}"
+        receipt = await store.delete_consumer(str(uuid.uuid4()), metadata={"request_id": rid})
+        # (as tests/xproc_race_worker.py records its commands, for the outside fold's check)
+        line["command"] = {
+            "rid": rid,
+            "op": "delete",
+            "outcome": "accepted",
+            "positions": list(receipt.positions),
+        }
+    elif op == "rebuild":
         line["folded"] = await store.rebuild(batch_size=rng.choice([7, 100, 5000]))
     elif op == "rebuild_full":
         line["folded"] = await store.rebuild(batch_size=rng.choice([7, 100, 5000]), full=True)
@@ -74,6 +94,7 @@ async def one(store: AllocationStore | None, url: str, op: str, rng: random.Rand
 
 async def main(url: str, seed: int, ops: list[str], stop: Path, out_path: str) -> None:
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    cfd = os.open(out_path + ".commands", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     rng = random.Random(seed)
     # (only opened when an operation needs it: an open upgrades an older store)
     store = None if ops == ["open_ro"] else await open_store(url, snapshot_every=rng.choice([5, 17, 50]))
@@ -85,6 +106,8 @@ async def main(url: str, seed: int, ops: list[str], stop: Path, out_path: str) -
             except EvstoreError as exc:
                 line = {"op": op, "problem": f"{type(exc).__name__} {exc.code}: {exc}"}
             os.write(fd, (json.dumps(line) + "\n").encode())
+            if "command" in line:
+                os.write(cfd, (json.dumps(line["command"]) + "\n").encode())
     finally:
         if store is not None:
             await store.close()

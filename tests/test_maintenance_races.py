@@ -30,13 +30,13 @@ import pytest
 from evstore import Inventory, open_store
 from evstore.log.postgres import PROJECTION_TABLES
 from tests.conftest import allocate, make_provider, new_uuid
+from tests.maintenance_race_worker import OPS
 from tests.test_cross_process_races import check_against_outside_fold
 
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
 WRITERS = 3
 COMMANDS_PER_TASK = 120 if SLOW else 30
 GUARD = 240.0 if SLOW else 90.0  # a hang guard, not a timing assertion
-OPS = ["rebuild", "rebuild_full", "snapshots", "audit", "time_travel", "export", "open_ro"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -129,11 +129,15 @@ async def test_maintenance_in_every_process_while_writers_race_loses_nothing(
         await asyncio.sleep(0.3)  # an event past the head would show now
         follower.cancel()
         lines = here + [json.loads(t) for o in mouts for t in o.read_text().splitlines()]
+        commands = tmp_path / "here.commands"  # (the commands the maintenance ran, for the fold's check)
+        commands.write_text(
+            "".join(json.dumps(line["command"]) + "\n" for line in lines if "command" in line)
+        )
         problems = [line for line in lines if "problem" in line]
         assert not problems, f"seed {seed}: {problems[:5]}"
         ran = {str(line["op"]) for line in lines}
         print(f"seed {seed}: {len(lines)} maintenance operations ({sorted(ran)}), head {head}")
-        await check_against_outside_fold(store, outs, setup_head, seen, seed)
+        await check_against_outside_fold(store, [*outs, commands], setup_head, seen, seed)
         assert await store.rebuild() == head
         assert (await store.audit(history=True)).clean
 
@@ -221,7 +225,8 @@ async def test_an_older_store_opened_by_writers_upgraders_and_read_only_opens_at
             refused = sum("refused" in line for line in lines)
             assert refused, "the read-only opens were refused before the upgrade"
             print(f"seed {seed}: {len(lines)} maintenance operations, {refused} refused")
-            await check_against_outside_fold(store, outs, setup_head, seen, seed)
+            commands = [Path(f"{o}.commands") for o in mouts if Path(f"{o}.commands").exists()]
+            await check_against_outside_fold(store, [*outs, *commands], setup_head, seen, seed)
             assert await store.rebuild() == head
             assert (await store.audit(history=True)).clean
 
