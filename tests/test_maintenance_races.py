@@ -438,3 +438,40 @@ async def test_an_import_into_postgresql_killed_midway_leaves_the_store_empty_or
             assert (await store.usage(rp))["VCPU"] == 2999
             assert (await store.audit(history=True)).clean
     print(f"heads after the kills: {outcomes}")
+
+
+async def test_an_upgrade_killed_midway_leaves_a_store_that_opens_upgraded_and_sound(
+    store_url: str, tmp_path: Path
+) -> None:
+    # `evstore upgrade` of an older store (version 4: refolded into version 5's shape on SQLite,
+    # its migrations' instance types on PostgreSQL) SIGKILLed at random moments: the next open
+    # upgrades it (or finds it upgraded), nothing is lost, the audit is clean, commands go on.
+    import signal
+
+    from tests.test_import import _source
+
+    lines, rp, _ = await _source(tmp_path, consumers=3000)
+    rng = random.Random(1848343)
+    heads = []
+    for _ in range(3):
+        async with open_store(store_url) as store:
+            if not await store.head():
+                assert await store.import_events(lambda: iter(lines)) == len(lines) - 1
+            head, used = await store.head(), (await store.usage(rp))["VCPU"]
+        await _as_older_store(store_url)
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "evstore.cli", "upgrade", "--url", store_url,
+            cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        await asyncio.sleep(rng.uniform(0.6, 2.0))
+        with contextlib.suppress(ProcessLookupError):
+            cli.send_signal(signal.SIGKILL)
+        await cli.wait()
+        heads.append(cli.returncode)
+        async with asyncio.timeout(GUARD), open_store(store_url) as store:
+            assert await store.head() == head
+            assert (await store.usage(rp))["VCPU"] == used
+            report = await store.audit(history=True)
+            assert report.clean, report.findings[:3]
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    print(f"upgrade exit codes: {heads}")
