@@ -96,8 +96,10 @@ async def main(url: str, seed: int, ops: list[str], stop: Path, out_path: str) -
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     cfd = os.open(out_path + ".commands", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     rng = random.Random(seed)
+    # (EVSTORE_TEST_SNAPSHOT_EVERY: a test whose log grows long keeps the snapshots few)
+    every = int(os.environ.get("EVSTORE_TEST_SNAPSHOT_EVERY", 0)) or rng.choice([5, 17, 50])
     # (only opened when an operation needs it: an open upgrades an older store)
-    store = None if ops == ["open_ro"] else await open_store(url, snapshot_every=rng.choice([5, 17, 50]))
+    store = None if ops == ["open_ro"] else await open_store(url, snapshot_every=every)
     try:
         while not stop.exists():
             op = rng.choice(ops)

@@ -270,12 +270,12 @@ async def test_a_full_rebuild_on_postgresql_does_not_deadlock_with_reads(pg_url:
         assert (await store.audit(history=True)).clean
 
 
-KILLS = 30 if SLOW else 4
+KILLS = 15 if SLOW else 4
 OWNER: dict[str, Any] = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "generation": None}
 
 
 async def test_sigkill_mid_rebuild_or_snapshots_leaves_the_store_sound(
-    store_url: str, tmp_path: Path
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A writer (tests/crash_worker.py, acknowledging each command it was told committed) and a
     # maintenance process (rebuilds, full rebuilds, snapshots, time travel saving snapshots) are
@@ -285,6 +285,7 @@ async def test_sigkill_mid_rebuild_or_snapshots_leaves_the_store_sound(
     import signal
 
     rng = random.Random(1859496)
+    monkeypatch.setenv("EVSTORE_TEST_SNAPSHOT_EVERY", "2000")  # (the writer appends thousands a second)
     async with open_store(store_url) as store:
         for i in range(4):
             await make_provider(store, f"node-{i}", VCPU=Inventory(total=10**9))
