@@ -476,3 +476,32 @@ async def test_an_upgrade_killed_midway_leaves_a_store_that_opens_upgraded_and_s
             assert report.clean, report.findings[:3]
             await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
     print(f"upgrade exit codes: {heads}")
+
+
+async def test_a_full_rebuild_waiting_for_a_reader_that_never_pauses_gives_up_after_command_timeout(
+    pg_url: str,
+) -> None:
+    # The full rebuild's wait for the projection's tables (see the deadlock test above) is bounded
+    # as the fence's is: a client stuck inside a read (here a transaction left open holding
+    # p_providers) fails it after command_timeout, with nothing done, and commands then go on.
+    import asyncpg
+
+    from evstore import StorageError
+    from tests.test_postgres import _search_path
+
+    async with open_store(pg_url, command_timeout=1.0) as store:
+        rp = await make_provider(store, VCPU=8)
+        head = await store.head()
+        reader = await asyncpg.connect(pg_url, server_settings={"search_path": await _search_path(store)})
+        try:
+            async with reader.transaction():
+                await reader.fetch("SELECT * FROM p_providers")
+                with pytest.raises(StorageError, match="could not reindex it; nothing was done: retry"):
+                    async with asyncio.timeout(GUARD):
+                        await store.rebuild(full=True)
+                async with asyncio.timeout(GUARD):  # (the fence was let go of)
+                    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        finally:
+            await reader.close()
+        assert await store.rebuild(full=True) == head + 1
+        assert (await store.audit(history=True)).clean
