@@ -7,6 +7,7 @@ it (``placement.*``); conditions Placement does not name get an ``evstore.*`` co
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -158,7 +159,11 @@ _KEYWORD_PASSWORD = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)('[^']*'|[^&\s]*
 
 #: what :func:`redact_url` hides of a URL's userinfo: everything from the user's ":" to the last "@"
 _USERINFO_SECRET = re.compile(r"://[^:/@]*:(.*)@")
-_QUOTED = re.compile(r"'([^']+)'")
+#: a value a parser's message quotes, as Python's repr writes it: in single quotes, or in double
+#: quotes when it holds a single one, with backslash escapes
+_QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'" + r'|"(?:[^"\\\n]|\\.)*"')
+#: where a parser may cut a URL (a password with one of these unencoded is cut in pieces)
+_URL_DELIMITERS = re.compile(r"[/?#@:\[\],]")
 
 
 def url_secrets(url: str) -> list[str]:
@@ -173,19 +178,60 @@ def url_secrets(url: str) -> list[str]:
     return [secret for secret in found if secret]
 
 
+def _secret_spans(url: str) -> list[tuple[int, int]]:
+    """Where in ``url`` its passwords are written (as :func:`redact_url` finds them: they cover
+    what a URL parser takes for the password)."""
+    spans = [m.span(1) for m in _USERINFO_SECRET.finditer(url)]
+    spans += [m.span(2) for m in _KEYWORD_PASSWORD.finditer(url)]
+    return [(start, end) for start, end in spans if end > start]
+
+
+def _unquoted(literal: str) -> str:
+    """The value a quoted ``literal`` in a message stands for (a repr's escapes undone)."""
+    try:
+        value = ast.literal_eval(literal)
+    except (ValueError, SyntaxError):
+        return literal[1:-1]
+    return value if isinstance(value, str) else literal[1:-1]
+
+
+def _holds_a_secret(value: str, url: str, secrets: list[str], spans: list[tuple[int, int]]) -> bool:
+    """Whether ``value``, quoted by a parser's message about ``url``, shows any of a password: where
+    it is written in the URL, it overlaps a password there (a parser that cuts the URL elsewhere
+    than at its "@" quotes a piece of the password, or one with more of the URL after it: "Port
+    could not be cast to integer value as 'pass'", asyncpg's "invalid literal for int() with
+    base 10: 'word@db.example:5432'"); a value the URL does not hold as written (decoded, pieced
+    together) is hidden when it, or a piece of it between the URL's delimiters, is part of one."""
+    if not value:
+        return False
+    start = url.find(value)
+    if start < 0:
+        pieces = [value, *(piece for piece in _URL_DELIMITERS.split(value) if piece)]
+        return any(piece in secret for piece in pieces for secret in secrets)
+    while start >= 0:
+        if any(start < end and begin < start + len(value) for begin, end in spans):
+            return True
+        start = url.find(value, start + 1)
+    return False
+
+
 def redact_text(text: str, url: str) -> str:
     """``text`` - a parser's or driver's message about ``url`` - with the URL's passwords hidden:
-    each one, and any value the text quotes that is part of one (a parser that splits the URL
-    elsewhere than at its "@" - at an unencoded "/" in the password - quotes a piece of it:
-    "Port could not be cast to integer value as 'pass'"). Hides too much rather than too little."""
+    each one, and any value the text quotes that shows any of one (:func:`_holds_a_secret`).
+    Hides too much rather than too little."""
     secrets = url_secrets(url)
-    for secret in secrets:
-        text = text.replace(secret, "***")
+    if not secrets:
+        return text
+    spans = _secret_spans(url)
 
     def quoted(m: re.Match[str]) -> str:
-        return "'***'" if any(m.group(1) in secret for secret in secrets) else m.group(0)
+        return "'***'" if _holds_a_secret(_unquoted(m.group(0)), url, secrets, spans) else m.group(0)
 
-    return _QUOTED.sub(quoted, text) if secrets else text
+    # (the quoted values first: replacing a password in one would keep it from being found in the URL)
+    text = _QUOTED.sub(quoted, text)
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 def redact_url(url: str) -> str:

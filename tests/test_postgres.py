@@ -216,6 +216,47 @@ def test_a_url_evstore_refuses_is_named_without_its_password(url: str) -> None:
     assert "***" in info.value.message
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        # the port check's error quotes the piece before the "/" as Python's repr does: in double
+        # quotes when it holds a "'", with a "\" doubled - neither was taken for a quoted value
+        "postgresql://app:Secret1'x/y@db.example/evstore",
+        "postgresql://app:Secret1\\x/y@db.example/evstore",
+        # brackets in the password: the URL parser's own error ("'Secret1' does not appear to be
+        # an IPv4 or IPv6 address") was not redacted at all
+        "postgresql://app:x[Secret1]y@db.example/evstore",
+    ],
+)
+def test_a_password_piece_a_parser_quotes_is_hidden(url: str) -> None:
+    """Regression (review of session 34's redaction): pieces of a password that evstore's URL
+    checks quote in their errors reached the message."""
+    with pytest.raises(InvalidInput) as info:
+        make_backend(url)
+    assert "Secret1" not in str(info.value) and "Secret1" not in json.dumps(info.value.to_dict())
+    assert "***" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # asyncpg cuts the userinfo at the first "@", evstore at the last: the piece of the
+        # password after the first "@" is then a host and port, or a query, that asyncpg quotes
+        # with the host after it ("invalid literal for int() with base 10: 'Secret1@db.example:5432'")
+        "postgresql://app:x@y:Secret1@db.example:5432/evstore",
+        "postgresql://app:x@y?Secret1@db.example/evstore",
+    ],
+)
+async def test_a_password_piece_asyncpg_quotes_with_the_host_is_hidden(url: str) -> None:
+    """Regression (review of session 34's redaction): a quoted value that holds a piece of the
+    password and more of the URL was kept, being no part of the password."""
+    with pytest.raises(InvalidInput, match="Malformed PostgreSQL URL") as info:
+        async with open_store(url, connect_timeout=2):
+            pass
+    assert "Secret1" not in str(info.value) and "Secret1" not in json.dumps(info.value.to_dict())
+    assert "***" in info.value.message
+
+
 @pytest.mark.parametrize("min_pool_size", [1, 0])
 @pytest.mark.parametrize("query", ["port=5432/x", "port=abc", "host=/tmp&port=1,x"])
 async def test_a_malformed_port_in_the_urls_query_is_invalid_input(query: str, min_pool_size: int) -> None:

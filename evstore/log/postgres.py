@@ -694,8 +694,10 @@ def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
     try:
         parts = urlsplit(url)
         pairs = parse_qsl(parts.query, keep_blank_values=True)
-    except ValueError as exc:
-        raise err.InvalidInput(f"Malformed PostgreSQL URL {safe_url}: {exc}") from None
+    except ValueError as exc:  # (its text may quote a piece of the password: "[" in it, for one)
+        raise err.InvalidInput(
+            f"Malformed PostgreSQL URL {safe_url}: {err.redact_text(str(exc), url)}"
+        ) from None
     names = [k for k, _ in pairs]
     twice = sorted({k for k in names if names.count(k) > 1})
     if twice:
