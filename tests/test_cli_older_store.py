@@ -177,3 +177,54 @@ async def test_every_command_but_upgrade_rebuild_and_snapshot_refuses_an_older_p
         assert "schema version 4" in done.stderr and "evstore upgrade --url" in done.stderr, done.stderr
         assert done.stderr.count("\n") == 1, (command, done.stderr)
         assert await _pg_version(older_pg_store) == "4", command
+
+
+async def test_upgrade_false_refuses_an_older_store_another_connection_holds_locked(
+    older_store: Path, tmp_path: Path
+) -> None:
+    """The refusal needs no write lock: an older store another process is writing to (an older
+    evstore still running, as the refusal assumes) is refused as older, not as busy after waiting
+    busy_timeout for a lock that would only have been used to refuse it."""
+    db = tmp_path / "copy.db"
+    shutil.copy(older_store, db)
+    writer = sqlite3.connect(db, isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        with pytest.raises(SchemaVersionError) as raised:
+            async with open_store(f"sqlite:///{db}", upgrade=False, busy_timeout=0.2):
+                pass
+        assert raised.value.details["found"] == 4
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert _version(db) == "4"
+
+
+async def test_upgrade_false_looks_again_under_the_write_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look before the write lock is not the last word: a store an older evstore made in the
+    file between that look (an empty file: nothing to refuse) and the lock is refused under the
+    lock, not upgraded."""
+    from evstore.log import sqlite as backend
+
+    db = tmp_path / "raced.db"
+    sqlite3.connect(db).close()  # (an empty database file)
+    looked = backend._refuse_upgrade
+
+    def then_an_older_evstore_creates_its_store(conn: sqlite3.Connection, path: str) -> None:
+        looked(conn, path)
+        monkeypatch.setattr(backend, "_refuse_upgrade", looked)  # (once: the look before the lock)
+        other = sqlite3.connect(db, isolation_level=None)
+        try:
+            backend._ensure_schema(other)
+            other.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+        finally:
+            other.close()
+
+    monkeypatch.setattr(backend, "_refuse_upgrade", then_an_older_evstore_creates_its_store)
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(f"sqlite:///{db}", upgrade=False):
+            pass
+    assert raised.value.details["found"] == 4
+    assert _version(db) == "4"
