@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,8 @@ async def test_upgrade_false_looks_again_under_the_write_lock(
 
     def then_an_older_evstore_creates_its_store(conn: sqlite3.Connection, path: str) -> None:
         looked(conn, path)
+        if not sys._getframe(1).f_code.co_qualname.startswith("_ensure_schema.<locals>"):
+            return  # (the read-only look before the open: the race is after the writer's look)
         monkeypatch.setattr(backend, "_refuse_upgrade", looked)  # (once: the look before the lock)
         other = sqlite3.connect(db, isolation_level=None)
         try:
@@ -228,3 +231,25 @@ async def test_upgrade_false_looks_again_under_the_write_lock(
             pass
     assert raised.value.details["found"] == 4
     assert _version(db) == "4"
+
+
+async def test_upgrade_false_leaves_an_older_rollback_journal_file_byte_for_byte(
+    older_store: Path, tmp_path: Path
+) -> None:
+    """Regression (review of session 34): a copy made with ``VACUUM INTO`` is in rollback-journal
+    mode; the writer connection's ``PRAGMA journal_mode = WAL`` rewrote its header before the look
+    that refused it, so "nothing was written" was not so (the CLI's read-only look before the open
+    had left it untouched). It is refused read-only first now."""
+    db = tmp_path / "copy.db"
+    source = sqlite3.connect(older_store)
+    source.execute(f"VACUUM INTO '{db}'")
+    source.close()
+    before = db.read_bytes()
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(f"sqlite:///{db}", upgrade=False):
+            pass
+    assert raised.value.details["found"] == 4
+    assert db.read_bytes() == before
+    done = evstore("audit", "--db", str(db))
+    assert done.stderr.startswith("error: evstore.schema.version: "), done.stderr
+    assert db.read_bytes() == before

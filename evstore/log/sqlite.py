@@ -1221,6 +1221,11 @@ class SqliteBackend:
                     f"No evstore store in {self.path}: {reason} (check the path, or create a store, e.g. "
                     "with `evstore demo --db ...`)"
                 )
+        if not self.upgrade and not self.memory:
+            # (read-only, before the writer's connection: its PRAGMA journal_mode = WAL rewrites
+            # the header of a file in rollback-journal mode - a copy made with VACUUM INTO - so
+            # a refusal there would not be "nothing written")
+            await asyncio.to_thread(_refuse_older_read_only, self.path)
         began = time.monotonic()
         try:
             self._writer = await self._connect(stop, writer=True)
@@ -2448,6 +2453,27 @@ def _refuse_upgrade(conn: sqlite3.Connection, path: str) -> None:
         supported=SCHEMA_VERSION,
         path=path,
     )
+
+
+def _refuse_older_read_only(path: str) -> None:
+    """For ``upgrade=False``, before the open: :func:`_refuse_upgrade` on a read-only connection
+    to the file at ``path``. A file this look cannot read (absent, locked, in a directory it
+    cannot make the -shm file in) is left to the open, whose looks refuse the same."""
+    if not os.path.isfile(path):
+        return
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+
+            def look() -> None:
+                _schema_state(conn, path)  # (a damaged or foreign file is refused as the open refuses it)
+                _refuse_upgrade(conn, path)
+
+            _snapshot(conn, look)
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return
 
 
 def _refuse_no_store(conn: sqlite3.Connection, path: str) -> None:
