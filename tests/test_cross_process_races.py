@@ -130,18 +130,23 @@ async def _export_rows(store: AllocationStore) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines[1:]]
 
 
+async def make_race_providers(store: AllocationStore) -> None:
+    """The four compute nodes the racing processes share (cn-0 .. cn-3; the workers find them by name)."""
+    for i in range(4):
+        await make_provider(
+            store,
+            f"cn-{i}",
+            VCPU=Inventory(total=16, allocation_ratio=2.0),
+            MEMORY_MB=Inventory(total=8192, reserved=512, allocation_ratio=1.5),
+        )
+
+
 async def test_processes_racing_on_shared_instances_agree_with_an_outside_fold(
     store_url: str, tmp_path: Path
 ) -> None:
     seed = random.randrange(1 << 30)
     async with open_store(store_url) as store:
-        for i in range(4):
-            await make_provider(
-                store,
-                f"cn-{i}",
-                VCPU=Inventory(total=16, allocation_ratio=2.0),
-                MEMORY_MB=Inventory(total=8192, reserved=512, allocation_ratio=1.5),
-            )
+        await make_race_providers(store)
         setup_head = await store.head()
         seen: list[tuple[int, str]] = []
 

@@ -31,7 +31,7 @@ from evstore import Inventory, open_store
 from evstore.log.postgres import PROJECTION_TABLES
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.maintenance_race_worker import OPS
-from tests.test_cross_process_races import check_against_outside_fold
+from tests.test_cross_process_races import check_against_outside_fold, make_race_providers
 
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
 WRITERS = 3
@@ -75,13 +75,7 @@ async def test_maintenance_in_every_process_while_writers_race_loses_nothing(
     monkeypatch.setenv("EVSTORE_TEST_HISTORY_LAG", str(lag))
     monkeypatch.setattr(sqlite, "HISTORY_LAG", lag)
     async with open_store(store_url, snapshot_every=rng.choice([3, 20])) as store:
-        for i in range(4):
-            await make_provider(
-                store,
-                f"cn-{i}",
-                VCPU=Inventory(total=16, allocation_ratio=2.0),
-                MEMORY_MB=Inventory(total=8192, reserved=512, allocation_ratio=1.5),
-            )
+        await make_race_providers(store)
         setup_head = await store.head()
         seen: list[tuple[int, str]] = []
 
@@ -165,13 +159,7 @@ async def test_an_older_store_opened_by_writers_upgraders_and_read_only_opens_at
     # upgraded, then reading - and this process opens it as the writers begin.
     rng = random.Random(seed)
     async with open_store(store_url) as store:
-        for i in range(4):
-            await make_provider(
-                store,
-                f"cn-{i}",
-                VCPU=Inventory(total=16, allocation_ratio=2.0),
-                MEMORY_MB=Inventory(total=8192, reserved=512, allocation_ratio=1.5),
-            )
+        await make_race_providers(store)
         setup_head = await store.head()
     await _as_older_store(store_url)
     stop = tmp_path / "stop"
