@@ -2120,6 +2120,29 @@ async def test_recorded_events_hash_and_results_have_to_dict(store: AllocationSt
         "provider_generations": {rp: 2},
         "replayed": False,
     }
+    # (helper-121: a receipt's JSON text left out ``replayed``, which its dict has; and a replayed
+    # receipt says so in both)
+    assert json.loads(receipt.to_json()) == receipt.to_dict()
+    keyed = new_uuid()
+    replay = await store.set_allocations(
+        keyed,
+        {rp: {"VCPU": 1}},
+        project_id="p",
+        user_id="u",
+        consumer_type="INSTANCE",
+        generation=None,
+        idempotency_key="once",
+    )
+    replayed = await store.set_allocations(
+        keyed,
+        {rp: {"VCPU": 1}},
+        project_id="p",
+        user_id="u",
+        consumer_type="INSTANCE",
+        generation=None,
+        idempotency_key="once",
+    )
+    assert not replay.replayed and json.loads(replayed.to_json()) == {**replay.to_dict(), "replayed": True}
 
 
 async def test_every_metadata_key_evstore_writes_reads_as_an_attribute(store: AllocationStore) -> None:

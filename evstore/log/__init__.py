@@ -102,14 +102,9 @@ class Receipt:
         }
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "positions": list(self.positions),
-                "consumer_generations": self.consumer_generations,
-                "provider_generations": self.provider_generations,
-            },
-            separators=(",", ":"),
-        )
+        """:meth:`to_dict` as JSON text (also what an idempotency key records: its reader,
+        :meth:`from_json`, sets ``replayed`` itself)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str, replayed: bool = True) -> Receipt:
