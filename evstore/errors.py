@@ -153,12 +153,11 @@ class WrongEventLoop(EvstoreError):
     code = "evstore.store.wrong_loop"
 
 
-_USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):.*@")
+#: a URL's userinfo password: everything from the user's ":" to the last "@" (group 2)
+_USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):(.*)@")
 _KEYWORD_PASSWORD = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)('[^']*'|[^&\s]*)")
 
 
-#: what :func:`redact_url` hides of a URL's userinfo: everything from the user's ":" to the last "@"
-_USERINFO_SECRET = re.compile(r"://[^:/@]*:(.*)@")
 #: a value a parser's message quotes, as Python's repr writes it: in single quotes, or in double
 #: quotes when it holds a single one, with backslash escapes
 _QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'" + r'|"(?:[^"\\\n]|\\.)*"')
@@ -169,7 +168,7 @@ _URL_DELIMITERS = re.compile(r"[/?#@:\[\],]")
 def url_secrets(url: str) -> list[str]:
     """The passwords in a store URL (or libpq keyword string), as :func:`redact_url` finds them,
     and as a URL parser does (an "@" later in the URL widens the former)."""
-    found = [m.group(1) for m in _USERINFO_SECRET.finditer(url)]
+    found = [m.group(2) for m in _USERINFO_PASSWORD.finditer(url)]
     found += [m.group(2).strip("'") for m in _KEYWORD_PASSWORD.finditer(url)]
     try:
         found.append(urlsplit(url).password or "")
@@ -181,7 +180,7 @@ def url_secrets(url: str) -> list[str]:
 def _secret_spans(url: str) -> list[tuple[int, int]]:
     """Where in ``url`` its passwords are written (as :func:`redact_url` finds them: they cover
     what a URL parser takes for the password)."""
-    spans = [m.span(1) for m in _USERINFO_SECRET.finditer(url)]
+    spans = [m.span(2) for m in _USERINFO_PASSWORD.finditer(url)]
     spans += [m.span(2) for m in _KEYWORD_PASSWORD.finditer(url)]
     return [(start, end) for start, end in spans if end > start]
 
