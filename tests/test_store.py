@@ -2124,24 +2124,18 @@ async def test_recorded_events_hash_and_results_have_to_dict(store: AllocationSt
     # receipt says so in both)
     assert json.loads(receipt.to_json()) == receipt.to_dict()
     keyed = new_uuid()
-    replay = await store.set_allocations(
-        keyed,
-        {rp: {"VCPU": 1}},
-        project_id="p",
-        user_id="u",
-        consumer_type="INSTANCE",
-        generation=None,
-        idempotency_key="once",
-    )
-    replayed = await store.set_allocations(
-        keyed,
-        {rp: {"VCPU": 1}},
-        project_id="p",
-        user_id="u",
-        consumer_type="INSTANCE",
-        generation=None,
-        idempotency_key="once",
-    )
+    replay, replayed = [
+        await store.set_allocations(
+            keyed,
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            idempotency_key="once",
+        )
+        for _ in range(2)
+    ]
     assert not replay.replayed and json.loads(replayed.to_json()) == {**replay.to_dict(), "replayed": True}
 
 
