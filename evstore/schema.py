@@ -480,3 +480,18 @@ def validate_seconds_option(value: object, name: str, most: float = 86_400) -> f
             f"{name} must be a number of seconds above 0 and at most {most:g}, got {value!r:.40}", field=name
         )
     return float(value)
+
+
+def validate_flag_option(value: object, name: str) -> bool:
+    """A yes/no store option given as a keyword (``create``, ``upgrade``): a bool, nothing else
+    (``"false"`` and ``0`` are truthy or falsy by accident). One message for both backends."""
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be True or False, got {value!r:.40}", field=name)
+    return value
+
+
+def flag_option_from_url(text: str, name: str) -> bool:
+    """A yes/no store option given as ``?name=text`` in a URL: true/false or 1/0, any case."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise InvalidInput(f"{name} must be true or false, got {text!r:.40}", field=name)
+    return text.lower() in ("true", "1")

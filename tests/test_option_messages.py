@@ -104,3 +104,36 @@ async def test_a_min_pool_size_above_pool_size_names_both_and_what_they_were(in_
             await open_store(url, pool_size=2, min_pool_size=5)
     assert caught.value.details["field"] == "min_pool_size"
     assert "min_pool_size (5)" in caught.value.message and "pool_size (2)" in caught.value.message
+
+
+PG_NOWHERE = "postgresql://evstore@127.0.0.1:1/none"  # (options are refused before a connection is made)
+
+
+@pytest.mark.parametrize("option", ["create", "upgrade"])
+@pytest.mark.parametrize("value", ["false", 0, None, "a long text " * 10])
+async def test_a_flag_option_that_is_not_a_bool_has_one_message_on_both_backends(
+    sqlite_url: str, option: str, value: object
+) -> None:
+    """Regression: ``upgrade="false"`` (or ``create=0``) was refused as "must be True or False"
+    on SQLite and "must be true or false" on PostgreSQL, which also quoted the value whole where
+    SQLite cut it at 40 characters: the same mistake now reads the same on both."""
+    messages = []
+    for url in (sqlite_url, PG_NOWHERE):
+        with pytest.raises(InvalidInput) as caught:
+            await open_store(url, **{option: value})  # type: ignore[arg-type]
+        assert caught.value.details["field"] == option
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] == f"{option} must be True or False, got {value!r:.40}"
+
+
+@pytest.mark.parametrize("option", ["create", "upgrade"])
+async def test_a_flag_option_in_the_url_has_one_message_on_both_backends(
+    sqlite_url: str, option: str
+) -> None:
+    messages = []
+    for url in (sqlite_url, PG_NOWHERE):
+        with pytest.raises(InvalidInput) as caught:
+            await open_store(f"{url}?{option}=maybe")
+        assert caught.value.details["field"] == option
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] == f"{option} must be true or false, got 'maybe'"

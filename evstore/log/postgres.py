@@ -112,7 +112,12 @@ from evstore.log import (
     store_keyword_hint,
 )
 from evstore.log.sqlite import decode_rows, history_keys, imported_keys, parse_version
-from evstore.schema import validate_int_option, validate_seconds_option
+from evstore.schema import (
+    flag_option_from_url,
+    validate_flag_option,
+    validate_int_option,
+    validate_seconds_option,
+)
 from projections import persisted
 from projections.exchange import duplicate_id
 from projections.gcpause import gc_paused
@@ -715,9 +720,7 @@ def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
     options: dict[str, Any] = {}
     for name, text in ours.items():
         if name in ("create", "upgrade"):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise err.InvalidInput(f"{name} must be true or false, got {text!r:.40}", field=name)
-            options[name] = text.lower() in ("true", "1")
+            options[name] = flag_option_from_url(text, name)
             continue
         try:
             options[name] = float(text) if name.endswith("_timeout") else int(text)
@@ -1154,14 +1157,10 @@ class PostgresBackend:
             timeout = validate_seconds_option(timeout, "command_timeout")
         self.command_timeout: float | None = timeout
         #: False: refuse to open a database (schema) that holds no store instead of creating one
-        self.create = options.get("create", True)
-        if not isinstance(self.create, bool):
-            raise err.InvalidInput(f"create must be true or false, got {self.create!r}", field="create")
+        self.create = validate_flag_option(options.get("create", True), "create")
         #: False: refuse a store an older evstore wrote instead of upgrading it (which closes it
         #: to the older evstore processes still using it)
-        self.upgrade = options.get("upgrade", True)
-        if not isinstance(self.upgrade, bool):
-            raise err.InvalidInput(f"upgrade must be true or false, got {self.upgrade!r}", field="upgrade")
+        self.upgrade = validate_flag_option(options.get("upgrade", True), "upgrade")
         #: the schema version this open upgraded the store from (None: it was current, or new)
         self.upgraded_from: int | None = None
         if self.min_pool_size > self.pool_size:  # (each one's own range was checked as it was read)

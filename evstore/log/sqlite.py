@@ -63,6 +63,7 @@ from evstore.log import (
     random_bits,
     store_keyword_hint,
 )
+from evstore.schema import flag_option_from_url, validate_flag_option
 from projections import persisted
 from projections.exchange import duplicate_id
 from projections.gcpause import gc_paused
@@ -1031,9 +1032,7 @@ def _check_keyword_options(options: dict[str, Any]) -> None:
     keyword ``create="false"`` or ``create=0`` refused a missing store here but is refused itself
     on PostgreSQL; ``busy_timeout="30"`` opened here where ``command_timeout="30"`` is refused)."""
     for name in ("create", "upgrade"):
-        flag = options.get(name, False)
-        if not isinstance(flag, bool):
-            raise err.InvalidInput(f"{name} must be True or False, got {flag!r:.40}", field=name)
+        validate_flag_option(options.get(name, False), name)
     timeout = options.get("busy_timeout", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise err.InvalidInput(
@@ -1069,9 +1068,7 @@ def _option_from_url(name: str, text: str) -> Any:
             )
         return seconds
     if name in ("create", "upgrade"):
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise err.InvalidInput(f"{name} must be true or false, got {text!r:.40}", field=name)
-        return text.lower() in ("true", "1")
+        return flag_option_from_url(text, name)
     return text
 
 
