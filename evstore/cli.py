@@ -1035,6 +1035,13 @@ def state(
                     view = await store.state_at(position=position, provider=puuid)
                 else:
                     view = await store.state_at(position=position)
+            if consumer is not None:
+                cuuid = normalize_uuid(consumer, "consumer uuid")
+                if cuuid not in view.state.consumers and not await _consumer_in_log(store, cuuid):
+                    # (as history and state --provider refuse a uuid the log does not know: a
+                    # mistyped uuid is an error a script can see, not "absent"; one the log
+                    # names, absent at this point - not yet created, released - is absent)
+                    raise err.NotFound(f"no event in this log touches consumer {cuuid}")
             position = view.position
             when: str | None = None
             if position:
@@ -1139,6 +1146,11 @@ def state(
         return EXIT_OK
 
     run(work)
+
+
+async def _consumer_in_log(store: AllocationStore, consumer: str) -> bool:
+    """Whether any event of the log touches the consumer ``consumer`` (its history is not empty)."""
+    return bool(await store.backend.read_entities([f"consumer:{consumer}"], 0, 1))
 
 
 def _only(state: State, provider: str) -> State:

@@ -270,6 +270,7 @@ def test_state_of_a_consumer_before_the_first_event_says_so(tmp_path: Path) -> N
     async def seed() -> None:
         async with open_store(f"sqlite:///{db}") as store:
             await store.create_provider(provider, "compute-1")
+            await store.delete_consumer(consumer)  # (a consumer the log names: absent at 0)
 
     asyncio.run(seed())
     at_zero = evstore("state", "--at", "0", "--consumer", consumer, "--db", str(db))
@@ -487,8 +488,8 @@ def test_a_migration_released_by_its_instances_deletion_says_so(tmp_path: Path) 
     assert not any(line.startswith("│ on behalf of") for line in released.stdout.splitlines())
     doc = _json("state", "--at", str(s["deleted"]), "--consumer", mig, "--db", str(db))
     assert (doc["allocations"], doc["on_behalf_of"], doc["deleted"]) == ({}, inst, False)
-    # a consumer that never was a migration, holding nothing: still plainly absent
-    never = evstore("state", "--consumer", new_uuid(), "--db", str(db))
+    # a consumer that was no migration yet, holding nothing: still plainly absent
+    never = evstore("state", "--at", str(s["allocated"]), "--consumer", mig, "--db", str(db))
     assert never.returncode == 0 and never.stdout.splitlines()[0].endswith(": absent"), never.stdout
 
 

@@ -327,3 +327,29 @@ def test_an_out_of_range_position_is_a_usage_error_whichever_option_gives_it(tmp
     for at in ("+3", "3"):  # (a sign is a number's, as click reads --after +3)
         done = evstore("state", "--at", at, "--db", str(db), "--json")
         assert done.returncode == 0 and json.loads(done.stdout)["position"] == 3, done.stderr
+
+
+async def test_a_consumer_no_event_names_is_not_found_by_state_as_by_history(store_url: str) -> None:
+    """Regression: ``state --consumer <uuid no event names>`` printed "absent" and exited 0 where
+    ``history <uuid>`` and ``state --provider <uuid>`` exit 1 (a mistyped uuid is an error a script
+    must see). A consumer the log names but that holds nothing at that point - not yet created,
+    released - is still "absent", exit 0."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        before = await store.head()
+        consumer = new_uuid()
+        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        await store.release(consumer)
+    stranger = new_uuid()
+    for extra in ((), ("--json",), ("--at", str(before))):
+        for who in (stranger, stranger.upper()):
+            done = evstore("state", "--consumer", who, "--url", store_url, *extra)
+            assert _error(done) == (1, "evstore.not_found"), extra
+            assert f"no event in this log touches consumer {stranger}" in done.stderr
+        if "--at" not in extra:
+            history = evstore("history", stranger, "--url", store_url, *extra)
+            assert _error(history) == (1, "evstore.not_found")
+    for extra in ((), ("--at", str(before))):  # (released now; not yet created then)
+        absent = evstore("state", "--consumer", consumer, "--url", store_url, *extra)
+        assert absent.returncode == 0, absent.stderr
+        assert absent.stdout.splitlines()[0].endswith(": absent"), absent.stdout
