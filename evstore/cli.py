@@ -285,7 +285,9 @@ async def open_existing(target: str, **options: Unpack[StoreOptions]) -> AsyncIt
     (``evstore.schema.version``, nothing written) rather than upgraded: the upgrade closes it to
     the older evstore processes still using it, which a command that only reads (audit, history,
     state, diff, tail, stats, export: debugging, often on a live store) must not do behind its
-    user's back; ``evstore upgrade`` does it, once those processes are stopped."""
+    user's back; ``evstore upgrade`` does it, once those processes are stopped. So is a store
+    that lost tables or indexes (or, on PostgreSQL, awaits an upgrade's refold), which the open
+    would otherwise make again and refold: ``evstore upgrade`` repairs it."""
     from evstore.store import open_store
 
     options["create"] = False

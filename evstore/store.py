@@ -2214,7 +2214,8 @@ def open_store(url: str, **options: Unpack[StoreOptions]) -> StoreOpener:
     at most 2**63-1). The backend's own (keywords, or ``?k=v`` in the URL): SQLite ``synchronous``
     (FULL by default; NORMAL trades the last commits on power loss for speed), ``busy_timeout``
     (seconds, 30), ``create`` (false: refuse a file holding no store), ``upgrade`` (false: refuse
-    a store an older evstore wrote rather than upgrade it); PostgreSQL ``pool_size``,
+    a store an older evstore wrote rather than upgrade it, or one that lost schema objects rather
+    than repair it: nothing written); PostgreSQL ``pool_size``,
     ``min_pool_size``, ``connect_timeout``, ``command_timeout``, ``max_retries``,
     ``statement_cache_size``, ``create``, ``upgrade`` (see the README); their types are :class:`StoreOptions`.
     Unknown options are refused (``InvalidInput``). The store belongs to the running event loop.

@@ -215,7 +215,7 @@ async def test_upgrade_false_looks_again_under_the_write_lock(
 
     def then_an_older_evstore_creates_its_store(conn: sqlite3.Connection, path: str) -> None:
         looked(conn, path)
-        if not sys._getframe(1).f_code.co_qualname.startswith("_ensure_schema.<locals>"):
+        if not sys._getframe(2).f_code.co_qualname.startswith("_ensure_schema.<locals>"):
             return  # (the read-only look before the open: the race is after the writer's look)
         monkeypatch.setattr(backend, "_refuse_upgrade", looked)  # (once: the look before the lock)
         other = sqlite3.connect(db, isolation_level=None)

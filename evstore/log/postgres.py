@@ -1262,8 +1262,11 @@ class PostgresBackend:
         left to the audit (which names the row): the tables stay empty, as it then reports."""
         async with self._connection() as conn:
             try:
-                if not await _missing_objects(conn) and not await _refold_pending(conn):
+                missing, pending = await _missing_objects(conn), await _refold_pending(conn)
+                if not missing and not pending:
                     return
+                if not self.upgrade:
+                    raise self._repair_refused(missing, pending)
                 async with conn.transaction():
                     await self._fenced(conn)
                     missing = await _missing_objects(conn)  # (another process may have repaired it)
@@ -1301,6 +1304,32 @@ class PostgresBackend:
                     f"{_storage_error(exc, 'repairing the projection')}",
                     url=self.safe_url,
                 ) from None
+
+    def _repair_refused(self, missing: list[str], pending: bool) -> err.SchemaVersionError:
+        """For ``upgrade=False``: the refusal of a store whose projection the open would repair -
+        objects to make again (dropped by hand, left out of a restore) and the log to fold into
+        them, or the refold an upgrade to schema version 5 left pending (its open failed before
+        it): writes, and a projection not to answer from until they are done."""
+        why = []
+        if missing:
+            why.append(f"lacks {', '.join(missing)} (dropped by hand, or a restore left them out)")
+        if pending:
+            why.append(
+                "awaits the refold of its projection that its upgrade to schema version 5 began "
+                "(the open that upgraded it failed before the refold)"
+            )
+        return err.SchemaVersionError(
+            f"The store at {self.safe_url} {', and '.join(why)}: its projection is not to be read until "
+            "it is repaired, which opening it would do (making what is missing and folding the log "
+            "into it), and this open says not to (upgrade=False, as evstore's commands open a "
+            "store, all but upgrade, rebuild and snapshot). Run `evstore upgrade --url ...` or "
+            "open it with upgrade=True, which repairs it (nothing was written)",
+            url=self.safe_url,
+            found=SCHEMA_VERSION,
+            supported=SCHEMA_VERSION,
+            missing=missing,
+            refold_pending=pending,
+        )
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None

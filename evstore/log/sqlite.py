@@ -1222,7 +1222,7 @@ class SqliteBackend:
             # (read-only, before the writer's connection: its PRAGMA journal_mode = WAL rewrites
             # the header of a file in rollback-journal mode - a copy made with VACUUM INTO - so
             # a refusal there would not be "nothing written")
-            await asyncio.to_thread(_refuse_older_read_only, self.path)
+            await asyncio.to_thread(_refuse_changes_read_only, self.path)
         began = time.monotonic()
         try:
             self._writer = await self._connect(stop, writer=True)
@@ -2205,15 +2205,18 @@ def _schema_state(conn: sqlite3.Connection, path: str = "") -> bool:
             "damaged, or written by another program",
             found=version,
         )
-    retired = {"events_recorded_at", "p_consumers_behalf", "p_consumers_project"}  # (dropped by the DDL)
     return (
         not outdated
         and reshaped_in is None
         and version == SCHEMA_VERSION
         and columns.keys() <= found.keys()
         and indexes <= found.keys()
-        and not retired & found.keys()
+        and not RETIRED_INDEXES & found.keys()
     )
+
+
+#: indexes older versions made, which the DDL drops
+RETIRED_INDEXES = frozenset({"events_recorded_at", "p_consumers_behalf", "p_consumers_project"})
 
 
 def parse_version(value: object) -> int | None:
@@ -2366,14 +2369,14 @@ def _ensure_schema(
     if _snapshot(conn, lambda: _schema_state(conn, path)):
         return None  # (nothing to create: no write lock, so a busy or read-only file still opens)
     if not upgrade:  # (before the write lock: a refusal need not wait for writers)
-        _snapshot(conn, lambda: _refuse_upgrade(conn, path))
+        _snapshot(conn, lambda: _refuse_changes(conn, path))
     conn.execute("BEGIN IMMEDIATE")
     try:
         _schema_state(conn, path)  # (again, under the lock: another process may have changed it)
         if not create:
             _refuse_no_store(conn, path)
         if not upgrade:
-            _refuse_upgrade(conn, path)
+            _refuse_changes(conn, path)
         older = _older_version(conn)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         reshaped: list[str] = []
@@ -2452,8 +2455,51 @@ def _refuse_upgrade(conn: sqlite3.Connection, path: str) -> None:
     )
 
 
-def _refuse_older_read_only(path: str) -> None:
-    """For ``upgrade=False``, before the open: :func:`_refuse_upgrade` on a read-only connection
+def _refuse_repair(conn: sqlite3.Connection, path: str) -> None:
+    """For ``upgrade=False``, after :func:`_refuse_upgrade`: ``SchemaVersionError`` when the store
+    lacks tables or indexes of its (current) version - dropped by hand, left out of a copy - or
+    keeps an index the DDL drops: the open would make them (refolding the log into a lost
+    projection table), a change of the store's schema this open says not to make. A database
+    holding no store yet is left to the open, which creates one (``create`` permitting)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+        return
+    if conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is None:
+        return  # (_schema_state refused a store that lost it: a meta table alone is no store)
+    columns, indexes = _schema_objects()
+    found = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    missing = sorted(columns.keys() - found) + sorted(indexes - found)
+    retired = sorted(RETIRED_INDEXES & found)
+    if not missing and not retired:
+        return
+    lost = [t for t in missing if t in PROJECTION_TABLES]
+    what = " and ".join(
+        ([f"lacks {', '.join(missing)}"] if missing else [])
+        + ([f"keeps {', '.join(retired)}"] if retired else [])
+    )
+    raise err.SchemaVersionError(
+        f"{path} is a store of schema version {SCHEMA_VERSION} that {what} (dropped or made by hand, "
+        "or a copy or restore left them out): opening it would make its schema whole again"
+        + (" and refold the lost projection from the log" if lost else "")
+        + ", and this open says not to (upgrade=False, as evstore's commands open a store, all but "
+        f"upgrade, rebuild and snapshot). Run `evstore upgrade --db {shlex.quote(path)}` or open it "
+        "with upgrade=True, which repairs it (nothing was written)",
+        found=SCHEMA_VERSION,
+        supported=SCHEMA_VERSION,
+        path=path,
+        missing=missing,
+        retired=retired,
+    )
+
+
+def _refuse_changes(conn: sqlite3.Connection, path: str) -> None:
+    """For ``upgrade=False``: what an open may not change, refused (nothing written): an older
+    schema version (:func:`_refuse_upgrade`), schema objects to make again (:func:`_refuse_repair`)."""
+    _refuse_upgrade(conn, path)
+    _refuse_repair(conn, path)
+
+
+def _refuse_changes_read_only(path: str) -> None:
+    """For ``upgrade=False``, before the open: :func:`_refuse_changes` on a read-only connection
     to the file at ``path``. A file this look cannot read (absent, locked, in a directory it
     cannot make the -shm file in) is left to the open, whose looks refuse the same."""
     if not os.path.isfile(path):
@@ -2464,7 +2510,7 @@ def _refuse_older_read_only(path: str) -> None:
 
             def look() -> None:
                 _schema_state(conn, path)  # (a damaged or foreign file is refused as the open refuses it)
-                _refuse_upgrade(conn, path)
+                _refuse_changes(conn, path)
 
             _snapshot(conn, look)
         finally:

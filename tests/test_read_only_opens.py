@@ -1,0 +1,213 @@
+"""``open_store(url, upgrade=False)``, as the CLI's commands that only read open a store, writes
+nothing to a store of this evstore's version either: one whose schema lacks objects (dropped by
+hand, left out of a copy or restore) is refused, ``evstore.schema.version`` naming them, rather
+than repaired under the reader; ``evstore upgrade`` (and ``upgrade=True``: rebuild, snapshot, a
+service's open) repairs it as before.
+
+Regression (session 35, helper K): on a current store the open with ``upgrade=False`` still made
+the missing tables and indexes again (SQLite and PostgreSQL) and refolded the log into a lost
+projection table, and on PostgreSQL ran the refold an upgrade to version 5 left pending: the
+"read-only" ``evstore audit`` / ``history`` / ... wrote to the store. (The older-version side:
+test_cli_older_store.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from evstore import SchemaVersionError, open_store
+from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_cli_older_store import READ_ONLY
+from tests.test_cli_support import demo_db, evstore
+
+#: what the tests drop: a projection table (refolded from the log when made again) and an index
+DROPPED_SQLITE = ("p_usages", "p_allocations_provider")
+DROPPED_PG = ("p_classes", "p_allocations_provider")
+
+
+def _drop(db: Path, *statements: str) -> None:
+    conn = sqlite3.connect(db)
+    with conn:
+        for statement in statements:
+            conn.execute(statement)
+    conn.close()
+
+
+def _objects(db: Path) -> set[str]:
+    conn = sqlite3.connect(db)
+    try:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def current_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo_db(tmp_path_factory.mktemp("current") / "current.db", instances=10, nodes=2)
+
+
+@pytest.fixture(scope="module")
+def damaged_store(current_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A current store that lost a projection table and an index."""
+    db = tmp_path_factory.mktemp("damaged") / "damaged.db"
+    shutil.copy(current_store, db)
+    _drop(db, "DROP TABLE p_usages", "DROP INDEX p_allocations_provider")
+    return db
+
+
+@pytest.mark.parametrize("command", READ_ONLY, ids=" ".join)
+def test_a_command_that_only_reads_leaves_a_current_store_byte_for_byte(
+    current_store: Path, command: list[str]
+) -> None:
+    before = current_store.read_bytes()
+    done = evstore(*command, "--db", str(current_store))
+    assert done.returncode in (0, 1), done.stdout + done.stderr  # (history of a stranger: not found)
+    assert current_store.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", READ_ONLY, ids=" ".join)
+def test_a_command_that_only_reads_refuses_a_store_that_lost_schema_objects_and_writes_nothing(
+    damaged_store: Path, command: list[str]
+) -> None:
+    before = damaged_store.read_bytes()
+    done = evstore(*command, "--db", str(damaged_store))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("error: evstore.schema.version: "), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    for name in DROPPED_SQLITE:
+        assert name in done.stderr, done.stderr
+    assert "evstore upgrade --db" in done.stderr and "nothing was written" in done.stderr
+    assert damaged_store.read_bytes() == before
+
+
+async def test_open_store_with_upgrade_false_refuses_it_and_upgrade_true_repairs_it(
+    damaged_store: Path, tmp_path: Path
+) -> None:
+    db = tmp_path / "copy.db"
+    shutil.copy(damaged_store, db)
+    before = db.read_bytes()
+    for url, options in ((f"sqlite:///{db}", {"upgrade": False}), (f"sqlite:///{db}?upgrade=false", {})):
+        with pytest.raises(SchemaVersionError) as raised:
+            async with open_store(url, **options):  # type: ignore[arg-type]
+                pass
+        assert sorted(raised.value.details["missing"]) == sorted(DROPPED_SQLITE)
+        assert "upgrade=False" in raised.value.message
+        assert db.read_bytes() == before
+    done = evstore("upgrade", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    assert set(DROPPED_SQLITE) <= _objects(db)
+    audit = evstore("audit", "--db", str(db))
+    assert audit.returncode == 0, audit.stdout + audit.stderr  # (p_usages refolded from the log)
+    async with open_store(f"sqlite:///{db}", upgrade=False) as store:
+        assert (await store.audit()).clean
+
+
+async def test_upgrade_false_looks_again_with_the_writers_connection(
+    current_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-only look before the open is not the last word: a table dropped by another
+    connection after it (the writer's open would make it again) is refused by the writer's."""
+    from evstore.log import sqlite as backend
+
+    db = tmp_path / "raced.db"
+    shutil.copy(current_store, db)
+    looked = backend._refuse_repair
+
+    def then_another_connection_drops_a_table(conn: sqlite3.Connection, path: str) -> None:
+        looked(conn, path)
+        monkeypatch.setattr(backend, "_refuse_repair", looked)  # (once: the first look)
+        _drop(db, "DROP TABLE p_usages")
+
+    monkeypatch.setattr(backend, "_refuse_repair", then_another_connection_drops_a_table)
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(f"sqlite:///{db}", upgrade=False):
+            pass
+    assert raised.value.details["missing"] == ["p_usages"]
+    assert "p_usages" not in _objects(db)
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------------
+
+
+async def _pg_store_with_events(url: str) -> None:
+    async with open_store(url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+
+
+async def _pg(url: str, sql: str, *args: Any) -> Any:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetch(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def _pg_present(url: str, names: tuple[str, ...]) -> list[str]:
+    rows = await _pg(
+        url, "SELECT n FROM unnest($1::text[]) AS n WHERE to_regclass(n) IS NOT NULL", list(names)
+    )
+    return [r[0] for r in rows]
+
+
+async def _pg_rows(url: str) -> list[Any]:
+    """Everything the store's log and meta hold (what a repair would change beside the objects)."""
+    return [
+        *await _pg(url, "SELECT key, value FROM evstore_meta ORDER BY key"),
+        *await _pg(url, "SELECT seq, position, hash FROM events ORDER BY seq"),
+    ]
+
+
+async def test_a_postgresql_store_that_lost_projection_objects_is_refused_read_only(pg_url: str) -> None:
+    await _pg_store_with_events(pg_url)
+    for name in DROPPED_PG:
+        kind = "TABLE" if name.startswith("p_classes") else "INDEX"
+        await _pg(pg_url, f"DROP {kind} {name}")
+    rows = await _pg_rows(pg_url)
+    for command in READ_ONLY:
+        done = await asyncio.to_thread(evstore, *command, "--url", pg_url)
+        assert done.returncode == 1, (command, done.stdout + done.stderr)
+        assert done.stderr.startswith("error: evstore.schema.version: "), (command, done.stderr)
+        assert all(name in done.stderr for name in DROPPED_PG), done.stderr
+        assert "evstore upgrade --url" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+        assert await _pg_present(pg_url, DROPPED_PG) == [], command
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(pg_url, upgrade=False):
+            pass
+    assert sorted(raised.value.details["missing"]) == sorted(DROPPED_PG)
+    assert await _pg_present(pg_url, DROPPED_PG) == []
+    assert await _pg_rows(pg_url) == rows
+    done = await asyncio.to_thread(evstore, "upgrade", "--url", pg_url)
+    assert done.returncode == 0, done.stderr
+    assert sorted(await _pg_present(pg_url, DROPPED_PG)) == sorted(DROPPED_PG)
+    audit = await asyncio.to_thread(evstore, "audit", "--url", pg_url)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+async def test_a_postgresql_store_whose_refold_is_pending_is_refused_read_only(pg_url: str) -> None:
+    """A refold an upgrade to version 5 left pending (its open failed before it) is not run by an
+    open with upgrade=False - nor is the projection it would refold read as it is."""
+    await _pg_store_with_events(pg_url)
+    await _pg(pg_url, "INSERT INTO evstore_meta VALUES ('refold_pending', '5')")
+    rows = await _pg_rows(pg_url)
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(pg_url, upgrade=False):
+            pass
+    assert raised.value.details["refold_pending"] is True and raised.value.details["missing"] == []
+    assert "evstore upgrade --url" in raised.value.message
+    assert await _pg_rows(pg_url) == rows  # (still pending)
+    done = await asyncio.to_thread(evstore, "state", "--url", pg_url)
+    assert done.returncode == 1 and done.stderr.startswith("error: evstore.schema.version: "), done.stderr
+    async with open_store(pg_url) as store:  # (upgrade=True, the default, refolds it)
+        assert (await store.audit()).clean
+    assert not await _pg(pg_url, "SELECT 1 FROM evstore_meta WHERE key = 'refold_pending'")
+    async with open_store(pg_url, upgrade=False) as store:
+        assert await store.head() == 3
