@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
-import heapq
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -72,14 +72,47 @@ SORT_RUN = 8192
 
 
 def sorted_in_runs(keys: Iterable[str]) -> list[str]:
-    """``sorted(keys)``, sorted in runs merged by :func:`heapq.merge`: one sort of every consumer
-    of a large state (78,000-150,000 and more: diff's touched consumers, a rebuild's rows) is C code
-    that holds the GIL from start to end, 20-100 ms that the event loop waits for although the
-    work runs on a thread; the merge is Python, which hands the GIL over every few milliseconds."""
+    """``sorted(keys)`` (of distinct keys), in sorts of at most :data:`SORT_RUN` keys each: one
+    sort of every consumer of a large state (78,000-150,000 and more: diff's touched consumers, a
+    rebuild's rows) is C code that holds the GIL from start to end, 20-100 ms that the event loop
+    waits for although the work runs on a thread. Runs are sorted, then merged a block at a time
+    (:func:`_merge_runs`); between two sorts the interpreter can hand the GIL over."""
     items = list(keys)
     if len(items) <= SORT_RUN:
         return sorted(items)
-    return list(heapq.merge(*(sorted(items[at : at + SORT_RUN]) for at in range(0, len(items), SORT_RUN))))
+    runs = [sorted(items[at : at + SORT_RUN]) for at in range(0, len(items), SORT_RUN)]
+    group = max(2, SORT_RUN)
+    while len(runs) > group:  # (only with a tiny SORT_RUN, as tests set: a block holds a key per run)
+        runs = [_merge_runs(runs[at : at + group]) for at in range(0, len(runs), group)]
+    return _merge_runs(runs)
+
+
+def _merge_runs(runs: list[list[str]]) -> list[str]:
+    """Merge sorted runs of distinct keys (at most :data:`SORT_RUN` runs) in blocks of at most
+    :data:`SORT_RUN` keys: a block is every key not above the smallest of the runs' next ``step``-th
+    keys (so at most ``step`` from each run, and none left in a run sorts before it), taken by
+    bisection and sorted by one C call. (``heapq.merge`` of the runs is Python per key: 61 ms for
+    78,000 uuids, 210 ms for 255,000; merged in blocks, 31 and 116 ms, as much as one ``sorted``.)"""
+    step = max(1, SORT_RUN // len(runs))
+    starts = [0] * len(runs)
+    out: list[str] = []
+    while True:
+        pivot: str | None = None
+        for run, start in zip(runs, starts, strict=True):
+            if start < len(run):
+                candidate = run[min(start + step, len(run)) - 1]
+                if pivot is None or candidate < pivot:
+                    pivot = candidate
+        if pivot is None:
+            return out
+        block: list[str] = []
+        for i, run in enumerate(runs):
+            start = starts[i]
+            end = bisect.bisect_right(run, pivot, start)
+            if end > start:
+                block += run[start:end]
+                starts[i] = end
+        out += sorted(block)
 
 
 async def fold_payloads_yielding(state: State, rows: list[PayloadRow], turns: Turns | None = None) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import projections.replay as replay_module
 from evstore import AllocationStore, open_store
@@ -232,6 +234,32 @@ async def test_diff_sorts_the_consumers_it_touched_in_short_runs(
     assert len(uuids) > 200
     assert uuids == sorted(uuids)
     assert max(sorted_sizes) <= 16, sorted_sizes
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.text(max_size=6), unique=True, max_size=300),
+    run=st.integers(2, 40),
+    order=st.sampled_from(["as drawn", "ascending", "descending", "halves swapped"]),
+)
+def test_sorted_in_runs_sorts_in_bounded_sorts(keys: list[str], run: int, order: str) -> None:
+    """sorted_in_runs merges its sorted runs a block at a time (bisection, then one sort of the
+    block): the keys come out as one sort orders them, and no sort covers more than SORT_RUN keys,
+    whatever the runs hold (interleaved, disjoint, more runs than SORT_RUN)."""
+    if order == "ascending":
+        keys = sorted(keys)
+    elif order == "descending":
+        keys = sorted(keys, reverse=True)
+    elif order == "halves swapped":
+        keys = sorted(keys)
+        keys = keys[len(keys) // 2 :] + keys[: len(keys) // 2]
+    sizes, watched = _watched_sorts()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(replay_module, "SORT_RUN", run)
+        patch.setattr(replay_module, "sorted", watched, raising=False)
+        out = replay_module.sorted_in_runs(iter(keys))
+    assert out == sorted(keys)
+    assert max(sizes, default=0) <= run, sizes
 
 
 def test_the_first_open_of_a_process_imports_its_backend_off_the_event_loop(tmp_path: Path) -> None:
