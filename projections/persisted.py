@@ -140,7 +140,8 @@ def project_usage_totals(consumers: Iterable[ConsumerState]) -> dict[UsageKey, t
     """Every counter of a whole state: ``{key: (consumer count, {class: amount})}``."""
     into: dict[UsageKey, list[Any]] = {}
     for c in consumers:
-        add_project_usage(into, c, +1)
+        if c.allocations:  # (most consumers of a long log are tombstones, which count nowhere)
+            add_project_usage(into, c, +1)
     return {k: (n, amounts) for k, (n, amounts) in into.items()}
 
 
