@@ -589,11 +589,15 @@ def _migration_and_instance(
     inst = state.consumer(mig.on_behalf_of)
     if inst.deleted and (giving_back or not mig.allocations):
         # (a confirm of a deleted instance's migration still holding allocations releases them)
-        why = (
-            "cannot give allocations back to it (they were released with the instance)"
-            if giving_back
-            else "has nothing left to confirm (its allocations were released with the instance)"
-        )
+        if not giving_back:
+            why = "has nothing left to confirm (its allocations were released with the instance)"
+        elif mig.allocations:  # (a log written before delete released migrations, or imported)
+            why = (
+                "cannot give allocations back to it; it still holds them (the delete did not "
+                f"release them): confirm migration {migration} to release them"
+            )
+        else:
+            why = "cannot give allocations back to it (they were released with the instance)"
         raise err.ConsumerDeleted(
             f"Instance {inst.uuid} was deleted at position {inst.deleted_at}; "
             f"its migration {migration} {why}",
