@@ -16,6 +16,7 @@ from evstore import events as ev
 from evstore.schema import CUSTOM_PREFIX, STANDARD_CLASSES, Inventory, is_known_class, where
 from projections.invariants import allocation_fits, format_amount
 from projections.state import ConsumerState, ProviderState, State
+from projections.views import sorted_holdings
 
 Allocs = dict[str, dict[str, int]]
 
@@ -287,6 +288,15 @@ class _Change:
     generation: int | None = None
 
 
+def _held(consumer: ConsumerState) -> Allocs:
+    """What a consumer holds, in the order ``allocations()`` shows it, for the rows and payloads
+    of the commands that take it from the state: the state holds it in the order it was folded
+    or loaded in (a write's order in the SQLite writer's cache, sorted when read from either
+    database), so one command named another class in a refusal, and recorded another payload
+    text, by backend and by cache."""
+    return sorted_holdings(consumer.allocations)
+
+
 def _check_and_plan(state: State, changes: list[_Change], written: bool = False) -> list[str]:
     """Placement's check order for a replace of several consumers at once.
 
@@ -310,7 +320,7 @@ def _check_and_plan(state: State, changes: list[_Change], written: bool = False)
         if ch.new:
             rows.extend((p, rc, amt) for p, res in ch.new.items() for rc, amt in res.items())
         else:
-            current = state.consumer(ch.consumer).allocations
+            current = _held(state.consumer(ch.consumer))
             rows.extend((p, rc, 0) for p, res in current.items() for rc in res)
     named: list[str] = list(dict.fromkeys(p for p, _, _ in rows))
     # 2. every provider named exists.
@@ -427,7 +437,7 @@ def _bumps(state: State, named: list[str], already: set[str]) -> dict[str, int]:
 
 
 def _named_by(ch: _Change, state: State) -> list[str]:
-    return list(ch.new) if ch.new else list(state.consumer(ch.consumer).allocations)
+    return list(ch.new) if ch.new else sorted(state.consumer(ch.consumer).allocations)
 
 
 def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.EventBase]:
@@ -457,7 +467,7 @@ def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.Eve
             ev.AllocationsReplaced(
                 consumer=w.consumer,
                 allocations=w.allocations,
-                previous=c.allocations,
+                previous=_held(c),
                 project_id=w.project_id,
                 user_id=w.user_id,
                 consumer_type=w.consumer_type,
@@ -506,7 +516,7 @@ def _release(state: State, command: Release) -> list[ev.EventBase]:
             deleted=c.deleted,
             deleted_at=c.deleted_at,  # (ConsumerDeleted's key for the tombstone's position)
         )
-    return [ev.AllocationsReleased(consumer=c.uuid, released=c.allocations, on_behalf_of=c.on_behalf_of)]
+    return [ev.AllocationsReleased(consumer=c.uuid, released=_held(c), on_behalf_of=c.on_behalf_of)]
 
 
 def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase]:
@@ -542,7 +552,7 @@ def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase
         raise err.InvalidInput(
             f"Consumer {inst.uuid} is itself a migration; it cannot be migrated", field="instance"
         )
-    changes = [_Change(inst.uuid, {}, False), _Change(mig.uuid, inst.allocations, False)]
+    changes = [_Change(inst.uuid, {}, False), _Change(mig.uuid, _held(inst), False)]
     named = _check_and_plan(state, changes)
     return [_migration_started(state, inst, mig.uuid, "MIGRATION", named)]
 
@@ -555,7 +565,7 @@ def _migration_started(
     return ev.MigrationStarted(
         instance=inst.uuid,
         migration=migration,
-        allocations=inst.allocations,
+        allocations=_held(inst),
         project_id=inst.project_id,
         user_id=inst.user_id,
         instance_consumer_type=inst.consumer_type or "INSTANCE",
@@ -631,7 +641,7 @@ def _migration_and_instance(
 
 def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBase]:
     mig, inst = _migration_and_instance(state, command.migration)
-    changes = [_Change(mig.uuid, {}, False), _Change(inst.uuid, mig.allocations, False)]
+    changes = [_Change(mig.uuid, {}, False), _Change(inst.uuid, _held(mig), False)]
     named = _check_and_plan(state, changes)
     assert mig.project_id and mig.user_id
     # An absent instance's remembered attributes are leftovers, not facts: the migration
@@ -641,8 +651,8 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
         ev.MigrationReverted(
             migration=mig.uuid,
             instance=inst.uuid,
-            allocations=mig.allocations,
-            replaced=inst.allocations,
+            allocations=_held(mig),
+            replaced=_held(inst),
             project_id=(inst.project_id if holding else None) or mig.project_id,
             user_id=(inst.user_id if holding else None) or mig.user_id,
             instance_consumer_type=(inst.consumer_type if holding else mig.instance_type) or "INSTANCE",
@@ -654,7 +664,7 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
 
 def _confirm_migration(state: State, command: ConfirmMigration) -> list[ev.EventBase]:
     mig, inst = _migration_and_instance(state, command.migration, giving_back=False)
-    return [ev.MigrationConfirmed(migration=mig.uuid, instance=inst.uuid, released=mig.allocations)]
+    return [ev.MigrationConfirmed(migration=mig.uuid, instance=inst.uuid, released=_held(mig))]
 
 
 def _delete_consumer(state: State, command: DeleteConsumer) -> list[ev.EventBase]:
@@ -664,8 +674,8 @@ def _delete_consumer(state: State, command: DeleteConsumer) -> list[ev.EventBase
     return [
         ev.ConsumerDeleted(
             consumer=c.uuid,
-            released=c.allocations,
-            migrations_released={m.uuid: m.allocations for m in state.migrations_for(c.uuid)},
+            released=_held(c),
+            migrations_released=dict(sorted((m.uuid, _held(m)) for m in state.migrations_for(c.uuid))),
             on_behalf_of=c.on_behalf_of,
         )
     ]

@@ -623,6 +623,42 @@ def test_a_revert_to_a_deleted_instance_is_refused_even_if_its_migration_still_h
     assert state.providers[RP1].usages == {}
 
 
+def test_what_a_consumer_holds_is_checked_and_recorded_in_one_order_whatever_order_it_is_held() -> None:
+    """Regression (s35 acceptance probe): start_migration, revert_migration and the other commands
+    that take their rows from what a consumer holds took them in the order the state held them:
+    its last write's order in the SQLite writer's cache, sorted once loaded from the database
+    (PostgreSQL, a SQLite writer that had not cached it). So one command on one store named
+    another class in its refusal - and recorded its payload in another order - by backend and by
+    cache. They take them in the order ``allocations()`` shows now."""
+    tight = {"VCPU": Inventory(total=16, max_unit=2), "MEMORY_MB": Inventory(total=2048, max_unit=100)}
+    refusals: list[tuple[object, ...]] = []
+    payloads: list[tuple[str, ...]] = []
+    for order in (["VCPU", "MEMORY_MB"], ["MEMORY_MB", "VCPU"]):
+        held = {RP1: {rc: {"VCPU": 4, "MEMORY_MB": 500}[rc] for rc in order}}
+        roomy = {"VCPU": Inventory(total=16), "MEMORY_MB": Inventory(total=2048)}
+        state = cloud(**roomy)
+        when(state, one(write(C1, held), write(C2, held)))
+        [started] = decide(StartMigration(C1, MIG), state)
+        [released] = decide(Release(C2), state)
+        [deleted] = decide(DeleteConsumer(C2), state)
+        [emptied] = decide(one(write(C2, {}, generation=1)), state)
+        when(state, StartMigration(C1, MIG))
+        when(state, one(write(C1, held)))
+        [reverted] = decide(RevertMigration(MIG), state)
+        [confirmed] = decide(ConfirmMigration(MIG), state)
+        payloads.append(
+            tuple(e.payload_json() for e in (started, released, deleted, emptied, reverted, confirmed))
+        )
+        when(state, SetInventories(RP1, tight, state.providers[RP1].generation))
+        for command in (RevertMigration(MIG), StartMigration(C2, C3)):
+            with pytest.raises(err.ConstraintViolation) as info:
+                decide(command, state)
+            refusals.append((type(command).__name__, str(info.value), info.value.details))
+    assert refusals[:2] == refusals[2:]
+    assert payloads[0] == payloads[1]
+    assert '"MEMORY_MB":500,"VCPU":4' in payloads[0][0]  # (sorted, as allocations() shows it)
+
+
 @pytest.mark.parametrize("generation", [None, 0, 1, 5])
 def test_no_write_can_resurrect_a_tombstoned_consumer(generation: int | None) -> None:
     state = cloud(VCPU=Inventory(total=8))
