@@ -231,6 +231,38 @@ async def test_usage_lists_every_inventory_class(store: AllocationStore) -> None
         await store.usage(new_uuid())
 
 
+async def test_a_refused_migration_names_the_same_row_whether_the_writer_had_the_instance_cached(
+    store_url: str,
+) -> None:
+    """Regression (s35 acceptance probe, sqlite against PostgreSQL): the rows of start_migration
+    came in the order the writer held the instance's allocations - its write's order while the
+    SQLite writer had it cached, sorted once loaded - so the refusal named VCPU on a warm SQLite
+    writer and MEMORY_MB on PostgreSQL or after a reopen. Both name the first row in the order
+    ``allocations()`` shows, and record their events in it."""
+    rp, instance, copy = new_uuid(), new_uuid(), new_uuid()
+    refusals = []
+    async with open_store(store_url) as store:
+        await store.create_provider(rp, "rp")
+        roomy = {"VCPU": Inventory(total=16), "MEMORY_MB": Inventory(total=2048)}
+        await store.set_inventories(rp, roomy, generation=0)
+        for consumer in (instance, copy):  # (VCPU first, as a scheduler may write it)
+            await allocate(store, consumer, {rp: {"VCPU": 4, "MEMORY_MB": 500}})
+        started = await store.start_migration(copy, new_uuid())
+        [event] = await store.read(started.position - 1, 1)
+        assert list(event.data["allocations"][rp]) == ["MEMORY_MB", "VCPU"]
+        tight = {"VCPU": Inventory(total=16, max_unit=2), "MEMORY_MB": Inventory(total=2048, max_unit=100)}
+        await store.set_inventories(rp, tight, generation=(await store.provider(rp)).generation)
+        with pytest.raises(EvstoreError) as warm:
+            await store.start_migration(instance, new_uuid())
+        refusals.append(warm.value.details)
+    async with open_store(store_url) as store:
+        with pytest.raises(EvstoreError) as cold:
+            await store.start_migration(instance, new_uuid())
+        refusals.append(cold.value.details)
+    assert refusals[0] == refusals[1]
+    assert refusals[0]["resource_class"] == "MEMORY_MB"
+
+
 async def test_a_tombstone_and_a_migration_link_holding_nothing_read_back_as_they_are(
     store: AllocationStore,
 ) -> None:
