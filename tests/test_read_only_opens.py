@@ -211,3 +211,45 @@ async def test_a_postgresql_store_whose_refold_is_pending_is_refused_read_only(p
     assert not await _pg(pg_url, "SELECT 1 FROM evstore_meta WHERE key = 'refold_pending'")
     async with open_store(pg_url, upgrade=False) as store:
         assert await store.head() == 3
+
+
+async def test_a_read_only_open_during_another_opens_refold_waits_for_it(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refold an upgrade to version 5 leaves pending is committed with the upgrade and run
+    just after it, under the fence: an open with upgrade=False that looks in between (a command
+    run during a service's upgrade) waits for the refold and opens the store, rather than refusing
+    it as an upgrade that failed. (It refused it, saying so, before this test.)"""
+    from evstore.log import postgres as backend
+
+    await _pg_store_with_events(pg_url)
+    await _pg(pg_url, "INSERT INTO evstore_meta VALUES ('refold_pending', '5')")
+    rebuild, pending = backend._rebuild, backend._refold_pending
+    refolding, looked = asyncio.Event(), asyncio.Event()
+
+    async def seen(conn: Any) -> bool:
+        found = await pending(conn)
+        if refolding.is_set() and found:
+            looked.set()  # (the read-only open saw it pending: the other's refold is under way)
+        return found
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        refolding.set()
+        await asyncio.wait_for(looked.wait(), 60)
+        return await rebuild(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_refold_pending", seen)
+    monkeypatch.setattr(backend, "_rebuild", held)
+
+    async def upgrader() -> None:
+        async with open_store(pg_url):  # (upgrade=True: runs the refold)
+            pass
+
+    task = asyncio.create_task(upgrader())
+    await asyncio.wait_for(refolding.wait(), 60)
+    async with open_store(pg_url, upgrade=False) as store:
+        assert looked.is_set()
+        assert await store.head() == 3
+        assert (await store.audit()).clean
+    await task
+    assert not await _pg(pg_url, "SELECT 1 FROM evstore_meta WHERE key = 'refold_pending'")

@@ -1266,7 +1266,8 @@ class PostgresBackend:
                 if not missing and not pending:
                     return
                 if not self.upgrade:
-                    raise self._repair_refused(missing, pending)
+                    await self._refuse_repair(conn)
+                    return
                 async with conn.transaction():
                     await self._fenced(conn)
                     missing = await _missing_objects(conn)  # (another process may have repaired it)
@@ -1305,6 +1306,27 @@ class PostgresBackend:
                     url=self.safe_url,
                 ) from None
 
+    async def _refuse_repair(self, conn: Any) -> None:
+        """For ``upgrade=False``, on a store that looked to need a repair: look again once the
+        fence is free, and refuse it if it still does. Another open may be repairing it now, under
+        the fence - the refold its upgrade to version 5 left pending (committed with the upgrade,
+        run just after it), lost objects made again - and a read that waits for that opens the
+        store as repaired rather than refusing it as needing it. The fence is taken shared, as
+        every command takes it: writers are not held back, and nothing is written."""
+        async with conn.transaction():
+            await self._take_in_attempts(
+                conn,
+                "SELECT pg_advisory_xact_lock_shared($1)",
+                self._key("!fence"),
+                refusal="Another session held evstore's advisory lock for longer than {timeout} (an "
+                "open repairing the store's projection, an audit, rebuild or import: pg_locks says "
+                "which), so whether the store still needs its repair is unknown; nothing was "
+                "written: retry",
+            )
+            missing, pending = await _missing_objects(conn), await _refold_pending(conn)
+        if missing or pending:
+            raise self._repair_refused(missing, pending)
+
     def _repair_refused(self, missing: list[str], pending: bool) -> err.SchemaVersionError:
         """For ``upgrade=False``: the refusal of a store whose projection the open would repair -
         objects to make again (dropped by hand, left out of a restore) and the log to fold into
@@ -1316,7 +1338,7 @@ class PostgresBackend:
         if pending:
             why.append(
                 "awaits the refold of its projection that its upgrade to schema version 5 began "
-                "(the open that upgraded it failed before the refold)"
+                "(the open that upgraded it failed before the refold, or is about to run it)"
             )
         return err.SchemaVersionError(
             f"The store at {self.safe_url} {', and '.join(why)}: its projection is not to be read until "
