@@ -40,8 +40,13 @@ async def one(store: AllocationStore | None, url: str, op: str, rng: random.Rand
         try:
             async with open_store(url, upgrade=False) as other:
                 line["head"] = await other.head()
-        except SchemaVersionError:  # (an older store not upgraded yet: refused, nothing written)
-            line["refused"] = True
+        except SchemaVersionError as exc:  # (an older store not upgraded yet: refused, nothing written)
+            if exc.details.get("found") == exc.details.get("supported"):
+                # (a current store refused as needing a repair: the upgrade's own refold, under
+                # way in another process, which the open waits for)
+                line["problem"] = f"refused a store of this version: {exc.message[:300]}"
+            else:
+                line["refused"] = True
         return line
     assert store is not None
     if op == "cancelled":  # another operation, given up on at a random moment; then a command
