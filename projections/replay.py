@@ -81,10 +81,19 @@ def sorted_in_runs(keys: Iterable[str]) -> list[str]:
     if len(items) <= SORT_RUN:
         return sorted(items)
     runs = [sorted(items[at : at + SORT_RUN]) for at in range(0, len(items), SORT_RUN)]
-    group = max(2, SORT_RUN)
-    while len(runs) > group:  # (only with a tiny SORT_RUN, as tests set: a block holds a key per run)
+    # (merged MERGE_FAN_IN runs at a time, in passes: a block takes at most SORT_RUN // runs keys
+    # from each run, so merging every run at once took blocks of a few keys each from runs that
+    # follow one another - keys given in order, as a state loaded from the database holds them -
+    # a Python step per few keys for each of the runs: 2,000,000 uuids in order, 12.6 s, where
+    # heapq.merge took 2.9 and one sorted() 1.4)
+    group = max(2, min(MERGE_FAN_IN, SORT_RUN))
+    while len(runs) > group:
         runs = [_merge_runs(runs[at : at + group]) for at in range(0, len(runs), group)]
     return _merge_runs(runs)
+
+
+#: runs one merge pass of :func:`sorted_in_runs` takes (each gives a block SORT_RUN // 16 keys)
+MERGE_FAN_IN = 16
 
 
 def _merge_runs(runs: list[list[str]]) -> list[str]:
