@@ -253,3 +253,22 @@ async def test_a_read_only_open_during_another_opens_refold_waits_for_it(
         assert (await store.audit()).clean
     await task
     assert not await _pg(pg_url, "SELECT 1 FROM evstore_meta WHERE key = 'refold_pending'")
+
+
+async def test_both_backends_refuse_a_store_that_lost_objects_with_the_same_details_keys(
+    damaged_store: Path, tmp_path: Path, pg_url: str
+) -> None:
+    """One mistake, one shape: a caller reading the refusal's details (missing, retired,
+    refold_pending) finds the same keys on either backend, beside the place (path or url)."""
+    db = tmp_path / "copy.db"
+    shutil.copy(damaged_store, db)
+    await _pg_store_with_events(pg_url)
+    await _pg(pg_url, "DROP TABLE p_classes")
+    keys = []
+    for url in (f"sqlite:///{db}", pg_url):
+        with pytest.raises(SchemaVersionError) as raised:
+            async with open_store(url, upgrade=False):
+                pass
+        keys.append(set(raised.value.details) - {"path", "url"})
+        assert raised.value.details["retired"] == [] and raised.value.details["refold_pending"] is False
+    assert keys[0] == keys[1], keys

@@ -1350,6 +1350,7 @@ class PostgresBackend:
             found=SCHEMA_VERSION,
             supported=SCHEMA_VERSION,
             missing=missing,
+            retired=[],  # (SQLite's key: indexes an older version made that the DDL drops)
             refold_pending=pending,
         )
 

@@ -2488,6 +2488,7 @@ def _refuse_repair(conn: sqlite3.Connection, path: str) -> None:
         path=path,
         missing=missing,
         retired=retired,
+        refold_pending=False,  # (PostgreSQL's key: an upgrade here refolds in its own transaction)
     )
 
 
