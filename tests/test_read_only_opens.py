@@ -272,3 +272,38 @@ async def test_both_backends_refuse_a_store_that_lost_objects_with_the_same_deta
         keys.append(set(raised.value.details) - {"path", "url"})
         assert raised.value.details["retired"] == [] and raised.value.details["refold_pending"] is False
     assert keys[0] == keys[1], keys
+
+
+async def test_upgrade_false_writes_nothing_to_a_store_another_connection_just_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store another process creates between the open's look (no store yet) and its write lock:
+    under the lock the open finds it whole, and writes nothing - it ran the DDL and rewrote the
+    schema version, a commit to a store it then found current (with upgrade=False, a "read-only"
+    open's write)."""
+    from evstore.log import sqlite as backend
+
+    db = tmp_path / "raced.db"
+    looked = backend._refuse_changes
+    watcher: list[sqlite3.Connection] = []
+
+    def then_another_connection_creates_it(conn: sqlite3.Connection, path: str) -> None:
+        looked(conn, path)
+        monkeypatch.setattr(backend, "_refuse_changes", looked)  # (once)
+        other = sqlite3.connect(db, isolation_level=None)
+        other.execute("PRAGMA journal_mode = WAL")
+        backend._ensure_schema(other)
+        other.close()
+        watcher.append(sqlite3.connect(db, check_same_thread=False))
+        versions.append(watcher[0].execute("PRAGMA data_version").fetchone()[0])
+
+    versions: list[int] = []
+    monkeypatch.setattr(backend, "_refuse_changes", then_another_connection_creates_it)
+    try:
+        async with open_store(f"sqlite:///{db}", upgrade=False) as store:
+            assert await store.head() == 0
+            # (data_version changes when another connection commits: the open's own, if any)
+            assert watcher[0].execute("PRAGMA data_version").fetchone()[0] == versions[0]
+    finally:
+        for conn in watcher:
+            conn.close()

@@ -2372,7 +2372,9 @@ def _ensure_schema(
         _snapshot(conn, lambda: _refuse_changes(conn, path))
     conn.execute("BEGIN IMMEDIATE")
     try:
-        _schema_state(conn, path)  # (again, under the lock: another process may have changed it)
+        if _schema_state(conn, path):  # (again, under the lock: another process may have changed it)
+            conn.execute("COMMIT")  # (made whole meanwhile - created, upgraded: nothing to write)
+            return None
         if not create:
             _refuse_no_store(conn, path)
         if not upgrade:
