@@ -675,7 +675,9 @@ def _delete_consumer(state: State, command: DeleteConsumer) -> list[ev.EventBase
         ev.ConsumerDeleted(
             consumer=c.uuid,
             released=_held(c),
-            migrations_released=dict(sorted((m.uuid, _held(m)) for m in state.migrations_for(c.uuid))),
+            migrations_released={
+                m.uuid: _held(m) for m in sorted(state.migrations_for(c.uuid), key=lambda m: m.uuid)
+            },
             on_behalf_of=c.on_behalf_of,
         )
     ]
