@@ -1114,6 +1114,11 @@ class SqliteBackend:
         self.upgraded_from: int | None = None
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
+        #: True while a store this open may not change (``upgrade`` False) stays in the
+        #: rollback-journal mode its file came in (a ``VACUUM INTO`` copy, a backup tool's): the
+        #: switch to WAL rewrites the file's header, so it waits for the first write (see
+        #: :meth:`_wal_before_write`); what only reads leaves the file byte for byte as it was
+        self._wal_deferred = False
         #: used on the writer's thread only
         self._cache = _WriterCache()
         #: set when the store closes (or its open is given up): waits for another connection's
@@ -1126,11 +1131,12 @@ class SqliteBackend:
         return self.path == ":memory:"
 
     async def _connect(self, stop: threading.Event, writer: bool = False) -> aiosqlite.Connection:
-        """A connection to the file, in WAL mode. Its pragmas wait for another connection's lock
-        in slices (see :data:`BUSY_SLICE_MS`) and stop waiting once ``stop`` is set (the open
-        was cancelled, the store closes). The writer's busy handler keeps waiting one slice at a
-        time (its waits are retried by :func:`_retry_busy`); another connection's, the whole
-        busy_timeout."""
+        """A connection to the file, in WAL mode (unless the switch waits for the first write,
+        :attr:`_wal_deferred`: a connection finds a file switched since by its header). Its
+        pragmas wait for another connection's lock in slices (see :data:`BUSY_SLICE_MS`) and
+        stop waiting once ``stop`` is set (the open was cancelled, the store closes). The
+        writer's busy handler keeps waiting one slice at a time (its waits are retried by
+        :func:`_retry_busy`); another connection's, the whole busy_timeout."""
         pending = aiosqlite.connect(self.path, isolation_level=None)
         # A daemon thread: a store its program never closed must not keep the process from
         # exiting (aiosqlite's thread is not one, and once the loop is gone nothing can close the
@@ -1143,6 +1149,7 @@ class SqliteBackend:
             thread.daemon = True
         conn = await pending
         timeout, memory, synchronous = self.busy_timeout, self.memory, self.synchronous
+        wal = not (memory or self._wal_deferred)
         sliced = min(self.busy_timeout_ms, BUSY_SLICE_MS)
         whole = self.busy_timeout_ms
 
@@ -1155,7 +1162,7 @@ class SqliteBackend:
         def setup() -> None:
             c = conn._conn
             c.execute(f"PRAGMA busy_timeout = {sliced}")
-            if not memory:
+            if wal:
                 # (a lock refused without waiting fails at once, as before: the open's error says so)
                 _wait_busy(lambda: c.execute("PRAGMA journal_mode = WAL"), timeout, stopped, quick=False)
             c.execute(f"PRAGMA synchronous = {synchronous}")
@@ -1223,17 +1230,23 @@ class SqliteBackend:
             # the header of a file in rollback-journal mode - a copy made with VACUUM INTO - so
             # a refusal there would not be "nothing written")
             await asyncio.to_thread(_refuse_changes_read_only, self.path)
+            self._wal_deferred = await asyncio.to_thread(_in_rollback_journal_mode, self.path)
         began = time.monotonic()
+
+        def schema(conn: sqlite3.Connection) -> int | None:
+            # (a store to create or change after all - made empty, or damaged, since the look
+            # above - is switched to WAL first, as every store written to is)
+            if self._wal_deferred and not _snapshot(conn, lambda: _schema_state(conn, self.path)):
+                self._wal_before_write(conn)
+            return _ensure_schema(conn, self.create, self.path, self.upgrade)
+
         try:
             self._writer = await self._connect(stop, writer=True)
             # (creating or upgrading the schema waits for the write lock as a command does, and
             # says so as a command does when it waited longer than busy_timeout: the hint below
             # is for the connection's pragmas, whose errors _on_writer does not convert)
             self.upgraded_from = await self._on_writer(
-                lambda conn: _retry_busy(
-                    lambda: _ensure_schema(conn, self.create, self.path, self.upgrade),
-                    self.busy_timeout,
-                )
+                lambda conn: _retry_busy(lambda: schema(conn), self.busy_timeout), writes=False
             )
             if not self.memory:
                 given = self._abs_path
@@ -1306,11 +1319,32 @@ class SqliteBackend:
             _close_unheard(conn)
         self._reader = self._writer = None
 
-    async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _wal_before_write(self, conn: sqlite3.Connection) -> None:
+        """On the writer's thread, before a write (outside a transaction): the switch to WAL an
+        open left for the first write (:attr:`_wal_deferred`), so that every store written to is
+        in WAL mode, its durability and concurrency what they are for any other. Busy while
+        another connection reads the file: raised as SQLite's busy error, for :func:`_retry_busy`."""
+        if not self._wal_deferred:
+            return
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise err.StorageError(
+                f"Cannot write to {self.url}: SQLite left its file in journal mode {mode!r} instead of "
+                "switching it to WAL, which evstore writes in (nothing was written)"
+            )
+        self._wal_deferred = False
+
+    def _wal_then(self, conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
+        """``fn`` (a write transaction) after :meth:`_wal_before_write`, for :func:`_retry_busy`."""
+        self._wal_before_write(conn)
+        return fn()
+
+    async def _on_writer(self, fn: Callable[[sqlite3.Connection], T], writes: bool = True) -> T:
         """Run ``fn`` on the writer's thread. Its waits for another connection's lock
         (:func:`_retry_busy`) stop at the next slice once its caller gives up (cancelled) or the
         store closes: the writer does one thing at a time, and what is queued behind - commands,
-        the close - would have waited up to busy_timeout for work no one waits for."""
+        the close - would have waited up to busy_timeout for work no one waits for. ``writes``:
+        the file is switched to WAL first, if its open left that for the first write."""
         cache = self._cache
         gave_up = threading.Event()
         between = self._stop_when(gave_up)
@@ -1322,6 +1356,8 @@ class SqliteBackend:
             cache.check_file()
             _waits.between = between
             try:
+                if writes and self._wal_deferred:
+                    _retry_busy(lambda: self._wal_before_write(conn), self.busy_timeout)
                 return fn(conn)
             finally:
                 _waits.between = None
@@ -1360,7 +1396,9 @@ class SqliteBackend:
         between = self._stop_when()
         return await _on_thread(
             self._writer,
-            lambda conn: _retry_busy(lambda: run_batch(conn, jobs, cache), self.busy_timeout, between),
+            lambda conn: _retry_busy(
+                lambda: self._wal_then(conn, lambda: run_batch(conn, jobs, cache)), self.busy_timeout, between
+            ),
         )
 
     #: batches one ``drain`` runs before it lets other work on the writer connection have a turn
@@ -1403,7 +1441,9 @@ class SqliteBackend:
                 result: list[Outcome] | BaseException
                 try:
                     result = _retry_busy(
-                        functools.partial(run_batch, conn, jobs, cache, still),
+                        functools.partial(
+                            self._wal_then, conn, functools.partial(run_batch, conn, jobs, cache, still)
+                        ),
                         self.busy_timeout,
                         self._stop_when(wanted=still),
                     )
@@ -1577,6 +1617,11 @@ class SqliteBackend:
         travel, diff) waits ~0.1 s at most for another process's write lock, then fails busy (the
         caller goes on without saving): it waited busy_timeout, 30 s by default, before the answer
         - and this store's commands, queued behind it on the writer, with it."""
+        if not wait and self._wal_deferred:
+            # (a cache, on the way to an answer: not worth turning a file that is only read out of
+            # its rollback-journal mode - see _wal_deferred - so left unsaved, as when busy)
+            log.debug("snapshot.not_saved", reason="rollback_journal_file")
+            return
         timeout = self.busy_timeout if wait else min(self.busy_timeout, 0.1)
 
         def run(conn: sqlite3.Connection) -> None:
@@ -2499,6 +2544,25 @@ def _refuse_changes(conn: sqlite3.Connection, path: str) -> None:
     schema version (:func:`_refuse_upgrade`), schema objects to make again (:func:`_refuse_repair`)."""
     _refuse_upgrade(conn, path)
     _refuse_repair(conn, path)
+
+
+def _in_rollback_journal_mode(path: str) -> bool:
+    """Whether the store at ``path`` is in a rollback-journal mode (its header's bytes 18 and 19
+    are 1; 2 is WAL), as a read-only SQLite connection finds it. Read through SQLite, not by
+    opening the file: closing a descriptor of the file drops every POSIX lock this process holds
+    on it, those of its other connections to it too (SQLite's own connections share them). False
+    for a file this cannot read."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # (reads the header)
+            return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal"
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
 
 
 def _refuse_changes_read_only(path: str) -> None:
