@@ -1555,18 +1555,38 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
         path = _sqlite_file(target)
         async with open_existing(target, upgrade=True) as store:
             upgraded_from = store.backend.upgraded_from  # (the open upgrades it, in one transaction)
+            repaired = store.backend.repaired  # (or repairs a current one that lost schema objects)
         if path is not None:
             from evstore.log.sqlite import SCHEMA_VERSION
         else:
             from evstore.log.postgres import SCHEMA_VERSION
         if json_out:
-            # (upgraded_from: the version it had, when this upgraded it; null when it was current)
+            # (upgraded_from: the version it had, when this upgraded it; null when it was current.
+            # repaired: what it made again, dropped, refolded in a current store; null: nothing)
             emit_json(
-                {"url": shown(target), "schema_version": SCHEMA_VERSION, "upgraded_from": upgraded_from}
+                {
+                    "url": shown(target),
+                    "schema_version": SCHEMA_VERSION,
+                    "upgraded_from": upgraded_from,
+                    "repaired": None if repaired is None else repaired.to_dict(),
+                }
             )
         elif upgraded_from is not None:
             console().print(
                 f"{safe(shown(target))}: upgraded from schema version {upgraded_from} to {SCHEMA_VERSION}"
+            )
+        elif repaired is not None:
+            done = []
+            if repaired.made_again:
+                done.append(f"made {', '.join(repaired.made_again)} again")
+            if repaired.dropped:
+                done.append(f"dropped {', '.join(repaired.dropped)} (indexes of an earlier version)")
+            if repaired.refolded:
+                done.append("refolded the projection from the log")
+            if not done:  # (a refold left pending, and refused: the log cannot be folded)
+                done.append("its projection was not refolded (`evstore audit` says why)")
+            console().print(
+                f"{safe(shown(target))}: at schema version {SCHEMA_VERSION}, repaired: {'; '.join(done)}"
             )
         else:
             console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION} already")

@@ -14,6 +14,7 @@ test_cli_older_store.)
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sqlite3
 from pathlib import Path
@@ -132,6 +133,50 @@ async def test_upgrade_false_looks_again_with_the_writers_connection(
     assert "p_usages" not in _objects(db)
 
 
+def test_evstore_upgrade_says_what_it_repaired_in_a_current_store(
+    damaged_store: Path, tmp_path: Path
+) -> None:
+    """Regression (session 35, helper K2): ``evstore upgrade`` of a current store that it just
+    repaired - made a lost table and index again, refolded the log into the table - said "at
+    schema version 5 already", and its --json told nothing of the repair either."""
+    human, machine = tmp_path / "human.db", tmp_path / "machine.db"
+    for db in (human, machine):
+        shutil.copy(damaged_store, db)
+    done = evstore("upgrade", "--db", str(human))
+    assert done.returncode == 0, done.stderr
+    assert "already" not in done.stdout, done.stdout
+    said = " ".join(done.stdout.split())  # (rich may wrap the line)
+    assert (
+        "repaired: made p_usages, p_allocations_provider again; refolded the projection from the log" in said
+    )
+    done = evstore("upgrade", "--db", str(machine), "--json")
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert (said["upgraded_from"], said["repaired"]) == (
+        None,
+        {"made_again": ["p_usages", "p_allocations_provider"], "dropped": [], "refolded": True},
+    )
+    again = evstore("upgrade", "--db", str(machine), "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["repaired"] is None, again.stdout + again.stderr
+    assert "at schema version 5 already" in evstore("upgrade", "--db", str(human)).stdout
+
+
+def test_evstore_upgrade_says_it_dropped_an_index_an_earlier_version_kept(
+    current_store: Path, tmp_path: Path
+) -> None:
+    db = tmp_path / "kept.db"
+    shutil.copy(current_store, db)
+    _drop(db, "CREATE INDEX p_consumers_behalf ON p_consumers (on_behalf_of)")
+    done = evstore("upgrade", "--db", str(db), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["repaired"] == {
+        "made_again": [],
+        "dropped": ["p_consumers_behalf"],
+        "refolded": False,
+    }
+    assert "p_consumers_behalf" not in _objects(db)
+
+
 # --- PostgreSQL ---------------------------------------------------------------------------------
 
 
@@ -185,9 +230,13 @@ async def test_a_postgresql_store_that_lost_projection_objects_is_refused_read_o
     assert sorted(raised.value.details["missing"]) == sorted(DROPPED_PG)
     assert await _pg_present(pg_url, DROPPED_PG) == []
     assert await _pg_rows(pg_url) == rows
-    done = await asyncio.to_thread(evstore, "upgrade", "--url", pg_url)
+    done = await asyncio.to_thread(evstore, "upgrade", "--url", pg_url, "--json")
     assert done.returncode == 0, done.stderr
+    repaired = json.loads(done.stdout)["repaired"]  # (not "at schema version 5 already")
+    assert repaired["refolded"] is True and sorted(repaired["made_again"]) == sorted(DROPPED_PG), repaired
     assert sorted(await _pg_present(pg_url, DROPPED_PG)) == sorted(DROPPED_PG)
+    again = await asyncio.to_thread(evstore, "upgrade", "--url", pg_url)
+    assert again.returncode == 0 and "already" in again.stdout, again.stdout + again.stderr
     audit = await asyncio.to_thread(evstore, "audit", "--url", pg_url)
     assert audit.returncode == 0, audit.stdout + audit.stderr
 
@@ -206,7 +255,10 @@ async def test_a_postgresql_store_whose_refold_is_pending_is_refused_read_only(p
     assert await _pg_rows(pg_url) == rows  # (still pending)
     done = await asyncio.to_thread(evstore, "state", "--url", pg_url)
     assert done.returncode == 1 and done.stderr.startswith("error: evstore.schema.version: "), done.stderr
-    async with open_store(pg_url) as store:  # (upgrade=True, the default, refolds it)
+    done = await asyncio.to_thread(evstore, "upgrade", "--url", pg_url)  # (upgrade=True: refolds it)
+    assert done.returncode == 0, done.stderr
+    assert "repaired: refolded the projection from the log" in " ".join(done.stdout.split()), done.stdout
+    async with open_store(pg_url) as store:
         assert (await store.audit()).clean
     assert not await _pg(pg_url, "SELECT 1 FROM evstore_meta WHERE key = 'refold_pending'")
     async with open_store(pg_url, upgrade=False) as store:

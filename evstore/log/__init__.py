@@ -55,6 +55,21 @@ HISTORY_EXAMPLES = 10
 
 
 @dataclass(frozen=True, slots=True)
+class SchemaRepair:
+    """What an open repaired in a store of the current schema version whose schema was not whole
+    (objects dropped by hand, left out of a copy or restore; on PostgreSQL also the refold an
+    interrupted upgrade left pending): the tables, indexes or view it made again, the indexes of
+    an earlier version it dropped, and whether it refolded the projection from the log."""
+
+    made_again: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    refolded: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"made_again": list(self.made_again), "dropped": list(self.dropped), "refolded": self.refolded}
+
+
+@dataclass(frozen=True, slots=True)
 class Job:
     command: Command
     metadata: dict[str, Any]
@@ -178,6 +193,8 @@ class Backend(Protocol):
     url: str
     #: the schema version the open upgraded the store from (None: it was current, or new)
     upgraded_from: int | None
+    #: what the open repaired in a store of the current version (None: nothing, or it upgraded it)
+    repaired: SchemaRepair | None
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...

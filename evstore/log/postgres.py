@@ -107,6 +107,7 @@ from evstore.log import (
     PayloadRow,
     RawEvent,
     Receipt,
+    SchemaRepair,
     carried,
     follows_on,
     store_keyword_hint,
@@ -1163,6 +1164,8 @@ class PostgresBackend:
         self.upgrade = validate_flag_option(options.get("upgrade", True), "upgrade")
         #: the schema version this open upgraded the store from (None: it was current, or new)
         self.upgraded_from: int | None = None
+        #: what this open repaired in a store of the current version (None: nothing to repair)
+        self.repaired: SchemaRepair | None = None
         if self.min_pool_size > self.pool_size:  # (each one's own range was checked as it was read)
             raise err.InvalidInput(
                 f"min_pool_size ({self.min_pool_size}) must not exceed pool_size ({self.pool_size}): "
@@ -1272,7 +1275,13 @@ class PostgresBackend:
                     await self._fenced(conn)
                     missing = await _missing_objects(conn)  # (another process may have repaired it)
                     await _recreate(conn, missing)
-                    if await _refold_pending(conn):
+                    pending = await _refold_pending(conn)
+                    # (an upgrade's refold is the upgrade's, said by upgraded_from)
+                    repaired = None
+                    if self.upgraded_from is None and (missing or pending):
+                        repaired = SchemaRepair(tuple(missing))
+                    self.repaired = repaired
+                    if pending:
                         # (done in this transaction: a failed refold leaves it pending)
                         await conn.execute("DELETE FROM evstore_meta WHERE key = 'refold_pending'")
                         log.warning("projection.columns_added", action="refolding from the log")
@@ -1297,6 +1306,8 @@ class PostgresBackend:
                     try:
                         async with conn.transaction():  # (a savepoint)
                             await _rebuild(conn, State(usages_deferred=True), 5000, None)
+                        if repaired is not None:
+                            self.repaired = SchemaRepair(repaired.made_again, refolded=True)
                     except (err.CorruptEvent, OverflowError, ValueError, TypeError) as exc:
                         log.error("projection.refold_failed", tables=missing, error=repr(exc)[:200])
             except DB_ERRORS as exc:

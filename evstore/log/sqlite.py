@@ -58,6 +58,7 @@ from evstore.log import (
     PayloadRow,
     RawEvent,
     Receipt,
+    SchemaRepair,
     event_hash,
     follows_on,
     random_bits,
@@ -1112,6 +1113,8 @@ class SqliteBackend:
         self.upgrade = bool(chosen.get("upgrade", True))
         #: the schema version this open upgraded the store from (None: it was current, or new)
         self.upgraded_from: int | None = None
+        #: what this open repaired in a store of the current version (None: nothing to repair)
+        self.repaired: SchemaRepair | None = None
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         #: True while a store this open may not change (``upgrade`` False) stays in the
@@ -1233,7 +1236,7 @@ class SqliteBackend:
             self._wal_deferred = await asyncio.to_thread(_in_rollback_journal_mode, self.path)
         began = time.monotonic()
 
-        def schema(conn: sqlite3.Connection) -> int | None:
+        def schema(conn: sqlite3.Connection) -> tuple[int | None, SchemaRepair | None]:
             # (a store to create or change after all - made empty, or damaged, since the look
             # above - is switched to WAL first, as every store written to is)
             if self._wal_deferred and not _snapshot(conn, lambda: _schema_state(conn, self.path)):
@@ -1245,7 +1248,7 @@ class SqliteBackend:
             # (creating or upgrading the schema waits for the write lock as a command does, and
             # says so as a command does when it waited longer than busy_timeout: the hint below
             # is for the connection's pragmas, whose errors _on_writer does not convert)
-            self.upgraded_from = await self._on_writer(
+            self.upgraded_from, self.repaired = await self._on_writer(
                 lambda conn: _retry_busy(lambda: schema(conn), self.busy_timeout), writes=False
             )
             if not self.memory:
@@ -2406,13 +2409,14 @@ def _refuse_newer(conn: sqlite3.Connection, found: dict[str, str]) -> None:
 
 def _ensure_schema(
     conn: sqlite3.Connection, create: bool = True, path: str = "", upgrade: bool = True
-) -> int | None:
+) -> tuple[int | None, SchemaRepair | None]:
     """Create or migrate the store's schema (``create`` False: only migrate a store that is
     there, at ``path``; a database without one is refused, as the read-only check before the
     open refuses it; ``upgrade`` False: refuse a store of an older schema version rather than
-    upgrade it). Returns the version it upgraded the store from (None: current, or new)."""
+    upgrade it). Returns the version it upgraded the store from (None: current, or new) and
+    what it repaired in a current store that lacked schema objects (None: nothing)."""
     if _snapshot(conn, lambda: _schema_state(conn, path)):
-        return None  # (nothing to create: no write lock, so a busy or read-only file still opens)
+        return None, None  # (nothing to create: no write lock, so a busy or read-only file still opens)
     if not upgrade:  # (before the write lock: a refusal need not wait for writers)
         _snapshot(conn, lambda: _refuse_changes(conn, path))
     conn.execute("BEGIN IMMEDIATE")
@@ -2425,6 +2429,8 @@ def _ensure_schema(
         if not upgrade:
             _refuse_changes(conn, path)
         older = _older_version(conn)
+        gaps = _schema_gaps(conn) if older is None else None
+        refolded = False
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         reshaped: list[str] = []
         for table, (before, _) in RESHAPED_TABLES.items():
@@ -2459,7 +2465,8 @@ def _ensure_schema(
         if head and missing:
             # (an older store's reshaped tables, or tables lost: the log folded again fills them)
             why = "projection.reshaped" if reshaped else "projection.tables_missing"
-            if not _refold_lost_projection(conn, missing, head, why=why) and "p_allocations" in reshaped:
+            refolded = _refold_lost_projection(conn, missing, head, why=why)
+            if not refolded and "p_allocations" in reshaped:
                 _convert_older_holdings(conn, conn.execute("SELECT * FROM p_allocations_before"))
         elif head and added:
             # (the new columns hold what the fold knows and older versions did not keep)
@@ -2472,7 +2479,9 @@ def _ensure_schema(
     except BaseException:
         _rollback(conn)
         raise
-    return older
+    if gaps is None or not (gaps[0] or gaps[1]):
+        return older, None
+    return older, SchemaRepair(made_again=tuple(gaps[0]), dropped=tuple(gaps[1]), refolded=refolded)
 
 
 def _older_version(conn: sqlite3.Connection) -> int | None:
@@ -2502,22 +2511,29 @@ def _refuse_upgrade(conn: sqlite3.Connection, path: str) -> None:
     )
 
 
+def _schema_gaps(conn: sqlite3.Connection) -> tuple[list[str], list[str]] | None:
+    """A current store's schema objects the open would make again (missing: dropped by hand, left
+    out of a copy) and the indexes of an earlier version it would drop (retired); None for a
+    database that holds no store yet."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+        return None
+    if conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is None:
+        return None  # (_schema_state refused a store that lost it: a meta table alone is no store)
+    columns, indexes = _schema_objects()
+    found = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    return sorted(columns.keys() - found) + sorted(indexes - found), sorted(RETIRED_INDEXES & found)
+
+
 def _refuse_repair(conn: sqlite3.Connection, path: str) -> None:
     """For ``upgrade=False``, after :func:`_refuse_upgrade`: ``SchemaVersionError`` when the store
     lacks tables or indexes of its (current) version - dropped by hand, left out of a copy - or
     keeps an index the DDL drops: the open would make them (refolding the log into a lost
     projection table), a change of the store's schema this open says not to make. A database
     holding no store yet is left to the open, which creates one (``create`` permitting)."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
+    gaps = _schema_gaps(conn)
+    if gaps is None or not (gaps[0] or gaps[1]):
         return
-    if conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is None:
-        return  # (_schema_state refused a store that lost it: a meta table alone is no store)
-    columns, indexes = _schema_objects()
-    found = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
-    missing = sorted(columns.keys() - found) + sorted(indexes - found)
-    retired = sorted(RETIRED_INDEXES & found)
-    if not missing and not retired:
-        return
+    missing, retired = gaps
     lost = [t for t in missing if t in PROJECTION_TABLES]
     what = " and ".join(
         ([f"lacks {', '.join(missing)}"] if missing else [])
