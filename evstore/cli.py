@@ -59,6 +59,8 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_FINDINGS = 3
+#: an import stopped by SIGTERM (128 + its number, as a shell reports a process it ended)
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 DEFAULT_DEMO_DB = Path("evstore-demo.db")
 
@@ -314,6 +316,39 @@ def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130)
         structlog.get_logger("evstore").debug("cli.crash", exc_info=True)
         fail("evstore.internal", f"{type(exc).__name__}: {exc}")
     raise typer.Exit(code)
+
+
+class SigtermCancels:
+    """Inside ``with`` (in a coroutine of the running loop): SIGTERM - kill, systemd, a container
+    stopping - cancels the current task, as Ctrl-C does, instead of the default action's death
+    in the middle of a write; ``received`` says whether it came. Where the loop takes no signal
+    handlers (not the main thread), the default stays."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __enter__(self) -> SigtermCancels:
+        task = asyncio.current_task()
+
+        def terminate() -> None:
+            self.received = True
+            if task is not None:
+                task.cancel()
+
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGTERM, terminate)
+        except (NotImplementedError, RuntimeError):
+            return self
+        self._loop = loop
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                self._loop.remove_signal_handler(signal.SIGTERM)
+            self._loop = None
 
 
 def emit_json(value: Any) -> None:
@@ -1261,29 +1296,13 @@ def tail(
     async def work() -> int:
         # SIGTERM (kill, systemd, a container stopping) stops it as Ctrl-C does: the store closed,
         # exit 0 - not the default action's death mid-write
-        task = asyncio.current_task()
-        terminated = False
-
-        def terminate() -> None:
-            nonlocal terminated
-            terminated = True
-            if task is not None:
-                task.cancel()
-
-        loop = asyncio.get_running_loop()
-        try:
-            loop.add_signal_handler(signal.SIGTERM, terminate)
-        except (NotImplementedError, RuntimeError):  # (no signal handlers here: the default stays)
-            pass
-        try:
-            return await follow_log()
-        except asyncio.CancelledError:
-            if terminated:
-                return EXIT_OK
-            raise
-        finally:
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(signal.SIGTERM)
+        with SigtermCancels() as sigterm:
+            try:
+                return await follow_log()
+            except asyncio.CancelledError:
+                if sigterm.received:
+                    return EXIT_OK
+                raise
 
     async def follow_log() -> int:
         async with open_existing(resolve_url(db, url)) as store:
@@ -1772,6 +1791,17 @@ def import_(
                 raise typer.Exit(130) from None
 
     async def work() -> int:
+        # SIGTERM stops it as Ctrl-C does: the import rolled back (a file it created removed,
+        # below), exit 143 - not the default action's death, which left the store it created
+        with SigtermCancels() as sigterm:
+            try:
+                return await import_log()
+            except asyncio.CancelledError:
+                if sigterm.received:
+                    raise typer.Exit(EXIT_TERMINATED) from None
+                raise
+
+    async def import_log() -> int:
         from evstore.store import open_store
 
         def lines() -> Any:
@@ -1811,12 +1841,17 @@ def import_(
     try:
         run(work)
     except typer.Exit as exc:
-        if exc.exit_code == 130:  # (Ctrl-C: say whether anything was imported)
+        if exc.exit_code in (130, EXIT_TERMINATED):  # (Ctrl-C, SIGTERM: say whether anything was imported)
+            how = "interrupted" if exc.exit_code == 130 else "terminated"
             if imported:
-                note(f"interrupted after {imported[0]} events were imported (`evstore audit` checks them)")
+                note(f"{how} after {imported[0]} events were imported (`evstore audit` checks them)")
             else:
-                note("interrupted: nothing was imported")
-        if exc.exit_code in (EXIT_ERROR, 130) and created is not None and _holds_no_events(created):
+                note(f"{how}: nothing was imported")
+        if (
+            exc.exit_code in (EXIT_ERROR, 130, EXIT_TERMINATED)
+            and created is not None
+            and _holds_no_events(created)
+        ):
             _remove_database(created)  # leave nothing behind from a refused import
         raise
     finally:
