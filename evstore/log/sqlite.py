@@ -2423,7 +2423,7 @@ def _ensure_schema(
     try:
         if _schema_state(conn, path):  # (again, under the lock: another process may have changed it)
             conn.execute("COMMIT")  # (made whole meanwhile - created, upgraded: nothing to write)
-            return None
+            return None, None
         if not create:
             _refuse_no_store(conn, path)
         if not upgrade:
