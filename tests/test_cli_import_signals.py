@@ -12,6 +12,7 @@ by the child itself, as the write begins (a timed kill would depend on the machi
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -58,6 +59,9 @@ def _import_stopped_by(sig: str, *args: str) -> subprocess.CompletedProcess[str]
         timeout=120,
         cwd=REPO,
         check=False,
+        # (a shell's background job - CI started with `&` - inherits SIGINT ignored, and Python
+        # then leaves it ignored: give the child the terminal's default, as Ctrl-C meets it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
