@@ -247,8 +247,8 @@ async def test_a_postgresql_store_whose_refold_is_pending_is_refused_read_only(p
     await _pg_store_with_events(pg_url)
     await _pg(pg_url, "INSERT INTO evstore_meta VALUES ('refold_pending', '5')")
     rows = await _pg_rows(pg_url)
-    with pytest.raises(SchemaVersionError) as raised:
-        async with open_store(pg_url, upgrade=False):
+    with pytest.raises(SchemaVersionError) as raised:  # (after connect_timeout: no open comes to run it)
+        async with open_store(pg_url, upgrade=False, connect_timeout=1):
             pass
     assert raised.value.details["refold_pending"] is True and raised.value.details["missing"] == []
     assert "evstore upgrade --url" in raised.value.message

@@ -83,6 +83,7 @@ import heapq
 import itertools
 import random
 import re
+import time
 import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -1323,20 +1324,28 @@ class PostgresBackend:
         the fence - the refold its upgrade to version 5 left pending (committed with the upgrade,
         run just after it), lost objects made again - and a read that waits for that opens the
         store as repaired rather than refusing it as needing it. The fence is taken shared, as
-        every command takes it: writers are not held back, and nothing is written."""
-        async with conn.transaction():
-            await self._take_in_attempts(
-                conn,
-                "SELECT pg_advisory_xact_lock_shared($1)",
-                self._key("!fence"),
-                refusal="Another session held evstore's advisory lock for longer than {timeout} (an "
-                "open repairing the store's projection, an audit, rebuild or import: pg_locks says "
-                "which), so whether the store still needs its repair is unknown; nothing was "
-                "written: retry",
-            )
-            missing, pending = await _missing_objects(conn), await _refold_pending(conn)
-        if missing or pending:
-            raise self._repair_refused(missing, pending)
+        every command takes it: writers are not held back, and nothing is written. A refold pending
+        alone is looked for again, every 50 ms for up to ``connect_timeout`` (the longest wait for
+        another open's migration): the upgrade that leaves it commits before its open takes the
+        fence to run it, and a look between the two found it pending with the fence free."""
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            async with conn.transaction():
+                await self._take_in_attempts(
+                    conn,
+                    "SELECT pg_advisory_xact_lock_shared($1)",
+                    self._key("!fence"),
+                    refusal="Another session held evstore's advisory lock for longer than {timeout} (an "
+                    "open repairing the store's projection, an audit, rebuild or import: pg_locks says "
+                    "which), so whether the store still needs its repair is unknown; nothing was "
+                    "written: retry",
+                )
+                missing, pending = await _missing_objects(conn), await _refold_pending(conn)
+            if not missing and not pending:
+                return
+            if missing or time.monotonic() >= deadline:
+                raise self._repair_refused(missing, pending)
+            await asyncio.sleep(0.05)
 
     def _repair_refused(self, missing: list[str], pending: bool) -> err.SchemaVersionError:
         """For ``upgrade=False``: the refusal of a store whose projection the open would repair -
