@@ -1232,8 +1232,7 @@ class SqliteBackend:
             # (read-only, before the writer's connection: its PRAGMA journal_mode = WAL rewrites
             # the header of a file in rollback-journal mode - a copy made with VACUUM INTO - so
             # a refusal there would not be "nothing written")
-            await asyncio.to_thread(_refuse_changes_read_only, self.path)
-            self._wal_deferred = await asyncio.to_thread(_in_rollback_journal_mode, self.path)
+            self._wal_deferred = await asyncio.to_thread(_refuse_changes_read_only, self.path)
         began = time.monotonic()
 
         def schema(conn: sqlite3.Connection) -> tuple[int | None, SchemaRepair | None]:
@@ -2562,31 +2561,16 @@ def _refuse_changes(conn: sqlite3.Connection, path: str) -> None:
     _refuse_repair(conn, path)
 
 
-def _in_rollback_journal_mode(path: str) -> bool:
-    """Whether the store at ``path`` is in a rollback-journal mode (its header's bytes 18 and 19
-    are 1; 2 is WAL), as a read-only SQLite connection finds it. Read through SQLite, not by
-    opening the file: closing a descriptor of the file drops every POSIX lock this process holds
-    on it, those of its other connections to it too (SQLite's own connections share them). False
-    for a file this cannot read."""
-    if not os.path.isfile(path):
-        return False
-    try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # (reads the header)
-            return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal"
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return False
-
-
-def _refuse_changes_read_only(path: str) -> None:
+def _refuse_changes_read_only(path: str) -> bool:
     """For ``upgrade=False``, before the open: :func:`_refuse_changes` on a read-only connection
-    to the file at ``path``. A file this look cannot read (absent, locked, in a directory it
-    cannot make the -shm file in) is left to the open, whose looks refuse the same."""
+    to the file at ``path``; then, on the same connection, whether the store is in a
+    rollback-journal mode (its header's bytes 18 and 19 are 1; 2 is WAL), for
+    :attr:`SqliteBackend._wal_deferred`. Read through SQLite, not by opening the file: closing a
+    descriptor of the file drops every POSIX lock this process holds on it, those of its other
+    connections to it too. A file this look cannot read (absent, locked, in a directory it cannot
+    make the -shm file in) is left to the open, whose looks refuse the same: False."""
     if not os.path.isfile(path):
-        return
+        return False
     try:
         conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
         try:
@@ -2595,11 +2579,12 @@ def _refuse_changes_read_only(path: str) -> None:
                 _schema_state(conn, path)  # (a damaged or foreign file is refused as the open refuses it)
                 _refuse_changes(conn, path)
 
-            _snapshot(conn, look)
+            _snapshot(conn, look)  # (which read the header)
+            return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal"
         finally:
             conn.close()
     except sqlite3.Error:
-        return
+        return False
 
 
 def _refuse_no_store(conn: sqlite3.Connection, path: str) -> None:
