@@ -300,14 +300,17 @@ async def open_existing(target: str, **options: Unpack[StoreOptions]) -> AsyncIt
 
 def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
     """Run one command's coroutine; turn every failure into one line on stderr and an exit code."""
+    coroutine = work()
     try:
-        code = asyncio.run(work())
+        code = asyncio.run(coroutine)
     except typer.Exit:
         raise
     except err.EvstoreError as exc:
         fail(exc.code, exc.message)
     except KeyboardInterrupt:
         raise typer.Exit(interrupt_code) from None
+    except Terminated:  # (SIGTERM under sigterm_raises, outside SigtermCancels: import's)
+        raise typer.Exit(EXIT_TERMINATED) from None
     except BrokenPipeError:
         _reader_gone()
     except OSError as exc:
@@ -315,6 +318,10 @@ def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130)
     except Exception as exc:  # a bug: still one line, the traceback only at -vv
         structlog.get_logger("evstore").debug("cli.crash", exc_info=True)
         fail("evstore.internal", f"{type(exc).__name__}: {exc}")
+    finally:
+        # (a signal before the loop ran it - Ctrl-C, SIGTERM under sigterm_raises - leaves it
+        # unstarted: closed, not "never awaited", a warning on stderr at exit)
+        coroutine.close()
     raise typer.Exit(code)
 
 
@@ -322,11 +329,13 @@ class SigtermCancels:
     """Inside ``with`` (in a coroutine of the running loop): SIGTERM - kill, systemd, a container
     stopping - cancels the current task, as Ctrl-C does, instead of the default action's death
     in the middle of a write; ``received`` says whether it came. Where the loop takes no signal
-    handlers (not the main thread), the default stays."""
+    handlers (not the main thread), the default stays. On leaving, the handler that was there
+    before is put back (the loop's own removal would leave the default action)."""
 
     def __init__(self) -> None:
         self.received = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._before: Any = signal.SIG_DFL
 
     def __enter__(self) -> SigtermCancels:
         task = asyncio.current_task()
@@ -337,18 +346,65 @@ class SigtermCancels:
                 task.cancel()
 
         loop = asyncio.get_running_loop()
+        before = signal.getsignal(signal.SIGTERM)
         try:
             loop.add_signal_handler(signal.SIGTERM, terminate)
         except (NotImplementedError, RuntimeError):
             return self
-        self._loop = loop
+        self._loop, self._before = loop, before
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self._loop is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self._loop.remove_signal_handler(signal.SIGTERM)
+                if self._before is not None:  # (None: not set from Python; the default stays)
+                    signal.signal(signal.SIGTERM, self._before)
             self._loop = None
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread is while :func:`sigterm_raises` is in force, as
+    Ctrl-C raises KeyboardInterrupt (a BaseException, so that no ``except Exception`` takes it
+    for an error)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside ``with`` (in the main thread, around an event loop's run): SIGTERM raises
+    :class:`Terminated` where the program is, so that the ``except`` and ``finally`` that undo
+    a Ctrl-C's half-done work (``import -``'s temporary copy of its input, the file it created)
+    undo a SIGTERM's too, instead of the default action's death. A coroutine inside takes the
+    signal over with :class:`SigtermCancels` (which puts this handler back on leaving). The
+    handler that was there before is put back at the end."""
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated
+
+    try:
+        before = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # (not the main thread: the default stays)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Inside ``with``: SIGINT and SIGTERM wait, to be taken once it ends - for a step that must
+    not be cut in two (a temporary file made, and its name kept for the cleanup)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def emit_json(value: Any) -> None:
@@ -1771,24 +1827,7 @@ def import_(
 
     imported: list[int] = []  # (set once the import committed)
     source = export_file
-    spooled: Path | None = None
-    if not export_file.is_file():
-        # a pipe (`evstore export ... | evstore import /dev/stdin`), FIFO or `<(...)`: the import
-        # reads its input twice (validating, then writing), and a pipe is empty the second time
-        with tempfile.NamedTemporaryFile(
-            "wb", prefix="evstore-import-", suffix=".jsonl", delete=False
-        ) as copy:
-            spooled = source = Path(copy.name)
-            try:
-                with export_file.open("rb") as stream:
-                    shutil.copyfileobj(stream, copy)
-            except OSError as exc:
-                spooled.unlink(missing_ok=True)
-                fail("evstore.io", f"cannot copy {export_file} to a temporary file ({copy.name}): {exc}")
-            except KeyboardInterrupt:
-                spooled.unlink(missing_ok=True)
-                note("interrupted: nothing was imported")
-                raise typer.Exit(130) from None
+    spooled: list[Path] = []  # the temporary copy of piped input, once made (removed at the end)
 
     async def work() -> int:
         # SIGTERM stops it as Ctrl-C does: the import rolled back (a file it created removed,
@@ -1839,24 +1878,56 @@ def import_(
         return EXIT_OK if report.clean else EXIT_FINDINGS
 
     try:
-        run(work)
+        # SIGTERM from here on, outside the coroutine's own handling (SigtermCancels) - while
+        # piped input is copied, as the event loop starts or stops - ends the import as it does
+        # inside it, and as Ctrl-C does anywhere: exit 143, and nothing left behind
+        with sigterm_raises():
+            try:
+                if not export_file.is_file():
+                    # a pipe (`evstore export ... | evstore import -`), FIFO or `<(...)`: the import
+                    # reads its input twice (validating, then writing); a pipe is empty the second time
+                    source = _spool(export_file, spooled)
+                run(work)
+            except KeyboardInterrupt:
+                raise typer.Exit(130) from None
+            except Terminated:
+                raise typer.Exit(EXIT_TERMINATED) from None
     except typer.Exit as exc:
-        if exc.exit_code in (130, EXIT_TERMINATED):  # (Ctrl-C, SIGTERM: say whether anything was imported)
-            how = "interrupted" if exc.exit_code == 130 else "terminated"
-            if imported:
-                note(f"{how} after {imported[0]} events were imported (`evstore audit` checks them)")
-            else:
-                note(f"{how}: nothing was imported")
-        if (
-            exc.exit_code in (EXIT_ERROR, 130, EXIT_TERMINATED)
-            and created is not None
-            and _holds_no_events(created)
-        ):
-            _remove_database(created)  # leave nothing behind from a refused import
+        with signals_held():  # (a second signal waits until what the import leaves is cleaned up)
+            if exc.exit_code in (130, EXIT_TERMINATED):  # (say whether anything was imported)
+                how = "interrupted" if exc.exit_code == 130 else "terminated"
+                if imported:
+                    note(f"{how} after {imported[0]} events were imported (`evstore audit` checks them)")
+                else:
+                    note(f"{how}: nothing was imported")
+            if (
+                exc.exit_code in (EXIT_ERROR, 130, EXIT_TERMINATED)
+                and created is not None
+                and _holds_no_events(created)
+            ):
+                _remove_database(created)  # leave nothing behind from a refused import
+            for spool in spooled:
+                spool.unlink(missing_ok=True)
         raise
     finally:
-        if spooled is not None:
-            spooled.unlink(missing_ok=True)
+        for spool in spooled:
+            spool.unlink(missing_ok=True)
+
+
+def _spool(export_file: Path, spooled: list[Path]) -> Path:
+    """Copy ``export_file`` (piped input) to a temporary file and answer its path, which is put
+    in ``spooled`` as soon as the file exists, for the caller to remove whatever happens next."""
+    with signals_held():  # (a signal between the file's making and its naming would leave it)
+        fd, name = tempfile.mkstemp(prefix="evstore-import-", suffix=".jsonl")
+        spooled.append(Path(name))
+        copy = open(fd, "wb")  # (closed below, once the file is named)
+    with copy:
+        try:
+            with export_file.open("rb") as stream:
+                shutil.copyfileobj(stream, copy)
+        except OSError as exc:
+            fail("evstore.io", f"cannot copy {export_file} to a temporary file ({name}): {exc}")
+    return Path(name)
 
 
 def _holds_no_events(path: Path) -> bool:

@@ -12,10 +12,12 @@ by the child itself, as the write begins (a timed kill would depend on the machi
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -98,4 +100,101 @@ def test_an_import_into_postgresql_stopped_by_sigterm_leaves_the_store_empty(
     stats = evstore("stats", "--url", url, "--json")
     assert stats.returncode == 0 and '"head": 0' in stats.stdout, stats.stdout + stats.stderr
     again = evstore("import", str(export), "--url", url)
+    assert again.returncode == 0 and "audit: clean" in again.stdout, again.stdout + again.stderr
+
+
+# --- before the write: while `import -` spools its input, and before the event loop runs -------
+#
+# Regression (session 36, helper C): the SIGTERM handling above covered the import's coroutine
+# only. Before it - `import -` copying piped input to its temporary file, which it reads twice -
+# and around the event loop, SIGTERM took its default action: exit -15, no word said, and the
+# spool's temporary file left behind in $TMPDIR.
+
+
+def _import_from_a_pipe(
+    tmp_path: Path, *args: str, child: list[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``evstore import - ARGS`` (or ``child``) reading a pipe, its spool in ``tmp_path/spool``."""
+    (tmp_path / "spool").mkdir()
+    return subprocess.Popen(
+        child or [sys.executable, "-m", "evstore", "import", "-", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path / "spool")},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _spool_files(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "spool").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "said"), [("SIGTERM", 143, "terminated"), ("SIGINT", 130, "interrupted")]
+)
+def test_a_signal_while_import_spools_piped_input_leaves_no_temporary_file(
+    export: Path, tmp_path: Path, sig: str, code: int, said: str
+) -> None:
+    db = tmp_path / "new.db"
+    child = _import_from_a_pipe(tmp_path, "--db", str(db))
+    assert child.stdin is not None
+    child.stdin.write(export.read_bytes()[:100_000])  # (part of it; the pipe stays open)
+    child.stdin.flush()
+    # the spool's file exists once the copy began; with the pipe open, the copy cannot end
+    for _ in range(1200):
+        if _spool_files(tmp_path) or child.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert _spool_files(tmp_path), child.communicate(timeout=60)
+    child.send_signal(signal.Signals[sig])
+    _, err = child.communicate(timeout=60)
+    assert (child.returncode, err.decode()) == (code, f"{said}: nothing was imported\n")
+    assert _spool_files(tmp_path) == []
+    assert not db.exists()
+
+
+#: the import, with SIGTERM sent by the child itself at ``sys.argv[1]``: "asyncio.run", just before
+#: the event loop starts; "loop", once it runs, before the import's coroutine handles the signal
+BEFORE_THE_LOOP = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from evstore import cli
+
+    WHERE = sys.argv[1]
+    original_run, original_enter = asyncio.run, cli.SigtermCancels.__enter__
+
+    def run(*args, **kwargs):
+        if WHERE == "asyncio.run":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_run(*args, **kwargs)
+
+    def enter(self):
+        if WHERE == "loop":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_enter(self)
+
+    asyncio.run, cli.SigtermCancels.__enter__ = run, enter
+    from evstore.__main__ import main
+
+    sys.argv = ["evstore", *sys.argv[2:]]
+    main()
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["asyncio.run", "loop"])
+def test_sigterm_before_the_import_handles_it_ends_as_during_the_write(
+    export: Path, tmp_path: Path, where: str
+) -> None:
+    db = tmp_path / "new.db"
+    child = _import_from_a_pipe(
+        tmp_path, child=[sys.executable, "-c", BEFORE_THE_LOOP, where, "import", "-", "--db", str(db)]
+    )
+    _, err = child.communicate(export.read_bytes(), timeout=120)
+    assert (child.returncode, err.decode()) == (143, "terminated: nothing was imported\n")
+    assert _spool_files(tmp_path) == []
+    assert not db.exists() and not list(tmp_path.glob("new.db*"))
+    again = evstore("import", str(export), "--db", str(db))
     assert again.returncode == 0 and "audit: clean" in again.stdout, again.stdout + again.stderr
