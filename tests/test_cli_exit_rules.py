@@ -353,3 +353,21 @@ async def test_a_consumer_no_event_names_is_not_found_by_state_as_by_history(sto
         absent = evstore("state", "--consumer", consumer, "--url", store_url, *extra)
         assert absent.returncode == 0, absent.stderr
         assert absent.stdout.splitlines()[0].endswith(": absent"), absent.stdout
+
+
+def test_an_option_given_twice_takes_its_last_value(tmp_path: Path) -> None:
+    """Decided (session 36, helper C), not a usage error: an option given twice counts once, the
+    last time, as click - the CLI's framework - and most command lines (git, psql, kubectl) take
+    it, so that a wrapper's defaults can be overridden after them (``alias et='evstore tail
+    --no-follow'``, then ``et --follow``). It is no conflict in the README's sense (``--db`` with
+    ``--url``, ``--provider`` with ``--consumer``: two things asked at once); a store URL's ``?k=v``
+    given twice is refused, since a URL has no order of precedence to read it by."""
+    db = demo_db(tmp_path / "s.db", instances=5, nodes=2)
+    stats = evstore("stats", "--db", str(tmp_path / "missing.db"), "--db", str(db), "--json")
+    assert stats.returncode == 0 and json.loads(stats.stdout)["url"].endswith("/s.db"), stats.stderr
+    state = evstore("state", "--at", "3", "--at", "5", "--db", str(db), "--json")
+    assert state.returncode == 0 and json.loads(state.stdout)["position"] == 5, state.stderr
+    tail = evstore("tail", "--follow", "--after", "0", "--no-follow", "--db", str(db), "--json", timeout=60)
+    assert tail.returncode == 0 and len(tail.stdout.splitlines()) == json.loads(stats.stdout)["head"]
+    missing = evstore("stats", "--db", str(db), "--db", str(tmp_path / "missing.db"))
+    assert _error(missing) == (1, "evstore.not_found"), missing.stderr
