@@ -298,8 +298,44 @@ async def open_existing(target: str, **options: Unpack[StoreOptions]) -> AsyncIt
         yield store
 
 
-def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130) -> NoReturn:
-    """Run one command's coroutine; turn every failure into one line on stderr and an exit code."""
+def run(
+    work: Callable[[], Coroutine[Any, Any, int]],
+    interrupt_code: int = 130,
+    terminate_code: int | None = None,
+) -> NoReturn:
+    """Run one command's coroutine; turn every failure into one line on stderr and an exit code.
+
+    ``terminate_code``: SIGTERM ends the command as Ctrl-C does - its coroutine cancelled, so its
+    ``except`` and ``finally`` undo what it began - with this exit status, instead of the default
+    action's death (for the commands that leave something behind: a half-written export, the
+    store a demo or import created)."""
+    if terminate_code is not None:
+        with sigterm_raises():  # (before and after the loop runs the coroutine)
+            try:
+                _run(_sigterm_cancels(work, terminate_code), interrupt_code)
+            except Terminated:
+                raise typer.Exit(terminate_code) from None
+    _run(work, interrupt_code)
+
+
+def _sigterm_cancels(
+    work: Callable[[], Coroutine[Any, Any, int]], terminate_code: int
+) -> Callable[[], Coroutine[Any, Any, int]]:
+    """``work`` with SIGTERM cancelling it (:class:`SigtermCancels`), then ending as ``terminate_code``."""
+
+    async def cancelled_by_sigterm() -> int:
+        with SigtermCancels() as sigterm:
+            try:
+                return await work()
+            except asyncio.CancelledError:
+                if sigterm.received:
+                    raise typer.Exit(terminate_code) from None
+                raise
+
+    return cancelled_by_sigterm
+
+
+def _run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int) -> NoReturn:
     coroutine = work()
     try:
         code = asyncio.run(coroutine)
@@ -309,8 +345,6 @@ def run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int = 130)
         fail(exc.code, exc.message)
     except KeyboardInterrupt:
         raise typer.Exit(interrupt_code) from None
-    except Terminated:  # (SIGTERM under sigterm_raises, outside SigtermCancels: import's)
-        raise typer.Exit(EXIT_TERMINATED) from None
     except BrokenPipeError:
         _reader_gone()
     except OSError as exc:
@@ -596,12 +630,12 @@ def demo(
         return EXIT_OK if audit.clean else EXIT_FINDINGS
 
     try:
-        run(work)
+        run(work, terminate_code=EXIT_TERMINATED)
     except typer.Exit as exc:
-        # Ended before its first event (Ctrl-C in its first moments, a failure): the empty store
-        # it created would be refused by the next demo as not its own (an empty store may be
-        # anyone's), so it goes, as a refused import's does
-        if exc.exit_code in (EXIT_ERROR, 130) and created and _holds_no_events(created[0]):
+        # Ended before its first event (Ctrl-C or SIGTERM in its first moments, a failure): the
+        # empty store it created would be refused by the next demo as not its own (an empty
+        # store may be anyone's), so it goes, as a refused import's does
+        if exc.exit_code in (EXIT_ERROR, 130, EXIT_TERMINATED) and created and _holds_no_events(created[0]):
             _remove_database(created[0])
         raise
 
@@ -1735,7 +1769,8 @@ def export(
             note(f"exported {written} events to {output}")
         return EXIT_OK
 
-    run(work)
+    # (SIGTERM as Ctrl-C: the half-written FILE.partial removed, exit 143)
+    run(work, terminate_code=EXIT_TERMINATED)
 
 
 def _is_stdout(path: Path) -> bool:
@@ -1830,17 +1865,6 @@ def import_(
     spooled: list[Path] = []  # the temporary copy of piped input, once made (removed at the end)
 
     async def work() -> int:
-        # SIGTERM stops it as Ctrl-C does: the import rolled back (a file it created removed,
-        # below), exit 143 - not the default action's death, which left the store it created
-        with SigtermCancels() as sigterm:
-            try:
-                return await import_log()
-            except asyncio.CancelledError:
-                if sigterm.received:
-                    raise typer.Exit(EXIT_TERMINATED) from None
-                raise
-
-    async def import_log() -> int:
         from evstore.store import open_store
 
         def lines() -> Any:
@@ -1878,16 +1902,17 @@ def import_(
         return EXIT_OK if report.clean else EXIT_FINDINGS
 
     try:
-        # SIGTERM from here on, outside the coroutine's own handling (SigtermCancels) - while
-        # piped input is copied, as the event loop starts or stops - ends the import as it does
-        # inside it, and as Ctrl-C does anywhere: exit 143, and nothing left behind
+        # SIGTERM while piped input is copied ends the import as it does during the write (run's
+        # terminate_code), and as Ctrl-C does anywhere: exit 143, and nothing left behind
         with sigterm_raises():
             try:
                 if not export_file.is_file():
                     # a pipe (`evstore export ... | evstore import -`), FIFO or `<(...)`: the import
                     # reads its input twice (validating, then writing); a pipe is empty the second time
                     source = _spool(export_file, spooled)
-                run(work)
+                # (SIGTERM during the write stops it as Ctrl-C does: the import rolled back, a
+                # file it created removed, below - not the default action's death mid-write)
+                run(work, terminate_code=EXIT_TERMINATED)
             except KeyboardInterrupt:
                 raise typer.Exit(130) from None
             except Terminated:
