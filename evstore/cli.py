@@ -71,6 +71,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 # (a str, not a click Path: the CLI checks paths itself, so that a missing file, a directory and

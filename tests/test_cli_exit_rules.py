@@ -371,3 +371,12 @@ def test_an_option_given_twice_takes_its_last_value(tmp_path: Path) -> None:
     assert tail.returncode == 0 and len(tail.stdout.splitlines()) == json.loads(stats.stdout)["head"]
     missing = evstore("stats", "--db", str(db), "--db", str(tmp_path / "missing.db"))
     assert _error(missing) == (1, "evstore.not_found"), missing.stderr
+
+
+def test_h_is_the_help_as_help_is() -> None:
+    """Regression: ``evstore -h`` and ``evstore audit -h`` were usage errors (exit 2, "No such
+    option: -h"); most command lines answer ``-h`` with their help, and no evstore option uses it."""
+    for args in (["-h"], ["audit", "-h"], ["diff", "-h"]):
+        short, long = evstore(*args), evstore(*args[:-1], "--help")
+        assert short.returncode == 0, short.stderr
+        assert short.stdout == long.stdout and short.stdout.startswith("Usage: "), short.stdout
