@@ -1979,9 +1979,9 @@ class AllocationStore:
         consumers, tombstones), not by the number of events.
         ``progress(phase, events)`` reports both passes ("validate", "import"), on the event
         loop's thread; an exception it raises ends the import, nothing kept, and reaches the caller.
+        What ``open_lines`` answers is closed (when it has ``close()``: a file, a generator reading
+        one) once the import has ended, imported or refused.
         """
-        from projections.exchange import ChainCheck, duplicate_id, read_export, second_row_of
-
         batch_size = _batch(batch_size)
         _check_progress(progress, "progress(phase, events)")
         if not callable(open_lines):
@@ -1995,16 +1995,35 @@ class AllocationStore:
         if await self.head() != 0:
             raise err.InvalidInput("import needs an empty store: this one already has events")
 
-        def drain(rows: Iterator[Any]) -> int:
-            return sum(1 for _ in zip(range(batch_size), rows, strict=False))
+        answered: list[object] = []  # (what open_lines answered: closed when the import ends)
 
         def lines() -> Iterable[str]:
             opened = open_lines()
+            answered.append(opened)
             if not isinstance(opened, Iterable) or isinstance(opened, str | bytes):
                 raise err.InvalidInput(
                     f"open_lines() must return the lines, got a {type(opened).__name__}", field="open_lines"
                 )
             return opened
+
+        try:
+            return await self._import_passes(importer, lines, batch_size, progress)
+        finally:
+            _close_answered(answered)
+
+    async def _import_passes(
+        self,
+        importer: Any,
+        lines: Callable[[], Iterable[str]],
+        batch_size: int,
+        progress: Callable[[str, int], None] | None,
+    ) -> int:
+        """:meth:`import_events`' passes over the file (``lines()`` opens it): validate, import,
+        and, for an event id the file repeats, find its line."""
+        from projections.exchange import ChainCheck, duplicate_id, read_export, second_row_of
+
+        def drain(rows: Iterator[Any]) -> int:
+            return sum(1 for _ in zip(range(batch_size), rows, strict=False))
 
         validated = ChainCheck()
         rows = read_export(lines(), validated)
@@ -2033,6 +2052,23 @@ class AllocationStore:
             line, position = found
             raise duplicate_id(event_id, position, line) from None
         return imported
+
+
+def _close_answered(answered: list[object]) -> None:
+    """Close what ``import_events``' ``open_lines`` answered, once the import has ended: files it
+    opened (``lambda: open(path)``, the form the import's own "called twice" error recommends)
+    were left to the garbage collector, each a ``ResourceWarning: unclosed file``, and a
+    generator reading one held it open after a refusal. Each object once; never the process's
+    standard input (not the import's to close, if a caller handed it over)."""
+    for n, opened in enumerate(answered):
+        if any(opened is other for other in (*answered[:n], sys.stdin, sys.__stdin__)):
+            continue
+        close = getattr(opened, "close", None)
+        if callable(close):
+            # (ValueError: a generator still running on the worker thread a cancelled pass left
+            # it on - "generator already executing" - is left to the garbage collector)
+            with contextlib.suppress(ValueError):
+                close()
 
 
 #: the module of each URL scheme's backend

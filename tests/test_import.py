@@ -10,8 +10,9 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -373,3 +374,55 @@ async def test_an_export_says_its_version_and_both_versions_import(
                     await target.import_events(functools.partial(iter, edited))
                 assert info.value.details["reason"] == "header"
                 assert await target.head() == 0
+
+
+async def test_the_files_open_lines_opens_are_closed_whether_the_import_succeeds_or_fails(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """Regression (helper s36-A): ``import_events(lambda: open(path))`` - the form its own
+    "called twice" error recommends - left each file it opened unclosed, imported or refused:
+    a ``ResourceWarning: unclosed file`` per pass (under ``-X dev``, ``-W default``, pytest), and
+    the descriptors held until the garbage collector found them. What ``open_lines`` answers is
+    the import's: each file is closed once its import has ended, and so is a generator that
+    opens the file (as the CLI's does) when the import stops before reading it to its end."""
+    from tests.test_import_memory import _fresh_url
+
+    lines, _, _ = await _source(tmp_path, consumers=20)
+    good, truncated, repeated = (tmp_path / f"{name}.jsonl" for name in ("good", "truncated", "repeated"))
+    good.write_text("".join(f"{line}\n" for line in lines))
+    truncated.write_text("".join(f"{line}\n" for line in lines[:-1]))
+    rows = [parse_row(text, n) for n, text in enumerate(lines) if n]
+    prev, chained = GENESIS_HASH, []
+    for row in rows:  # (position 5 repeats the event id of position 4: found as the rows are written)
+        row = row._replace(event_id=rows[3].event_id if row.position == 5 else row.event_id)
+        row = row._replace(hash=row.chained_hash(prev))
+        prev = row.hash
+        chained.append(row_line(row))
+    header = {**json.loads(lines[0]), "head_hash": prev}
+    repeated.write_text("".join(f"{line}\n" for line in [json.dumps(header), *chained]))
+
+    opened: list[TextIO] = []
+
+    def open_file(path: Path) -> Iterable[str]:
+        opened.append(path.open(encoding="utf-8"))
+        return opened[-1]
+
+    def open_generator(path: Path) -> Iterable[str]:
+        def read() -> Iterator[str]:
+            with path.open(encoding="utf-8") as stream:
+                opened.append(stream)
+                yield from stream
+
+        return read()
+
+    for opener in (open_file, open_generator):
+        async with open_store(await _fresh_url(backend_name, tmp_path, opener.__name__)) as store:
+            for path, refusal in ((truncated, "truncated"), (repeated, "appears twice"), (good, None)):
+                opened.clear()
+                if refusal is None:
+                    assert await store.import_events(functools.partial(opener, path)) == len(lines) - 1
+                else:
+                    with pytest.raises(CorruptEvent, match=refusal):
+                        await store.import_events(functools.partial(opener, path))
+                assert opened, (opener.__name__, path.name)
+                assert all(stream.closed for stream in opened), (opener.__name__, path.name)
