@@ -2039,6 +2039,9 @@ class AllocationStore:
         report = None if progress is None else functools.partial(progress, "import")
         try:
             imported: int = await importer.import_all(again, batch_size, report)
+            # (its commit appended the whole log: the store's subscribers learn of it now, as of
+            # a command's - not at their next poll, which is for other processes' appends)
+            self._wake_subscribers()
         except err.CorruptEvent as exc:
             if exc.details.get("reason") != "duplicate_id" or "line" in exc.details:
                 raise

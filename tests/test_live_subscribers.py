@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -372,3 +373,25 @@ async def test_the_last_subscriber_waiting_for_a_read_ends_once_its_cancelled_re
         assert await ended([task]) == [None]
         assert read.done() and read.cancelled()
         assert not store._reads and not reads_in_flight()
+
+
+async def test_an_import_wakes_the_stores_own_subscribers_as_its_commands_do(
+    store_url: str, tmp_path: Path
+) -> None:
+    """Regression (helper s36-A): a store's subscribers wake on its own commits at once (the
+    poller, every ``poll_interval``, is for other processes' appends), but the commit of its
+    ``import_events`` woke none: subscribers waiting on the store being imported into saw the
+    imported log only at the next poll - here an hour later (the hang guard failed the test)."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, VCPU=100)
+        for _ in range(5):
+            await allocate(source, new_uuid(), {rp: {"VCPU": 1}})
+        lines = [line async for line in source.export()]
+    async with open_store(store_url, poll_interval=3600) as store:
+        tasks, seen = await idle_subscribers(store, 3, 0)
+        assert await store.import_events(lambda: iter(lines)) == 7
+        await until(lambda: all(len(got) == 7 for got in seen))
+        assert seen == [list(range(1, 8))] * 3
+        for t in tasks:
+            t.cancel()
+        await ended(tasks)
