@@ -1923,8 +1923,9 @@ class AllocationStore:
     async def diff(self, a: int | datetime, b: int | datetime) -> Diff:
         """What changed between ``a`` and ``b`` (positions or times): usage deltas per provider and
         class, consumers created, changed, released, deleted, ``transient`` (touched in between and
-        holding nothing at either end) or ``leaked`` (holding allocations while deleted, what only
-        an imported log holds), and the events responsible."""
+        holding nothing at either end) or ``leaked`` (holding at ``b`` what the audit calls a leak:
+        allocations while deleted, or as a migration for a deleted instance, what only an imported
+        log holds), and the events responsible."""
         from projections.diff import diff_states
 
         start = await self._position_of(a, "diff's a (from)", "a")

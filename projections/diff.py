@@ -5,9 +5,11 @@
 consumer and provider; it then compares the two ends: usage deltas per provider and class, and
 every consumer created, changed, released, deleted - or touched in between and holding nothing
 at both ends (``transient``: created and gone again, or an event that named it without leaving it
-anything), or holding allocations while deleted (``leaked``: what only a log imported from
-an older, Placement-style writer holds, the audit's leak) - each with the positions of the events
-responsible.
+anything), or holding what the audit calls a leak at the end (``leaked``: allocations while
+deleted, or as a migration for a deleted instance - what only a log imported from an older,
+Placement-style writer holds; :func:`projections.invariants.leak_of`) - each with the positions of
+the events responsible (for a migration an instance's tombstone left holding, that tombstone,
+although it does not name the migration).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from uuid import UUID
 from evstore.errors import InvalidInput
 from evstore.events import decode_event
 from projections.gcpause import gc_paused
+from projections.invariants import leak_of
 from projections.persisted import clone
 from projections.replay import Turns, sorted_in_runs
 from projections.state import ConsumerState, State, dismantle, evolve_noting_providers
@@ -126,12 +129,17 @@ def _holds(c: ConsumerState | None) -> Allocs:
     return {p: dict(r) for p, r in c.allocations.items()} if c is not None else {}
 
 
-def _classify(before: ConsumerState | None, after: ConsumerState | None) -> ChangeKind | None:
+def _classify(
+    before: ConsumerState | None, after: ConsumerState | None, leaked_before: bool, leaked_after: bool
+) -> ChangeKind | None:
     had, has = _holds(before), _holds(after)
-    if has and after is not None and after.deleted:
-        # a tombstone holding allocations (an imported log's revert given back to a deleted
-        # instance): neither "created" nor "deleted" says that
-        return None if had == has and before is not None and before.deleted else "leaked"
+    if leaked_after:
+        # what the audit calls a leak (an imported log's revert given back to a deleted instance,
+        # a migration an older writer's delete left holding): neither "created" nor "deleted"
+        # says that; left out only when it was the same leak at the start
+        assert after is not None
+        same = leaked_before and before is not None and had == has and _labels(before) == _labels(after)
+        return None if same else "leaked"
     if after is not None and after.deleted and not (before is not None and before.deleted):
         return "deleted"
     if not had and has:
@@ -245,6 +253,25 @@ def _moved(state: State, held: dict[str, Allocs], changed: set[str]) -> set[tupl
     return out
 
 
+def _left_holding(before: State, state: State, touched: set[str]) -> set[str]:
+    """The migrations the span did not touch that hold allocations at its end for an instance it
+    deleted: what an older writer's delete that did not release them leaves (the audit's leak)."""
+    deleted = {
+        uuid
+        for uuid in touched
+        if (c := state.consumers.get(uuid)) is not None
+        and c.deleted
+        and not ((was := before.consumers.get(uuid)) is not None and was.deleted)
+    }
+    if not deleted:
+        return set()
+    return {
+        c.uuid
+        for c in state.consumers.values()
+        if c.on_behalf_of in deleted and c.allocations and c.uuid not in touched
+    }
+
+
 def _describe(
     before: State,
     state: State,
@@ -279,11 +306,19 @@ def _describe(
                 )
     result.usage.sort(key=lambda u: (u.name, u.resource_class))
     consumers = {key.split(":", 1)[1] for key in touched if key.startswith("consumer:")}
+    consumers |= _left_holding(before, state, consumers)
     for uuid in sorted_in_runs(consumers):
         old_c, new_c = before.consumers.get(uuid), state.consumers.get(uuid)
-        kind = _classify(old_c, new_c)
+        leak = leak_of(state, new_c) if new_c is not None else None
+        was_leak = old_c is not None and leak_of(before, old_c) is not None
+        kind = _classify(old_c, new_c, was_leak, leak is not None)
         if kind is None:
             continue
+        positions = touched.get(f"consumer:{uuid}", [])
+        tombstone = leak.tombstone_position if leak is not None else None
+        if tombstone is not None and tombstone > before.position and tombstone not in positions:
+            # (the instance's tombstone made its migration's allocations a leak, without naming it)
+            positions = sorted([*positions, tombstone])
         known = new_c or old_c
         result.consumers.append(
             ConsumerChange(
@@ -291,7 +326,7 @@ def _describe(
                 kind,
                 _holds(old_c),
                 _holds(new_c),
-                tuple(touched[f"consumer:{uuid}"]),
+                tuple(positions),
                 known.consumer_type if known is not None else None,
                 known.on_behalf_of if known is not None else None,
             )

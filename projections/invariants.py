@@ -24,29 +24,30 @@ class OverCapacity:
     capacity: float
 
 
-def holds_allocations_while_deleted(consumer: ConsumerState) -> bool:
-    return consumer.deleted and bool(consumer.allocations)
-
-
 def find_leaks(state: State) -> list[Leak]:
     """Allocations held by a tombstoned consumer, or by a migration whose instance is tombstoned."""
-    leaks: list[Leak] = []
-    for c in state.consumers.values():
-        if holds_allocations_while_deleted(c):
-            leaks.append(Leak(c.uuid, c.allocations, "consumer is deleted", c.deleted_at, c.allocated_at))
-        elif c.on_behalf_of is not None and c.allocations:
-            inst = state.consumers.get(c.on_behalf_of)
-            if inst is not None and inst.deleted:
-                leaks.append(
-                    Leak(
-                        c.uuid,
-                        c.allocations,
-                        f"migration holds resources for deleted instance {inst.uuid}",
-                        inst.deleted_at,
-                        c.allocated_at,
-                    )
-                )
-    return leaks
+    return [leak for c in state.consumers.values() if (leak := leak_of(state, c)) is not None]
+
+
+def leak_of(state: State, c: ConsumerState) -> Leak | None:
+    """The leak ``c`` is in ``state``, if it is one (what the audit reports, and diff calls
+    ``leaked``): allocations held while tombstoned, or held as a migration for an instance
+    that is tombstoned."""
+    if not c.allocations:
+        return None
+    if c.deleted:
+        return Leak(c.uuid, c.allocations, "consumer is deleted", c.deleted_at, c.allocated_at)
+    if c.on_behalf_of is not None:
+        inst = state.consumers.get(c.on_behalf_of)
+        if inst is not None and inst.deleted:
+            return Leak(
+                c.uuid,
+                c.allocations,
+                f"migration holds resources for deleted instance {inst.uuid}",
+                inst.deleted_at,
+                c.allocated_at,
+            )
+    return None
 
 
 def over_capacity(provider: ProviderState) -> list[OverCapacity]:

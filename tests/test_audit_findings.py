@@ -28,6 +28,7 @@ from evstore.log.sqlite import SqliteBackend, now_iso
 from projections.exchange import ExportHeader, parse_header, parse_row, row_line
 from projections.state import fold
 from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_cli_support import evstore
 
 
 def chained(
@@ -395,8 +396,10 @@ async def test_diff_names_a_leak_of_what_a_live_consumer_held_and_the_leaks_rele
         assert (change.before, change.after) == ({src: {"VCPU": 2}}, {})
 
 
-async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_path: Path) -> None:
-    """An older writer's delete released the instance but not its migration's allocations."""
+async def _migration_left_holding(tmp_path: Path) -> tuple[list[str], RawEvent, dict[str, str]]:
+    """An export of a store where an instance (2 VCPU on src) started a migration and was placed
+    on dst, and the delete an older writer would then have recorded: it released the instance but
+    not its migration's allocations. (lines, the delete's row, the uuids and start position)."""
     async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
         src = await make_provider(source, "src", VCPU=8)
         dst = await make_provider(source, "dst", VCPU=8)
@@ -412,15 +415,73 @@ async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_pat
         {"consumer": instance, "released": {dst: {"VCPU": 2}}, "migrations_released": {}},
     )
     append_row(lines, delete)
+    ids = {"src": src, "dst": dst, "instance": instance, "migration": migration, "started": str(started)}
+    return lines, delete, ids
+
+
+async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_path: Path) -> None:
+    """An older writer's delete released the instance but not its migration's allocations."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
     async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
         await store.import_events(lambda: iter(lines))
         report = await store.audit()
         [leak] = report.leaks
-        assert leak.details["consumer"] == migration
-        assert leak.details["allocations"] == {src: {"VCPU": 2}}
-        assert f"deleted instance {instance}" in leak.details["reason"]
-        assert leak.positions == (started, delete.position)
+        assert leak.details["consumer"] == ids["migration"]
+        assert leak.details["allocations"] == {ids["src"]: {"VCPU": 2}}
+        assert f"deleted instance {ids['instance']}" in leak.details["reason"]
+        assert leak.positions == (int(ids["started"]), delete.position)
         assert not report.integrity and not report.drift
+
+
+async def test_diff_calls_a_migration_left_holding_for_a_deleted_instance_leaked(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression (stop 35's note): the audit calls a migration that still holds allocations for a
+    deleted instance a leak, but diff said "created" over a span from before the migration, and
+    did not list it at all over the older writer's delete that left it holding (the delete does
+    not name it): the event that made the leak, and the only one. It is "leaked" over both, with
+    the tombstone's position; over a later span that does not change it, it is not listed."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
+    src, instance, migration, started = ids["src"], ids["instance"], ids["migration"], int(ids["started"])
+    async with open_store(store_url) as store:
+        await store.import_events(lambda: iter(lines))
+        [leak] = (await store.audit()).leaks
+        assert leak.details["consumer"] == migration
+        for a, positions in (
+            (delete.position - 1, (delete.position,)),
+            (started - 1, (started, delete.position)),
+        ):
+            d = await store.diff(a, delete.position)
+            change = d.consumer(migration)
+            assert change is not None and change.change == "leaked", a
+            assert change.positions == positions
+            assert change.after == {src: {"VCPU": 2}}
+            assert (change.on_behalf_of, change.consumer_type) == (instance, "MIGRATION")
+            assert [c.consumer for c in d.of_change("leaked")] == [migration]
+            assert d.consumer(instance) is not None and d.consumer(instance).change == "deleted"  # type: ignore[union-attr]
+        assert (await store.diff(delete.position - 1, delete.position - 1)).consumers == []
+        await make_provider(store, "later", VCPU=1)  # (a span after the leak, not touching it)
+        assert (await store.diff(delete.position, await store.head())).consumer(migration) is None
+
+
+def test_evstore_diff_shows_a_migration_left_holding_for_a_deleted_instance_as_leaked(tmp_path: Path) -> None:
+    """The command line's diff says it too, in its table and in --json."""
+    lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
+    (tmp_path / "legacy.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    db = str(tmp_path / "legacy.db")
+    done = evstore("import", str(tmp_path / "legacy.jsonl"), "--db", db)
+    assert done.returncode == 3, done.stderr  # imported, with the audit's leak
+    span = (str(delete.position - 1), str(delete.position))
+    done = evstore("diff", *span, "--db", db, "--json")
+    assert done.returncode == 0, done.stderr
+    changes = {c["consumer"]: c for c in json.loads(done.stdout)["consumers"]}
+    assert changes[ids["migration"]]["change"] == "leaked"
+    assert changes[ids["migration"]]["positions"] == [delete.position]
+    assert changes[ids["instance"]]["change"] == "deleted"
+    done = evstore("diff", *span, "--db", db)
+    assert done.returncode == 0, done.stderr
+    [row] = [line for line in done.stdout.splitlines() if ids["migration"] in line]
+    assert "leaked" in row and "MIGRATION" in row
 
 
 async def test_inventory_shrunk_below_usage_is_over_capacity_since_the_shrink(store: AllocationStore) -> None:
