@@ -61,6 +61,10 @@ class UsageDelta:
 
 @dataclass(frozen=True, slots=True)
 class ConsumerChange:
+    """One consumer's change over the span: what it held at each end and the events that named it.
+    ``consumer_type`` and ``on_behalf_of`` say what it is at the end; for one absent there (not
+    kept: released, or created and gone again), what it was last in the span, or at its start."""
+
     consumer: str
     change: ChangeKind
     before: Allocs
@@ -173,6 +177,9 @@ async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_
     before = await asyncio.to_thread(clone, start)
     state = start
     touched: dict[str, list[int]] = {}  # "consumer:<uuid>" -> the events that named it
+    #: "consumer:<uuid>" -> its last type, and its instance after the last event that named it and
+    #: left it known (a consumer absent at the end is forgotten: what it was in between is kept here)
+    seen: dict[str, tuple[str | None, str | None]] = {}
     #: (provider, class) -> the events that changed what some consumer holds of it (see _moved)
     moved: dict[tuple[str, str], list[int]] = {}
     recreated: set[str] = set()  # providers deleted in between that exist at the end
@@ -197,6 +204,7 @@ async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_
             for entity in named:
                 if entity.startswith("consumer:"):  # (providers' events: see moved)
                     touched.setdefault(entity, []).append(raw.position)
+                    _note(seen, state, entity)
             for key in _moved(state, held, changed):
                 moved.setdefault(key, []).append(raw.position)
             if raw.type == "ProviderDeleted":
@@ -204,13 +212,25 @@ async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_
             after = raw.position
     recreated &= state.providers.keys()
     state.position = max(state.position, to_position)  # (a hole at to_position: the state there)
-    return await asyncio.to_thread(_described, before, state, touched, moved, recreated, counts)
+    return await asyncio.to_thread(_described, before, state, touched, seen, moved, recreated, counts)
+
+
+def _note(seen: dict[str, tuple[str | None, str | None]], state: State, entity: str) -> None:
+    """Keep what the consumer ``entity`` is after an event that named it (see ``seen``). (A
+    function of its own: a local of the fold's coroutine referencing the last one noted would
+    free it on the event loop, after the state was emptied on a thread - see dismantle.)"""
+    c = state.consumers.get(entity[9:])
+    if c is not None:
+        # (a tombstone of a consumer forgotten before it has no type: the last one it had)
+        typed = c.consumer_type or (seen[entity][0] if entity in seen else None)
+        seen[entity] = (typed, c.on_behalf_of)
 
 
 def _described(
     before: State,
     state: State,
     touched: dict[str, list[int]],
+    seen: dict[str, tuple[str | None, str | None]],
     moved: dict[tuple[str, str], list[int]],
     recreated: set[str],
     counts: dict[str, int],
@@ -219,7 +239,7 @@ def _described(
     copies of what it shows, and freed on the event loop at its return, the two states stalled
     it (60 ms and more on a 200k-event store). ``state`` is the caller's start, folded on."""
     try:
-        return _describe(before, state, touched, moved, recreated, counts)
+        return _describe(before, state, touched, seen, moved, recreated, counts)
     finally:
         dismantle(before, state)
 
@@ -276,6 +296,7 @@ def _describe(
     before: State,
     state: State,
     touched: dict[str, list[int]],
+    seen: dict[str, tuple[str | None, str | None]],
     moved: dict[tuple[str, str], list[int]],
     recreated: set[str],
     counts: dict[str, int],
@@ -314,21 +335,28 @@ def _describe(
         kind = _classify(old_c, new_c, was_leak, leak is not None)
         if kind is None:
             continue
-        positions = touched.get(f"consumer:{uuid}", [])
+        key = f"consumer:{uuid}"
+        positions = touched.get(key, [])
         tombstone = leak.tombstone_position if leak is not None else None
         if tombstone is not None and tombstone > before.position and tombstone not in positions:
             # (the instance's tombstone made its migration's allocations a leak, without naming it)
             positions = sorted([*positions, tombstone])
-        known = new_c or old_c
+        # what it is at the end; one absent there (forgotten), what it was last in between, or
+        # else at the start - and the type it had last, where a tombstone has none (a consumer
+        # forgotten before it was deleted)
+        seen_type, seen_behalf = seen.get(key, (None, None))
+        consumer_type = (
+            (new_c.consumer_type if new_c is not None else None)
+            or seen_type
+            or (old_c.consumer_type if old_c is not None else None)
+        )
+        if new_c is not None or key in seen:
+            on_behalf_of = new_c.on_behalf_of if new_c is not None else seen_behalf
+        else:
+            on_behalf_of = old_c.on_behalf_of if old_c is not None else None
         result.consumers.append(
             ConsumerChange(
-                uuid,
-                kind,
-                _holds(old_c),
-                _holds(new_c),
-                tuple(positions),
-                known.consumer_type if known is not None else None,
-                known.on_behalf_of if known is not None else None,
+                uuid, kind, _holds(old_c), _holds(new_c), tuple(positions), consumer_type, on_behalf_of
             )
         )
     named = {*result.providers_created, *result.providers_deleted, *(u.provider for u in result.usage)}

@@ -298,6 +298,46 @@ async def test_a_migration_change_names_its_instance(store: AllocationStore) -> 
     assert (change.on_behalf_of, change.consumer_type) == (instance, "MIGRATION")
 
 
+async def test_a_consumer_absent_at_both_ends_shows_the_type_and_instance_it_had_in_between(
+    store: AllocationStore,
+) -> None:
+    """Regression (stop 35's note): a consumer created and gone again within the span (absent,
+    so forgotten, at both ends) showed ``consumer_type: null`` - and a migration started and
+    reverted within it ``on_behalf_of: null`` - though every event that named it said what it
+    was. A consumer that ends the span absent shows the type (and instance) it had last in it."""
+    rp = await make_provider(store, VCPU=8)
+    instance, migration, plain, retyped, gone, held = (new_uuid() for _ in range(6))
+    await allocate(store, instance, {rp: {"VCPU": 2}})
+    await allocate(store, retyped, {rp: {"VCPU": 1}}, consumer_type="INSTANCE")
+    await allocate(store, held, {rp: {"VCPU": 1}}, consumer_type="VOLUME")
+    start = await store.head()
+    await store.release(held)
+    await store.delete_consumer(held)  # (held at the start, absent before its tombstone)
+    await allocate(store, plain, {rp: {"VCPU": 1}}, consumer_type="BAREMETAL")
+    await store.release(plain)
+    await store.start_migration(instance, migration)
+    await store.revert_migration(migration)
+    await store.release(retyped)
+    await allocate(store, retyped, {rp: {"VCPU": 1}}, consumer_type="VOLUME")
+    await store.release(retyped)
+    await allocate(store, gone, {rp: {"VCPU": 1}}, consumer_type="BAREMETAL")
+    await store.release(gone)
+    await store.delete_consumer(gone)  # (a tombstone of a consumer absent, forgotten, before it)
+    d = await store.diff(start, await store.head())
+    shown = {c.consumer: (c.change, c.consumer_type, c.on_behalf_of) for c in d.consumers}
+    assert shown == {
+        plain: ("transient", "BAREMETAL", None),
+        migration: ("transient", "MIGRATION", instance),
+        retyped: ("released", "VOLUME", None),  # (the type it had last, as "deleted" shows it)
+        gone: ("deleted", "BAREMETAL", None),
+        held: ("deleted", "VOLUME", None),
+    }  # (the instance, given back what it held, is as it was: not listed)
+    assert (
+        d.to_dict()["consumers"][[c.consumer for c in d.consumers].index(plain)]["consumer_type"]
+        == "BAREMETAL"
+    )
+
+
 async def test_a_diff_lists_things_in_one_order_and_only_what_moved(store: AllocationStore) -> None:
     """Usage deltas by provider name then class (not by uuid), only for classes whose usage moved;
     providers and consumers by uuid; event counts by type."""
