@@ -130,7 +130,12 @@ class Diff:
 
 
 def _holds(c: ConsumerState | None) -> Allocs:
-    return {p: dict(r) for p, r in c.allocations.items()} if c is not None else {}
+    """A copy of what ``c`` holds, in key order at both levels (as ``state --consumer`` shows it:
+    the order the events listed them in is no part of it)."""
+    if c is None:
+        return {}
+    held = c.allocations
+    return {p: dict(sorted(held[p].items())) for p in sorted(held)}
 
 
 def _classify(

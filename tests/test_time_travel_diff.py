@@ -364,6 +364,23 @@ async def test_a_diff_lists_things_in_one_order_and_only_what_moved(store: Alloc
     assert list(d.to_dict()["events_by_type"]) == ["AllocationsReplaced", "ProviderCreated"]
 
 
+async def test_a_diffs_allocations_are_in_key_order_as_state_shows_them(store: AllocationStore) -> None:
+    """Regression: ``Diff.to_dict()`` (``evstore diff --json``) gave a consumer's ``before`` and
+    ``after`` in the order the command listed them (``{"VCPU": 1, "MEMORY_MB": 2}``), where
+    ``state --consumer --json`` gives the same allocations in key order, both levels (the same
+    bytes however the state was read): one consumer's allocations now read alike in both."""
+    lo, hi = sorted([await make_provider(store, VCPU=8, MEMORY_MB=8) for _ in range(2)])
+    c = new_uuid()
+    start = await store.head()
+    await allocate(store, c, {hi: {"VCPU": 1, "MEMORY_MB": 2}, lo: {"VCPU": 1, "MEMORY_MB": 2}})
+    end = await store.head()
+    await store.release(c)
+    for a, b, side in ((start, end, "after"), (end, end + 1, "before")):
+        [change] = (await store.diff(a, b)).to_dict()["consumers"]
+        held = change[side]
+        assert list(held) == [lo, hi] and all(list(r) == ["MEMORY_MB", "VCPU"] for r in held.values()), side
+
+
 def test_every_change_kind_is_described_where_the_readme_describes_diff() -> None:
     """Regression: ``transient`` was described only in projections/diff.py's docstring, so a
     reader of ``evstore diff --json`` met a change kind the README never named."""
