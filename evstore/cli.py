@@ -1105,10 +1105,12 @@ def sorted_allocations(allocs: Mapping[str, Mapping[str, int]]) -> dict[str, dic
     return {key: dict(sorted(amounts.items())) for key, amounts in sorted(allocs.items())}
 
 
-def consumer_json(view: Any, migrations: list[str], allocated_at: int | None, names: Names) -> dict[str, Any]:
+def consumer_json(
+    view: Any, migrations: list[str], allocated_at: int | None, names: Names, leaked: bool
+) -> dict[str, Any]:
     """``state --consumer --json``: the table's fields (``allocated_at``: its "last allocation
     change at"; ``provider_names``: the names it gives the providers of the allocations, as they
-    were then)."""
+    were then; ``leaked``: what its status line calls a leak, as the audit and diff do)."""
     return {
         "consumer": view.consumer,
         "allocations": sorted_allocations(view.allocations),
@@ -1119,6 +1121,7 @@ def consumer_json(view: Any, migrations: list[str], allocated_at: int | None, na
         "deleted": view.deleted,
         "deleted_at": view.deleted_at,
         "on_behalf_of": view.on_behalf_of,
+        "leaked": leaked,
         "migrations_holding_for_it": migrations,
         "allocated_at": allocated_at,
         "provider_names": {uuid: names[uuid] for uuid in sorted(view.allocations) if uuid in names},
@@ -1140,6 +1143,7 @@ def state(
 
     async def work() -> int:
         from evstore.schema import normalize_uuid
+        from projections.invariants import leak_of
         from projections.replay import StateView
 
         if provider is not None and consumer is not None:  # (a usage error, as --db with --url)
@@ -1221,7 +1225,8 @@ def state(
             cview = await view.allocations(cuuid)
             migrations = sorted(m.uuid for m in st.migrations_for(cuuid))
             known = st.consumers.get(cuuid)
-            doc = consumer_json(cview, migrations, known.allocated_at if known else None, names)
+            leaked = known is not None and leak_of(st, known) is not None  # (the audit's leak)
+            doc = consumer_json(cview, migrations, known.allocated_at if known else None, names, leaked)
             if json_out:
                 emit_json({**header, **doc})
                 return EXIT_OK
@@ -1231,7 +1236,11 @@ def state(
             if cview.on_behalf_of is not None and not cview.allocations:
                 behalf_label = "was on behalf of (migration of)"
             status = (
-                "deleted (tombstone)"
+                "deleted (tombstone), yet holds allocations: a leak"
+                if leaked and cview.deleted
+                else f"holds allocations for deleted instance {cview.on_behalf_of}: a leak"
+                if leaked
+                else "deleted (tombstone)"
                 if cview.deleted
                 else "holds allocations"
                 if cview.allocations

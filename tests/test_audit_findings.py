@@ -484,6 +484,40 @@ def test_evstore_diff_shows_a_migration_left_holding_for_a_deleted_instance_as_l
     assert "leaked" in row and "MIGRATION" in row
 
 
+def test_evstore_state_of_a_consumer_the_audit_calls_leaked_says_so(tmp_path: Path) -> None:
+    """Regression: ``state --consumer`` of a consumer the audit reports as a leak, and diff as
+    "leaked", said "deleted (tombstone)" (a deleted instance an older writer's revert gave
+    allocations back to) or "holds allocations" (a migration left holding for a deleted
+    instance), and its --json had no word for it: both say it is a leak now (``leaked``)."""
+    lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
+    (tmp_path / "mig.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "source.db").unlink()
+    lines, revert, _, instance, _ = asyncio.run(_deleted_mid_migration(tmp_path, same_host=False))
+    (tmp_path / "rev.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for name in ("mig", "rev"):
+        done = evstore("import", str(tmp_path / f"{name}.jsonl"), "--db", str(tmp_path / f"{name}.db"))
+        assert done.returncode == 3, done.stderr
+    migration = ids["migration"]
+    for db, consumer, at, status in (
+        (
+            "mig",
+            migration,
+            delete.position,
+            f"holds allocations for deleted instance {ids['instance']}: a leak",
+        ),
+        ("mig", migration, delete.position - 1, "holds allocations"),  # (its instance not deleted yet)
+        ("rev", instance, revert.position, "deleted (tombstone), yet holds allocations: a leak"),
+        ("rev", instance, revert.position - 1, "deleted (tombstone)"),  # (released by the delete)
+    ):
+        args = ("state", "--at", str(at), "--consumer", consumer, "--db", str(tmp_path / f"{db}.db"))
+        done = evstore(*args)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[0].endswith(f": {status}"), (db, at, done.stdout)
+        done = evstore(*args, "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["leaked"] is status.endswith("a leak"), (db, at)
+
+
 async def test_inventory_shrunk_below_usage_is_over_capacity_since_the_shrink(store: AllocationStore) -> None:
     rp = await make_provider(store, VCPU=8)
     await allocate(store, new_uuid(), {rp: {"VCPU": 6}})

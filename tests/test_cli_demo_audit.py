@@ -226,6 +226,9 @@ def test_the_readmes_walkthrough_holds_on_every_run(tmp_path: Path) -> None:
     [leak] = audit["findings"]
     assert leak["kind"] == "leak" and leak["positions"] == [432, 567]
     assert "#  leak │ 432, 567 │" in readme
+    state = evstore("state", "--consumer", instance, "--db", legacy)
+    status = "deleted (tombstone), yet holds allocations: a leak"
+    assert state.stdout.splitlines()[0].endswith(f": {status}") and f"   # {status}" in readme
 
 
 def test_audit_history_checks_the_history_index(tmp_path: Path) -> None:
