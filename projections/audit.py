@@ -529,6 +529,7 @@ def leak_findings(state: State) -> list[Finding]:
                     "reason": leak.reason,
                     "allocated_at": leak.allocated_at,
                     "deleted_at": leak.tombstone_position,
+                    "on_behalf_of": leak.on_behalf_of,
                 },
             )
         )

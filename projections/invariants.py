@@ -10,10 +10,14 @@ from projections.state import ConsumerState, ProviderState, State
 @dataclass(frozen=True, slots=True)
 class Leak:
     consumer: str
+    #: what it holds, in key order at both levels (as state and diff show allocations)
     allocations: dict[str, dict[str, int]]
     reason: str
+    #: the consumer's own tombstone if it is deleted, else that of the instance it holds for
     tombstone_position: int | None
     allocated_at: int | None
+    #: the instance it holds for (a migration), as state and diff name it; None for no migration
+    on_behalf_of: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,18 +40,16 @@ def leak_of(state: State, c: ConsumerState) -> Leak | None:
     if not c.allocations:
         return None
     if c.deleted:
-        return Leak(c.uuid, c.allocations, "consumer is deleted", c.deleted_at, c.allocated_at)
-    if c.on_behalf_of is not None:
+        reason, tombstone = "consumer is deleted", c.deleted_at
+    elif c.on_behalf_of is not None:
         inst = state.consumers.get(c.on_behalf_of)
-        if inst is not None and inst.deleted:
-            return Leak(
-                c.uuid,
-                c.allocations,
-                f"migration holds resources for deleted instance {inst.uuid}",
-                inst.deleted_at,
-                c.allocated_at,
-            )
-    return None
+        if inst is None or not inst.deleted:
+            return None
+        reason, tombstone = f"migration holds resources for deleted instance {inst.uuid}", inst.deleted_at
+    else:
+        return None
+    held = {p: dict(sorted(c.allocations[p].items())) for p in sorted(c.allocations)}
+    return Leak(c.uuid, held, reason, tombstone, c.allocated_at, c.on_behalf_of)
 
 
 def over_capacity(provider: ProviderState) -> list[OverCapacity]:

@@ -396,6 +396,35 @@ async def test_diff_names_a_leak_of_what_a_live_consumer_held_and_the_leaks_rele
         assert (change.before, change.after) == ({src: {"VCPU": 2}}, {})
 
 
+async def test_a_leak_finding_names_its_instance_and_lists_allocations_in_key_order(tmp_path: Path) -> None:
+    """Regression: a leak finding's details gave the allocations in the order the events listed
+    them (state --consumer and diff give them in key order) and named a migration's instance only
+    in the text of its reason: ``on_behalf_of`` (null for a consumer that is no migration) says it,
+    as state and diff do."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8, MEMORY_MB=64)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2, "MEMORY_MB": 8}})
+        await source.start_migration(instance, migration)
+        await source.delete_consumer(instance)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    revert = chained(
+        last,
+        "MigrationReverted",
+        {"migration": migration, "instance": instance, "allocations": {src: {"VCPU": 2, "MEMORY_MB": 8}},
+         "replaced": {}, "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
+         "instance_generation": 2, "provider_generations": {}},
+    )  # fmt: skip
+    append_row(lines, revert)
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        [leak] = (await store.audit()).leaks
+    assert leak.details["consumer"] == instance and leak.details["on_behalf_of"] is None
+    assert list(leak.details["allocations"][src]) == ["MEMORY_MB", "VCPU"]
+    assert f"holds {{'{src}': {{'MEMORY_MB': 8, 'VCPU': 2}}}} but consumer is deleted" in leak.message
+
+
 async def _migration_left_holding(tmp_path: Path) -> tuple[list[str], RawEvent, dict[str, str]]:
     """An export of a store where an instance (2 VCPU on src) started a migration and was placed
     on dst, and the delete an older writer would then have recorded: it released the instance but
@@ -429,6 +458,7 @@ async def test_a_migration_left_holding_for_a_deleted_instance_is_a_leak(tmp_pat
         assert leak.details["consumer"] == ids["migration"]
         assert leak.details["allocations"] == {ids["src"]: {"VCPU": 2}}
         assert f"deleted instance {ids['instance']}" in leak.details["reason"]
+        assert leak.details["on_behalf_of"] == ids["instance"]  # (as state and diff name it)
         assert leak.positions == (int(ids["started"]), delete.position)
         assert not report.integrity and not report.drift
 
