@@ -27,6 +27,7 @@ from projections.invariants import leak_of
 from projections.persisted import clone
 from projections.replay import Turns, sorted_in_runs
 from projections.state import ConsumerState, State, dismantle, evolve_noting_providers
+from projections.views import sorted_holdings
 
 Allocs = dict[str, dict[str, int]]
 ChangeKind = Literal["created", "changed", "released", "deleted", "transient", "leaked"]
@@ -132,10 +133,7 @@ class Diff:
 def _holds(c: ConsumerState | None) -> Allocs:
     """A copy of what ``c`` holds, in key order at both levels (as ``state --consumer`` shows it:
     the order the events listed them in is no part of it)."""
-    if c is None:
-        return {}
-    held = c.allocations
-    return {p: dict(sorted(held[p].items())) for p in sorted(held)}
+    return sorted_holdings(c.allocations) if c is not None else {}
 
 
 def _classify(

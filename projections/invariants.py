@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from projections.state import ConsumerState, ProviderState, State
+from projections.views import sorted_holdings
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ def leak_of(state: State, c: ConsumerState) -> Leak | None:
         reason, tombstone = f"migration holds resources for deleted instance {inst.uuid}", inst.deleted_at
     else:
         return None
-    held = {p: dict(sorted(c.allocations[p].items())) for p in sorted(c.allocations)}
+    held = sorted_holdings(c.allocations)
     return Leak(c.uuid, held, reason, tombstone, c.allocated_at, c.on_behalf_of)
 
 
