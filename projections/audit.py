@@ -530,6 +530,7 @@ def leak_findings(state: State) -> list[Finding]:
                     "allocated_at": leak.allocated_at,
                     "deleted_at": leak.tombstone_position,
                     "on_behalf_of": leak.on_behalf_of,
+                    "requests": {},  # (who asked for the two events: see cite_requests)
                 },
             )
         )
@@ -540,8 +541,9 @@ async def cite_requests(findings: list[Finding], read: ReadRows) -> list[Finding
     """Leak findings with who asked for the two events that made each leak - the one that last
     gave the allocations and the tombstone - as their request id and actor: what an operator
     looks up in the other services' logs (the positions alone sent them to ``evstore history``
-    for it). Two rows read per leak; a row whose metadata does not decode (its own integrity
-    finding) or carries neither cites nothing."""
+    for it), in ``details["requests"]`` (``{"allocated": {...}, "deleted": {...}}``, each where
+    cited; ``{}`` citing nothing). Two rows read per leak; a row whose metadata does not decode
+    (its own integrity finding) or carries neither cites nothing."""
     out = []
     for finding in findings:
         requests: dict[str, dict[str, str]] = {}

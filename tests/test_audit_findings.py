@@ -338,6 +338,34 @@ async def test_imported_log_that_recreates_a_deleted_consumers_allocations_is_a_
             assert change.after == {src: {"VCPU": 2}} and revert.position in change.positions
 
 
+async def test_a_leak_that_cites_no_request_has_an_empty_requests(tmp_path: Path) -> None:
+    """Regression: a leak finding's details had "requests" only when one of its two events
+    carried a request id or an actor, so a script reading ``details["requests"]`` of the findings
+    of one audit failed (KeyError) on some of them; it is always there, ``{}`` citing nothing."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        await source.start_migration(instance, migration)
+        await source.delete_consumer(instance)  # (no request id, no actor)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    revert = chained(
+        last,
+        "MigrationReverted",
+        {"migration": migration, "instance": instance, "allocations": {src: {"VCPU": 2}}, "replaced": {},
+         "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
+         "instance_generation": 2, "provider_generations": {}},
+        meta="{}",
+    )  # fmt: skip
+    append_row(lines, revert)
+    async with open_store(f"sqlite:///{tmp_path}/imported.db") as store:
+        await store.import_events(lambda: iter(lines))
+        [leak] = (await store.audit()).leaks
+    assert leak.details["requests"] == {}
+    assert "allocated by" not in leak.message and "deleted by" not in leak.message
+
+
 async def test_a_leak_names_who_asked_for_its_allocation_and_its_tombstone(tmp_path: Path) -> None:
     """Regression (helper-73): a leak finding gave two positions, sorted (which was the tombstone
     only its message said), and no request id: the operator hunting the leak of bug 1848343 had to
