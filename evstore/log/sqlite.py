@@ -24,7 +24,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -482,7 +482,7 @@ def drop_history_past_head(conn: sqlite3.Connection, head: int) -> None:
 
 
 def _history_of(
-    conn: sqlite3.Connection, after: int, upto: int, known: Mapping[int, set[str]]
+    conn: sqlite3.Connection, after: int, upto: int, known: Mapping[int, Collection[str]]
 ) -> list[tuple[str, int]]:
     """The history rows of the events in ``(after, upto]``: ``known`` keys where given (the events
     this writer appended), else read off the events. A row that cannot be decoded (damaged since
@@ -528,7 +528,10 @@ def index_history(conn: sqlite3.Connection, cache: _WriterCache, tail: _Tail, fo
         cache.drop_own(upto=cache.history_through)  # (another connection indexed them meanwhile)
     if tail.entity_rows:
         for position, keys in tail.entity_rows:
-            cache.own[position] = keys
+            # (a tuple: a set stays tracked by the cyclic collector, and kept for up to
+            # HISTORY_LAG events every one is promoted to its oldest generation - about a third
+            # of what a group commit's 64 tasks promoted, and so of its full collections)
+            cache.own[position] = tuple(keys)
         cache.own_tip = (tail.position, tail.hash)
         tail.entity_rows = []
     through = cache.history_through
@@ -615,7 +618,7 @@ class _WriterCache:
         #: position -> history keys of the events this writer appended that the index does not
         #: hold yet. Facts about the log, not the projection: kept when the rest is forgotten,
         #: except the positions of a transaction that rolled back (drop_own).
-        self.own: dict[int, set[str]] = {}
+        self.own: dict[int, tuple[str, ...]] = {}
         #: the position and hash of the last event whose keys ``own`` took: while the log holds
         #: it, it holds every event ``own`` names (see _forget_own_if_lost)
         self.own_tip: tuple[int, str] | None = None
