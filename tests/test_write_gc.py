@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import sqlite3
+from collections.abc import Set as AbstractSet
 from contextlib import closing
 
 import pytest
 
 import evstore.log.sqlite as sqlite_backend
+from evstore import commands as cmd
 from evstore import open_store
 from tests.conftest import allocate, make_provider, new_uuid
 
@@ -40,3 +42,36 @@ async def test_the_history_keys_the_writer_keeps_are_not_tracked(sqlite_url: str
     async with open_store(sqlite_url) as store:
         history = [e async for e in store.history(rp)]
         assert len(history) == 52  # (created, its inventory, 50 claims)
+
+
+async def test_a_command_needs_no_set_for_what_it_does_not_read() -> None:
+    consumer, provider = new_uuid(), new_uuid()
+    commands: list[cmd.Command] = [
+        cmd.ConfirmMigration(consumer),
+        cmd.DeleteConsumer(consumer),
+        cmd.DeleteProvider(provider),
+        cmd.Release(consumer),
+    ]
+    kept = [cmd.needs(c) for c in commands]  # (alive, so that no two sets share an id by reuse)
+    empty = {id(field) for n in kept for field in _fields(n) if not field}
+    assert len(empty) == 1  # (one shared empty set, not one per command and field)
+    n = cmd.needs(cmd.DeleteConsumer(consumer))
+    assert n.consumers == n.migrations_of == {consumer}
+    assert not (n.providers or n.provider_names or n.children_of or n.resource_classes)
+
+
+def _fields(n: cmd.Needs) -> list[AbstractSet[str]]:
+    return [n.consumers, n.providers, n.provider_names, n.children_of, n.migrations_of, n.resource_classes]
+
+
+async def test_needs_names_what_each_write_reads() -> None:
+    rp, a, b = new_uuid(), new_uuid(), new_uuid()
+    write = cmd.WriteAllocations(
+        (
+            cmd.ConsumerWrite(a, {rp: {"VCPU": 1, "MEMORY_MB": 10}}, "p", "u", "INSTANCE", None),
+            cmd.ConsumerWrite(b, {}, "p", "u", "INSTANCE", None),
+        )
+    )
+    n = cmd.needs(write)
+    assert (n.consumers, n.providers, n.resource_classes) == ({a, b}, {rp}, {"VCPU", "MEMORY_MB"})
+    assert not (n.provider_names or n.children_of or n.migrations_of)

@@ -829,7 +829,7 @@ class _WriterCache:
         self._unindexed_providers.extend(providers)
         self.now.custom_classes |= after.custom_classes
 
-    def _touched_with(self, column: str, values: set[str]) -> list[str]:
+    def _touched_with(self, column: str, values: Collection[str]) -> list[str]:
         """The entities this transaction touched whose current ``column`` (``on_behalf_of`` of a
         consumer, ``name`` or ``parent`` of a provider) is one of ``values``, those it forgot
         (deleted, absent) left out. From the index kept by value, not a walk of every touched
