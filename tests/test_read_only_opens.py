@@ -247,8 +247,8 @@ async def test_a_postgresql_store_whose_refold_is_pending_is_refused_read_only(p
     await _pg_store_with_events(pg_url)
     await _pg(pg_url, "INSERT INTO evstore_meta VALUES ('refold_pending', '5')")
     rows = await _pg_rows(pg_url)
-    with pytest.raises(SchemaVersionError) as raised:  # (after connect_timeout: no open comes to run it)
-        async with open_store(pg_url, upgrade=False, connect_timeout=1):
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(pg_url, upgrade=False):
             pass
     assert raised.value.details["refold_pending"] is True and raised.value.details["missing"] == []
     assert "evstore upgrade --url" in raised.value.message
@@ -268,10 +268,11 @@ async def test_a_postgresql_store_whose_refold_is_pending_is_refused_read_only(p
 async def test_a_read_only_open_during_another_opens_refold_waits_for_it(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The refold an upgrade to version 5 leaves pending is committed with the upgrade and run
-    just after it, under the fence: an open with upgrade=False that looks in between (a command
-    run during a service's upgrade) waits for the refold and opens the store, rather than refusing
-    it as an upgrade that failed. (It refused it, saying so, before this test.)"""
+    """A refold left pending (by an earlier evstore's upgrade to version 5, which committed it
+    and ran it just after, under the fence) is run by the next open with upgrade=True: an open with
+    upgrade=False that looks while it runs (a command run during a service's upgrade) waits for the
+    refold and opens the store, rather than refusing it as an upgrade that failed. (It refused it,
+    saying so, before this test.)"""
     from evstore.log import postgres as backend
 
     await _pg_store_with_events(pg_url)
@@ -305,6 +306,109 @@ async def test_a_read_only_open_during_another_opens_refold_waits_for_it(
         assert (await store.audit()).clean
     await task
     assert not await _pg(pg_url, "SELECT 1 FROM evstore_meta WHERE key = 'refold_pending'")
+
+
+async def _pg_older_store_with_a_migration(url: str) -> tuple[str, str]:
+    """A version-4 PostgreSQL store (as an older evstore left it) holding a migration started for
+    a BAREMETAL instance: the refold of its upgrade gives the migration that type to restore."""
+    from tests.test_postgres import _downgrade_to_v4_sql
+
+    async with open_store(url) as store:
+        src = await make_provider(store, VCPU=8)
+        inst, mig = new_uuid(), new_uuid()
+        await allocate(store, inst, {src: {"VCPU": 2}}, consumer_type="BAREMETAL")
+        await store.start_migration(inst, mig)
+        for sql in _downgrade_to_v4_sql():
+            await store.backend.tamper(sql)  # type: ignore[attr-defined]
+    return inst, mig
+
+
+async def test_a_postgresql_upgrade_never_commits_a_refold_left_to_do(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (helper s36_P): the upgrade to version 5 committed the new version with a
+    ``refold_pending`` row, and its open took the fence to refold only after that commit: every
+    other session saw a store of this version whose projection was not to be read - a read-only
+    open looking then was refused (polled for up to connect_timeout since b6fd845), and a process
+    dying there left the refold to the next open. The refold now runs in the upgrade's
+    transaction: while it runs, other sessions see the older store, and after it the refolded one;
+    a read-only open that comes meanwhile waits for it (past its connect_timeout, which bounds a
+    stuck holder of the migration lock, not an upgrade under way) and opens the store."""
+    from evstore.log import postgres as backend
+
+    inst, mig = await _pg_older_store_with_a_migration(pg_url)
+    rebuild = backend._rebuild
+    refolding, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        refolding.set()
+        await asyncio.wait_for(go_on.wait(), 60)
+        return await rebuild(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_rebuild", held)
+
+    async def upgrader() -> None:
+        async with open_store(pg_url):  # (upgrade=True)
+            pass
+
+    task = asyncio.create_task(upgrader())
+    await asyncio.wait_for(refolding.wait(), 60)
+    meta = dict(await _pg(pg_url, "SELECT key, value FROM evstore_meta"))  # (what others see)
+    assert meta.get("schema_version") == "4" and "refold_pending" not in meta, meta
+
+    async def read_only() -> int:
+        async with open_store(pg_url, upgrade=False, connect_timeout=0.5) as store:
+            return await store.head()
+
+    looking = asyncio.create_task(read_only())
+    await asyncio.sleep(1.5)  # (three times its connect_timeout: it waits for the upgrade)
+    assert not looking.done(), looking
+    go_on.set()
+    await asyncio.wait_for(task, 60)
+    assert await asyncio.wait_for(looking, 60) == 4
+    meta = dict(await _pg(pg_url, "SELECT key, value FROM evstore_meta"))
+    assert "refold_pending" not in meta and int(meta["schema_version"]) >= 5, meta
+    async with open_store(pg_url, upgrade=False) as store:
+        assert (await store.audit()).clean
+        assert store.backend.repaired is None
+    async with open_store(pg_url) as store:
+        await store.revert_migration(mig)
+        assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
+
+
+async def test_a_postgresql_upgrade_whose_refold_fails_leaves_the_older_store(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (helper s36_P): an upgrade whose refold failed (a statement_timeout on a large
+    log, a lost connection) had committed version 5 and ``refold_pending``: read-only opens
+    refused the store as awaiting a refold until an open with upgrade=True ran it. The upgrade and
+    its refold are now one transaction: the store stays as the older evstore left it (refused by
+    read-only opens as such, found 4), and the next open upgrades it whole."""
+    import asyncpg
+
+    from evstore.log import postgres as backend
+
+    inst, mig = await _pg_older_store_with_a_migration(pg_url)
+    rows = await _pg_rows(pg_url)
+
+    async def interrupted(*args: object, **kwargs: object) -> int:
+        raise asyncpg.QueryCanceledError("canceling statement due to statement timeout")
+
+    with monkeypatch.context() as m:
+        m.setattr(backend, "_rebuild", interrupted)
+        with pytest.raises(Exception):  # noqa: B017 (the upgrading open fails: fine)
+            async with open_store(pg_url):
+                pass
+    assert await _pg_rows(pg_url) == rows  # (nothing committed: version 4, no refold_pending)
+    with pytest.raises(SchemaVersionError) as raised:
+        async with open_store(pg_url, upgrade=False, connect_timeout=1):
+            pass
+    assert raised.value.details["found"] == 4, raised.value.details
+    async with open_store(pg_url) as store:
+        assert store.backend.upgraded_from == 4
+        assert (await store.audit()).clean
+        await store.revert_migration(mig)
+        assert (await store.allocations(inst)).consumer_type == "BAREMETAL"
 
 
 async def test_both_backends_refuse_a_store_that_lost_objects_with_the_same_details_keys(

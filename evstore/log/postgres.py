@@ -83,7 +83,6 @@ import heapq
 import itertools
 import random
 import re
-import time
 import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -666,6 +665,31 @@ async def _refold_pending(conn: Any) -> bool:
     return bool(await conn.fetchval("SELECT count(*) FROM evstore_meta WHERE key = 'refold_pending'"))
 
 
+async def _refold(conn: Any, missing: list[str]) -> bool:
+    """Inside the fence, every committed event positioned: fold the log into the projection
+    (``missing``: the projection objects just made again, for the logs). Whether it did: a log
+    that lost its last events is not refolded, as a rebuild refuses to without force (the fold
+    would forget them silently, a tombstone among them), and one that cannot be folded is left
+    to the audit, which names the row. Each is logged."""
+    lost = None if "p_consumers" in missing else await _lost_tail(conn)
+    if lost is not None:
+        log.error(
+            "projection.refold_refused",
+            tables=missing,
+            reason="log_truncated",
+            position=lost.position,
+            consumer=lost.consumer,
+        )
+        return False
+    try:
+        async with conn.transaction():  # (a savepoint)
+            await _rebuild(conn, State(usages_deferred=True), 5000, None)
+    except (err.CorruptEvent, OverflowError, ValueError, TypeError) as exc:
+        log.error("projection.refold_failed", tables=missing, error=repr(exc)[:200])
+        return False
+    return True
+
+
 async def _recreate(conn: Any, missing: list[str]) -> None:
     """Create the lost projection objects (empty: the caller refolds), in dependency order."""
     for name, ddl in PROJECTION_OBJECTS:
@@ -912,6 +936,19 @@ TRY_LOCK = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest($1::bigint
 #: _remember_near: the most entities remembered for a consumer, and how many consumers are kept
 NEAR_SLICE_MAX = 16
 NEAR_KEPT = 10_000
+
+
+#: whether a session holds the advisory lock of the bigint key given as its two halves (_lock_tag)
+ADVISORY_LOCK_HELD = (
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1)"
+)
+
+
+def _lock_tag(key: int) -> tuple[int, int]:
+    """An advisory lock's bigint key as pg_locks shows it: its high and low 32 bits (unsigned)."""
+    return (key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF
 
 
 class _Relock(Exception):
@@ -1283,7 +1320,8 @@ class PostgresBackend:
                         repaired = SchemaRepair(tuple(missing))
                     self.repaired = repaired
                     if pending:
-                        # (done in this transaction: a failed refold leaves it pending)
+                        # (left by an older evstore's upgrade whose open failed before its refold;
+                        # deleted in this transaction: a failed refold leaves it pending)
                         await conn.execute("DELETE FROM evstore_meta WHERE key = 'refold_pending'")
                         log.warning("projection.columns_added", action="refolding from the log")
                     elif not set(missing) & set(PROJECTION_TABLES):
@@ -1292,25 +1330,8 @@ class PostgresBackend:
                         log.warning(
                             "projection.tables_missing", tables=missing, action="refolding from the log"
                         )
-                    # (a log that lost its last events is not refolded, as a rebuild refuses to
-                    # without force: the fold would forget them silently, a tombstone among them)
-                    lost = None if "p_consumers" in missing else await _lost_tail(conn)
-                    if lost is not None:
-                        log.error(
-                            "projection.refold_refused",
-                            tables=missing,
-                            reason="log_truncated",
-                            position=lost.position,
-                            consumer=lost.consumer,
-                        )
-                        return
-                    try:
-                        async with conn.transaction():  # (a savepoint)
-                            await _rebuild(conn, State(usages_deferred=True), 5000, None)
-                        if repaired is not None:
-                            self.repaired = SchemaRepair(repaired.made_again, refolded=True)
-                    except (err.CorruptEvent, OverflowError, ValueError, TypeError) as exc:
-                        log.error("projection.refold_failed", tables=missing, error=repr(exc)[:200])
+                    if await _refold(conn, missing) and repaired is not None:
+                        self.repaired = SchemaRepair(repaired.made_again, refolded=True)
             except DB_ERRORS as exc:
                 raise err.StorageError(
                     f"Cannot repair the projection at {self.safe_url}: "
@@ -1321,31 +1342,24 @@ class PostgresBackend:
     async def _refuse_repair(self, conn: Any) -> None:
         """For ``upgrade=False``, on a store that looked to need a repair: look again once the
         fence is free, and refuse it if it still does. Another open may be repairing it now, under
-        the fence - the refold its upgrade to version 5 left pending (committed with the upgrade,
-        run just after it), lost objects made again - and a read that waits for that opens the
-        store as repaired rather than refusing it as needing it. The fence is taken shared, as
-        every command takes it: writers are not held back, and nothing is written. A refold pending
-        alone is looked for again, every 50 ms for up to ``connect_timeout`` (the longest wait for
-        another open's migration): the upgrade that leaves it commits before its open takes the
-        fence to run it, and a look between the two found it pending with the fence free."""
-        deadline = time.monotonic() + self.connect_timeout
-        while True:
-            async with conn.transaction():
-                await self._take_in_attempts(
-                    conn,
-                    "SELECT pg_advisory_xact_lock_shared($1)",
-                    self._key("!fence"),
-                    refusal="Another session held evstore's advisory lock for longer than {timeout} (an "
-                    "open repairing the store's projection, an audit, rebuild or import: pg_locks says "
-                    "which), so whether the store still needs its repair is unknown; nothing was "
-                    "written: retry",
-                )
-                missing, pending = await _missing_objects(conn), await _refold_pending(conn)
-            if not missing and not pending:
-                return
-            if missing or time.monotonic() >= deadline:
-                raise self._repair_refused(missing, pending)
-            await asyncio.sleep(0.05)
+        the fence - lost objects made again, or the refold an older evstore's upgrade to version 5
+        left pending (this one refolds in the upgrade's own transaction, under the migration lock
+        that this open took before) - and a read that waits for that opens the store as repaired
+        rather than refusing it as needing it. The fence is taken shared, as every command takes
+        it: writers are not held back, and nothing is written."""
+        async with conn.transaction():
+            await self._take_in_attempts(
+                conn,
+                "SELECT pg_advisory_xact_lock_shared($1)",
+                self._key("!fence"),
+                refusal="Another session held evstore's advisory lock for longer than {timeout} (an "
+                "open repairing the store's projection, an audit, rebuild or import: pg_locks says "
+                "which), so whether the store still needs its repair is unknown; nothing was "
+                "written: retry",
+            )
+            missing, pending = await _missing_objects(conn), await _refold_pending(conn)
+        if missing or pending:
+            raise self._repair_refused(missing, pending)
 
     def _repair_refused(self, missing: list[str], pending: bool) -> err.SchemaVersionError:
         """For ``upgrade=False``: the refusal of a store whose projection the open would repair -
@@ -1358,7 +1372,7 @@ class PostgresBackend:
         if pending:
             why.append(
                 "awaits the refold of its projection that its upgrade to schema version 5 began "
-                "(the open that upgraded it failed before the refold, or is about to run it)"
+                "(the earlier evstore's open that upgraded it failed before the refold)"
             )
         return err.SchemaVersionError(
             f"The store at {self.safe_url} {', and '.join(why)}: its projection is not to be read until "
@@ -1541,20 +1555,7 @@ class PostgresBackend:
                 self._namespace = f"{database}.{schema}"
                 async with conn.transaction():
                     # Serialise concurrent opens of the same store; the key is per database+schema.
-                    # Waiting at most connect_timeout: a session stuck holding it (another open's
-                    # migration never takes that long) must not make open() hang for good.
-                    wait_ms = max(1, int(self.connect_timeout * 1000))
-                    await conn.execute(f"SET LOCAL lock_timeout = {wait_ms}")
-                    try:
-                        await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!migrate"))
-                    except asyncpg.LockNotAvailableError:
-                        raise err.StorageError(
-                            f"Cannot open {self.safe_url}: another session has held the store's "
-                            f"migration lock for over {self.connect_timeout:g} s (connect_timeout): a "
-                            "stuck process? (pg_locks shows it)",
-                            url=self.safe_url,
-                        ) from None
-                    await conn.execute("SET LOCAL lock_timeout TO DEFAULT")
+                    await self._take_migration_lock(conn)
                     found = 0
                     exists = await conn.fetchval("SELECT to_regclass('evstore_meta')") is not None
                     if not exists and await _holds_evstore_events(conn, schema):
@@ -1611,6 +1612,15 @@ class PostgresBackend:
                             found=found,
                             supported=SCHEMA_VERSION,
                         )
+                    # 5 added a column the fold fills: the projection of an older store is
+                    # refolded, in this transaction, so that no committed state has the new
+                    # version with the projection still to refold (a read-only open looking then
+                    # refused the store; a process dying before the refold left it to the next
+                    # open). Writers are held back first, before the migrations lock the tables
+                    # they use, so no wait forms a cycle with them.
+                    refold = 0 < found < 5
+                    if refold:
+                        await self._fence_for_upgrade(conn)
                     for version in range(found, SCHEMA_VERSION):
                         try:
                             await conn.execute(MIGRATIONS[version])
@@ -1642,13 +1652,12 @@ class PostgresBackend:
                                 url=self.safe_url,
                                 schema=schema,
                             ) from None
-                    if 0 < found < 5:
-                        # 5 added a column the fold fills: the projection is to be refolded. Said
-                        # in the store, in this transaction, so that an open that fails before the
-                        # refold (a statement_timeout, a kill) leaves it to the next open
-                        await conn.execute(
-                            "INSERT INTO evstore_meta VALUES ('refold_pending', '5') ON CONFLICT DO NOTHING"
-                        )
+                    if refold:
+                        # (every committed event positioned - by the sequencer the migrations
+                        # left - then folded)
+                        await _sequence(conn, self._key("!sequencer"), True, [])
+                        log.warning("projection.columns_added", action="refolding from the log")
+                        await _refold(conn, [])
                     if found < SCHEMA_VERSION:
                         await conn.execute(
                             "INSERT INTO evstore_meta VALUES ('schema_version', $1) "
@@ -1675,6 +1684,55 @@ class PostgresBackend:
                     f"Cannot prepare the store at {self.safe_url}: {_storage_error(exc, 'migrating')}",
                     url=self.safe_url,
                 ) from None
+
+    async def _take_migration_lock(self, conn: Any) -> None:
+        """Inside a transaction: the store's migration lock, which serialises opens. Waited for
+        ``connect_timeout`` at a time: a session that holds it longer is stuck (another open's
+        migration never takes that long), and must not make open() hang for good - unless it holds
+        the store's "!refolding" lock too: an upgrade folding the log into the projection in its
+        transaction (see _migrate), which takes as long as the log is long. That is waited for as
+        the fence is, for at most ``command_timeout`` when one is set."""
+        loop = asyncio.get_running_loop()
+        deadline = None if self.command_timeout is None else loop.time() + self.command_timeout
+        wait_ms = max(1, int(self.connect_timeout * 1000))
+        while True:
+            try:
+                async with conn.transaction():  # (a savepoint: a wait that ran out is undone alone)
+                    await conn.execute(f"SET LOCAL lock_timeout = {wait_ms}")
+                    await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!migrate"))
+                break
+            except asyncpg.LockNotAvailableError:
+                refolding = await conn.fetchval(ADVISORY_LOCK_HELD, *_lock_tag(self._key("!refolding")))
+                if not refolding or (deadline is not None and loop.time() >= deadline):
+                    waited = "connect_timeout" if not refolding else "command_timeout"
+                    raise err.StorageError(
+                        f"Cannot open {self.safe_url}: another session has held the store's "
+                        f"migration lock for over {self._timeout_named(waited)}"
+                        + (
+                            ": a stuck process? (pg_locks shows it)"
+                            if not refolding
+                            else ", upgrading the store and refolding its projection: retry once "
+                            "it is done (pg_locks shows it)"
+                        ),
+                        url=self.safe_url,
+                    ) from None
+        await conn.execute("SET LOCAL lock_timeout TO DEFAULT")
+
+    async def _fence_for_upgrade(self, conn: Any) -> None:
+        """Inside the upgrade's transaction, under the migration lock, before its migrations: say
+        that the upgrade refolds the projection (the "!refolding" lock, which opens waiting for the
+        migration lock look for), then hold writers back (the fence, as :meth:`_fenced` takes it)."""
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", self._key("!refolding"))
+        await self._take_in_attempts(
+            conn,
+            "SELECT pg_advisory_xact_lock($1)",
+            self._key("!fence"),
+            refusal="Another session held evstore's advisory lock for longer than {timeout}, so the "
+            "upgrade could not hold writers back to refold the store's projection; nothing was "
+            "written (the upgrade was rolled back): retry. pg_locks says which: another process's "
+            "audit, rebuild or import holds it exclusive, a client stuck inside a command (an "
+            "older evstore's) holds it shared",
+        )
 
     def _key(self, name: str) -> int:
         digest = hashlib.blake2b(f"{self._namespace}\x1f{name}".encode(), digest_size=8).digest()
