@@ -5,7 +5,7 @@ SQLite's (a missing place is ``evstore.not_found``, a wrong URL ``evstore.invali
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import pytest
 
@@ -362,3 +362,45 @@ async def test_an_evstore_meta_without_a_log_says_what_to_do(pg_url: str, value:
             assert await _tables(conn) == ["evstore_meta"]
     finally:
         await conn.close()
+
+
+#: passwords that start with digits, with each character a URL reserves
+_PASSWORDS = ["123abc", "5432", "123/abc", "12@34x", "123#abc", "123?a=b", "99:88@77/66x"]
+
+
+@pytest.mark.parametrize("password", _PASSWORDS)
+async def test_a_password_that_starts_with_digits_is_never_taken_for_a_port(
+    pg_url: str, password: str
+) -> None:
+    """Regression (helper s36_P): a password starting with digits and holding an unencoded "/"
+    or "#" (``u:123/abc@db``) ends the URL's host part there, and the URL was read as host ``u``,
+    port 123 - "Name or service not known", a StorageError that sent a person to the network; one
+    holding a second "@" (``u:12@34x@db``) was looked up as the host ``34x@db`` (a piece of the
+    password sent to the resolver). Percent-encoded, every such password opens the store (the
+    test server trusts the role; a server that checks it refuses the password, not the host);
+    written as is, a second "@" is refused as a malformed URL, and a misread that fails says to
+    percent-encode it. The password is in no message, no details and no log line."""
+    import structlog
+
+    parts = urlsplit(pg_url)
+    user, host = parts.username, f"{parts.hostname}:{parts.port}"
+    encoded = urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+    raw = urlunsplit(parts._replace(netloc=f"{user}:{password}@{host}"))
+    pieces = [p for p in re.split(r"[/?#@:=]", password) if len(p) >= 3]
+    with structlog.testing.capture_logs() as logs:
+        try:
+            async with open_store(encoded, connect_timeout=5) as store:
+                assert await store.head() == 0
+        except StorageError as exc:  # (only a server that checks passwords)
+            assert "password" in exc.message and "percent-encode" not in exc.message, exc.message
+        if password.isalnum():
+            return
+        with pytest.raises((InvalidInput, StorageError)) as raised:
+            async with open_store(raw, connect_timeout=5):
+                pass
+    said = f"{raised.value.message} {raised.value.details} {logs}"
+    assert "percent-encode" in raised.value.message, raised.value.message
+    if urlsplit(raw).netloc.count("@") > 1:  # (refused before any connection is tried)
+        assert isinstance(raised.value, InvalidInput), raised.value.message
+    for secret in [password, quote(password, safe=""), *pieces]:
+        assert secret not in said, (secret, said)

@@ -758,6 +758,45 @@ def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
     return rest, options
 
 
+#: a URL's scheme and the text of its host part (up to the first "/", "?" or "#")
+_AUTHORITY = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)")
+#: from the host part on: a user name, ":" and anything up to the last "@" (as redact_url finds a
+#: password)
+_USER_AND_MORE = re.compile(r"[^:/?#@]*:.*@")
+
+
+def _misread_password(url: str, safe_url: str) -> str:
+    """A note for the errors about ``url`` when its user name and password may have been misread
+    ("" when not): the URL's last "@" is past the end of its host part. A password with an
+    unencoded "/", "?" or "#" ends the host part there, the rest read as a path, query or
+    fragment, and the password's start as the port - a number, for one that starts with digits
+    (``u:123/x@db``: host ``u``, port 123) - or, after an "@" of its own, as the host
+    (``u:1@2/3@db``: host ``2``). The URL may also be a sound one with an "@" in its query
+    (``?user=a@b``), so this is said only with an error. A second "@" in the host part is refused
+    here: PostgreSQL's clients split the URL at the first, and would look a piece of the password
+    up as a host name."""
+    authority = _AUTHORITY.match(url)
+    if authority is None:
+        return ""
+    if authority.group(1).count("@") > 1:
+        raise err.InvalidInput(
+            f"Malformed PostgreSQL URL {safe_url}: it holds more than one '@' before the host, and "
+            "PostgreSQL's clients take everything after the first for the host (a piece of the "
+            "password with it): percent-encode the '@' of a user name or password as %40 (e.g. "
+            "urllib.parse.quote(password, safe=''))",
+            url=safe_url,
+        )
+    userinfo = _USER_AND_MORE.match(url, authority.start(1))
+    if userinfo is None or userinfo.end() <= authority.end():
+        return ""
+    return (
+        " (if the URL's text up to its last '@' is a user name and password, the password holds a "
+        "'/', '?' or '#', which ends the host part of a URL: PostgreSQL's clients then read its "
+        "pieces as the port, the host, the database or settings - percent-encode them, and any "
+        "'@', as %2F, %3F, %23, %40, e.g. urllib.parse.quote(password, safe=''))"
+    )
+
+
 def redact(url: str) -> str:
     """The URL without its password (for messages and logs)."""
     return err.redact_url(url)
@@ -1172,6 +1211,8 @@ class PostgresBackend:
                 + store_keyword_hint(unknown)
             )
         self.safe_url = redact(url)
+        #: added to the errors the URL may be the cause of (see _misread_password)
+        self._url_note = _misread_password(url, self.safe_url)
         url, from_url = _options_in_url(url, self.safe_url)
         options = {**from_url, **options}  # (a keyword wins, as on SQLite)
         self.url = url
@@ -1183,7 +1224,7 @@ class PostgresBackend:
                 urlsplit(f"//{host}").port  # noqa: B018
         except ValueError as exc:  # (its text may quote the password: one with a "/" ends the netloc)
             raise err.InvalidInput(
-                f"Malformed PostgreSQL URL {self.safe_url}: {err.redact_text(str(exc), url)}"
+                f"Malformed PostgreSQL URL {self.safe_url}: {err.redact_text(str(exc), url)}{self._url_note}"
             ) from None
         self.pool_size = validate_int_option(options.get("pool_size", 10), "pool_size", 1)
         self.min_pool_size = validate_int_option(options.get("min_pool_size", 1), "min_pool_size", 0)
@@ -1254,7 +1295,8 @@ class PostgresBackend:
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             if isinstance(exc, ValueError):  # (ClientConfigurationError: ?sslmode=bogus, a URL's fault)
                 raise self._malformed(exc) from None
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            # (a server's or resolver's text may quote what the URL held: a misread password's piece)
+            text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
             if getattr(exc, "sqlstate", None) == "3D000":
                 raise self._no_database(text) from None
             if getattr(exc, "sqlstate", None) == "42704" and "configuration parameter" in text:
@@ -1267,7 +1309,7 @@ class PostgresBackend:
                     url=self.safe_url,
                 ) from None
             raise err.StorageError(
-                f"Cannot connect to PostgreSQL at {self.safe_url}: {text}", url=self.safe_url
+                f"Cannot connect to PostgreSQL at {self.safe_url}: {text}{self._url_note}", url=self.safe_url
             ) from None
         except ValueError as exc:
             raise self._malformed(exc) from None
@@ -1293,7 +1335,9 @@ class PostgresBackend:
         ``open`` - or, with ``min_pool_size=0``, by the first acquire. (Its text names the value;
         the password is never in it, but is cut out should a parser ever quote the whole URL.)"""
         text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
-        return err.InvalidInput(f"Malformed PostgreSQL URL {self.safe_url}: {text}", url=self.safe_url)
+        return err.InvalidInput(
+            f"Malformed PostgreSQL URL {self.safe_url}: {text}{self._url_note}", url=self.safe_url
+        )
 
     async def _repair_projection(self) -> None:
         """Re-create projection tables, indexes or the view lost from the schema (dropped by hand):
@@ -1453,6 +1497,8 @@ class PostgresBackend:
                     "max_connections or the role's CONNECTION LIMIT)",
                     **failed.details,
                 )
+            if self._url_note and not isinstance(exc, TimeoutError):  # (min_pool_size=0: see open)
+                failed = err.StorageError(f"{failed.message}{self._url_note}", **failed.details)
             if command:
                 failed = err.StorageError(
                     f"{failed.message}; the command was not run", **failed.details, outcome_unknown=False
