@@ -1783,9 +1783,7 @@ class AllocationStore:
                 raise err.InvalidInput(f"{name} must be True or False, got {flag!r:.40}", field=name)
         _check_progress(progress, "progress(events_folded, head)")
         if not force and (lost := await self._backend.lost_tail()) is not None:
-            raise err.CorruptEvent(
-                lost.message(), reason="log_truncated", head=lost.head, consumer=lost.consumer
-            )
+            raise err.CorruptEvent(lost.message(), **lost.details())
         try:
             folded = await self._backend.rebuild(_batch(batch_size), progress, full=full)
         except OverflowError:

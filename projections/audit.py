@@ -776,7 +776,7 @@ def truncation_finding(lost: LostTail) -> Finding:
         "integrity",
         lost.message(),
         (lost.position,) if lost.position > lost.head else (),
-        {"reason": "log_truncated", "head": lost.head},
+        lost.details(),
     )
 
 

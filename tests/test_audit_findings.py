@@ -1539,12 +1539,21 @@ async def test_a_log_that_lost_its_last_events_is_an_integrity_finding(store_url
         )
         report = await store.audit()
         [lost] = report.integrity
-        assert lost.details == {"reason": "log_truncated", "head": deleted_at - 1}
+        assert {k: lost.details[k] for k in ("reason", "head", "consumer")} == {
+            "reason": "log_truncated",
+            "head": deleted_at - 1,
+            "consumer": c,
+        }
         assert f"ends at position {deleted_at - 1}" in lost.message
         assert f"consumer {c} was deleted" in lost.message
         if store_url.startswith("sqlite"):  # (PostgreSQL's projection holds the lost event's -seq)
             assert lost.positions == (deleted_at,) and f"at position {deleted_at}" in lost.message
+            assert lost.details["lost_position"] == deleted_at
+        else:
+            assert lost.positions == () and lost.details["lost_seq"] > 0
+            assert f"after position {deleted_at - 1}" in lost.message
         assert "rebuild" in lost.message
+        assert f"events after position {deleted_at - 1}" in lost.message  # (what to restore)
         assert report.drift  # (the differences are still listed)
 
 

@@ -2441,3 +2441,43 @@ async def test_a_command_job_cancelled_during_its_begin_is_rolled_back_without_a
     finally:
         loop.set_exception_handler(None)
     assert not [m for m in reported if "active transaction" in m], reported
+
+
+async def test_a_lost_event_never_positioned_is_a_lost_tail_said_with_what_to_restore(pg_url: str) -> None:
+    """Regression (helper s36_P): an event lost before the sequencer gave it a position (a writer's
+    commit, its row deleted - or an older copy restored - before any session positioned it) is
+    named by the projection only by its -seq: the audit's log_truncated finding and the rebuild's
+    refusal said "by an event the log no longer holds", with no position, nothing on which
+    events to restore, and neither said which event (the finding not even which consumer). They
+    now say it came after the head (the log's positions run 1..head), that it may never have had
+    a position, which events to restore, and give the consumer and its seq in the details."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        c = new_uuid()
+        await allocate(store, c, {rp: {"VCPU": 2}})
+        head = await store.head()
+
+        async def lose_it(_: object) -> None:  # (committed, not positioned yet: deleted)
+            await pg(store).tamper("DELETE FROM events WHERE position IS NULL")
+
+        pg(store)._after_commit = lose_it
+        with pytest.raises(StorageError):  # (its positions never come)
+            await store.delete_consumer(c)
+        pg(store)._after_commit = None
+        assert await store.head() == head
+        [lost] = (await store.audit()).integrity
+        assert lost.details["reason"] == "log_truncated" and lost.details["consumer"] == c
+        assert lost.details["head"] == head and lost.details["lost_seq"] > 0, lost.details
+        assert "position" not in lost.details and lost.positions == ()
+        for said in (lost.message, str((await _refused_rebuild(store)).value)):
+            assert f"after position {head}" in said and "may never have been given one" in said, said
+            assert f"events after position {head}" in said, said
+        await store.rebuild(force=True)
+        assert (await store.audit()).clean
+
+
+async def _refused_rebuild(store: Any) -> pytest.ExceptionInfo[CorruptEvent]:
+    with pytest.raises(CorruptEvent, match="lost its last events") as refused:
+        await store.rebuild()
+    assert refused.value.details["lost_seq"] > 0 and "position" not in refused.value.details
+    return refused

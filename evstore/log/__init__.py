@@ -174,18 +174,34 @@ class LostTail(NamedTuple):
     #: "deleted" or "allocations changed"
     what: str
 
+    def details(self) -> dict[str, Any]:
+        """For an error's or a finding's details: the head, the consumer, and which the lost event
+        was - ``lost_position``, or ``lost_seq`` (PostgreSQL's sequence number) when the projection
+        names it only so. (Not ``position``, which a CorruptEvent's readers take for a row to
+        read up to.)"""
+        where = (
+            {"lost_position": self.position} if self.position > self.head else {"lost_seq": -self.position}
+        )
+        return {"reason": "log_truncated", "head": self.head, "consumer": self.consumer, **where}
+
     def message(self) -> str:
+        # (PostgreSQL's projection names an event by its -seq until the sequencer positions it,
+        # and keeps that name: whether the lost event ever had a position is not known - it came
+        # after the head, as the log's positions run 1..head without a hole)
         at = (
             f"at position {self.position}"
             if self.position > self.head
-            else "by an event the log no longer holds"
+            else f"by an event the log no longer holds, after position {self.head} (the projection "
+            f"names it by its sequence number {-self.position}, not by a position: it may never "
+            "have been given one)"
         )
         return (
             f"The log ends at position {self.head}, but the projection records that consumer "
             f"{self.consumer} was {self.what} {at}: the log lost its last events (deleted, or restored "
             "from an older copy). A rebuild would forget them for good (a tombstone among them): "
-            "restore the log from a backup or an export, or rebuild with force=True (`evstore "
-            "rebuild --force`) to accept the loss"
+            f"restore the store from a backup that holds its events after position {self.head} (or "
+            "`evstore import` an export that holds them into an empty store), or rebuild with "
+            "force=True (`evstore rebuild --force`) to accept the loss"
         )
 
 
