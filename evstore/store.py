@@ -594,8 +594,9 @@ def _own_copy(exc: BaseException) -> Exception:
 
 
 #: a subscriber's read of the log, or the poller's read of the head, that failed for a reason
-#: that may pass (``details["transient"]``: a connection lost, refused or timed out - a server
-#: restart, a failover, a pooled connection reset) is tried again after pauses that double from
+#: that may pass (``details["transient"]``, which only PostgreSQL's backend sets: a connection
+#: lost, refused or timed out - a server restart, a failover, a pooled connection reset; see
+#: subscribe for what is not) is tried again after pauses that double from
 #: the first to the last, for up to ``_OUTAGE_RETRY_FOR`` seconds of consecutive failures; then,
 #: or at once for any other failure, the subscribers end with it
 _OUTAGE_RETRY_FOR = 30.0
@@ -1523,12 +1524,19 @@ class AllocationStore:
         iteration, as ``state_at`` refuses it: followed, it would skip the events appended until
         the log reached it.
 
-        A read that fails for a reason that may pass (PostgreSQL's connection lost, refused or
-        timed out - a server restart, a failover: ``details["transient"]``) is tried again, with
-        pauses growing to 5 s (each logged as a warning, with its attempt), for up to 30 s of
-        consecutive failures; one that goes on longer, and any other failure (a damaged row, a
-        permission refused, a closed store), ends the subscriber with its error. Subscribe again
-        then with ``after=`` the last position delivered: nothing is skipped or repeated.
+        A read that fails for a reason that may pass (PostgreSQL's connection lost, refused, reset
+        or timed out, the server shutting down, starting up or full, its host name not resolved,
+        its Unix socket gone - a server restart, a failover: ``details["transient"]``) is tried
+        again, with pauses growing to 5 s (each logged as a warning, with its attempt), for up to
+        30 s of consecutive failures; one that goes on longer, and any other failure, ends the
+        subscriber with its error: an answer of the server (a permission, a missing table, a
+        failed login, a statement_timeout; a database that does not exist is ``NotFound``), a
+        connect refused for good (``PermissionError`` on its socket, a certificate not trusted),
+        a damaged row, a closed store - and every SQLite error (the file is local: a lock is
+        already waited for ``busy_timeout``, and a file deleted, replaced or unreadable does not
+        come back by itself; a subscriber waiting on a store whose file was deleted, moved or
+        replaced, to which no commit can come any more, ends with ``file_replaced``). Subscribe
+        again then with ``after=`` the last position delivered: nothing is skipped or repeated.
         """
         _position(after, "after")
         _count(batch_size, "batch_size")
@@ -1692,11 +1700,16 @@ class AllocationStore:
         raised it, and ends this task (the next subscriber to wait starts another)."""
         outage: _Outage | None = None
         pause = self._poll_interval
+        # (optional: the error that says no append can reach the store any more - SQLite's file
+        # deleted or replaced - rather than subscribers waiting for ever)
+        check_followable = getattr(self._impl, "check_followable", None)
         while True:
             await asyncio.sleep(pause)
             if self._closing or not self._idle:
                 return
             try:
+                if check_followable is not None:
+                    await check_followable()
                 head = await self._impl.head()
             except Exception as exc:
                 outage = outage or _Outage()

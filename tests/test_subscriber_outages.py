@@ -13,7 +13,10 @@ have succeeded.
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -267,6 +270,9 @@ def test_a_lost_connection_is_transient_and_an_answer_of_the_server_is_not() -> 
         ConnectionRefusedError(111, "Connect call failed"),
         ConnectionResetError(104, "reset by peer"),
         TimeoutError(),
+        FileNotFoundError(2, "No such file or directory"),  # (a Unix socket: its server stopped)
+        socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),  # (a DNS failover)
         asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
         asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
         asyncpg.exceptions.CannotConnectNowError("the database system is starting up"),
@@ -277,12 +283,50 @@ def test_a_lost_connection_is_transient_and_an_answer_of_the_server_is_not() -> 
         asyncpg.exceptions.UndefinedTableError('relation "events" does not exist'),
         asyncpg.exceptions.QueryCanceledError("canceling statement due to statement timeout"),
         asyncpg.exceptions.InvalidPasswordError("password authentication failed"),
+        asyncpg.exceptions.InvalidCatalogNameError('database "evstore" does not exist'),
+    ]
+    # (connects refused for good, until a person changes something: not retried - helper s36_P)
+    lasting = [
+        PermissionError(13, "Permission denied"),
+        ssl.SSLCertVerificationError(1, "certificate verify failed: self-signed certificate"),
     ]
     for committing in (None, False, True):
         for exc in transient:
             assert _storage_error(exc, "reading", committing).details["transient"] is True, exc
-        for exc in answered:
+        for exc in answered + (lasting if committing is not True else []):  # (True: no connect's)
             assert "transient" not in _storage_error(exc, "reading", committing).details, exc
+    for exc in lasting:
+        failed = _storage_error(exc, f"connecting to {exc!r}", None)
+        assert failed.message.startswith("Cannot connect to PostgreSQL") and "does not pass" in failed.message
+
+
+async def test_a_connect_refused_for_good_ends_the_subscribers_at_once(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (helper s36_P): every OSError of a connect was transient, so a subscriber whose
+    pool's next connection was refused for good - PermissionError (a Unix socket's permissions,
+    a firewall's EPERM) - was retried with warnings for 30 s before it ended, as after a server
+    restart. It now ends at once, with an error that says it will not pass by itself."""
+    async with open_store(pg_url, poll_interval=0.05) as store:
+        rp = await make_provider(store, VCPU=100)
+        followers = Followers(store, 2, await store.head())
+        await until(lambda: len(store._idle) == 2)
+        backend = store.backend
+        await backend._pool.expire_connections()  # type: ignore[attr-defined]
+
+        async def refused(pool: Any) -> Any:
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(backend, "_acquire", refused)
+        with structlog.testing.capture_logs() as logs:  # (the poller's next read of the head fails)
+            async with asyncio.timeout(GUARD):
+                await asyncio.wait(followers.tasks)
+        errors = followers.failures()
+        assert all(isinstance(e, StorageError) and "transient" not in e.details for e in errors), errors
+        assert all("does not pass by itself" in str(e) for e in errors), errors
+        assert not [e for e in logs if e["event"].endswith("_retry")], logs
+        with pytest.raises(StorageError, match="does not pass by itself"):  # (a command: not run)
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
 
 
 async def test_a_subscriber_resumed_during_an_outage_waits_for_it_too(
@@ -318,3 +362,34 @@ async def test_a_subscriber_resumed_during_an_outage_waits_for_it_too(
             async for _ in store.subscribe(after=start + 5):
                 pass
         await followers.stop()
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+async def test_a_sqlite_subscriber_of_a_file_deleted_or_replaced_ends_with_file_replaced(
+    tmp_path: Path, how: str
+) -> None:
+    """Regression (helper s36_P): a SQLite store whose file was deleted (or replaced) under it
+    refuses every commit (file_replaced), so no append can come to the file it opened; its
+    subscribers read the old file's head at each poll and waited for ever, saying nothing. The
+    poller now checks the path first, and they end with that error (not transient: it does not
+    pass by itself - the file put back, or the store opened again)."""
+    db = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{db}", poll_interval=0.05) as store:
+        rp = await make_provider(store, VCPU=100)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        followers = Followers(store, 2, 0)
+        await until(lambda: len(store._idle) == 2)
+        db.rename(tmp_path / "moved.db")
+        if how == "replaced":
+            async with open_store(f"sqlite:///{db}") as other:  # (a new store at the same path)
+                await make_provider(other, VCPU=1)
+        with structlog.testing.capture_logs() as logs:
+            async with asyncio.timeout(GUARD):
+                await asyncio.wait(followers.tasks)
+        errors = followers.failures()
+        assert all(
+            isinstance(e, StorageError) and e.details["sqlite_error"] == "file_replaced" for e in errors
+        )
+        assert all("transient" not in e.details for e in errors if isinstance(e, StorageError)), errors
+        assert [len(got) for got in followers.seen] == [3, 3]  # (what the file held, then the end)
+        assert not [e for e in logs if e["event"].endswith("_retry")], logs

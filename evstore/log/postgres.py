@@ -83,6 +83,7 @@ import heapq
 import itertools
 import random
 import re
+import ssl
 import uuid as _uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -1122,6 +1123,15 @@ def _is_connection_error(exc: BaseException) -> bool:
     )
 
 
+def _refused_for_good(exc: BaseException) -> bool:
+    """A connect that failed for a reason the next try meets again, until a person changes
+    something: the process may not use the server's socket or route (``PermissionError``: a Unix
+    socket's permissions, a firewall's EPERM), or does not trust the server's certificate. Not
+    transient, though an ``OSError``, unlike a refused, reset or timed out connection, a name the
+    resolver cannot answer for now, or a Unix socket that is gone (a stopped server removes it)."""
+    return isinstance(exc, PermissionError | ssl.SSLCertVerificationError)
+
+
 def _storage_error(
     exc: BaseException,
     doing: str,
@@ -1135,10 +1145,20 @@ def _storage_error(
     the command carries an idempotency key (a retry with it is safe, without it is not).
     A failure of the connection rather than of the work (lost, refused, timed out, the server
     shutting down or full) says ``transient=True``: the same call may succeed on a new
-    connection once the server is back (subscribers wait for that: AllocationStore.subscribe)."""
+    connection once the server is back (subscribers wait for that: AllocationStore.subscribe);
+    not one that is refused for good (:func:`_refused_for_good`), nor an answer of the server."""
     exc = _reason(exc)
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if _refused_for_good(exc) and not committing:  # (a connect's: nothing was sent)
+        lead = (
+            f"Cannot connect to PostgreSQL while {doing}: {text} (this process may not use the "
+            "server's socket or address, or does not trust its certificate: that does not pass by "
+            "itself - check the socket's permissions, the firewall, the URL's sslmode and sslrootcert)"
+        )
+        if committing is None:
+            return err.StorageError(lead, sqlstate=sqlstate)
+        return err.StorageError(f"{lead}; it was rolled back", sqlstate=sqlstate, outcome_unknown=False)
     if isinstance(exc, TimeoutError):
         # (asyncpg's own timeouts: an OSError on Python 3.11, but no connection was lost - the
         # caller's setting ran out, and that is what a person has to know)

@@ -1469,6 +1469,13 @@ class SqliteBackend:
         with contextlib.suppress(err.StoreClosed):
             await _on_thread(self._writer, _nothing)
 
+    async def check_followable(self) -> None:
+        """The path still names the file this store opened (``file_replaced`` if not, as a
+        command would be refused): every commit checks that first, so no append can come to a
+        file deleted, moved or replaced under the store, and a subscriber would wait for ever."""
+        cache = self._cache
+        await self._on_reader(lambda conn: cache.check_file())
+
     async def head(self) -> int:
         def q(conn: sqlite3.Connection) -> int:
             row = conn.execute("SELECT max(position) FROM events").fetchone()
