@@ -404,3 +404,10 @@ async def test_a_password_that_starts_with_digits_is_never_taken_for_a_port(
         assert isinstance(raised.value, InvalidInput), raised.value.message
     for secret in [password, quote(password, safe=""), *pieces]:
         assert secret not in said, (secret, said)
+
+
+async def test_a_url_with_an_at_sign_in_its_query_is_not_taken_for_a_password(pg_url: str) -> None:
+    """The note on a password misread (above) is said only with an error: a sound URL whose last
+    '@' lies past its host part - in a setting's value - opens as before."""
+    async with open_store(f"{pg_url}&application_name=me@example", connect_timeout=5) as store:
+        assert await store.head() == 0
