@@ -1002,6 +1002,14 @@ async def test_a_session_that_cannot_write_does_not_run_the_sequencer(
                 assert await reader.head() == 2  # (the positioned prefix)
                 assert [e.position for e in await reader.read(0, 10)] == [1, 2]
                 assert ran == []  # (before: it ran, and failed at the UPDATE)
+                # nor does its audit, waiting for the writers to position what they committed
+                # (helper s36_P: it ran the sequencer at each of its tries, every 50 ms, holding
+                # its lock until the UPDATE failed - a writer's head() then read 2, not 3, when
+                # the whole suite ran under load)
+                monkeypatch.setattr(pg(reader), "POSITIONS_WAIT", 0.3)
+                with pytest.raises(StorageError, match="cannot assign them"):
+                    await reader.audit()
+                assert ran == []
                 assert await writer.head() == 3
                 assert len(ran) == 1
                 assert await reader.head() == 3

@@ -2458,12 +2458,26 @@ class PostgresBackend:
         if not can_wait:
             await _sequence(conn, self._key("!sequencer"), True, [])
             return
+        # A session known not to be able to write does not run the sequencer (as _catch_up): it
+        # would hold the sequencer's lock until its UPDATE failed, and a writer's catch-up trying
+        # the lock then gave up, its head behind (an audit here retries every 50 ms)
+        cannot = await conn.fetchval(
+            "SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM events WHERE position IS NULL) THEN ''"
+            " WHEN current_setting('transaction_read_only') = 'on' THEN 'the transaction is read-only'"
+            " WHEN NOT has_table_privilege('events', 'UPDATE') THEN 'no UPDATE privilege on events'"
+            " END"
+        )
+        if cannot == "":
+            return  # (nothing to position)
         try:
+            if cannot is not None:
+                raise _CannotPosition(0, cannot)
             async with conn.transaction():  # (a savepoint: the fence stays held)
                 await _sequence(conn, self._key("!sequencer"), True, [])
-        except CANNOT_WRITE as exc:
+        except (_CannotPosition, *CANNOT_WRITE) as exc:
             pending = int(await conn.fetchval("SELECT count(*) FROM events WHERE position IS NULL"))
-            raise _CannotPosition(pending, str(exc).splitlines()[0]) from None
+            cause = exc.cause if isinstance(exc, _CannotPosition) else str(exc).splitlines()[0]
+            raise _CannotPosition(pending, cause) from None
 
     async def _take_in_attempts(self, conn: Any, statement: str, *args: Any, refusal: str) -> None:
         """Inside a transaction: run ``statement``, which takes locks, in short attempts
