@@ -16,6 +16,7 @@ import bisect
 import codecs
 import collections
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -364,8 +365,10 @@ class SigtermCancels:
     """Inside ``with`` (in a coroutine of the running loop): SIGTERM - kill, systemd, a container
     stopping - cancels the current task, as Ctrl-C does, instead of the default action's death
     in the middle of a write; ``received`` says whether it came. Where the loop takes no signal
-    handlers (not the main thread), the default stays. On leaving, the handler that was there
-    before is put back (the loop's own removal would leave the default action)."""
+    handlers (not the main thread), the default stays. A second SIGTERM does what the handler
+    that was there before does (see :func:`_second_sigterm`), as a second Ctrl-C ends asyncio.run.
+    On leaving, the handler that was there before is put back (the loop's own removal would
+    leave the default action)."""
 
     def __init__(self) -> None:
         self.received = False
@@ -384,6 +387,10 @@ class SigtermCancels:
         before = signal.getsignal(signal.SIGTERM)
         try:
             loop.add_signal_handler(signal.SIGTERM, terminate)
+            # (the loop takes each SIGTERM - terminate, at its next turn - by the wake-up
+            # descriptor its handler set; this one is where the main thread is, between two of
+            # its steps: a second SIGTERM goes to the handler that was there before)
+            signal.signal(signal.SIGTERM, functools.partial(_second_sigterm, [0], before))
         except (NotImplementedError, RuntimeError):
             return self
         self._loop, self._before = loop, before
@@ -396,6 +403,23 @@ class SigtermCancels:
                 if self._before is not None:  # (None: not set from Python; the default stays)
                     signal.signal(signal.SIGTERM, self._before)
             self._loop = None
+
+
+def _second_sigterm(count: list[int], before: Any, signum: int, frame: Any) -> None:
+    """What :class:`SigtermCancels` has SIGTERM do where the main thread is: nothing the first
+    time (the loop cancels the task), and from the second on what the handler before it did -
+    sigterm_raises' :class:`Terminated`, or the default action. A cancellation waits for the
+    loop's next turn, which a write blocked on a full pipe (``evstore export | less``, the pager
+    stopped) never gives: SIGTERM, however often sent, then left it running, where asyncio.run
+    ends on a second Ctrl-C and the default action ended it at once."""
+    count[0] += 1
+    if count[0] < 2:
+        return
+    if callable(before):
+        before(signum, frame)
+    elif before != signal.SIG_IGN:  # (the default, or a handler not set from Python: the default)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Terminated(BaseException):

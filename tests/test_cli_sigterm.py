@@ -13,10 +13,12 @@ chosen point (a timed kill would depend on the machine's speed).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,52 @@ def test_a_demo_stopped_by_a_signal_before_its_first_event_leaves_no_store(
     assert list(tmp_path.iterdir()) == []
     again = evstore("demo", "--db", str(db), "--instances", "5", "--nodes", "2")
     assert again.returncode == 0, again.stderr
+
+
+# --- an export blocked on a full pipe -----------------------------------------------------------
+#
+# Regression (session 36, helper R, reviewing the SIGTERM changes): the loop's SIGTERM handler
+# cancels at the loop's next turn, and an export writing to a pipe nobody reads (`evstore export
+# | less`, the pager stopped) is blocked in a write that never gives it one: SIGTERM, sent any
+# number of times, left it running (before the loop took SIGTERM, the default action ended it;
+# Ctrl-C's second press ends it). A second SIGTERM now does what the handler before it did.
+
+
+def _blocked_in_a_pipe_write(pid: int) -> bool:
+    """Whether ``pid`` waits in a write to a full pipe, no SIGTERM pending (two sent while one
+    is pending are taken as one)."""
+    with open(f"/proc/{pid}/status") as status:
+        pending = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    with open(f"/proc/{pid}/wchan") as wchan:
+        blocked = "pipe_write" in wchan.read()
+    return blocked and not any(mask & (1 << (signal.SIGTERM - 1)) for mask in pending)
+
+
+def _until_blocked_in_a_pipe_write(child: subprocess.Popen[bytes]) -> None:
+    while not _blocked_in_a_pipe_write(child.pid):
+        assert child.poll() is None, child.stderr.read() if child.stderr else ""
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not Path("/proc/self/wchan").exists(), reason="needs Linux's /proc/PID/wchan")
+def test_an_export_blocked_on_a_full_pipe_ends_on_a_second_sigterm(tmp_path: Path) -> None:
+    db = demo_db(tmp_path / "s.db")  # (its export is larger than a pipe holds)
+    read_end, write_end = os.pipe()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "evstore", "export", "--db", str(db)],
+            stdout=write_end, stderr=subprocess.PIPE, cwd=REPO,
+        )  # fmt: skip
+        os.close(write_end)
+        try:
+            _until_blocked_in_a_pipe_write(child)  # (the pipe full, nobody reading it)
+            child.send_signal(signal.SIGTERM)  # (taken by the loop: a cancellation, waiting)
+            _until_blocked_in_a_pipe_write(child)
+            child.send_signal(signal.SIGTERM)
+            assert child.wait(timeout=60) == 143
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    finally:
+        os.close(read_end)
