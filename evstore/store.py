@@ -2074,16 +2074,33 @@ def _close_answered(answered: list[object]) -> None:
     opened (``lambda: open(path)``, the form the import's own "called twice" error recommends)
     were left to the garbage collector, each a ``ResourceWarning: unclosed file``, and a
     generator reading one held it open after a refusal. Each object once; never the process's
-    standard input (not the import's to close, if a caller handed it over)."""
+    standard streams (not the import's to close, if a caller handed one over: ``sys.stdin``, or
+    another file object on descriptor 0, 1 or 2, such as ``open(0)``). A close that fails is
+    logged, not raised: the import's outcome - its events committed, or its refusal - stands."""
     for n, opened in enumerate(answered):
         if any(opened is other for other in (*answered[:n], sys.stdin, sys.__stdin__)):
             continue
         close = getattr(opened, "close", None)
-        if callable(close):
-            # (ValueError: a generator still running on the worker thread a cancelled pass left
-            # it on - "generator already executing" - is left to the garbage collector)
-            with contextlib.suppress(ValueError):
-                close()
+        if not callable(close) or _on_a_standard_stream(opened):
+            continue
+        try:
+            close()
+        except ValueError as exc:
+            # (a generator still running on the worker thread a cancelled pass left it on -
+            # "generator already executing" - is left to the garbage collector)
+            log.debug("import.close_skipped", error=repr(exc)[:200])
+        except Exception as exc:
+            log.warning("import.close_failed", what=type(opened).__name__, error=repr(exc)[:200])
+
+
+def _on_a_standard_stream(opened: object) -> bool:
+    fileno = getattr(opened, "fileno", None)
+    if not callable(fileno):
+        return False
+    try:
+        return fileno() in (0, 1, 2)
+    except (OSError, ValueError):  # (io.UnsupportedOperation is both; a closed file: ValueError)
+        return False
 
 
 #: the module of each URL scheme's backend

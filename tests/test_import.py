@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import random
 import signal
 import sys
@@ -426,3 +427,51 @@ async def test_the_files_open_lines_opens_are_closed_whether_the_import_succeeds
                         await store.import_events(functools.partial(opener, path))
                 assert opened, (opener.__name__, path.name)
                 assert all(stream.closed for stream in opened), (opener.__name__, path.name)
+
+
+async def test_the_import_leaves_a_standard_stream_open_and_a_failing_close_does_not_undo_it(
+    tmp_path: Path,
+) -> None:
+    """Regression (session 36 review): the import closed what ``open_lines`` answered unless it
+    was ``sys.stdin`` itself, so ``lambda: open(0, closefd=...)``-style wrappers of descriptor 0
+    had the process's standard input closed under the caller; and a ``close()`` that raised after
+    a committed import replaced the import's success with that error (the events were in)."""
+    lines, _, _ = await _source(tmp_path, consumers=5)
+    source = tmp_path / "good.jsonl"
+    source.write_text("".join(f"{line}\n" for line in lines))
+    opened: list[TextIO] = []
+
+    def on_zero() -> TextIO:  # (a new file object on descriptor 0 each pass, read from its start)
+        opened.append(open(0, encoding="utf-8"))  # (handed to the import)
+        opened[-1].seek(0)
+        return opened[-1]
+
+    saved = os.dup(0)
+    try:
+        with source.open("rb") as file:
+            os.dup2(file.fileno(), 0)
+        async with open_store(f"sqlite:///{tmp_path}/zero.db") as store:
+            assert await store.import_events(on_zero) == len(lines) - 1
+        assert opened and not any(stream.closed for stream in opened)
+        os.fstat(0)  # (still open: raised EBADF before)
+    finally:
+        for stream in opened:  # (closed while descriptor 0 is still the file, never the real one)
+            with contextlib.suppress(OSError):
+                stream.close()
+        os.dup2(saved, 0)
+        os.close(saved)
+
+    class Stubborn:
+        def __init__(self) -> None:
+            self.stream = source.open(encoding="utf-8")
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(self.stream)
+
+        def close(self) -> None:
+            self.stream.close()
+            raise OSError(5, "Input/output error")
+
+    async with open_store(f"sqlite:///{tmp_path}/stubborn.db") as store:
+        assert await store.import_events(Stubborn) == len(lines) - 1
+        assert await store.head() == len(lines) - 1
