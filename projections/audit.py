@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from evstore.errors import CorruptEvent, EvstoreError, InvalidInput, ProjectionCorrupt
 from evstore.events import (
     CAPACITY_PRESSURE,
-    CHECKED_PAYLOAD_VALIDATORS,
+    CHECKED_PAYLOAD_DECODERS,
     GENESIS_HASH,
-    PAYLOAD_VALIDATORS,
+    PAYLOAD_DECODERS,
     ValueCheck,
     check_metadata,
     decode_event,
+    payload_dict,
 )
 from projections.gcpause import gc_paused
 from projections.invariants import find_leaks, format_amount, over_capacity
@@ -198,32 +199,34 @@ class _Replay:
         if self.checked:
             self._check_envelope(row)
         # As a replay folds (projections.replay.fold_payloads): the current schema version is
-        # validated straight into a dict of its fields; anything else goes through decode_event,
-        # which upcasts or names what is wrong.
-        fields: Mapping[str, Any] | None = None
+        # decoded straight into a struct of its fields; anything else goes through decode_event,
+        # which upcasts or names what is wrong. The fold reads the struct (or the model), the
+        # checks here a dict of the same fields.
+        payload: Any = None
         numbers = True  # (whether the values' numbers are still to be checked: see ValueCheck)
-        if self.checked and (found := CHECKED_PAYLOAD_VALIDATORS.get(row.type)) is not None:
+        if self.checked and (found := CHECKED_PAYLOAD_DECODERS.get(row.type)) is not None:
             if found[0] == row.schema_version:
                 try:
-                    fields = found[1](row.data)
+                    payload = found[1](row.data)
                     numbers = False
                 except ValueError:
                     pass
-        if fields is None and (found := PAYLOAD_VALIDATORS.get(row.type)) is not None:
+        if payload is None and (found := PAYLOAD_DECODERS.get(row.type)) is not None:
             if found[0] == row.schema_version:
                 try:
-                    fields = found[1](row.data)
+                    payload = found[1](row.data)
                 except ValueError:
                     pass
-        if fields is None:
+        if payload is None:
             try:
-                fields = decode_event(row.type, row.schema_version, row.data, row.position).__dict__
+                payload = decode_event(row.type, row.schema_version, row.data, row.position)
             except CorruptEvent as exc:
                 if self.checked:
                     self.report.findings.append(
                         Finding("integrity", exc.message, (row.position,), dict(exc.details))
                     )
                 return
+        fields = payload_dict(payload)
         self.state.position = row.position
         if (
             self.checked
@@ -249,7 +252,7 @@ class _Replay:
                     {"reason": "unknown_provider", "provider": fields["provider"]},
                 )
             )
-        FOLDS[row.type](self.state, fields, row.position)
+        FOLDS[row.type](self.state, payload, row.position)
         if self.over is not None:
             self.over.update(self.state, row.type, fields, row.position)
 

@@ -6,12 +6,12 @@ import asyncio
 import bisect
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from uuid import UUID
 
 from evstore.errors import InvalidInput, ProviderNotFound
-from evstore.events import PAYLOAD_VALIDATORS, RecordedEvent, decode_event
+from evstore.events import PAYLOAD_DECODERS, RecordedEvent, decode_event
 from evstore.log import PayloadRow
 from projections.gcpause import gc_paused
 from projections.state import FOLDS, ProviderState, State, evolve
@@ -221,27 +221,28 @@ def _position_of(row: Any) -> int:
     return row.position if isinstance(row, RecordedEvent) else int(row[0])
 
 
-def payload_fields(etype: str, version: int, data: str, position: int) -> Mapping[str, Any]:
-    """One stored payload's fields, as :func:`fold_payloads` decodes them (which inlines this)."""
-    found = PAYLOAD_VALIDATORS.get(etype)
+def payload_fields(etype: str, version: int, data: str, position: int) -> Any:
+    """One stored payload, its fields as attributes (a struct, or the event model), as
+    :func:`fold_payloads` decodes it (which inlines this)."""
+    found = PAYLOAD_DECODERS.get(etype)
     if found is not None and found[0] == version:
         try:
             return found[1](data)
         except ValueError:
             pass
-    return decode_event(etype, version, data, position).__dict__
+    return decode_event(etype, version, data, position)
 
 
 def fold_payloads(state: State, rows: list[PayloadRow]) -> None:
     """Fold ``(position, type, schema_version, data)`` rows: the replay loop.
 
-    The common case, an event of the current schema version, is validated straight into a dict
+    The common case, an event of the current schema version, is decoded straight into a struct
     of its fields (no model built) and handed to its fold; anything else goes through
     ``decode_event`` (upcasting, or a CorruptEvent that names the position).
     """
-    validators, folds = PAYLOAD_VALIDATORS.get, FOLDS  # (locals: this loop runs per event)
+    decoders, folds = PAYLOAD_DECODERS.get, FOLDS  # (locals: this loop runs per event)
     for position, etype, version, data in rows:
-        found = validators(etype)
+        found = decoders(etype)
         fields = None
         if found is not None and found[0] == version:
             try:
@@ -249,7 +250,7 @@ def fold_payloads(state: State, rows: list[PayloadRow]) -> None:
             except ValueError:
                 pass
         if fields is None:
-            fields = decode_event(etype, version, data, position).__dict__
+            fields = decode_event(etype, version, data, position)
         state.position = position
         folds[etype](state, fields, position)
 

@@ -28,7 +28,6 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Literal, TypeVar
 
 import aiosqlite
@@ -2819,8 +2818,8 @@ def imported_keys(state: State, batch: Sequence[RawEvent], expected: int) -> lis
         etype = raw.type
         fields = payload_fields(etype, raw.schema_version, raw.data, raw.position)
         changed = fold_noting_providers(state, FOLDS[etype], fields, raw.position)
-        # (entities() reads attributes only: the fields stand in for the model)
-        keys = EVENT_TYPES[etype].entities(SimpleNamespace(**fields))  # type: ignore[arg-type]
+        # (entities() reads attributes only: the decoded struct stands in for the model)
+        keys = EVENT_TYPES[etype].entities(fields)
         if changed:
             keys |= {f"provider:{p}" for p in changed}
         names.append(keys)
@@ -3137,8 +3136,8 @@ def history_keys(state: State, etype: str, version: int, data: str, position: in
     except err.CorruptEvent:
         return _damaged_row_keys(data)
     changed = fold_noting_providers(state, FOLDS[etype], fields, position)
-    # (entities() reads attributes only: the fields stand in for the model)
-    keys = EVENT_TYPES[etype].entities(SimpleNamespace(**fields))  # type: ignore[arg-type]
+    # (entities() reads attributes only: the decoded struct stands in for the model)
+    keys = EVENT_TYPES[etype].entities(fields)
     keys |= {f"provider:{p}" for p in changed}
     return keys
 
