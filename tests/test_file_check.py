@@ -131,3 +131,39 @@ async def test_a_path_that_is_not_utf8_opens_and_is_checked(tmp_path: Path) -> N
         os.replace(path + ".moved", path)
     async with open_store(f"sqlite:///{path}") as store:
         assert await store.head() == 2 and (await store.audit()).clean
+
+
+@pytest.mark.parametrize("deleted", [("-wal", "-shm"), ("-wal",), ("-shm",)])
+async def test_a_write_ahead_log_deleted_under_the_store_is_noticed(
+    tmp_path: Path, deleted: tuple[str, ...]
+) -> None:
+    """Regression (session 37): only the database file was checked, not the -wal and -shm files
+    beside it, which hold the commits not yet copied into it and the lock every process writing
+    the file takes. With them deleted (a clean-up of "temporary" files) a store went on
+    acknowledging commands into a log no other process could see: a process opening the file then
+    read the store as it was before the log (an empty store: head 0, audit clean) and could decide
+    against it - a tombstone it did not see - with a log and lock of its own, racing this one's.
+    Such a command now fails as ``file_replaced``, nothing committed; what the log held before
+    is not lost: the store's close copies it into the database file."""
+    import os
+
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=Inventory(total=10))
+        consumer = new_uuid()
+        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        for suffix in deleted:
+            os.unlink(f"{path}{suffix}")
+        with pytest.raises(StorageError) as caught:
+            await store.delete_consumer(consumer)
+        assert caught.value.details["sqlite_error"] == "file_replaced"
+        assert f"{path}{deleted[0]}" in caught.value.message
+        assert "nothing was committed" in caught.value.message
+        with pytest.raises(StorageError) as caught:  # (every write on the writer connection)
+            await store.rebuild()
+        assert caught.value.details["sqlite_error"] == "file_replaced"
+    async with open_store(f"sqlite:///{path}") as store:
+        assert await store.head() == 3
+        assert (await store.allocations(consumer)).allocations == {rp: {"VCPU": 1}}
+        assert (await store.audit()).clean
+        await store.delete_consumer(consumer)  # (a store opened again has files of its own)

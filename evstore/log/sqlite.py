@@ -624,6 +624,8 @@ class _WriterCache:
         #: the database file as opened: path, device and inode (None: in memory). A fact about
         #: the connection, not the projection: kept when the rest is forgotten.
         self.file: tuple[str, int, int] | None = None
+        #: its -wal and -shm files as opened, likewise (none while the file is not in WAL mode)
+        self.wal_files: tuple[tuple[str, int, int], ...] = ()
         self.forget()
 
     def forget(self) -> None:
@@ -674,26 +676,16 @@ class _WriterCache:
         self.data_version = version
         self._clean()
 
-    def check_file(self) -> None:
+    def check_file(self, wal_files: bool = True) -> None:
         """Before a commit (and before any other work on the writer: an import, a rebuild, a
         snapshot): the path still names the file this connection writes to. SQLite goes
         on writing to a file deleted, renamed or replaced under it (its inode), so commands would
-        be acknowledged into a file no one can open again."""
+        be acknowledged into a file no one can open again. ``wal_files``: its -wal and -shm
+        files too (a stat each: a batch checks them only before its commit)."""
         if self.file is None:
             return
         path, device, inode = self.file
-        try:
-            found = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            found = None
-        except OSError as exc:  # (it may still be there: say what is known)
-            raise err.StorageError(
-                f"The database file {path} could not be looked up ({exc.strerror}), so whether the "
-                "path still names the file this store writes to is unknown: nothing was committed "
-                "(retry once the path can be looked up)",
-                sqlite_error="file_replaced",
-                path=path,
-            ) from None
+        found = _look_up(path, "database file", path)
         if found is None or (found.st_dev, found.st_ino) != (device, inode):
             raise err.StorageError(
                 f"The database file {path} was {'deleted or moved' if found is None else 'replaced'} "
@@ -704,6 +696,26 @@ class _WriterCache:
                 sqlite_error="file_replaced",
                 path=path,
             )
+        # The -wal file holds the commits not yet copied into the database file, and the -shm
+        # file the locks of every connection writing it: with either deleted or replaced, another
+        # process's open makes new ones - reading the store as it was before the log, writing
+        # under a lock this connection does not see - while this one would go on committing into
+        # files only it has open.
+        for name, device, inode in self.wal_files if wal_files else ():
+            found = _look_up(name, "file", path)
+            if found is None or (found.st_dev, found.st_ino) != (device, inode):
+                raise err.StorageError(
+                    f"The file {name}, which SQLite keeps beside the database file (its write-ahead "
+                    f"log and its index, the lock of every process writing it), was "
+                    f"{'deleted or moved' if found is None else 'replaced'} while this store had it "
+                    "open: another process opening the store would not see the commits this store "
+                    "made since the log's last copy into the database file, nor wait for its "
+                    "writes, so nothing was committed. Close every process that has the store "
+                    "open (the last to close copies the log into the database file), then open it "
+                    "again",
+                    sqlite_error="file_replaced",
+                    path=path,
+                )
 
     def flush(self, conn: sqlite3.Connection) -> None:
         now = self.now
@@ -950,7 +962,7 @@ def run_batch(
     """
     outcomes: list[Outcome] = []
     start: int | None = None
-    cache.check_file()  # (and again before the commit)
+    cache.check_file(wal_files=False)  # (and again, with its -wal and -shm, before the commit)
     conn.execute("BEGIN IMMEDIATE")
     try:
         keep = None if wanted is None else wanted()
@@ -1254,7 +1266,11 @@ class SqliteBackend:
             )
             if not self.memory:
                 given = self._abs_path
-                self._cache.file = await _on_thread(self._writer, lambda conn: _file_opened(conn, given))
+                cache = self._cache
+                cache.file = await _on_thread(self._writer, lambda conn: _file_opened(conn, given))
+                cache.wal_files = await _on_thread(
+                    self._writer, lambda conn: _wal_files_opened(conn, cache.file)
+                )
             self._reader = self._writer if self.memory else await self._connect(stop)
         except sqlite3.Error as exc:
             await self.close()
@@ -1337,6 +1353,8 @@ class SqliteBackend:
                 "switching it to WAL, which evstore writes in (nothing was written)"
             )
         self._wal_deferred = False
+        conn.execute("SELECT count(*) FROM sqlite_master")  # (in WAL mode now: a read opens its files)
+        self._cache.wal_files = _wal_files_opened(conn, self._cache.file)
 
     def _wal_then(self, conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
         """``fn`` (a write transaction) after :meth:`_wal_before_write`, for :func:`_retry_busy`."""
@@ -1858,6 +1876,41 @@ def _file_opened(conn: sqlite3.Connection, given: str) -> tuple[str, int, int] |
     if found is not None and (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino):
         name = given
     return name, opened.st_dev, opened.st_ino
+
+
+def _look_up(name: str, what: str, path: str) -> os.stat_result | None:
+    """``os.stat(name)`` for :meth:`_WriterCache.check_file` (None: no such file); a failure that
+    says nothing of whether it is there is raised as such, nothing committed."""
+    try:
+        return os.stat(name)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:  # (it may still be there: say what is known)
+        raise err.StorageError(
+            f"The {what} {name} could not be looked up ({exc.strerror}), so whether the "
+            "path still names the file this store writes to is unknown: nothing was committed "
+            "(retry once the path can be looked up)",
+            sqlite_error="file_replaced",
+            path=path,
+        ) from None
+
+
+def _wal_files_opened(
+    conn: sqlite3.Connection, opened: tuple[str, int, int] | None
+) -> tuple[tuple[str, int, int], ...]:
+    """The -wal and -shm files beside the database file ``opened`` (:func:`_file_opened`) as they
+    are now, for :meth:`_WriterCache.check_file`: none unless ``conn`` is in WAL mode. Called once
+    ``conn`` has read the file in WAL mode, so it has them open: they stay the same files as
+    long as a connection of this store is open (SQLite deletes them only as the last one closes)."""
+    if opened is None or str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+        return ()
+    found = []
+    for suffix in ("-wal", "-shm"):
+        name = f"{opened[0]}{suffix}"
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            info = os.stat(name)
+            found.append((name, info.st_dev, info.st_ino))
+    return tuple(found)
 
 
 #: connections closing in the background (the loop keeps only weak references to tasks)
