@@ -463,3 +463,62 @@ async def test_upgrade_false_writes_nothing_to_a_store_another_connection_just_c
     finally:
         for conn in watcher:
             conn.close()
+
+
+@pytest.mark.parametrize("store_of", ["an older version", "this version, missing a table"])
+async def test_a_sqlite_read_only_open_during_another_opens_upgrade_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_of: str
+) -> None:
+    """Regression (session 37): an open with upgrade=False (the CLI's read-only commands) while
+    another process's open upgraded the store - its transaction under way, holding the write lock -
+    refused it as a store an older evstore wrote (or one to repair), though a moment later it was
+    current: a command run during a service's upgrade failed, where PostgreSQL's open waits. It
+    now waits for the write lock (busy_timeout) when it would refuse, then looks again."""
+    import threading
+
+    from evstore.log import sqlite as backend
+    from tests.test_store import _as_version_4
+
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=8)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 2}})
+    if store_of == "an older version":
+        _as_version_4(path)
+    else:
+        conn = sqlite3.connect(path)
+        conn.execute("DROP TABLE p_usages")
+        conn.close()
+    refolding, go = threading.Event(), threading.Event()
+    refold = backend._refold_lost_projection
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        refolding.set()
+        go.wait(60)
+        return refold(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_refold_lost_projection", held)
+
+    def upgrade() -> None:  # (another process's open, in its transaction: holding the write lock)
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            backend._ensure_schema(conn, path=str(path))
+        finally:
+            conn.close()
+
+    upgrader = threading.Thread(target=upgrade)
+    upgrader.start()
+    try:
+        assert await asyncio.to_thread(refolding.wait, 60)
+
+        async def read_only() -> tuple[int, int, bool]:
+            async with open_store(f"sqlite:///{path}", upgrade=False) as store:
+                return await store.head(), (await store.usage(rp))["VCPU"], (await store.audit()).clean
+
+        opening = asyncio.create_task(read_only())
+        await asyncio.sleep(0.3)  # (the open looks meanwhile; it must wait, not refuse)
+        go.set()
+        assert await opening == (3, 2, True)
+    finally:
+        go.set()
+        await asyncio.to_thread(upgrader.join)

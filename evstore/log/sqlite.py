@@ -1246,7 +1246,18 @@ class SqliteBackend:
             # (read-only, before the writer's connection: its PRAGMA journal_mode = WAL rewrites
             # the header of a file in rollback-journal mode - a copy made with VACUUM INTO - so
             # a refusal there would not be "nothing written")
-            self._wal_deferred = await asyncio.to_thread(_refuse_changes_read_only, self.path)
+            try:
+                self._wal_deferred = await asyncio.to_thread(_refuse_changes_read_only, self.path)
+            except err.SchemaVersionError:
+                # Another process's open may be upgrading or repairing the store, in a transaction
+                # that holds the write lock: wait for it as a writer would, then look again (a
+                # store still older, or still lacking objects, is refused as before).
+                try:
+                    await asyncio.to_thread(_wait_for_writer, self.path, self.busy_timeout, stop)
+                except asyncio.CancelledError:
+                    stop.set()  # (its thread stops waiting at its next slice)
+                    raise
+                self._wal_deferred = await asyncio.to_thread(_refuse_changes_read_only, self.path)
         began = time.monotonic()
 
         def schema(conn: sqlite3.Connection) -> tuple[int | None, SchemaRepair | None]:
@@ -2647,6 +2658,41 @@ def _refuse_changes_read_only(path: str) -> bool:
             conn.close()
     except sqlite3.Error:
         return False
+
+
+def _wait_for_writer(path: str, timeout: float, stop: threading.Event) -> None:
+    """For ``upgrade=False``, before a refusal: wait until no other connection holds the write
+    lock of the store at ``path`` - another process's open upgrading or repairing it - for at most
+    ``timeout`` seconds, in slices, until ``stop`` is set, without writing anything (the lock is
+    taken and let go of at once). Only a file in WAL mode: an open that upgrades a store switches
+    it to WAL first, and a file in a rollback-journal mode is left byte for byte as it was (see
+    :attr:`SqliteBackend._wal_deferred`). A file this cannot lock is left to the caller's look."""
+    with contextlib.suppress(sqlite3.Error):
+        look = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+
+            def in_wal_mode() -> bool:
+                look.execute("SELECT count(*) FROM sqlite_master")  # (reads the header)
+                return str(look.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal"
+
+            wal = _snapshot(look, in_wal_mode)
+        finally:
+            look.close()
+        if not wal:
+            return
+        conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_SLICE_MS / 1000)
+        try:
+
+            def stopped() -> None:
+                if stop.is_set():
+                    raise err.StoreClosed(
+                        "The store was closed, or its opening given up, while it waited for a lock"
+                    )
+
+            _wait_busy(lambda: conn.execute("BEGIN IMMEDIATE"), timeout, stopped)
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
 
 
 def _refuse_no_store(conn: sqlite3.Connection, path: str) -> None:
