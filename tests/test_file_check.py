@@ -167,3 +167,21 @@ async def test_a_write_ahead_log_deleted_under_the_store_is_noticed(
         assert (await store.allocations(consumer)).allocations == {rp: {"VCPU": 1}}
         assert (await store.audit()).clean
         await store.delete_consumer(consumer)  # (a store opened again has files of its own)
+
+
+async def test_a_write_ahead_log_beside_a_symlinks_target_is_checked(tmp_path: Path) -> None:
+    """SQLite keeps the -wal and -shm files beside the file a symlink names, not beside the link:
+    those are the files checked (none beside the link, which nothing would have noticed)."""
+    import os
+
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "s.db"
+    link.symlink_to(tmp_path / "real" / "s.db")
+    async with open_store(f"sqlite:///{link}") as store:
+        rp = await make_provider(store, VCPU=Inventory(total=10))
+        assert not os.path.exists(f"{link}-wal")
+        os.unlink(tmp_path / "real" / "s.db-wal")
+        with pytest.raises(StorageError) as caught:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert caught.value.details["sqlite_error"] == "file_replaced"
+        assert str(tmp_path / "real" / "s.db-wal") in caught.value.message

@@ -1279,9 +1279,7 @@ class SqliteBackend:
                 given = self._abs_path
                 cache = self._cache
                 cache.file = await _on_thread(self._writer, lambda conn: _file_opened(conn, given))
-                cache.wal_files = await _on_thread(
-                    self._writer, lambda conn: _wal_files_opened(conn, cache.file)
-                )
+                cache.wal_files = await _on_thread(self._writer, _wal_files_opened)
             self._reader = self._writer if self.memory else await self._connect(stop)
         except sqlite3.Error as exc:
             await self.close()
@@ -1365,7 +1363,8 @@ class SqliteBackend:
             )
         self._wal_deferred = False
         conn.execute("SELECT count(*) FROM sqlite_master")  # (in WAL mode now: a read opens its files)
-        self._cache.wal_files = _wal_files_opened(conn, self._cache.file)
+        if self._cache.file is not None:  # (at the open: it looks once the file is known)
+            self._cache.wal_files = _wal_files_opened(conn)
 
     def _wal_then(self, conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
         """``fn`` (a write transaction) after :meth:`_wal_before_write`, for :func:`_retry_busy`."""
@@ -1906,18 +1905,18 @@ def _look_up(name: str, what: str, path: str) -> os.stat_result | None:
         ) from None
 
 
-def _wal_files_opened(
-    conn: sqlite3.Connection, opened: tuple[str, int, int] | None
-) -> tuple[tuple[str, int, int], ...]:
-    """The -wal and -shm files beside the database file ``opened`` (:func:`_file_opened`) as they
-    are now, for :meth:`_WriterCache.check_file`: none unless ``conn`` is in WAL mode. Called once
-    ``conn`` has read the file in WAL mode, so it has them open: they stay the same files as
+def _wal_files_opened(conn: sqlite3.Connection) -> tuple[tuple[str, int, int], ...]:
+    """The -wal and -shm files of ``conn``'s database file as they are now, for
+    :meth:`_WriterCache.check_file`: none in memory or unless ``conn`` is in WAL mode. Named as
+    SQLite names them, beside the file it opened (through a symlink: beside its target). Called
+    once ``conn`` has read the file in WAL mode, so it has them open: they stay the same files as
     long as a connection of this store is open (SQLite deletes them only as the last one closes)."""
-    if opened is None or str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+    row = conn.execute("SELECT CAST(file AS BLOB) FROM pragma_database_list WHERE name = 'main'").fetchone()
+    if row is None or not row[0] or str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
         return ()
     found = []
-    for suffix in ("-wal", "-shm"):
-        name = f"{opened[0]}{suffix}"
+    for suffix in (b"-wal", b"-shm"):
+        name = os.fsdecode(bytes(row[0]) + suffix)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             info = os.stat(name)
             found.append((name, info.st_dev, info.st_ino))
