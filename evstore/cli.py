@@ -1417,17 +1417,6 @@ def tail(
 ) -> None:
     """Print events as they are appended (by any process), until interrupted (Ctrl-C or SIGTERM)."""
 
-    async def work() -> int:
-        # SIGTERM (kill, systemd, a container stopping) stops it as Ctrl-C does: the store closed,
-        # exit 0 - not the default action's death mid-write
-        with SigtermCancels() as sigterm:
-            try:
-                return await follow_log()
-            except asyncio.CancelledError:
-                if sigterm.received:
-                    return EXIT_OK
-                raise
-
     async def follow_log() -> int:
         async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
@@ -1467,7 +1456,9 @@ def tail(
                     break
         return EXIT_OK
 
-    run(work, interrupt_code=EXIT_OK)
+    # SIGTERM (kill, systemd, a container stopping) stops it as Ctrl-C does: the store closed,
+    # exit 0 - not the default action's death mid-write
+    run(_sigterm_cancels(follow_log, EXIT_OK), interrupt_code=EXIT_OK)
 
 
 #: PostgreSQL's answers when the store's tables or its schema are gone (dropped while followed)
