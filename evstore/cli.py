@@ -1123,21 +1123,19 @@ def history(
     run(work)
 
 
-def sorted_allocations(allocs: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
-    """``{uuid: {class: amount}}`` with both levels in key order: the same bytes whichever way the
-    state was read (the projection at the head, a fold for ``--at``) and on either backend."""
-    return {key: dict(sorted(amounts.items())) for key, amounts in sorted(allocs.items())}
-
-
 def consumer_json(
     view: Any, migrations: list[str], allocated_at: int | None, names: Names, leaked: bool
 ) -> dict[str, Any]:
     """``state --consumer --json``: the table's fields (``allocated_at``: its "last allocation
     change at"; ``provider_names``: the names it gives the providers of the allocations, as they
-    were then; ``leaked``: what its status line calls a leak, as the audit and diff do)."""
+    were then; ``leaked``: what its status line calls a leak, as the audit and diff do). Its
+    allocations in key order (``sorted_holdings``): the same bytes whichever way the state was
+    read (the projection at the head, a fold for ``--at``) and on either backend."""
+    from projections.views import sorted_holdings
+
     return {
         "consumer": view.consumer,
-        "allocations": sorted_allocations(view.allocations),
+        "allocations": sorted_holdings(view.allocations),
         "project_id": view.project_id,
         "user_id": view.user_id,
         "consumer_type": view.consumer_type,
@@ -1169,6 +1167,7 @@ def state(
         from evstore.schema import normalize_uuid
         from projections.invariants import leak_of
         from projections.replay import StateView
+        from projections.views import sorted_holdings
 
         if provider is not None and consumer is not None:  # (a usage error, as --db with --url)
             fail("evstore.usage", "give --provider or --consumer, not both", EXIT_USAGE)
@@ -1218,7 +1217,7 @@ def state(
                     {
                         **header,
                         "provider": usage_json(_only(st, puuid))[0],
-                        "allocations": sorted_allocations(holders),
+                        "allocations": sorted_holdings(holders),
                         "consumer_types": {
                             cuuid: c.consumer_type if (c := st.consumers.get(cuuid)) else None
                             for cuuid in sorted(holders)
