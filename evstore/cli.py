@@ -1067,7 +1067,8 @@ def history(
 
         not_empty(uuid, "the uuid", "a consumer or provider uuid")
         key = normalize_uuid(uuid)
-        async with open_existing(resolve_url(db, url)) as store:
+        target = resolve_url(db, url)
+        async with open_existing(target) as store:
             names = await provider_names(store)
             learned: Names = {}  # (see learn_name)
             names_then = NamesThen(store, key)
@@ -1104,10 +1105,14 @@ def history(
                 if not count:  # (with --json too: the same exit code either way)
                     raise err.NotFound(f"no event in this log touches {key}")
                 if json_out:
-                    # (the bytes emit_json prints for {"uuid": key, "name": ..., "events": [...]};
-                    # name: the provider's, as the table's title gives it, null for a consumer)
-                    name = json.dumps(names.get(key))
-                    sys.stdout.write(f'{{\n  "uuid": {json.dumps(key)},\n  "name": {name},\n  "events": [\n')
+                    # (the bytes emit_json prints for {"url": ..., "uuid": key, "name": ...,
+                    # "events": [...]}; name: the provider's, as the table's title gives it,
+                    # null for a consumer)
+                    fields = {"url": shown(target), "uuid": key, "name": names.get(key)}
+                    sys.stdout.write("{\n")
+                    for field, value in fields.items():
+                        sys.stdout.write(f"  {json.dumps(field)}: {json.dumps(value)},\n")
+                    sys.stdout.write('  "events": [\n')
                     spool.seek(0)
                     shutil.copyfileobj(spool, sys.stdout)
                     sys.stdout.write("\n  ]\n}\n")
@@ -1175,7 +1180,8 @@ def state(
         not_empty(provider, "--provider", "a provider uuid")
         not_empty(consumer, "--consumer", "a consumer uuid")
         point = None if at is None else parse_point(at)  # (a usage error before the store is opened)
-        async with open_existing(resolve_url(db, url)) as store:
+        target = resolve_url(db, url)
+        async with open_existing(target) as store:
             head = await store.head()
             if point is None:
                 view = StateView(await store.backend.load_state())
@@ -1204,7 +1210,7 @@ def state(
                 when = last.recorded_at.isoformat()
         st = view.state
         names = {p.uuid: p.name for p in st.providers.values()}
-        header = {"position": position, "head": head, "recorded_at": when}
+        header = {"url": shown(target), "position": position, "head": head, "recorded_at": when}
         shown_when = when or "before the first event"  # (position 0 has no time)
         out = console()
         if provider is not None:
@@ -1351,7 +1357,8 @@ def diff(
         start, end = parse_point(a, "A"), parse_point(b, "B")  # (before the store is opened)
         if type(start) is type(end) and start > end:  # type: ignore[operator]
             backwards(a, b)
-        async with open_existing(resolve_url(db, url)) as store:
+        target = resolve_url(db, url)
+        async with open_existing(target) as store:
             if type(start) is not type(end):  # (a time and a position: the log says which is first)
                 start, end = await store.position_of(start), await store.position_of(end)
                 if start > end:
@@ -1361,7 +1368,7 @@ def diff(
             # provider neither end holds: allocations an imported log left on an absent one)
             names = {**await provider_names(store), **result.provider_names}
         if json_out:
-            emit_json(result.to_dict())
+            emit_json({"url": shown(target), **result.to_dict()})
             return EXIT_OK
         out = console()
         n = sum(result.events_by_type.values())
@@ -1588,8 +1595,8 @@ def rebuild(
     """Refold the persisted projection from the log and repair it (snapshots are dropped too)."""
 
     async def work() -> int:
-
-        async with open_existing(resolve_url(db, url), upgrade=True) as store:
+        target = resolve_url(db, url)
+        async with open_existing(target, upgrade=True) as store:
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("rebuilding", total=head or 1)
@@ -1598,7 +1605,7 @@ def rebuild(
                 )
                 bar.update(task, completed=head or 1)
         if json_out:
-            emit_json({"events": folded, "head": head})
+            emit_json({"url": shown(target), "events": folded, "head": head})
         else:
             console().print(f"rebuilt the projection from {folded} events (head {head})")
         return EXIT_OK
@@ -1622,13 +1629,14 @@ def snapshot(
         options: StoreOptions = {"upgrade": True}
         if every is not None:
             options["snapshot_every"] = every
-        async with open_existing(resolve_url(db, url), **options) as store:
+        target = resolve_url(db, url)
+        async with open_existing(target, **options) as store:
             head = await store.head()
             with progress_bar() as bar:
                 task = bar.add_task("folding", total=head or 1)
                 positions = await store.take_snapshots(lambda done: bar.update(task, completed=done))
         if json_out:
-            emit_json({"head": head, "snapshot_positions": positions})
+            emit_json({"url": shown(target), "head": head, "snapshot_positions": positions})
         else:
             console().print(
                 f"snapshots at positions: {', '.join(map(str, positions)) or 'none'} (head {head})"
@@ -1918,7 +1926,7 @@ def import_(
             report = await store.audit()
             head = await store.head()
         if json_out:
-            emit_json({"imported": count, "head": head, "audit": report.to_dict()})
+            emit_json({"url": shown(target), "imported": count, "head": head, "audit": report.to_dict()})
         else:
             console().print(
                 f"imported {count} events (head {head}); audit: {'clean' if report.clean else 'FINDINGS'}"

@@ -380,3 +380,66 @@ def test_h_is_the_help_as_help_is() -> None:
         short, long = evstore(*args), evstore(*args[:-1], "--help")
         assert short.returncode == 0, short.stderr
         assert short.stdout == long.stdout and short.stdout.startswith("Usage: "), short.stdout
+
+
+def _every_json_names_its_store(
+    store: str, empty: str, shown_store: str, shown_empty: str, tmp: Path
+) -> None:
+    """Each command's ``--json`` run on ``store`` (a demo's) and, for demo and import, ``empty``:
+    a ``url`` key first, the store as :func:`evstore.errors.redact_url` shows it."""
+    dump = tmp / "dump.jsonl"
+    assert evstore("export", "--url", store, "-o", str(dump)).returncode == 0
+    consumer = json.loads(dump.read_text().splitlines()[-1])["data"]
+    consumer = json.loads(consumer).get("consumer") or json.loads(consumer).get("instance")
+    provider = json.loads(json.loads(dump.read_text().splitlines()[1])["data"])["provider"]
+    runs = {
+        "audit": ["audit"],
+        "stats": ["stats"],
+        "upgrade": ["upgrade"],
+        "export": ["export", "-o", str(tmp / "again.jsonl")],
+        "state": ["state"],
+        "state --at": ["state", "--at", "3"],
+        "state --consumer": ["state", "--consumer", consumer],
+        "state --provider": ["state", "--provider", provider],
+        "diff": ["diff", "0", "5"],
+        "history": ["history", provider],
+        "rebuild": ["rebuild"],
+        "snapshot": ["snapshot", "--every", "50"],
+    }
+    for name, args in runs.items():
+        done = evstore(*args, "--url", store, "--json")
+        assert done.returncode == 0, (name, done.stderr)
+        assert "hunter2" not in done.stdout + done.stderr, name
+        answer = json.loads(done.stdout)
+        assert list(answer)[:1] == ["url"] and answer["url"] == shown_store, name
+    done = evstore("import", str(dump), "--url", empty, "--json")
+    assert done.returncode == 0, done.stderr
+    assert list(json.loads(done.stdout))[:1] == ["url"] and json.loads(done.stdout)["url"] == shown_empty
+    assert "hunter2" not in done.stdout + done.stderr
+
+
+def test_every_json_output_names_its_store_sqlite(tmp_path: Path) -> None:
+    """Regression (stop 37): the --json of import, rebuild, snapshot, history, state and diff had no
+    ``url`` key, where audit, stats, upgrade, export and demo's name the store (a script that
+    collects several stores' outputs could not tell them apart)."""
+    db = demo_db(tmp_path / "s.db", instances=10, nodes=2)
+    empty = tmp_path / "empty.db"
+    _every_json_names_its_store(
+        f"sqlite:///{db}", f"sqlite:///{empty}", f"sqlite:///{db}", f"sqlite:///{empty}", tmp_path
+    )
+
+
+def test_every_json_output_names_its_store_postgres_password_hidden(tmp_path: Path) -> None:
+    from evstore.errors import redact_url
+    from tests.pg import fresh_database_url  # skips without a configured server
+
+    def with_password(url: str) -> str:  # (the test server trusts any password)
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{rest.replace('@', ':hunter2@', 1)}"
+
+    store, empty = with_password(fresh_database_url()), with_password(fresh_database_url())
+    assert "hunter2" in store and "hunter2" not in redact_url(store)
+    done = evstore("demo", "--url", store, "--instances", "10", "--nodes", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["url"] == redact_url(store) and "hunter2" not in done.stdout
+    _every_json_names_its_store(store, empty, redact_url(store), redact_url(empty), tmp_path)
