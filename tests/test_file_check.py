@@ -185,3 +185,41 @@ async def test_a_write_ahead_log_beside_a_symlinks_target_is_checked(tmp_path: P
             await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         assert caught.value.details["sqlite_error"] == "file_replaced"
         assert str(tmp_path / "real" / "s.db-wal") in caught.value.message
+
+
+async def test_a_store_file_this_process_may_not_read_is_no_missing_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (stop 37, operator sweep): ``evstore audit --db FILE`` on a store file the user
+    may not read (mode 000, another user's) said ``evstore.not_found`` "No evstore store in FILE:
+    the file cannot be read ... (check the path, or create a store)": the read-only look for a store
+    took a file it could not open for a missing one. Now the open says why it cannot open it,
+    ``evstore.storage``. (SQLite's refusal is simulated: these tests run as root too, whom file
+    permissions do not stop.)"""
+    import sqlite3
+
+    from evstore import NotFound
+
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=Inventory(total=10))
+    connect = sqlite3.connect
+
+    def unreadable(database: object, *args: object, **kwargs: object) -> sqlite3.Connection:
+        if str(path) in str(database):
+            raise sqlite3.OperationalError("unable to open database file")
+        return connect(database, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sqlite3, "connect", unreadable)
+    for upgrade in (True, False):
+        with pytest.raises(StorageError) as caught:
+            async with open_store(f"sqlite:///{path}", create=False, upgrade=upgrade):
+                pass
+        assert not isinstance(caught.value, NotFound)
+        assert "unable to open database file" in caught.value.message
+    monkeypatch.undo()
+    with pytest.raises(NotFound):  # (a missing file still is one)
+        async with open_store(f"sqlite:///{tmp_path / 'missing.db'}", create=False):
+            pass
+    async with open_store(f"sqlite:///{path}", create=False) as store:
+        assert await store.head() == 2

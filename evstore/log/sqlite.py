@@ -2222,13 +2222,15 @@ def _refuse_damaged(path: str) -> None:
 
 def _holds_no_store(path: str) -> bool:
     """Whether ``path`` is missing, or a SQLite database without evstore's tables (read-only check;
-    a file that is not a database at all is left to the normal open, which reports it)."""
+    a file that is not a database at all, or that this process may not read, is left to the
+    normal open, which reports it)."""
     if path == ":memory:":
         return True
     try:
         conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
     except sqlite3.Error:
-        return True  # cannot be opened read-only: it does not exist
+        # (missing, or there and unreadable - its permissions -, which is no "No evstore store")
+        return not os.path.exists(path)
     try:
         meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'")
         if meta.fetchone() is None:
