@@ -278,6 +278,15 @@ def test_a_url_naming_a_directory_says_so(tmp_path: Path) -> None:
     assert "is a directory" in done.stderr, done.stderr  # (the tmp path itself says "directory")
 
 
+def test_a_sqlite_url_without_its_slashes_says_how_to_write_one() -> None:
+    """Regression (stop 37, operator sweep): ``--url sqlite:`` and ``--url sqlite:x.db`` said only
+    "Not a SQLite URL: 'sqlite:x.db'", where ``sqlite://x.db`` says what a SQLite URL looks like."""
+    for url in ("sqlite:", "sqlite:x.db"):
+        done = evstore("audit", "--url", url)
+        assert done.returncode == 1 and done.stderr.startswith("error: evstore.invalid_input: "), done.stderr
+        assert "sqlite:///relative.db" in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_an_in_memory_url_says_what_it_is() -> None:
     # `audit --url sqlite://` said "No evstore store in :memory:: the file does not exist", and
     # `demo --url sqlite://` ended with a "Try: evstore history ... --url 'sqlite://'" that cannot

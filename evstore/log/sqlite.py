@@ -1017,7 +1017,10 @@ def run_batch(
 def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     """``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (memory); ``?k=v`` options."""
     if not url.startswith("sqlite://"):
-        raise err.InvalidInput(f"Not a SQLite URL: {url!r}")
+        raise err.InvalidInput(
+            f"Not a SQLite URL: {url!r}: give sqlite:///relative.db, sqlite:////abs.db or "
+            "sqlite:// (in memory)"
+        )
     rest = url[len("sqlite://") :]
     query = ""
     if "?" in rest:
