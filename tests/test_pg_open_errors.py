@@ -411,3 +411,22 @@ async def test_a_url_with_an_at_sign_in_its_query_is_not_taken_for_a_password(pg
     '@' lies past its host part - in a setting's value - opens as before."""
     async with open_store(f"{pg_url}&application_name=me@example", connect_timeout=5) as store:
         assert await store.head() == 0
+
+
+async def test_a_server_that_never_answers_says_connect_timeout() -> None:
+    """Regression (stop 37, operator sweep): a server that accepts the connection and never answers
+    (stopped, or not PostgreSQL) failed as "Cannot connect to PostgreSQL at URL: TimeoutError" - the
+    timeout's class name, with nothing of which timeout, or what to check."""
+    import socket
+
+    with socket.socket() as silent:  # (the kernel accepts the connection; nobody ever answers)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        with pytest.raises(StorageError) as caught:
+            async with open_store(f"postgresql://evstore@127.0.0.1:{port}/x?connect_timeout=0.5"):
+                pass
+    message = caught.value.message
+    assert "no answer within connect_timeout (0.5 s)" in message and message.count("TimeoutError") == 0, (
+        message
+    )

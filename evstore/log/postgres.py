@@ -1317,6 +1317,11 @@ class PostgresBackend:
                 raise self._malformed(exc) from None
             # (a server's or resolver's text may quote what the URL held: a misread password's piece)
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
+            if isinstance(exc, TimeoutError) and not str(exc):  # (it said only "TimeoutError")
+                text = (
+                    f"no answer within connect_timeout ({self.connect_timeout:g} s): check the host, "
+                    "the port and that the server is up, or set a longer connect_timeout"
+                )
             if getattr(exc, "sqlstate", None) == "3D000":
                 raise self._no_database(text) from None
             if getattr(exc, "sqlstate", None) == "42704" and "configuration parameter" in text:
