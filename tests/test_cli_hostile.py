@@ -278,6 +278,25 @@ def test_a_url_naming_a_directory_says_so(tmp_path: Path) -> None:
     assert "is a directory" in done.stderr, done.stderr  # (the tmp path itself says "directory")
 
 
+def test_a_damaged_database_file_says_what_to_do(tmp_path: Path) -> None:
+    """Regression (stop 37, operator sweep): a store file with damaged pages (a disk's fault, a
+    copy cut short) ended every command with only SQLite's "database disk image is malformed",
+    nothing of what to do about it."""
+    db = demo_db(tmp_path / "s.db", instances=20, nodes=2)
+    for suffix in ("-wal", "-shm"):  # (closed cleanly: checkpointed, nothing in them)
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    data = bytearray(db.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    assert len(data) > 4 * page
+    data[page:] = b"\xff" * (len(data) - page)  # every page but the first (the header, the schema's root)
+    db.write_bytes(bytes(data))
+    for command in ("audit", "stats", "export"):
+        done = evstore(command, "--db", str(db))
+        assert done.returncode == 1 and done.stderr.startswith("error: evstore.storage: "), done.stderr
+        assert "malformed" in done.stderr and "damaged: restore it from a backup" in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
 def test_a_sqlite_url_without_its_slashes_says_how_to_write_one() -> None:
     """Regression (stop 37, operator sweep): ``--url sqlite:`` and ``--url sqlite:x.db`` said only
     "Not a SQLite URL: 'sqlite:x.db'", where ``sqlite://x.db`` says what a SQLite URL looks like."""

@@ -1286,9 +1286,9 @@ class SqliteBackend:
             self._reader = self._writer if self.memory else await self._connect(stop)
         except sqlite3.Error as exc:
             await self.close()
-            hint = ""
             # (as a command's error says it: which SQLite error, "busy" for a lock that stayed)
             details = {"sqlite_error": type(exc).__name__}
+            hint = _damage_hint(exc)
             if "readonly" in str(exc) or "unable to open" in str(exc):
                 hint = (
                     " (evstore needs to write the file and its directory, for its -wal and -shm files, "
@@ -2044,7 +2044,18 @@ async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Co
 
 def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
     """What a caller sees of an error SQLite raised while running its work."""
-    return err.StorageError(f"SQLite error: {exc}", sqlite_error=type(exc).__name__)
+    return err.StorageError(f"SQLite error: {exc}{_damage_hint(exc)}", sqlite_error=type(exc).__name__)
+
+
+def _damage_hint(exc: sqlite3.Error) -> str:
+    """What to do about a database file SQLite found damaged (``database disk image is
+    malformed``: a page it cannot make sense of), said after its error; "" for any other error."""
+    if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF != sqlite3.SQLITE_CORRUPT:
+        return ""
+    return (
+        " (the database file is damaged: restore it from a backup; or, if `evstore export` can still "
+        "read its log, import that export into a new file with `evstore import`)"
+    )
 
 
 #: how long the writer's own busy handler waits for another connection's lock (its connection's
