@@ -96,6 +96,15 @@ def validate_resource_class_name(
     return name
 
 
+_SHOWN_INT_LIMIT = 10**30
+
+
+def _shown_int(value: int) -> str:
+    """An integer for a message: as it is, or, past 64 bits by far, said so (its digits could be
+    more than ``str()`` converts: a ``ValueError`` past 4,300 of them)."""
+    return str(value) if abs(value) < _SHOWN_INT_LIMIT else "an integer past 64 bits"
+
+
 def validate_amount(
     amount: object, resource_class: str, field: str = "amount", path: Sequence[str] | None = None
 ) -> int:
@@ -106,10 +115,11 @@ def validate_amount(
             **where(field, path),
         )
     if amount < 1 or amount > MAX_INT:
+        shown = _shown_int(amount)
         raise InvalidInput(
-            f"Amount of {resource_class} must be between 1 and {MAX_INT}, got {amount}",
+            f"Amount of {resource_class} must be between 1 and {MAX_INT}, got {shown}",
             resource_class=resource_class,
-            amount=amount,
+            **({"amount": amount} if abs(amount) < _SHOWN_INT_LIMIT else {}),
             **where(field, path),
         )
     return amount
@@ -205,9 +215,7 @@ def validate_generation(
         or not isinstance(value, int)
         or not GIVEN_GENERATION_MIN <= value <= GIVEN_GENERATION_MAX
     ):
-        shown = (
-            repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "an integer past 64 bits"
-        )
+        shown = _shown_int(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
         raise InvalidInput(
             f"{what} must be an integer from -2**63 to 2**63{' or None' if nullable else ''}, got {shown}",
             field=field,

@@ -250,6 +250,13 @@ def _rows(
             "allocations",
             ["allocations", rp, "VCPU"],
         ),
+        (  # (past 4,300 digits str() refuses an int: a bare ValueError escaped, session 37)
+            "sa amount of 5,000 digits",
+            sa(allocations={rp: {"VCPU": 10**5000}}),
+            INVALID,
+            "allocations",
+            ["allocations", rp, "VCPU"],
+        ),
         ("sa project", sa(project_id=""), INVALID, "project_id", None),
         ("sa user", sa(user_id=b"u"), INVALID, "user_id", None),
         ("sa type", sa(consumer_type="instance"), INVALID, "consumer_type", None),
@@ -342,6 +349,13 @@ def _rows(
         (
             "wa amount",
             lambda: s.write_allocations({fresh: ca(allocations={rp: {"VCPU": -1}})}),
+            INVALID,
+            "allocations",
+            ["allocations", fresh, "allocations", rp, "VCPU"],
+        ),
+        (
+            "wa amount of 5,000 digits",
+            lambda: s.write_allocations({fresh: ca(allocations={rp: {"VCPU": -(10**5000)}})}),
             INVALID,
             "allocations",
             ["allocations", fresh, "allocations", rp, "VCPU"],
