@@ -31,6 +31,10 @@ from pydantic import (
 from evstore.errors import InvalidInput, InvalidInventoryValue
 
 MAX_INT = 2147483647
+#: the largest amount a command takes: Placement's schema takes any integer from 1, and its row checks
+#: refuse one above every ``max_unit`` (at most ``MAX_INT``) as a constraint violation, in their
+#: order (after the consumer generations, the providers, the classes); past 64 bits it is bad input
+MAX_AMOUNT = 2**63 - 1
 RC_PATTERN = re.compile(r"[A-Z0-9_]+")  # (used with fullmatch: "$" would let a final newline through)
 CUSTOM_PREFIX = "CUSTOM_"
 STANDARD_CLASSES: frozenset[str] = frozenset(os_resource_classes.STANDARDS)
@@ -114,10 +118,10 @@ def validate_amount(
             resource_class=resource_class,
             **where(field, path),
         )
-    if amount < 1 or amount > MAX_INT:
+    if amount < 1 or amount > MAX_AMOUNT:
         shown = _shown_int(amount)
         raise InvalidInput(
-            f"Amount of {resource_class} must be between 1 and {MAX_INT}, got {shown}",
+            f"Amount of {resource_class} must be between 1 and 2**63-1, got {shown}",
             resource_class=resource_class,
             **({"amount": amount} if abs(amount) < _SHOWN_INT_LIMIT else {}),
             **where(field, path),

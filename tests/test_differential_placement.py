@@ -62,6 +62,7 @@ from evstore import (
     EvstoreError,
     InvalidInput,
     InvalidInventory,
+    Inventory,
     InventoryInUse,
     NotFound,
     ProviderInUse,
@@ -1156,6 +1157,45 @@ def test_inventory_and_provider_refusals_carry_placements_detail(placement_peer:
     _run_side_by_side(scenario)
 
 
+def test_an_amount_above_max_int_is_refused_in_placements_check_order(placement_peer: PlacementPeer) -> None:
+    """Regression (session 37, s37_A): an amount above 2**31-1 was refused up front as
+    ``InvalidInput``, where Placement's schema takes any integer from 1 and its row check refuses
+    it - after the consumer generations and the providers - as a constraint violation (no
+    ``max_unit`` can be above 2**31-1). The first refusal of each request must be of one kind."""
+    rp, missing = str(uuid.uuid4()), str(uuid.uuid4())
+    huge = MAX_INT + 1
+    entry = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE"}
+
+    async def scenario(store: AllocationStore, tmp: Path) -> None:
+        await asyncio.to_thread(placement_peer.reset, tmp / "placement.sqlite")
+        await placement_peer.acall("POST", "/resource_providers", {"uuid": rp, "name": "rp"})
+        await store.create_provider(rp, "rp")
+        vast = {"MEMORY_MB": {"total": MAX_INT, "allocation_ratio": 4.0}, "VCPU": {"total": 4}}
+        body = {"resource_provider_generation": 0, "inventories": vast}
+        assert (await placement_peer.acall("PUT", f"/resource_providers/{rp}/inventories", body))[0] == 200
+        await store.set_inventories(rp, vast, 0)
+        cases = [  # (allocations, consumer generation): the refusal Placement reports first
+            ({rp: {"MEMORY_MB": huge}}, None),  # above max_unit: constraint
+            ({rp: {"VCPU": 1, "MEMORY_MB": 2**62}}, None),  # the second row decides
+            ({rp: {"MEMORY_MB": huge}}, 3),  # the generation first: concurrent update
+            ({missing: {"MEMORY_MB": huge}}, None),  # the provider first: it does not exist
+            ({rp: {"DISK_GB": huge}}, None),  # no inventory of the class
+        ]
+        for allocations, generation in cases:
+            c = str(uuid.uuid4())
+            request = {"allocations": {p: {"resources": res} for p, res in allocations.items()}}
+            request |= entry | {"consumer_generation": generation}
+            status, answer = await placement_peer.acall("PUT", f"/allocations/{c}", request)
+            await asyncio.to_thread(placement_peer.purge_orphans)  # (the 400 for a missing provider's)
+            with pytest.raises(EvstoreError) as caught:
+                await store.set_allocations(c, allocations, generation=generation, **entry)
+            assert evstore_kind(caught.value) == placement_kind(status, answer), (allocations, answer)
+            assert status >= 400
+        assert await store.usage(rp) == {"MEMORY_MB": 0, "VCPU": 0}
+
+    _run_side_by_side(scenario)
+
+
 # --- regression tests for evstore bugs found by the differential test --------------------------------
 # Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app) and
 # needs no Placement peer. Found by the first campaigns; fixed in evstore (inventory checks now run
@@ -1215,3 +1255,22 @@ async def test_regression_revert_ignores_stale_attributes_of_absent_instance(sto
     restored = await store.allocations(a)
     assert restored.allocations == {rp: {"VCPU": 2}}
     assert (restored.consumer_type, restored.project_id) == ("INSTANCE", "pa")
+
+
+async def test_regression_an_amount_above_max_int_is_a_constraint_violation(store: AllocationStore) -> None:
+    """Placement takes any integer amount from 1 and refuses one above every ``max_unit`` in its
+    row checks, after the generations and the providers (see
+    ``test_an_amount_above_max_int_is_refused_in_placements_check_order``); evstore refused it up
+    front as ``InvalidInput``, so a stale generation or a missing provider was reported as bad input."""
+    rp = await make_provider(store, MEMORY_MB=Inventory(total=MAX_INT, allocation_ratio=4.0))
+    huge = MAX_INT + 1
+    with pytest.raises(ConstraintViolation) as caught:
+        await allocate(store, new_uuid(), {rp: {"MEMORY_MB": huge}})
+    assert caught.value.details["amount"] == huge
+    with pytest.raises(ConcurrentUpdate):
+        await allocate(store, new_uuid(), {rp: {"MEMORY_MB": huge}}, generation=3)
+    with pytest.raises(ProviderNotFound):
+        await allocate(store, new_uuid(), {new_uuid(): {"MEMORY_MB": huge}})
+    with pytest.raises(InvalidInventory):
+        await allocate(store, new_uuid(), {rp: {"DISK_GB": huge}})
+    assert await store.head() == 2  # (the provider and its inventory: nothing else)
