@@ -14,7 +14,14 @@ from typing import NoReturn
 
 from evstore import errors as err
 from evstore import events as ev
-from evstore.schema import CUSTOM_PREFIX, STANDARD_CLASSES, Inventory, is_known_class, where
+from evstore.schema import (
+    CUSTOM_PREFIX,
+    STANDARD_CLASSES,
+    Inventory,
+    is_known_class,
+    placement_class_order,
+    where,
+)
 from projections.invariants import allocation_fits, format_amount
 from projections.state import ConsumerState, ProviderState, State
 from projections.views import sorted_holdings
@@ -782,8 +789,9 @@ def _set_inventories(
     _check_inventories(state, provider, checked, changed is not None)
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
-        raise err.InventoryInUse(
-            f"Inventory for '{', '.join(removed_in_use)}' on resource provider '{provider}' in use.",
+        named = ", ".join(sorted(removed_in_use, key=placement_class_order))
+        raise err.InventoryInUse(  # (Placement's PUT .../inventories detail)
+            f"update conflict: Inventory for '{named}' on resource provider '{provider}' in use.",
             provider=provider,
             resource_classes=removed_in_use,
         )
@@ -801,8 +809,9 @@ def _delete_inventory(state: State, command: DeleteInventory) -> list[ev.EventBa
             f"No inventory of class {rc} found for delete", provider=prov.uuid, resource_class=rc
         )
     if prov.usages.get(rc):
-        raise err.InventoryInUse(
-            f"Inventory for '{rc}' on resource provider '{prov.uuid}' in use.",
+        raise err.InventoryInUse(  # (Placement's DELETE .../inventories/{rc} detail)
+            f"Unable to delete inventory of class {rc}: Inventory for '{rc}' on resource provider "
+            f"'{prov.uuid}' in use.",
             provider=prov.uuid,
             resource_class=rc,
             resource_classes=[rc],  # (the key set_inventories' refusal names them by)

@@ -38,6 +38,16 @@ MAX_AMOUNT = 2**63 - 1
 RC_PATTERN = re.compile(r"[A-Z0-9_]+")  # (used with fullmatch: "$" would let a final newline through)
 CUSTOM_PREFIX = "CUSTOM_"
 STANDARD_CLASSES: frozenset[str] = frozenset(os_resource_classes.STANDARDS)
+#: a standard class's id in Placement (its index in os-resource-classes' list); custom ones come after
+_STANDARD_IDS: dict[str, int] = {name: i for i, name in enumerate(os_resource_classes.STANDARDS)}
+
+
+def placement_class_order(name: str) -> tuple[int, str]:
+    """A sort key putting resource classes in Placement's order (by their id: the standard ones as
+    os-resource-classes lists them, then the custom ones - Placement's by creation, here by name),
+    the order its messages name several in (``Inventory for 'VCPU, DISK_GB' ... in use.``)."""
+    return _STANDARD_IDS.get(name, len(_STANDARD_IDS)), name
+
 
 UuidLike = str | _uuid.UUID
 

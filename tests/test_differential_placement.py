@@ -1196,6 +1196,61 @@ def test_an_amount_above_max_int_is_refused_in_placements_check_order(placement_
     _run_side_by_side(scenario)
 
 
+def test_inventory_in_use_refusals_carry_placements_detail(placement_peer: PlacementPeer) -> None:
+    """Regression (session 37, s37_A): removing inventory in use said ``Inventory for 'DISK_GB,
+    VCPU' on resource provider ... in use.``, where Placement's ``PUT .../inventories`` says
+    ``update conflict: Inventory for 'VCPU, DISK_GB' ...`` (the classes in Placement's order, by
+    resource class id: the standard ones as os-resource-classes lists them) and its ``DELETE
+    .../inventories/{rc}`` ``Unable to delete inventory of class VCPU: Inventory for 'VCPU' ...``.
+    The kind must agree and evstore's message must begin with Placement's detail."""
+    rp = str(uuid.uuid4())
+    invs = {"DISK_GB": {"total": 10}, "MEMORY_MB": {"total": 10}, "VCPU": {"total": 4}}
+
+    async def scenario(store: AllocationStore, tmp: Path) -> None:
+        await asyncio.to_thread(placement_peer.reset, tmp / "placement.sqlite")
+        await placement_peer.acall("POST", "/resource_providers", {"uuid": rp, "name": "rp"})
+        await store.create_provider(rp, "rp")
+        body = {"resource_provider_generation": 0, "inventories": invs}
+        assert (await placement_peer.acall("PUT", f"/resource_providers/{rp}/inventories", body))[0] == 200
+        await store.set_inventories(rp, invs, 0)
+        c, held = str(uuid.uuid4()), {"DISK_GB": 1, "VCPU": 1}
+        entry = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "consumer_generation": None}
+        request = {"allocations": {rp: {"resources": held}}} | entry
+        assert (await placement_peer.acall("PUT", f"/allocations/{c}", request))[0] == 204
+        await allocate(store, c, {rp: held}, project_id="p", user_id="u")
+        left = {"MEMORY_MB": {"total": 10}}
+        refusals: list[tuple[str, str, Any, Callable[[], Any]]] = [
+            (
+                "PUT",
+                f"/resource_providers/{rp}/inventories",
+                {"resource_provider_generation": 2, "inventories": left},
+                lambda: store.set_inventories(rp, left, 2),
+            ),
+            (
+                "PUT",
+                f"/resource_providers/{rp}/inventories",
+                {"resource_provider_generation": 2, "inventories": {}},
+                lambda: store.set_inventories(rp, {}, 2),
+            ),
+            (
+                "DELETE",
+                f"/resource_providers/{rp}/inventories/VCPU",
+                None,
+                lambda: store.delete_inventory(rp, "VCPU"),
+            ),
+        ]
+        for method, path, request, run in refusals:
+            status, answer = await placement_peer.acall(method, path, request)
+            assert status == 409, (path, answer)
+            detail = answer["errors"][0]["detail"].split("\n\n", 1)[1].strip()
+            with pytest.raises(EvstoreError) as caught:
+                await run()
+            assert evstore_kind(caught.value) == placement_kind(status, answer), (path, caught.value)
+            assert caught.value.message.startswith(detail), (caught.value.message, detail)
+
+    _run_side_by_side(scenario)
+
+
 # --- regression tests for evstore bugs found by the differential test --------------------------------
 # Each is the minimal case of a difference from Placement 16.0.0 (checked against the real app) and
 # needs no Placement peer. Found by the first campaigns; fixed in evstore (inventory checks now run
@@ -1274,3 +1329,24 @@ async def test_regression_an_amount_above_max_int_is_a_constraint_violation(stor
     with pytest.raises(InvalidInventory):
         await allocate(store, new_uuid(), {rp: {"DISK_GB": huge}})
     assert await store.head() == 2  # (the provider and its inventory: nothing else)
+
+
+async def test_regression_inventory_in_use_messages_begin_with_placements_detail(
+    store: AllocationStore,
+) -> None:
+    """The classes in Placement's order (standard classes by their os-resource-classes index, so
+    VCPU before DISK_GB) and its handlers' prefixes (see
+    ``test_inventory_in_use_refusals_carry_placements_detail``)."""
+    rp = await make_provider(store, DISK_GB=10, VCPU=4)
+    await allocate(store, new_uuid(), {rp: {"DISK_GB": 1, "VCPU": 1}})
+    with pytest.raises(InventoryInUse) as caught:
+        await store.set_inventories(rp, {}, generation=2)
+    assert (
+        caught.value.message
+        == f"update conflict: Inventory for 'VCPU, DISK_GB' on resource provider '{rp}' in use."
+    )
+    assert caught.value.details["resource_classes"] == ["DISK_GB", "VCPU"]  # (sorted, as they were)
+    with pytest.raises(InventoryInUse) as caught:
+        await store.delete_inventory(rp, "DISK_GB")
+    in_use = f"Inventory for 'DISK_GB' on resource provider '{rp}' in use."
+    assert caught.value.message == f"Unable to delete inventory of class DISK_GB: {in_use}"
