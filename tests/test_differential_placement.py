@@ -242,11 +242,13 @@ SETUP: tuple[Step, ...] = (
 @st.composite
 def inv_specs(draw: st.DrawFn) -> InvSpec:
     total = draw(st.integers(1, 24))
-    reserved = min(draw(st.sampled_from([0, 0, 1, 2])), total)
-    min_unit = draw(st.sampled_from([1, 1, 1, 2]))
+    reserved = min(draw(st.sampled_from([0, 0, 1, 2, total])), total)  # (reserved = total: capacity 0)
+    min_unit = draw(st.sampled_from([1, 1, 1, 2, 3]))  # (3 with a step of 2: 4, 6... fit, 3 does not)
     max_unit = draw(st.sampled_from([MAX_INT, MAX_INT, 4, 8]))
     step_size = draw(st.sampled_from([1, 1, 1, 2]))
-    ratio = draw(st.sampled_from([1.0, 1.0, 1.5, 2.0, 0.5]))
+    # 1.15 and 0.3 make capacities a float just off a whole number (20 * 1.15 = 22.999999999999996,
+    # 10 * 0.3 = 3.0000000000000004): never rounded, by either
+    ratio = draw(st.sampled_from([1.0, 1.0, 1.5, 2.0, 0.5, 1.15, 0.3]))
     if ratio >= 1.0 and draw(st.integers(0, 11)) == 0:
         # Refused by both (400 / InvalidInventoryValue). Not with a ratio < 1: Placement truncates
         # int((total - reserved) * ratio), so it accepts reserved = total + 1 when the ratio is
@@ -271,7 +273,9 @@ def _items(d: dict[Any, Any]) -> tuple[Any, ...]:
 
 
 # "Wild" allocations: any provider (P2 often does not exist), any class, any amount.
-wild_resources = st.dictionaries(classes_or_unknown, st.integers(1, 10), min_size=1, max_size=2).map(_items)
+# Now and then an amount above 2**31-1: Placement's row checks refuse it (above any max_unit).
+wild_amounts = st.sampled_from([*range(1, 11), *range(1, 11), MAX_INT + 1])
+wild_resources = st.dictionaries(classes_or_unknown, wild_amounts, min_size=1, max_size=2).map(_items)
 wild_allocations = st.dictionaries(providers, wild_resources, min_size=1, max_size=2).map(_items)
 # "Sensible" allocations fit the SETUP inventories (classes, step sizes, max units) most of the time.
 SENSIBLE_AMOUNTS = {
