@@ -1053,6 +1053,12 @@ async def provider_names_at(store: Any, position: int, head: int) -> Names | Non
 NAMED_BY = frozenset({"ProviderCreated", "ProviderUpdated", "ProviderDeleted"})
 
 
+def left_holding(migration: str) -> str:
+    """What a tombstone listed in its instance's migration's history did to it (it names only the
+    instance): see ``AllocationStore.history``."""
+    return f"left its migration {migration} holding what it held: a leak"
+
+
 @app.command()
 def history(
     uuid: Annotated[str, typer.Argument(help="Consumer or provider uuid.")],
@@ -1072,6 +1078,7 @@ def history(
             names = await provider_names(store)
             learned: Names = {}  # (see learn_name)
             names_then = NamesThen(store, key)
+            instance: str | None = None  # (the last it held for, as a migration)
             # Neither the decoded events nor the whole document are kept (a busy provider's
             # history is a good part of the log: 112k events of a 400k-event log took 1.3 GB):
             # with --json each event's text goes to a temporary file, printed once the history
@@ -1082,13 +1089,27 @@ def history(
                 try:
                     async for recorded in store.history(key):
                         then = await names_then.at(recorded, names)
+                        if recorded.type == "MigrationStarted" and recorded.event["migration"] == key:
+                            instance = recorded.event["instance"]
+                        # (its instance's delete that does not name it: one that left it holding)
+                        left = (
+                            recorded.type == "ConsumerDeleted"
+                            and recorded.event["consumer"] == instance
+                            and f"consumer:{key}" not in recorded.entities()
+                        )
                         if json_out:
                             if count:
                                 spool.write(",\n")
-                            text = json.dumps(event_json(recorded, then, learned), indent=2, default=str)
+                            doc = event_json(recorded, then, learned)
+                            if left:
+                                doc["summary"] += f"; {left_holding(key)}"
+                            text = json.dumps(doc, indent=2, default=str)
                             spool.write("    " + text.replace("\n", "\n    "))
                         else:
-                            rows.append(event_row(recorded, then, learned))
+                            cells = event_row(recorded, then, learned)
+                            if left:
+                                cells = (*cells[:4], f"{cells[4]}; {left_holding(key[:8])}")
+                            rows.append(cells)
                         learn_name(names, learned, recorded)
                         count += 1
                 except err.CorruptEvent:

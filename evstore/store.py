@@ -68,7 +68,7 @@ from projections import audit as _audit
 from projections.audit import AuditReport
 from projections.diff import Diff
 from projections.replay import StateView, replay
-from projections.state import ProviderState, State
+from projections.state import ProviderState, State, evolve
 from projections.views import (
     RESERVED_CONSUMER_TYPES,
     ConsumerView,
@@ -639,6 +639,59 @@ class _SharedRead:
         self.task = task
         self.wakes = wakes
         self.waiters = 0
+
+
+class _HoldingFor:
+    """What a history listing needs to know of its consumer to find the tombstones of its instance
+    that left it holding (see ``AllocationStore.history``): the consumer folded from its own
+    events, and while it holds allocations as a migration, the instance and the position since
+    which it has. (An event of its own that leaves it holding nothing - this evstore's delete of
+    the instance, a revert, a confirm - ends that span, so only a delete that left it holding is
+    found between two of its events.)"""
+
+    __slots__ = ("_backend", "_batch", "_instance", "_key", "_migrated", "_since", "_state")
+
+    def __init__(self, key: str, backend: Backend, batch_size: int) -> None:
+        self._key, self._backend, self._batch = key, backend, batch_size
+        self._state = State()  # (the slice its own events fold, as ``state_at(consumer=)``)
+        self._instance: str | None = None
+        self._since = 0
+        self._migrated = False
+
+    def fold(self, recorded: RecordedEvent) -> None:
+        """After ``recorded`` was listed: fold it, if it names the consumer (not only a provider
+        of that uuid), and note what the consumer then holds for whom. Nothing is folded before
+        the consumer's first start as a migration (only that gives it an instance, and it sets
+        what it holds whole): a provider's or an instance's history costs a comparison an event."""
+        if not self._migrated:
+            if recorded.type != "MigrationStarted" or recorded.event["migration"] != self._key:
+                return
+            self._migrated = True
+        if f"consumer:{self._key}" not in recorded.event.entities():
+            return
+        evolve(self._state, recorded.event, recorded.position)
+        c = self._state.consumers.get(self._key)
+        self._instance = c.on_behalf_of if c is not None and c.allocations else None
+        self._since = recorded.position
+
+    async def tombstones(self, until: int | None) -> list[RecordedEvent]:
+        """The instance's tombstones after the last one listed, up to ``until`` (None: the end),
+        while the consumer holds allocations for it: none when it holds none."""
+        if self._instance is None or (until is not None and until <= self._since):
+            return []
+        found: list[RecordedEvent] = []
+        while True:
+            batch = await self._backend.read_entities(
+                [f"consumer:{self._instance}"], self._since, self._batch, until, types=("ConsumerDeleted",)
+            )
+            found += batch
+            if batch:
+                self._since = batch[-1].position
+            if len(batch) < self._batch:
+                break
+        if until is not None:
+            self._since = until
+        return found
 
 
 class AllocationStore:
@@ -1485,6 +1538,11 @@ class AllocationStore:
     ) -> AsyncGenerator[RecordedEvent, None]:
         """Every recorded event touching the consumer or provider ``uuid``, oldest first.
 
+        A migration consumer's history also lists each tombstone of its instance that left it
+        holding allocations (only an older, Placement-style writer's delete does: this one's
+        releases the migration's and names it), although that event does not name it: the event
+        that made its allocations the audit's leak, as the leak and ``diff`` cite it.
+
         The arguments are checked at the call (``InvalidInput``), not at the first iteration."""
         key = normalize_uuid(uuid)
         _count(batch_size, "batch_size")
@@ -1492,6 +1550,7 @@ class AllocationStore:
 
     async def _history(self, key: str, batch_size: int) -> AsyncGenerator[RecordedEvent, None]:
         entities = [f"consumer:{key}", f"provider:{key}"]
+        holding = _HoldingFor(key, self._backend, batch_size)
         after = 0
         while True:
             try:
@@ -1503,11 +1562,21 @@ class AllocationStore:
                 if not isinstance(damaged, int) or damaged <= after + 1:
                     raise
                 for recorded in await self._backend.read_entities(entities, after, batch_size, damaged - 1):
+                    for tombstone in await holding.tombstones(recorded.position - 1):
+                        yield tombstone
                     yield recorded
+                    holding.fold(recorded)
+                for tombstone in await holding.tombstones(damaged - 1):
+                    yield tombstone
                 raise
             for recorded in batch:
+                for tombstone in await holding.tombstones(recorded.position - 1):
+                    yield tombstone
                 yield recorded
+                holding.fold(recorded)
             if len(batch) < batch_size:
+                for tombstone in await holding.tombstones(None):
+                    yield tombstone
                 return
             after = batch[-1].position
 

@@ -522,6 +522,65 @@ async def test_diff_calls_a_migration_left_holding_for_a_deleted_instance_leaked
         assert (await store.diff(delete.position, await store.head())).consumer(migration) is None
 
 
+async def test_the_history_of_a_migration_left_holding_lists_the_delete_that_left_it(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression (stop 36's note): the history of a migration an older writer's delete of its
+    instance left holding did not list that delete (it does not name the migration), where the
+    audit's leak and diff cite it: the event that made the leak. It is listed, once, in order,
+    with what came after; the history of a migration its instance's delete released (this
+    evstore's delete names it) is as it was."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
+    instance, migration, started = ids["instance"], ids["migration"], int(ids["started"])
+    async with open_store(store_url) as store:
+        await store.import_events(lambda: iter(lines))
+        [leak] = (await store.audit()).leaks
+        assert leak.positions == (started, delete.position)
+        assert [e.position async for e in store.history(migration)] == [started, delete.position]
+        listed = [e async for e in store.history(migration, batch_size=1)]  # (across batches too)
+        assert [(e.position, e.type) for e in listed] == [
+            (started, "MigrationStarted"), (delete.position, "ConsumerDeleted")
+        ]  # fmt: skip
+        assert listed[1].event_id == delete.event_id
+        instance_history = [e.position async for e in store.history(instance)]
+        confirmed = (await store.confirm_migration(migration)).position  # (releases the leak)
+        assert [e.position async for e in store.history(migration)] == [started, delete.position, confirmed]
+        assert [e.position async for e in store.history(instance)] == [*instance_history, confirmed]
+        # released by this evstore's delete: listed once, as it names the migration
+        rp = await make_provider(store, "fresh", VCPU=8)
+        other, its_migration = new_uuid(), new_uuid()
+        await allocate(store, other, {rp: {"VCPU": 1}})
+        begun = (await store.start_migration(other, its_migration)).position
+        gone = (await store.delete_consumer(other)).position
+        assert [e.position async for e in store.history(its_migration)] == [begun, gone]
+
+
+def test_evstore_history_of_a_migration_left_holding_lists_and_explains_the_delete(tmp_path: Path) -> None:
+    """The command line's history lists that delete too, in its table and in --json, saying that
+    it left the migration holding (its own words name only the instance)."""
+    lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
+    (tmp_path / "legacy.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    db = str(tmp_path / "legacy.db")
+    assert evstore("import", str(tmp_path / "legacy.jsonl"), "--db", db).returncode == 3
+    migration = ids["migration"]
+    done = evstore("history", migration, "--db", db, "--json")
+    assert done.returncode == 0, done.stderr
+    events = json.loads(done.stdout)["events"]
+    assert [e["position"] for e in events] == [int(ids["started"]), delete.position]
+    said = f"left its migration {migration} holding what it held: a leak"
+    assert events[1]["type"] == "ConsumerDeleted" and events[1]["summary"].endswith(said)
+    assert said not in events[0]["summary"]
+    done = evstore("history", migration, "--db", db)
+    assert done.returncode == 0, done.stderr
+    [row] = [line for line in done.stdout.splitlines() if "ConsumerDeleted" in line]
+    assert f" {delete.position} " in row and f"left its migration {migration[:8]} holding" in row
+    for other in (ids["instance"], ids["dst"]):  # (the delete names them: no such words)
+        done = evstore("history", other, "--db", db, "--json")
+        summaries = [e["summary"] for e in json.loads(done.stdout)["events"]]
+        assert delete.event_id in done.stdout
+        assert not any("left its migration" in text for text in summaries)
+
+
 def test_evstore_diff_shows_a_migration_left_holding_for_a_deleted_instance_as_leaked(tmp_path: Path) -> None:
     """The command line's diff says it too, in its table and in --json."""
     lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
