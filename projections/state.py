@@ -253,8 +253,11 @@ def _migration_confirmed(state: State, e: Payload, position: int) -> None:
 def _consumer_deleted(state: State, e: Payload, position: int) -> None:
     c = _set_allocations(state, e.consumer, {}, position)
     c.generation = None
+    if not c.deleted:
+        # (the tombstone is the first delete: an older writer's log may delete it again, which
+        # this evstore does not record, and that second one did not delete it)
+        c.deleted_at = position
     c.deleted = True
-    c.deleted_at = position
     for migration in e.migrations_released:
         # The link is kept: a later revert of this migration must learn that its
         # instance is gone (ConsumerDeleted), not that the migration is unknown.

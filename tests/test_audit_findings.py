@@ -555,6 +555,42 @@ async def test_the_history_of_a_migration_left_holding_lists_the_delete_that_lef
         assert [e.position async for e in store.history(its_migration)] == [begun, gone]
 
 
+async def test_a_second_tombstone_of_a_deleted_instance_does_not_move_its_deletion(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression: an older writer may record a deleted consumer's delete again (this evstore
+    appends nothing then), and the fold took that second tombstone's position as the consumer's
+    ``deleted_at``: the leak of a migration the first delete left holding cited the second, which
+    released nothing, as its tombstone and its request ("deleted by req-del-again"), and diff
+    listed the migration with the second and without the first, the event that made the leak.
+    The consumer was deleted by the first: it stays its ``deleted_at``."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
+    again = chained(
+        delete,
+        "ConsumerDeleted",
+        {"consumer": ids["instance"], "released": {}, "migrations_released": {}},
+        meta='{"request_id":"req-del-again"}',
+    )
+    append_row(lines, again)
+    migration, started = ids["migration"], int(ids["started"])
+    async with open_store(store_url) as store:
+        await store.import_events(lambda: iter(lines))
+        report = await store.audit()
+        [leak] = report.leaks
+        assert not report.drift and not report.integrity
+        assert leak.positions == (started, delete.position)
+        assert leak.details["deleted_at"] == delete.position
+        assert leak.details["requests"]["deleted"] == {"actor": "old-writer"}
+        assert (await store.allocations(ids["instance"])).deleted_at == delete.position
+        sliced = await store.state_at(again.position, consumer=ids["instance"])
+        assert (await sliced.allocations(ids["instance"])).deleted_at == delete.position
+        for a in (started - 1, delete.position - 1):
+            change = (await store.diff(a, again.position)).consumer(migration)
+            assert change is not None and change.change == "leaked"
+            assert delete.position in change.positions and again.position not in change.positions
+        assert (await store.diff(delete.position, again.position)).consumer(migration) is None
+
+
 def test_evstore_history_of_a_migration_left_holding_lists_and_explains_the_delete(tmp_path: Path) -> None:
     """The command line's history lists that delete too, in its table and in --json, saying that
     it left the migration holding (its own words name only the instance)."""
