@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import subprocess
 import sys
 import time
@@ -94,6 +95,70 @@ async def test_an_open_refused_by_a_lock_says_busy_as_a_command_does(tmp_path: P
     assert caught.value.code == "evstore.storage"
     assert caught.value.details["sqlite_error"] == "busy"
     assert "refused without waiting" in str(caught.value)  # (not "longer than busy_timeout": it did not wait)
+
+
+@pytest.mark.parametrize("busy_timeout", [0, 0.2])
+@pytest.mark.parametrize("options", ["", "&create=false", "&upgrade=false", "&create=false&upgrade=false"])
+async def test_an_open_of_a_locked_file_is_refused_after_busy_timeout_not_5_s_per_look(
+    tmp_path: Path, busy_timeout: float, options: str
+) -> None:
+    """Regression: the read-only looks made before an open (is there a store, is it damaged, would
+    it be changed: create=False, upgrade=False) each waited sqlite3's default 5 s for a lock,
+    whatever busy_timeout said: a store another process held exclusively locked (a rollback
+    journal, locking_mode=EXCLUSIVE after a write) was refused after 10 s with busy_timeout=0 or
+    0.2 - 11-13 s with 1, 40 s with the default 30. The open's waits share one deadline, derived
+    from busy_timeout, and it is refused with the error it got before."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=Inventory(total=10))
+    holder = _holder(
+        path,
+        "c.execute('PRAGMA journal_mode=DELETE'); c.execute('PRAGMA locking_mode=EXCLUSIVE')\n"
+        "c.execute('CREATE TABLE other (x)')",  # (the exclusive lock kept after the write)
+    )
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageError) as caught:
+            await asyncio.wait_for(open_store(f"sqlite:///{path}?busy_timeout={busy_timeout}{options}"), 30)
+        took = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait()
+    assert caught.value.code == "evstore.storage"
+    assert caught.value.details["sqlite_error"] == "busy"
+    assert f"longer than busy_timeout ({busy_timeout:g} s)" in str(caught.value)
+    assert took < 3, took  # (well before one look's 5 s)
+    async with open_store(f"sqlite:///{path}", create=False) as store:  # (nothing was changed)
+        assert await store.head() == 2
+
+
+async def test_an_open_given_up_on_during_its_read_only_look_leaves_no_thread_waiting(tmp_path: Path) -> None:
+    """The read-only looks before an open wait for a lock until the open's deadline (busy_timeout,
+    30 s here), in slices: an open given up on stops its look's thread at the next slice, where
+    the thread went on waiting (5 s then, sqlite3's default; the whole busy_timeout now) and an
+    ``asyncio.run`` ending waited for it."""
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=Inventory(total=10))
+    holder = _holder(
+        path,
+        "c.execute('PRAGMA journal_mode=DELETE'); c.execute('PRAGMA locking_mode=EXCLUSIVE')\n"
+        "c.execute('CREATE TABLE other (x)')",
+    )
+    loop = asyncio.get_running_loop()
+    looks = concurrent.futures.ThreadPoolExecutor(2)  # (the looks' threads, to wait for below)
+    loop.set_default_executor(looks)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(open_store(f"sqlite:///{path}?busy_timeout=30&create=false"), 0.5)
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(1) as other:
+            await loop.run_in_executor(other, looks.shutdown)  # (waits for the look's thread)
+        assert time.monotonic() - started < 3
+    finally:
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
+        holder.kill()
+        holder.wait()
 
 
 async def test_a_call_waiting_for_a_busy_pool_gives_up_after_connect_timeout(pg_url: str) -> None:

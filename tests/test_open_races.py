@@ -11,6 +11,7 @@ between the looks deterministically.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,8 @@ async def test_a_store_created_between_the_read_only_opens_looks_is_opened(
     real = sqlite_log._holds_no_store
     looks: list[bool] = []
 
-    def first_look_before_the_creation(p: str) -> bool:
-        looks.append(real(p))
+    def first_look_before_the_creation(p: str, deadline: float, stop: threading.Event) -> bool:
+        looks.append(real(p, deadline, stop))
         # (the first look saw no file: the other process created the store just after it)
         return True if len(looks) == 1 else looks[-1]
 
@@ -59,7 +60,9 @@ async def test_a_read_only_open_that_could_not_look_at_a_locked_file_creates_no_
     conn = sqlite3.connect(path)
     conn.execute("PRAGMA user_version = 7")  # (an empty database: a header, no tables)
     conn.close()
-    monkeypatch.setattr(sqlite_log, "_holds_no_store", lambda p: False)  # (as the locked look said)
+    monkeypatch.setattr(
+        sqlite_log, "_holds_no_store", lambda p, deadline, stop: False
+    )  # (as the locked look said)
     with pytest.raises(NotFound, match="holds no evstore tables"):
         async with open_store(f"sqlite:///{path}", create=False):
             pass

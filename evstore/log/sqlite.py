@@ -1150,13 +1150,16 @@ class SqliteBackend:
     def memory(self) -> bool:
         return self.path == ":memory:"
 
-    async def _connect(self, stop: threading.Event, writer: bool = False) -> aiosqlite.Connection:
+    async def _connect(
+        self, stop: threading.Event, deadline: float, writer: bool = False
+    ) -> aiosqlite.Connection:
         """A connection to the file, in WAL mode (unless the switch waits for the first write,
         :attr:`_wal_deferred`: a connection finds a file switched since by its header). Its
-        pragmas wait for another connection's lock in slices (see :data:`BUSY_SLICE_MS`) and
-        stop waiting once ``stop`` is set (the open was cancelled, the store closes). The
-        writer's busy handler keeps waiting one slice at a time (its waits are retried by
-        :func:`_retry_busy`); another connection's, the whole busy_timeout."""
+        pragmas wait for another connection's lock in slices (see :data:`BUSY_SLICE_MS`), until
+        the open's ``deadline`` (``time.monotonic()``), and stop waiting once ``stop`` is set (the
+        open was cancelled, the store closes). The writer's busy handler keeps waiting one slice
+        at a time (its waits are retried by :func:`_retry_busy`); another connection's, the whole
+        busy_timeout."""
         pending = aiosqlite.connect(self.path, isolation_level=None)
         # A daemon thread: a store its program never closed must not keep the process from
         # exiting (aiosqlite's thread is not one, and once the loop is gone nothing can close the
@@ -1168,16 +1171,12 @@ class SqliteBackend:
         if isinstance(thread, threading.Thread):
             thread.daemon = True
         conn = await pending
-        timeout, memory, synchronous = self.busy_timeout, self.memory, self.synchronous
+        timeout, memory, synchronous = max(0.0, deadline - time.monotonic()), self.memory, self.synchronous
         wal = not (memory or self._wal_deferred)
         sliced = min(self.busy_timeout_ms, BUSY_SLICE_MS)
         whole = self.busy_timeout_ms
 
-        def stopped() -> None:
-            if stop.is_set():
-                raise err.StoreClosed(
-                    "The store was closed, or its opening given up, while it waited for a lock"
-                )
+        stopped = _stopper(stop)
 
         def setup() -> None:
             c = conn._conn
@@ -1208,6 +1207,18 @@ class SqliteBackend:
     async def open(self) -> None:
         # (first, before anything awaits: a close() from now on stops this open's waits)
         self._stop = stop = threading.Event()
+        # (one deadline for every wait of the open, its read-only looks' included: each waits what
+        # is left of busy_timeout, where each look waited sqlite3's default 5 s besides)
+        began = time.monotonic()
+        deadline = began + self.busy_timeout
+
+        async def look(check: Callable[[str, float, threading.Event], T]) -> T:
+            try:
+                return await asyncio.to_thread(check, self.path, deadline, stop)
+            except asyncio.CancelledError:
+                stop.set()  # (its thread stops waiting at its next slice)
+                raise
+
         if not self.memory:
             parent = self._parent_dir
             if not await asyncio.to_thread(os.path.isdir, parent):
@@ -1224,17 +1235,17 @@ class SqliteBackend:
                 f"No evstore store in {self.url}: an in-memory store starts empty, so there is nothing "
                 "to open (give a database file, e.g. sqlite:///path.db)"
             )
-        if not self.create and await asyncio.to_thread(_holds_no_store, self.path):
+        if not self.create and await look(_holds_no_store):
             # checked read-only first: opening for writing would already turn the file into a database
-            reason = await asyncio.to_thread(_no_store_reason, self.path)
+            reason = await look(_no_store_reason)
             if reason is None:
                 # (tables of evstore's names but other columns are another application's, and a
                 # store that lost its meta table or schema version is damaged: said as the open
                 # that would create the store says it)
-                await asyncio.to_thread(_refuse_damaged, self.path)
+                await look(_refuse_damaged)
             # (another process may have created the store since the first look - its tables and
             # version are committed together: a look now that finds them is no damage, it opens)
-            if await asyncio.to_thread(_holds_no_store, self.path):
+            if await look(_holds_no_store):
                 if reason is None:
                     raise err.SchemaVersionError(
                         f"{self.path} has evstore's tables but no schema version (its meta row is gone): "
@@ -1250,18 +1261,13 @@ class SqliteBackend:
             # the header of a file in rollback-journal mode - a copy made with VACUUM INTO - so
             # a refusal there would not be "nothing written")
             try:
-                self._wal_deferred = await asyncio.to_thread(_refuse_changes_read_only, self.path)
+                self._wal_deferred = await look(_refuse_changes_read_only)
             except err.SchemaVersionError:
                 # Another process's open may be upgrading or repairing the store, in a transaction
                 # that holds the write lock: wait for it as a writer would, then look again (a
                 # store still older, or still lacking objects, is refused as before).
-                try:
-                    await asyncio.to_thread(_wait_for_writer, self.path, self.busy_timeout, stop)
-                except asyncio.CancelledError:
-                    stop.set()  # (its thread stops waiting at its next slice)
-                    raise
-                self._wal_deferred = await asyncio.to_thread(_refuse_changes_read_only, self.path)
-        began = time.monotonic()
+                await look(_wait_for_writer)
+                self._wal_deferred = await look(_refuse_changes_read_only)
 
         def schema(conn: sqlite3.Connection) -> tuple[int | None, SchemaRepair | None]:
             # (a store to create or change after all - made empty, or damaged, since the look
@@ -1271,19 +1277,22 @@ class SqliteBackend:
             return _ensure_schema(conn, self.create, self.path, self.upgrade)
 
         try:
-            self._writer = await self._connect(stop, writer=True)
+            self._writer = await self._connect(stop, deadline, writer=True)
             # (creating or upgrading the schema waits for the write lock as a command does, and
             # says so as a command does when it waited longer than busy_timeout: the hint below
             # is for the connection's pragmas, whose errors _on_writer does not convert)
             self.upgraded_from, self.repaired = await self._on_writer(
-                lambda conn: _retry_busy(lambda: schema(conn), self.busy_timeout), writes=False
+                lambda conn: _retry_busy(
+                    lambda: schema(conn), max(0.0, deadline - time.monotonic()), said=self.busy_timeout
+                ),
+                writes=False,
             )
             if not self.memory:
                 given = self._abs_path
                 cache = self._cache
                 cache.file = await _on_thread(self._writer, lambda conn: _file_opened(conn, given))
                 cache.wal_files = await _on_thread(self._writer, _wal_files_opened)
-            self._reader = self._writer if self.memory else await self._connect(stop)
+            self._reader = self._writer if self.memory else await self._connect(stop, deadline)
         except sqlite3.Error as exc:
             await self.close()
             # (as a command's error says it: which SQLite error, "busy" for a lock that stayed)
@@ -1847,7 +1856,7 @@ class SqliteBackend:
 
         if self.memory:  # (another connection would open another, empty, database)
             return await self._on_writer(work)
-        conn = await self._connect(threading.Event())
+        conn = await self._connect(threading.Event(), time.monotonic() + self.busy_timeout)
         try:
             return await _on_thread(conn, work)
         finally:
@@ -2113,12 +2122,18 @@ def _wait_busy(
                     between()
 
 
-def _retry_busy(fn: Callable[[], T], timeout: float, between: Callable[[], None] | None = None) -> T:
+def _retry_busy(
+    fn: Callable[[], T],
+    timeout: float,
+    between: Callable[[], None] | None = None,
+    said: float | None = None,
+) -> T:
     """Run ``fn`` (a transaction), again while SQLite answers busy, for at most ``timeout``
     seconds (``busy_timeout``) in all, then fail busy. The writer's busy handler waits one slice
     (:data:`BUSY_SLICE_MS`) per try, so ``fn`` must do its expensive work after its ``BEGIN``.
     Between tries ``between`` (by default what the writer thread's current work set, see
-    :meth:`SqliteBackend._on_writer`) may stop the wait: its caller gave up, the store closes."""
+    :meth:`SqliteBackend._on_writer`) may stop the wait: its caller gave up, the store closes.
+    ``said``: the busy_timeout the error names, when ``timeout`` is what an open left of it."""
     if between is None:
         between = getattr(_waits, "between", None)
     try:
@@ -2126,7 +2141,35 @@ def _retry_busy(fn: Callable[[], T], timeout: float, between: Callable[[], None]
     except sqlite3.OperationalError as exc:
         if not _is_busy(exc):
             raise
-        raise _busy_error(timeout, exc) from None
+        raise _busy_error(timeout if said is None else said, exc) from None
+
+
+def _stopper(stop: threading.Event) -> Callable[[], None]:
+    """What a wait for another connection's lock asks between slices: it raises StoreClosed once
+    ``stop`` is set (the open was given up, the store closes)."""
+
+    def stopped() -> None:
+        if stop.is_set():
+            raise err.StoreClosed("The store was closed, or its opening given up, while it waited for a lock")
+
+    return stopped
+
+
+def _look(path: str, fn: Callable[[sqlite3.Connection], T], deadline: float, stop: threading.Event) -> T:
+    """``fn`` on a read-only connection to the file at ``path`` (its connect's errors raised as
+    they are), run again while another connection holds the file locked, in slices (see
+    :data:`BUSY_SLICE_MS`), until ``deadline`` (``time.monotonic()``: the open's, derived from
+    busy_timeout, which its looks share) or ``stop`` is set (StoreClosed); then the last busy
+    answer is raised. With sqlite3's default timeout each look waited 5 s of its own, whatever
+    busy_timeout said, and could not be stopped."""
+    left = max(0.0, deadline - time.monotonic())
+    conn = sqlite3.connect(
+        f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=min(left, BUSY_SLICE_MS / 1000)
+    )
+    try:
+        return _wait_busy(lambda: fn(conn), left, _stopper(stop))
+    finally:
+        conn.close()
 
 
 def _scan_unindexed(
@@ -2197,19 +2240,20 @@ def _table_names(path: str) -> list[str]:
         conn.close()
 
 
-def _no_store_reason(path: str) -> str | None:
+def _no_store_reason(path: str, deadline: float, stop: threading.Event) -> str | None:
     """Why ``path`` (for which :func:`_holds_no_store` holds) is no store; None when it has
     evstore's tables but lost its schema version, or its meta table (damage, not absence), or
-    tables of evstore's names that :func:`_refuse_damaged` says are another application's."""
+    tables of evstore's names that :func:`_refuse_damaged` says are another application's. A
+    lock is waited for until ``deadline`` (see :func:`_look`)."""
     if not os.path.exists(path):
         return "the file does not exist"
+
+    def look(conn: sqlite3.Connection) -> tuple[set[str], tuple[str, ...]]:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        return tables, tuple(r[1] for r in conn.execute("PRAGMA table_info(events)"))
+
     try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            events = tuple(r[1] for r in conn.execute("PRAGMA table_info(events)"))
-        finally:
-            conn.close()
+        tables, events = _look(path, look, deadline, stop)
     except sqlite3.Error as exc:
         return f"the file cannot be read ({exc})"
     # (an events table alone is evstore's by its columns: another application's is no store here)
@@ -2218,47 +2262,45 @@ def _no_store_reason(path: str) -> str | None:
     return "the database holds no evstore tables"
 
 
-def _refuse_damaged(path: str) -> None:
+def _refuse_damaged(path: str, deadline: float, stop: threading.Event) -> None:
     """What the open that creates or upgrades the store refuses (:func:`_schema_state`), in the
     database at ``path``, read-only: a table of evstore's name that is not evstore's
     ("Not an evstore database"), a store that lost its meta table or its schema version. A file
     it cannot read (locked, gone since) is left to the open, which reports it as a StorageError
-    or, under the write lock, refuses the same."""
+    or, under the write lock, refuses the same. A lock is waited for until ``deadline`` (see
+    :func:`_look`)."""
     try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            _snapshot(conn, lambda: _schema_state(conn, path))
-        finally:
-            conn.close()
+        _look(path, lambda conn: _snapshot(conn, lambda: _schema_state(conn, path)), deadline, stop)
     except sqlite3.Error:
         return
 
 
-def _holds_no_store(path: str) -> bool:
+def _holds_no_store(path: str, deadline: float, stop: threading.Event) -> bool:
     """Whether ``path`` is missing, or a SQLite database without evstore's tables (read-only check;
-    a file that is not a database at all, or that this process may not read, is left to the
-    normal open, which reports it)."""
+    a file that is not a database at all, that this process may not read, or that stayed locked
+    until ``deadline`` - see :func:`_look` -, is left to the normal open, which reports it)."""
     if path == ":memory:":
         return True
-    try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error:
-        # (missing, or there and unreadable - its permissions -, which is no "No evstore store")
-        return not os.path.exists(path)
-    try:
+
+    def look(conn: sqlite3.Connection) -> bool:
         meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'")
         if meta.fetchone() is None:
             return True
         # (another application's meta table: only evstore's holds a schema version)
         try:
             version = conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'")
-        except sqlite3.OperationalError:  # (no key column)
+        except sqlite3.OperationalError as exc:  # (no key column; a lock is waited for)
+            if _is_busy(exc):
+                raise
             return True
         return version.fetchone() is None
-    except sqlite3.DatabaseError:
-        return False  # not a database: the open fails with that message
-    finally:
-        conn.close()
+
+    try:
+        return _look(path, look, deadline, stop)
+    except sqlite3.Error:
+        # (missing; or there and unreadable - its permissions -, not a database - the open fails
+        # with that message - or locked, which is no "No evstore store")
+        return not os.path.exists(path)
 
 
 def foreign_tables(path: str) -> list[str]:
@@ -2649,62 +2691,55 @@ def _refuse_changes(conn: sqlite3.Connection, path: str) -> None:
     _refuse_repair(conn, path)
 
 
-def _refuse_changes_read_only(path: str) -> bool:
+def _refuse_changes_read_only(path: str, deadline: float, stop: threading.Event) -> bool:
     """For ``upgrade=False``, before the open: :func:`_refuse_changes` on a read-only connection
     to the file at ``path``; then, on the same connection, whether the store is in a
     rollback-journal mode (its header's bytes 18 and 19 are 1; 2 is WAL), for
     :attr:`SqliteBackend._wal_deferred`. Read through SQLite, not by opening the file: closing a
     descriptor of the file drops every POSIX lock this process holds on it, those of its other
     connections to it too. A file this look cannot read (absent, locked, in a directory it cannot
-    make the -shm file in) is left to the open, whose looks refuse the same: False."""
+    make the -shm file in) is left to the open, whose looks refuse the same: False. A lock is
+    waited for until ``deadline`` (see :func:`_look`)."""
     if not os.path.isfile(path):
         return False
+
+    def in_rollback_mode(conn: sqlite3.Connection) -> bool:
+        def look() -> None:
+            _schema_state(conn, path)  # (a damaged or foreign file is refused as the open refuses it)
+            _refuse_changes(conn, path)
+
+        _snapshot(conn, look)  # (which read the header)
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal"
+
     try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-        try:
-
-            def look() -> None:
-                _schema_state(conn, path)  # (a damaged or foreign file is refused as the open refuses it)
-                _refuse_changes(conn, path)
-
-            _snapshot(conn, look)  # (which read the header)
-            return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal"
-        finally:
-            conn.close()
+        return _look(path, in_rollback_mode, deadline, stop)
     except sqlite3.Error:
         return False
 
 
-def _wait_for_writer(path: str, timeout: float, stop: threading.Event) -> None:
+def _wait_for_writer(path: str, deadline: float, stop: threading.Event) -> None:
     """For ``upgrade=False``, before a refusal: wait until no other connection holds the write
-    lock of the store at ``path`` - another process's open upgrading or repairing it - for at most
-    ``timeout`` seconds, in slices, until ``stop`` is set, without writing anything (the lock is
-    taken and let go of at once). Only a file in WAL mode: an open that upgrades a store switches
-    it to WAL first, and a file in a rollback-journal mode is left byte for byte as it was (see
-    :attr:`SqliteBackend._wal_deferred`). A file this cannot lock is left to the caller's look."""
+    lock of the store at ``path`` - another process's open upgrading or repairing it - until the
+    open's ``deadline`` (``time.monotonic()``), in slices, until ``stop`` is set, without writing
+    anything (the lock is taken and let go of at once). Only a file in WAL mode: an open that
+    upgrades a store switches it to WAL first, and a file in a rollback-journal mode is left byte
+    for byte as it was (see :attr:`SqliteBackend._wal_deferred`). A file this cannot lock is left
+    to the caller's look."""
+
+    def in_wal_mode(look: sqlite3.Connection) -> bool:
+        def read() -> bool:
+            look.execute("SELECT count(*) FROM sqlite_master")  # (reads the header)
+            return str(look.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal"
+
+        return _snapshot(look, read)
+
     with contextlib.suppress(sqlite3.Error):
-        look = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-        try:
-
-            def in_wal_mode() -> bool:
-                look.execute("SELECT count(*) FROM sqlite_master")  # (reads the header)
-                return str(look.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal"
-
-            wal = _snapshot(look, in_wal_mode)
-        finally:
-            look.close()
-        if not wal:
+        if not _look(path, in_wal_mode, deadline, stop):
             return
         conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_SLICE_MS / 1000)
         try:
-
-            def stopped() -> None:
-                if stop.is_set():
-                    raise err.StoreClosed(
-                        "The store was closed, or its opening given up, while it waited for a lock"
-                    )
-
-            _wait_busy(lambda: conn.execute("BEGIN IMMEDIATE"), timeout, stopped)
+            left = max(0.0, deadline - time.monotonic())
+            _wait_busy(lambda: conn.execute("BEGIN IMMEDIATE"), left, _stopper(stop))
             conn.execute("ROLLBACK")
         finally:
             conn.close()
