@@ -705,6 +705,7 @@ CONSUMER_COLUMNS = (
     "instance_type"
 )
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
+DISK_FULL = "53100"  # disk_full: the server found no room to write (details["reason"] "disk_full")
 OPTIONS = (
     "pool_size",
     "min_pool_size",
@@ -1177,10 +1178,21 @@ def _storage_error(
                 " (the statement_timeout of the URL, the role or the database ended it: raise it for "
                 "evstore's sessions, e.g. ?statement_timeout=0 in the store URL)"
             )
+        reason: dict[str, str] = {}
+        if sqlstate == DISK_FULL:
+            # (the server could not extend a table, an index or a temporary file; a COMMIT that
+            # cannot write its WAL is no answer but a server that stops: the connection lost)
+            lead += (
+                " (the database server's disk is full: free space there - its data directory, its WAL, "
+                "its temporary files - then retry; the store stays as it was, consistent)"
+            )
+            reason = {"reason": "disk_full"}
         if committing is None:
-            return err.StorageError(lead, sqlstate=sqlstate)
+            return err.StorageError(lead, sqlstate=sqlstate, **reason)
         # the server answered with an error: the transaction is rolled back, also at COMMIT
-        return err.StorageError(f"{lead}; it was rolled back", sqlstate=sqlstate, outcome_unknown=False)
+        return err.StorageError(
+            f"{lead}; it was rolled back", sqlstate=sqlstate, outcome_unknown=False, **reason
+        )
     if committing is None:
         return err.StorageError(lead, sqlstate=sqlstate, transient=True)
     outcome = (

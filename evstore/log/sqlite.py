@@ -1316,6 +1316,8 @@ class SqliteBackend:
                         "does while another connection writes to a file that is not in WAL mode: retry "
                         "once that connection is done)"
                     )
+            if _is_disk_full(exc):  # (an upgrade's refold, a new store's tables: found no room)
+                raise _disk_full_error(f"Cannot open {self.url}: {exc}") from None
             raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}", **details) from None
         except asyncio.CancelledError:
             # (as in _connect: not waited for, the writer's thread may still wait for the lock,
@@ -2053,7 +2055,32 @@ async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Co
 
 def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
     """What a caller sees of an error SQLite raised while running its work."""
+    if _is_disk_full(exc):
+        return _disk_full_error(f"SQLite error: {exc}")
     return err.StorageError(f"SQLite error: {exc}{_damage_hint(exc)}", sqlite_error=type(exc).__name__)
+
+
+def _is_disk_full(exc: sqlite3.Error) -> bool:
+    """SQLite's ``SQLITE_FULL``: a write found no room (the disk or the file system full)."""
+    return (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF == sqlite3.SQLITE_FULL
+
+
+#: what a full disk means for the caller (see _disk_full_error)
+DISK_FULL_HINT = (
+    "the disk holding the database, its -wal file or SQLite's temporary files is full: nothing of "
+    "this was written (a write transaction that finds no room is rolled back whole: the store is "
+    "as it was, consistent); free space on that disk, then retry - the store goes on as before"
+)
+
+
+def _disk_full_error(lead: str) -> err.StorageError:
+    """The error for ``SQLITE_FULL``: its own reason, ``disk_full`` (not the exception's class
+    name), and that nothing was committed - a write that finds no room fails before the frame
+    that would commit it is written (in WAL mode, and with a rollback journal the journal undoes
+    it), so ``outcome_unknown`` is False."""
+    return err.StorageError(
+        f"{lead} ({DISK_FULL_HINT})", sqlite_error="disk_full", reason="disk_full", outcome_unknown=False
+    )
 
 
 def _damage_hint(exc: sqlite3.Error) -> str:
