@@ -8,6 +8,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from structlog.testing import capture_logs
 
 from evstore import AllocationStore, Receipt, StorageError, open_store
 from evstore.log import postgres
@@ -129,3 +130,28 @@ def test_a_full_postgresql_disk_met_by_a_read_says_so_without_a_claim_about_comm
     )
     assert failed.details == {"sqlstate": "53100", "reason": "disk_full"}
     assert "disk is full" in failed.message and "rolled back" not in failed.message
+
+
+async def test_a_batch_failing_at_its_end_is_not_taken_for_a_log_that_lost_events(tmp_path: Path) -> None:
+    """Regression (seen on a real full disk, a 512 KiB tmpfs, where SQLite refused the batch's
+    COMMIT): the writer remembered the last event of a batch that then failed as the tip of the
+    events it appended, so its next transaction, not finding it in the log, warned
+    ``history_index.own_keys_lost`` - the log lost events - where nothing was lost. (The failure
+    is injected here at the projection's write-back, after the history keys were taken, as at a
+    COMMIT.)"""
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        rp = await make_provider(store, VCPU=100)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        await backend.tamper(
+            "CREATE TRIGGER s38_fail BEFORE INSERT ON p_consumers BEGIN SELECT RAISE(ABORT, 'injected'); END"
+        )
+        with pytest.raises(StorageError, match="injected"):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        await backend.tamper("DROP TRIGGER s38_fail")
+        with capture_logs() as logs:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert [e for e in logs if e["event"] == "history_index.own_keys_lost"] == []
+        assert await store.head() == 4
+        assert (await store.audit(history=True)).clean

@@ -970,7 +970,7 @@ def run_batch(
             jobs = [job for job, kept in zip(jobs, keep, strict=True) if kept]
         cache.begin(conn)
         tail = _read_tail(conn)
-        start = tail.position
+        start, start_hash = tail.position, tail.hash
         if cache.history_through is None:  # (first in this connection, or another one wrote since)
             drop_history_past_head(conn, start)
         cache.prefetch_consumers(conn, jobs)
@@ -998,6 +998,9 @@ def run_batch(
         cache.forget()  # (it holds what was rolled back)
         if start is not None:
             cache.drop_own(after=start)
+            # (the tip of what it keeps is the log's last event before this batch, not the
+            # batch's own last: that one, not in the log, read as events the log lost)
+            cache.own_tip = (start, start_hash) if cache.own else None
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
