@@ -1856,7 +1856,8 @@ class AllocationStore:
         every index regardless (for storage-level damage, e.g. an index that lost entries), on
         both backends writing the history index (what ``history`` and the entity slices of
         ``state_at`` read) again from the log.
-        Snapshots are dropped too (they are re-made on demand by the current fold).
+        Snapshots are dropped too, in the rebuild's own transaction (they are re-made on demand by the
+        current fold: one an older evstore folded otherwise is forgotten with the projection).
 
         ``progress(events_folded, head)`` is called on the event loop's thread, last with both at
         the head; an exception it raises ends the rebuild, the projection left as it was."""
@@ -1876,11 +1877,7 @@ class AllocationStore:
                 "names the event",
                 reason="invalid_value",
             ) from None
-        from projections import snapshots
-
-        if snapshots.supports_snapshots(self._backend):
-            await self._backend.drop_snapshots()  # type: ignore[attr-defined]
-        return folded
+        return folded  # (the backend dropped the snapshots in the rebuild's own transaction)
 
     async def replay(self, to_position: int | None = None, *, at: datetime | None = None) -> State:
         """The state folded from the log from its first event, up to ``to_position`` or to the

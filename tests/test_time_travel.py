@@ -411,7 +411,7 @@ async def test_no_snapshot_is_saved_from_a_fold_over_a_hole(store_url: str) -> N
 
 
 async def test_dropping_the_snapshots_drops_all_of_them_or_none(store_url: str) -> None:
-    """Regression (stop 29's note): SQLite's drop_snapshots (what a rebuild ends with) ran its two
+    """Regression (stop 29's note): SQLite's drop_snapshots (what a rebuild then ended with) ran its two
     DELETEs, whole-store snapshots then provider slices, each in a transaction of its own; a
     failure between them (a crash, a full disk) left the slices of the state the rebuild was
     meant to forget. A failure of the second now leaves both as they were. (PostgreSQL keeps

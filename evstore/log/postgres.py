@@ -2702,6 +2702,9 @@ class PostgresBackend:
                             )
                             for table in PROJECTION_TABLES:
                                 await conn.execute(f"REINDEX TABLE {table}")
+                        # (the time-travel snapshots go with the projection, in its transaction:
+                        # see the SQLite backend's _rebuild)
+                        await conn.execute("DELETE FROM snapshots")
                         return folded
                 except CallbackFailed as exc:  # (not the database's: see CallbackFailed)
                     raise exc.error from None
