@@ -53,6 +53,16 @@ def _holder(path: Path, script: str) -> subprocess.Popen[str]:
     return proc
 
 
+def _exclusive_holder(path: Path) -> subprocess.Popen[str]:
+    """Another process holding ``path`` exclusively locked after a write (a rollback journal,
+    locking_mode=EXCLUSIVE: the lock kept after the write), until it is killed."""
+    return _holder(
+        path,
+        "c.execute('PRAGMA journal_mode=DELETE'); c.execute('PRAGMA locking_mode=EXCLUSIVE')\n"
+        "c.execute('CREATE TABLE other (x)')",
+    )
+
+
 async def test_an_open_given_up_on_while_another_process_locks_the_file_returns_at_once(
     tmp_path: Path,
 ) -> None:
@@ -111,11 +121,7 @@ async def test_an_open_of_a_locked_file_is_refused_after_busy_timeout_not_5_s_pe
     path = tmp_path / "s.db"
     async with open_store(f"sqlite:///{path}") as store:
         await make_provider(store, VCPU=Inventory(total=10))
-    holder = _holder(
-        path,
-        "c.execute('PRAGMA journal_mode=DELETE'); c.execute('PRAGMA locking_mode=EXCLUSIVE')\n"
-        "c.execute('CREATE TABLE other (x)')",  # (the exclusive lock kept after the write)
-    )
+    holder = _exclusive_holder(path)
     try:
         started = time.monotonic()
         with pytest.raises(StorageError) as caught:
@@ -140,11 +146,7 @@ async def test_an_open_given_up_on_during_its_read_only_look_leaves_no_thread_wa
     path = tmp_path / "s.db"
     async with open_store(f"sqlite:///{path}") as store:
         await make_provider(store, VCPU=Inventory(total=10))
-    holder = _holder(
-        path,
-        "c.execute('PRAGMA journal_mode=DELETE'); c.execute('PRAGMA locking_mode=EXCLUSIVE')\n"
-        "c.execute('CREATE TABLE other (x)')",
-    )
+    holder = _exclusive_holder(path)
     loop = asyncio.get_running_loop()
     looks = concurrent.futures.ThreadPoolExecutor(2)  # (the looks' threads, to wait for below)
     loop.set_default_executor(looks)
