@@ -830,13 +830,22 @@ def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase
     # (Placement's order: the parent, then uniqueness)
     root = command.provider
     if command.parent is not None:
+        # (the refusals begin with Placement's detail for them, its ObjectActionError's words included)
+        cannot = (
+            f'Unable to create resource provider "{command.name}", {command.provider}: '
+            "Object action create failed because: "
+        )
         if command.parent == command.provider:
-            raise err.InvalidInput("A resource provider cannot be its own parent", field="parent")
+            raise err.InvalidInput(
+                f"{cannot}parent provider UUID cannot be same as UUID. Please set parent provider UUID to "
+                "None if there is no parent. (A resource provider cannot be its own parent.)",
+                field="parent",
+            )
         parent = state.providers.get(command.parent)
         if parent is None:
             raise err.ProviderNotFound(
-                f"The parent provider {command.parent} of resource provider {command.provider} "
-                "does not exist",
+                f"{cannot}parent provider UUID does not exist. (The parent provider {command.parent} of "
+                f"resource provider {command.provider} does not exist.)",
                 provider=command.parent,
             )
         root = parent.root

@@ -196,6 +196,22 @@ def test_every_refusal_has_placements_kind_code_and_detail_and_writes_nothing(
                 "placement.duplicate_name",
             ),
             (
+                "a missing parent",
+                "POST",
+                rps,
+                {"uuid": fresh, "name": "orphan", "parent_provider_uuid": missing},
+                lambda: s.create_provider(fresh, "orphan", missing),
+                "placement.resource_provider.not_found",
+            ),
+            (
+                "its own parent",
+                "POST",
+                rps,
+                {"uuid": fresh, "name": "selfish", "parent_provider_uuid": fresh},
+                lambda: s.create_provider(fresh, "selfish", fresh),
+                "evstore.invalid_input",
+            ),
+            (
                 "rename to a taken name",
                 "PUT",
                 f"{rps}/{rp}",
@@ -545,3 +561,26 @@ def test_the_departures_the_readme_lists_for_text_are_departures_and_hold(
         assert await s.usage(rp) == {"VCPU": 0}
 
     side_by_side(backend, peer, scenario)
+
+
+async def test_a_refused_parent_begins_with_placements_detail(store: AllocationStore) -> None:
+    """Regression (stop 38, helper D): ``create_provider`` with a missing parent said "The parent
+    provider P of resource provider R does not exist", and with itself as parent "A resource provider
+    cannot be its own parent", where every other refusal begins with Placement's detail - here
+    ``POST /resource_providers``' 400s (the Placement half:
+    ``test_every_refusal_has_placements_kind_code_and_detail_and_writes_nothing``)."""
+    rp, parent = new_uuid(), new_uuid()
+    cannot = f'Unable to create resource provider "node", {rp}: Object action create failed because: '
+    with pytest.raises(EvstoreError) as caught:
+        await store.create_provider(rp, "node", parent)
+    assert caught.value.code == "placement.resource_provider.not_found"
+    assert caught.value.message.startswith(f"{cannot}parent provider UUID does not exist.")
+    assert caught.value.details == {"provider": parent}
+    with pytest.raises(InvalidInput) as refused:
+        await store.create_provider(rp, "node", rp)
+    assert refused.value.message.startswith(
+        f"{cannot}parent provider UUID cannot be same as UUID. Please set parent provider UUID to None if "
+        "there is no parent."
+    )
+    assert refused.value.details == {"field": "parent"}
+    assert await store.head() == 0
