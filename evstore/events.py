@@ -604,10 +604,11 @@ class ValueCheck:
         self._classes: set[str] = set()
         #: ids found not to be uuids (each reported once)
         self.refused: set[str] = set()
-        #: event type -> whether the provider ids and class names of such an event's fields are
-        #: sound (fast: for a caller that checks numbers otherwise; consumer ids are not looked
-        #: at, see _sound_check); when not, :meth:`problem` says what is wrong
-        self.sound: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+        #: event type -> whether the provider ids and class names of such an event are sound,
+        #: read as attributes of the decoded payload (a struct of :data:`PAYLOAD_DECODERS`, or the
+        #: model: no dict made of it) - fast, for a caller that checks numbers otherwise; consumer
+        #: ids are not looked at, see _sound_check; when not, :meth:`problem` says what is wrong
+        self.sound: dict[str, Callable[[Any], bool]] = {
             name: make(self._ids, self._classes, self) for name, make in _SOUND.items()
         }
 
@@ -757,7 +758,7 @@ _SOUND_CODE = {
 }
 
 
-def _sound_check(plan: tuple[tuple[str, str], ...]) -> Callable[..., Callable[[Mapping[str, Any]], bool]]:
+def _sound_check(plan: tuple[tuple[str, str], ...]) -> Callable[..., Callable[[Any], bool]]:
     """``ValueCheck.sound`` for one event type, written out field by field (the audit runs it for
     every event: a loop dispatching on each field's kind cost twice as much). Consumer ids are
     not checked: nearly every event names a new one (a regex each, the cost of decoding the
@@ -766,16 +767,16 @@ def _sound_check(plan: tuple[tuple[str, str], ...]) -> Callable[..., Callable[[M
     lines = ["def make(ids, classes, check):", "  def sound(f):"]
     for name, kind in plan:
         if kind in _SOUND_CODE and not (kind == "id" and name in ("consumer", "instance", "migration")):
-            lines.append(f"    v = f[{name!r}]")
+            lines.append(f"    v = f.{name}")  # (an attribute: the audit makes no dict of the fields)
             lines.extend(f"    {code}" for code in _SOUND_CODE[kind])
     lines += ["    return True", "  return sound"]
     scope: dict[str, Any] = {}
     exec("\n".join(lines), scope)  # (code written here, from the fixed field plans)
-    make: Callable[..., Callable[[Mapping[str, Any]], bool]] = scope["make"]
+    make: Callable[..., Callable[[Any], bool]] = scope["make"]
     return make
 
 
-_SOUND: dict[str, Callable[..., Callable[[Mapping[str, Any]], bool]]] = {
+_SOUND: dict[str, Callable[..., Callable[[Any], bool]]] = {
     name: _sound_check(plan) for name, plan in _VALUE_PLAN.items()
 }
 
@@ -884,8 +885,9 @@ class Metadata(BaseModel, metaclass=_RefusesAsInvalidInput):
 #: what every reader checks a stored metadata text against, as a dict
 METADATA_VALIDATOR = _payload_validator(Metadata, extra="allow")
 #: the metadata evstore itself writes (the model's fields and an idempotency key); a row with any
-#: other key (a caller's own) is checked by pydantic alone
-_METADATA_FAST_CHECK = _fast_payload_validator(Metadata, also={"idempotency_key": str | None})
+#: other key (a caller's own) is checked by pydantic alone. (The decoder, not the validator: a
+#: check needs no dict of the struct, ~0.3 us per row of the audit.)
+_METADATA_FAST_CHECK = _fast_payload_decoder(Metadata, also={"idempotency_key": str | None})
 
 
 def check_metadata(text: str) -> None:

@@ -248,6 +248,30 @@ async def test_rows_whose_envelope_readers_cannot_decode_are_integrity_findings(
         assert "request_id" in report.integrity[0].message
 
 
+async def test_rows_sharing_one_recorded_at_are_each_checked(sqlite_url: str) -> None:
+    # The audit parses a recorded_at once while the next rows repeat it (a transaction's events
+    # share one): a repeated sound time must not let bad metadata through, and a naive time
+    # repeated is reported on every row that has it.
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        backend = await _sqlite(store)
+        payload = {"provider": rp, "name": "renamed"}
+        at = now_iso()
+        good = chained(await _tail(store), "ProviderUpdated", payload, at=at)
+        bad_meta = chained(good, "ProviderUpdated", payload, meta='{"request_id":5}', at=at)
+        naive = "2026-01-01T00:00:00"
+        first_naive = chained(bad_meta, "ProviderUpdated", payload, at=naive)
+        second_naive = chained(first_naive, "ProviderUpdated", payload, at=naive)
+        after = chained(second_naive, "ProviderUpdated", payload, at=at)
+        await _append(backend, good, bad_meta, first_naive, second_naive, after)
+        report = await store.audit()
+        assert {f.positions: f.details.get("reason") for f in report.integrity} == {
+            (bad_meta.position,): "undecodable",
+            (first_naive.position,): "naive_time",
+            (second_naive.position,): "naive_time",
+        }
+
+
 async def test_a_reader_says_which_field_of_a_damaged_envelope_is_wrong(sqlite_url: str) -> None:
     """Regression (helper r25a): read, subscribe, history and tail said only "Cannot decode the
     envelope at position N: 1 validation error for Metadata" (the first line of pydantic's
