@@ -1886,7 +1886,7 @@ class AllocationStore:
         if at is not None:
             if to_position is not None:
                 raise err.InvalidInput("replay takes at most one of to_position or at=", field="at")
-            to_position = await self.position_of(_aware_time(at))
+            to_position = await self._position_at(_aware_time(at))
         if to_position is not None:
             _position(to_position, "to_position", time_in="at=")
             head = await self._backend.head()
@@ -1918,7 +1918,7 @@ class AllocationStore:
                 "state_at needs exactly one of position= or at=", field="position" if at is None else "at"
             )
         if at is not None:
-            position = await self.position_of(_aware_time(at))
+            position = await self._position_at(_aware_time(at))
         given = "position" if at is None else "at"
         position = _position(position, time_in="at=")
         head = await self._backend.head()
@@ -1985,33 +1985,49 @@ class AllocationStore:
 
     async def position_of(self, point: int | datetime) -> int:
         """A position given as itself or as a timezone-aware time (the last event at or before it)."""
-        return await self._position_of(point, "point", "point")
-
-    async def _position_of(self, point: object, what: str, field: str) -> int:
-        point = _point(point, what, field)  # (naive: no tzinfo, or one that gives no offset)
+        point = _point(point, "point", "point")  # (naive: no tzinfo, or one that gives no offset)
         if isinstance(point, datetime):
-            try:
-                point.astimezone(UTC)
-            except OverflowError:  # within hours of datetime.min or .max: not a time UTC can say
-                return 0 if point.year == 1 else await self.head()
-            return await self._backend.position_at(point)
+            return await self._position_at(point)
         return point
+
+    async def _position_at(self, at: datetime) -> int:
+        """The position of the last event recorded at or before the timezone-aware ``at`` (0 when
+        none is)."""
+        try:
+            at.astimezone(UTC)
+        except OverflowError:  # within hours of datetime.min or .max: not a time UTC can say
+            return 0 if at.year == 1 else await self._backend.head()
+        return await self._backend.position_at(at)
 
     async def diff(self, a: int | datetime, b: int | datetime) -> Diff:
         """What changed between ``a`` and ``b`` (positions or times): usage deltas per provider and
         class, consumers created, changed, released, deleted, ``transient`` (touched in between and
         holding nothing at either end) or ``leaked`` (holding at ``b`` what the audit calls a leak:
         allocations while deleted, or as a migration for a deleted instance, what only an imported
-        log holds), and the events responsible."""
+        log holds), and the events responsible. ``a`` after ``b`` is refused (``InvalidInput``):
+        two times as two positions, whether or not events lie between them."""
         from projections.diff import diff_states
 
-        start = await self._position_of(a, "diff's a (from)", "a")
-        end = await self._position_of(b, "diff's b (to)", "b")
-        if start > end:
+        a, b = _point(a, "diff's a (from)", "a"), _point(b, "diff's b (to)", "b")
+        # (two times backwards are refused as two positions are, also when no event lies between
+        # them: the log must not decide whether the same mistake is one)
+        if isinstance(a, datetime) and isinstance(b, datetime) and a > b:
+            raise err.InvalidInput(
+                f"diff needs a <= b, got times {a.isoformat()} and {b.isoformat()}: give the earlier first",
+                field="b",
+            )
+        if isinstance(a, int) and isinstance(b, int) and a > b:
+            raise err.InvalidInput(f"diff needs a <= b, got positions {a} and {b}", field="b")
+        start = a if isinstance(a, int) else await self._position_at(a)
+        end = b if isinstance(b, int) else await self._position_at(b)
+        head = await self._backend.head()  # (after the times: a position a time gave is at most it)
+        for bound, field in ((start, "a"), (end, "b")):
+            if bound > head:
+                raise err.InvalidInput(
+                    f"position {bound} is beyond the head of the log ({head})", field=field
+                )
+        if start > end:  # (a time and a position: the log says which comes first)
             raise err.InvalidInput(f"diff needs a <= b, got positions {start} and {end}", field="b")
-        head = await self.head()
-        if end > head:
-            raise err.InvalidInput(f"position {end} is beyond the head of the log ({head})", field="b")
         return await diff_states(await self._fold_to(start), self._backend.read_raw, end)
 
     def export(self, batch_size: int = 1000) -> AsyncGenerator[str, None]:
