@@ -427,6 +427,20 @@ def _position(value: object, what: str = "position", time_in: str | None = None)
     return value
 
 
+def _beyond_head(position: int, head: int, field: str, cursor: bool = False) -> err.InvalidInput:
+    """The refusal of a position the log has not reached, in one wording wherever a position is
+    taken, with the head in ``details["head"]``. ``cursor``: where reading goes on from it
+    (``read``, ``subscribe``), which says where such a cursor comes from."""
+    hint = (
+        ": not a position of this store (a checkpoint from another store, or from before a restore?)"
+        if cursor
+        else ""
+    )
+    return err.InvalidInput(
+        f"position {position} is beyond the head of the log ({head}){hint}", field=field, head=head
+    )
+
+
 def _given(value: object) -> str:
     """What a caller gave where a position or a time belongs, for the message refusing it: a date
     or time in ISO form (its repr was cut at 60 characters, inside the tzinfo)."""
@@ -1526,12 +1540,23 @@ class AllocationStore:
         return await self._backend.head()
 
     async def read(self, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
-        """Recorded events after ``after``, in order (at most ``limit``).
+        """Recorded events after ``after``, in order (at most ``limit``); none when ``after`` is the
+        head.
 
-        A hole in the positions (rows deleted from the log by hand) is a ``CorruptEvent``
-        naming the first missing position, as a damaged row is: never skipped in silence."""
+        An ``after`` beyond the head of the log (a checkpoint from another store, from before a
+        restore, or lost with a PostgreSQL server's crash under ``synchronous_commit=off``) is
+        refused (``InvalidInput``, the head in ``details["head"]``), as ``subscribe`` refuses it: a
+        poller answered "nothing new" would wait until the log reached it, then skip what was
+        appended meanwhile. A hole in the positions (rows deleted from the log by hand) is a
+        ``CorruptEvent`` naming the first missing position, as a damaged row is: never skipped in
+        silence."""
         after = _position(after, "after")
-        return _contiguous(after, await self._backend.read(after, _count(limit, "limit")))
+        batch = _contiguous(after, await self._backend.read(after, _count(limit, "limit")))
+        # (the head only read when nothing came: a log that has passed ``after`` answers it; and
+        # read after the log, it can only have grown since - an ``after`` it was at is not refused)
+        if not batch and after and after > (head := await self._backend.head()):
+            raise _beyond_head(after, head, "after", cursor=True)
+        return batch
 
     def history(
         self, uuid: str | _uuid.UUID, *, batch_size: int = 1000
@@ -1622,11 +1647,7 @@ class AllocationStore:
             try:
                 if not checked:
                     if after > (head := await self._backend.head()):
-                        raise err.InvalidInput(
-                            f"position {after} is beyond the head of the log ({head}): not a position of "
-                            "this store (a checkpoint from another store, or from before a restore?)",
-                            field="after",
-                        )
+                        raise _beyond_head(after, head, "after", cursor=True)
                     checked = True
                 read, wakes = await self._read_for_subscriber(after, batch_size)
                 batch = _contiguous(after, read)
@@ -1891,10 +1912,7 @@ class AllocationStore:
             _position(to_position, "to_position", time_in="at=")
             head = await self._backend.head()
             if to_position > head:  # (as state_at and diff: a position the log has not reached)
-                raise err.InvalidInput(
-                    f"position {to_position} is beyond the head of the log ({head})",
-                    field="at" if at is not None else "to_position",
-                )
+                raise _beyond_head(to_position, head, "at" if at is not None else "to_position")
         return await replay(self._backend.read_payloads, to_position)
 
     async def state_at(
@@ -1923,7 +1941,7 @@ class AllocationStore:
         position = _position(position, time_in="at=")
         head = await self._backend.head()
         if position > head:  # (as diff and the CLI: a position the log has not reached yet)
-            raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})", field=given)
+            raise _beyond_head(position, head, given)
         if provider is not None or consumer is not None:
             from projections import snapshots
 
@@ -1984,10 +2002,15 @@ class AllocationStore:
         return positions
 
     async def position_of(self, point: int | datetime) -> int:
-        """A position given as itself or as a timezone-aware time (the last event at or before it)."""
+        """A position given as itself or as a timezone-aware time: the last event at or before it
+        (0 before the first event, the head after the last). A position beyond the head of the
+        log is refused (``InvalidInput``, the head in ``details["head"]``), as ``state_at`` and
+        ``diff`` refuse it."""
         point = _point(point, "point", "point")  # (naive: no tzinfo, or one that gives no offset)
         if isinstance(point, datetime):
             return await self._position_at(point)
+        if point > (head := await self._backend.head()):
+            raise _beyond_head(point, head, "point")
         return point
 
     async def _position_at(self, at: datetime) -> int:
@@ -2023,9 +2046,7 @@ class AllocationStore:
         head = await self._backend.head()  # (after the times: a position a time gave is at most it)
         for bound, field in ((start, "a"), (end, "b")):
             if bound > head:
-                raise err.InvalidInput(
-                    f"position {bound} is beyond the head of the log ({head})", field=field
-                )
+                raise _beyond_head(bound, head, field)
         if start > end:  # (a time and a position: the log says which comes first)
             raise err.InvalidInput(f"diff needs a <= b, got positions {start} and {end}", field="b")
         return await diff_states(await self._fold_to(start), self._backend.read_raw, end)
