@@ -94,7 +94,9 @@ def normalize_uuid(
     if isinstance(value, str) and _UUID_SPELLINGS.fullmatch(value):
         return str(_uuid.UUID(value))
     raise InvalidInput(
-        f"Malformed {what}: {value!r} is not a UUID", **where(field or what, path), value=repr(value)[:100]
+        f"Malformed {what}: {value!r:.80} is not a UUID",
+        **where(field or what, path),
+        value=repr(value)[:100],
     )
 
 
@@ -103,7 +105,7 @@ def validate_resource_class_name(
 ) -> str:
     if not isinstance(name, str) or not RC_PATTERN.fullmatch(name) or len(name) > 255:
         raise InvalidInput(
-            f"Invalid resource class {name!r}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
+            f"Invalid resource class {name!r:.80}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
             resource_class=repr(name)[:100],
             **where(field, path),
         )
@@ -124,7 +126,7 @@ def validate_amount(
 ) -> int:
     if isinstance(amount, bool) or not isinstance(amount, int):
         raise InvalidInput(
-            f"Amount of {resource_class} must be an integer, got {amount!r}",
+            f"Amount of {resource_class} must be an integer, got {amount!r:.80}",
             resource_class=resource_class,
             **where(field, path),
         )

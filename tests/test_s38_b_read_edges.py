@@ -142,3 +142,36 @@ async def test_a_diff_given_backwards_in_time_is_refused_even_with_no_event_betw
     assert (same.from_position, same.to_position, same.consumers) == (head, head, [])
     with pytest.raises(InvalidInput, match=r"^diff needs a <= b, got positions 2 and 1"):
         await store.diff(2, 1)
+
+
+async def test_a_huge_malformed_argument_is_quoted_cut_in_the_message(store: AllocationStore) -> None:
+    """Regression: a malformed uuid (and a resource class, an amount that is not an integer) was
+    quoted whole in the error's message, which ``command.rejected`` logs: a 1 MB string given as
+    a consumer made a 1 MB message and log line. It is cut at 80 characters, as every other
+    argument's quotation is (its ``details["value"]`` at 100, as before)."""
+    rp = await make_provider(store, VCPU=8)
+    huge = "x" * 1_000_000
+    calls: list[tuple[Callable[[], Awaitable[Any]], str]] = [
+        (lambda: store.allocations(huge), "consumer"),
+        (lambda: anext(store.history(huge)), "uuid"),
+        (lambda: store.state_at(0, consumer=huge), "consumer"),
+        (lambda: store.usage(huge), "provider"),
+        (lambda: store.release(huge), "consumer"),
+        (lambda: store.set_inventory(rp, huge, {"total": 1}, generation=1), "resource_class"),
+        (
+            lambda: store.set_allocations(
+                new_uuid(),
+                {rp: {"VCPU": huge}},  # type: ignore[dict-item]
+                project_id="p",
+                user_id="u",
+                consumer_type="INSTANCE",
+                generation=None,
+            ),
+            "allocations",
+        ),
+    ]
+    for call, field in calls:
+        with pytest.raises(InvalidInput, match="'xxxx") as caught:
+            await call()
+        assert caught.value.details["field"] == field
+        assert len(caught.value.message) < 300, caught.value.message[:300]
