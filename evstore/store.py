@@ -1550,13 +1550,24 @@ class AllocationStore:
         appended meanwhile. A hole in the positions (rows deleted from the log by hand) is a
         ``CorruptEvent`` naming the first missing position, as a damaged row is: never skipped in
         silence."""
-        after = _position(after, "after")
-        batch = _contiguous(after, await self._backend.read(after, _count(limit, "limit")))
-        # (the head only read when nothing came: a log that has passed ``after`` answers it; and
-        # read after the log, it can only have grown since - an ``after`` it was at is not refused)
-        if not batch and after and after > (head := await self._backend.head()):
-            raise _beyond_head(after, head, "after", cursor=True)
-        return batch
+        after, limit = _position(after, "after"), _count(limit, "limit")
+        if after:
+            # The event at ``after`` read too: it is there unless ``after`` is beyond the head (or
+            # a hole), which one read finds, where reading the head as well doubled the cost of a
+            # poll that finds nothing new (another hop to SQLite's reader, two more round trips
+            # on PostgreSQL). The head, read after the log, can only have grown since: an
+            # ``after`` the log had reached is never refused.
+            try:
+                rows = await self._backend.read(after - 1, min(limit, MAX_POSITION - 1) + 1)
+            except err.CorruptEvent as exc:
+                if exc.details.get("position") != after:
+                    raise
+                rows = None  # (the event at ``after`` is damaged: its reader is past it)
+            if rows:
+                return _contiguous(after, rows[1 : limit + 1] if rows[0].position == after else rows[:limit])
+            if rows is not None and after > (head := await self._backend.head()):
+                raise _beyond_head(after, head, "after", cursor=True)
+        return _contiguous(after, await self._backend.read(after, limit))
 
     def history(
         self, uuid: str | _uuid.UUID, *, batch_size: int = 1000

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from evstore import AllocationStore, InvalidInput, StoreClosed, open_store
+from evstore import AllocationStore, CorruptEvent, InvalidInput, StoreClosed, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -175,3 +175,27 @@ async def test_a_huge_malformed_argument_is_quoted_cut_in_the_message(store: All
             await call()
         assert caught.value.details["field"] == field
         assert len(caught.value.message) < 300, caught.value.message[:300]
+
+
+async def test_a_reader_past_a_damaged_event_or_a_hole_reads_on(store_url: str) -> None:
+    """``read(after=n)`` reads the event at ``n`` too (to tell a cursor beyond the head without a
+    second query): a reader already past that event, damaged or deleted by hand, reads what follows
+    it as before, and one before it still stops there with ``CorruptEvent``."""
+    q = "?" if store_url.startswith("sqlite") else "$1"
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        for _ in range(4):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        head = await store.head()
+        damaged, hole = head - 3, head - 1
+        await store.backend.tamper(f"UPDATE events SET data = '{{not json' WHERE position = {q}", (damaged,))  # type: ignore[attr-defined]
+        await store.backend.tamper(f"DELETE FROM events WHERE position = {q}", (hole,))  # type: ignore[attr-defined]
+        assert [e.position for e in await store.read(damaged, 1)] == [damaged + 1]
+        assert [e.position for e in await store.read(hole)] == [head]
+        assert await store.read(head) == []
+        with pytest.raises(CorruptEvent) as caught:
+            await store.read(damaged - 1)
+        assert caught.value.details["position"] == damaged
+        with pytest.raises(CorruptEvent, match=f"Position {hole} is missing"):
+            await store.read(damaged)
+        await _refused_beyond(lambda: store.read(head + 1), head + 1, head, "after")
