@@ -1149,12 +1149,10 @@ def history(
     run(work)
 
 
-def consumer_json(
-    view: Any, migrations: list[str], allocated_at: int | None, names: Names, leaked: bool
-) -> dict[str, Any]:
+def consumer_json(view: Any, migrations: list[str], allocated_at: int | None, names: Names) -> dict[str, Any]:
     """``state --consumer --json``: the table's fields (``allocated_at``: its "last allocation
     change at"; ``provider_names``: the names it gives the providers of the allocations, as they
-    were then; ``leaked``: what its status line calls a leak, as the audit and diff do). Its
+    were then; ``leaked``: the view's, what its status line calls a leak, as the audit and diff do). Its
     allocations in key order (``sorted_holdings``): the same bytes whichever way the state was
     read (the projection at the head, a fold for ``--at``) and on either backend."""
     from projections.views import sorted_holdings
@@ -1169,7 +1167,7 @@ def consumer_json(
         "deleted": view.deleted,
         "deleted_at": view.deleted_at,
         "on_behalf_of": view.on_behalf_of,
-        "leaked": leaked,
+        "leaked": view.leaked,
         "migrations_holding_for_it": migrations,
         "allocated_at": allocated_at,
         "provider_names": {uuid: names[uuid] for uuid in sorted(view.allocations) if uuid in names},
@@ -1191,7 +1189,6 @@ def state(
 
     async def work() -> int:
         from evstore.schema import normalize_uuid
-        from projections.invariants import leak_of
         from projections.replay import StateView
         from projections.views import sorted_holdings
 
@@ -1275,8 +1272,7 @@ def state(
             cview = await view.allocations(cuuid)
             migrations = sorted(m.uuid for m in st.migrations_for(cuuid))
             known = st.consumers.get(cuuid)
-            leaked = known is not None and leak_of(st, known) is not None  # (the audit's leak)
-            doc = consumer_json(cview, migrations, known.allocated_at if known else None, names, leaked)
+            doc = consumer_json(cview, migrations, known.allocated_at if known else None, names)
             if json_out:
                 emit_json({**header, **doc})
                 return EXIT_OK
@@ -1287,9 +1283,9 @@ def state(
                 behalf_label = "was on behalf of (migration of)"
             status = (
                 "deleted (tombstone), yet holds allocations: a leak"
-                if leaked and cview.deleted
+                if cview.leaked and cview.deleted
                 else f"holds allocations for deleted instance {cview.on_behalf_of}: a leak"
-                if leaked
+                if cview.leaked
                 else "deleted (tombstone)"
                 if cview.deleted
                 else "holds allocations"

@@ -68,7 +68,7 @@ from projections import audit as _audit
 from projections.audit import AuditReport
 from projections.diff import Diff
 from projections.replay import StateView, replay
-from projections.state import ProviderState, State, evolve
+from projections.state import ConsumerState, ProviderState, State, evolve
 from projections.views import (
     RESERVED_CONSUMER_TYPES,
     ConsumerView,
@@ -706,6 +706,27 @@ class _HoldingFor:
         if until is not None:
             self._since = until
         return found
+
+
+async def _fold_instance_tombstone(backend: Backend, state: State, consumer: str, position: int) -> None:
+    """Into a consumer's slice (``state_at(consumer=)``, folded from its own events): when it holds
+    allocations as a migration, its instance's first tombstone up to ``position``, if any - an
+    older, Placement-style writer's delete of the instance does not name the migration it left
+    holding, so the slice would not know its allocations are the audit's leak
+    (``ConsumerView.leaked``). The tombstone is folded on its own (the fold's one ``evolve``) and
+    only the instance taken from it: folded into the slice, after the migration's later events,
+    it would replay what it did to them out of order."""
+    c = state.consumers.get(consumer)
+    if c is None or not c.allocations or c.deleted or c.on_behalf_of is None:
+        return
+    instance = c.on_behalf_of
+    known = state.consumers.get(instance)
+    if known is not None and known.deleted:
+        return
+    found = await backend.read_entities([f"consumer:{instance}"], 0, 1, position, types=("ConsumerDeleted",))
+    if found:
+        apart = evolve(State(), found[0].event, found[0].position)
+        state.consumers[instance] = apart.consumers[instance]
 
 
 class AllocationStore:
@@ -1500,9 +1521,23 @@ class AllocationStore:
     async def allocations(self, consumer: str | _uuid.UUID) -> ConsumerView:
         """A consumer's allocations ``{provider: {class: amount}}`` (empty for an unknown or absent
         consumer), with ``.generation``, ``.project_id``, ``.user_id``, ``.consumer_type``,
-        ``.on_behalf_of`` (a migration's instance) and ``.deleted`` (tombstoned)."""
+        ``.on_behalf_of`` (a migration's instance), ``.deleted`` (tombstoned) and ``.leaked``
+        (what it holds is the audit's leak: allocations while deleted, or as the migration of a
+        deleted instance - only a log imported from an older writer holds one)."""
         uuid = normalize_uuid(consumer, "consumer uuid", "consumer")
-        return ConsumerView.of(uuid, await self._backend.query("consumer", uuid))
+        c: ConsumerState | None = await self._backend.query("consumer", uuid)
+        state = State()
+        if c is not None and c.allocations and not c.deleted and c.on_behalf_of is not None:
+            instance: ConsumerState | None = await self._backend.query("consumer", c.on_behalf_of)
+            if instance is not None and instance.deleted:
+                # Read again, after the tombstone (permanent): the migration as it is with its
+                # instance deleted - this evstore's delete released it in the same commit, which
+                # the first read may have come just before.
+                c = await self._backend.query("consumer", uuid)
+                state.consumers[instance.uuid] = instance
+        if c is not None:
+            state.consumers[uuid] = c
+        return ConsumerView.in_state(uuid, state)
 
     async def provider_allocations(self, provider: str | _uuid.UUID) -> dict[str, dict[str, int]]:
         """``{consumer: {class: amount}}`` of every consumer holding resources of the provider
@@ -1961,6 +1996,8 @@ class AllocationStore:
             state = await snapshots.fold_entity_to(
                 self._backend, self._backend.read_entities, entity, position
             )
+            if kind == "consumer":  # (whether what it holds is a leak: see there)
+                await _fold_instance_tombstone(self._backend, state, entity.partition(":")[2], position)
             return StateView(state, scope=entity)
         return StateView(await self._fold_to(position))
 

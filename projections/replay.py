@@ -308,7 +308,7 @@ class StateView:
 
         uuid = normalize_uuid(consumer, "consumer uuid", "consumer")
         self._in_scope("consumer", uuid)
-        return ConsumerView.of(uuid, self.state.consumers.get(uuid))
+        return ConsumerView.in_state(uuid, self.state)
 
     async def provider_allocations(self, provider: str | UUID) -> dict[str, dict[str, int]]:
         from evstore.schema import normalize_uuid

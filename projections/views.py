@@ -117,7 +117,10 @@ class ProviderView:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ConsumerView(Mapping[str, dict[str, int]]):
-    """``allocations(consumer)``: what it holds, its owner and generation; empty when absent or deleted."""
+    """``allocations(consumer)``: what it holds, its owner and generation; empty when absent or
+    deleted - unless a log imported from an older writer left it holding while deleted, or as the
+    migration of a deleted instance: ``leaked`` says that, the audit's leak
+    (:func:`projections.invariants.leak_of`, as ``evstore state --consumer`` and ``diff`` call it)."""
 
     consumer: str
     allocations: dict[str, dict[str, int]]
@@ -128,6 +131,7 @@ class ConsumerView(Mapping[str, dict[str, int]]):
     deleted: bool
     deleted_at: int | None = None
     on_behalf_of: str | None = None
+    leaked: bool = False
 
     def __getitem__(self, key: str) -> dict[str, int]:
         return self.allocations[key]
@@ -143,7 +147,17 @@ class ConsumerView(Mapping[str, dict[str, int]]):
     to_dict = _to_dict
 
     @classmethod
-    def of(cls, uuid: str, c: ConsumerState | None) -> ConsumerView:
+    def in_state(cls, uuid: str, state: State) -> ConsumerView:
+        """The consumer ``uuid`` of ``state``, ``leaked`` as the audit has it in that state (which
+        must hold the instance of a migration consumer, to tell whether it was deleted)."""
+        from projections.invariants import leak_of  # (it imports this module)
+
+        c = state.consumers.get(uuid)
+        return cls.of(uuid, c, leaked=c is not None and leak_of(state, c) is not None)
+
+    @classmethod
+    def of(cls, uuid: str, c: ConsumerState | None, leaked: bool = False) -> ConsumerView:
+        """``c`` as a view (``leaked``: see :meth:`in_state`, which works it out)."""
         if c is None:
             return cls(uuid, {}, None, None, None, None, False)
         return cls(
@@ -156,6 +170,7 @@ class ConsumerView(Mapping[str, dict[str, int]]):
             c.deleted,
             c.deleted_at,
             c.on_behalf_of,
+            leaked,
         )
 
 

@@ -171,7 +171,7 @@ async def _compare_queries(store: AllocationStore, w: Workload, model: State) ->
             assert usage == ProviderUsage.of(ref.providers[p]), (name, p)
             assert await store.provider_allocations(p) == provider_allocations(ref, p), (name, p)
         for c in w.consumers:
-            assert await store.allocations(c) == ConsumerView.of(c, ref.consumers.get(c)), (name, c)
+            assert await store.allocations(c) == ConsumerView.in_state(c, ref), (name, c)
         for project in PROJECTS:
             for user in [*USERS, None]:
                 for kind in [*TYPES, None]:

@@ -1,0 +1,138 @@
+"""The debugging tools around a leak agree with one another and say how to clear it (stop 38, A).
+
+Two logs an older, Placement-style writer could leave, each imported on every backend: a revert
+that gave a deleted instance its allocations back (the deleted consumer holds them), and a delete
+of an instance that did not release its migration's (the migration holds them for a deleted
+instance). The API's ``ConsumerView.leaked``, ``evstore state``, ``history``, ``diff`` and the
+audit say the same of each, and what they say clears it does clear it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from evstore import AllocationStore, open_store
+from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_audit_findings import _deleted_mid_migration, _migration_left_holding
+from tests.test_cli_support import evstore
+
+
+def _run(*args: str, code: int = 0) -> str:
+    done = evstore(*args)
+    assert done.returncode == code, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+def _json(*args: str) -> Any:
+    return json.loads(_run(*args, "--json"))
+
+
+async def _imported(url: str, lines: list[str]) -> None:
+    async with open_store(url) as store:
+        await store.import_events(lambda: iter(lines))
+
+
+async def _revert_to_deleted(tmp_path: Path, url: str) -> dict[str, Any]:
+    """The first log, imported at ``url``: the instance deleted at ``tombstone``, given back its
+    allocations on ``src`` at ``revert``."""
+    lines, revert, src, instance, tombstone = await _deleted_mid_migration(tmp_path, same_host=False)
+    await _imported(url, lines)
+    return {"src": src, "instance": instance, "tombstone": tombstone, "revert": revert.position}
+
+
+async def _left_holding(tmp_path: Path, url: str) -> dict[str, Any]:
+    """The second log, imported at ``url``: the instance deleted at ``delete``, its migration
+    (started at ``started``) left holding 2 VCPU of ``src``."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
+    await _imported(url, lines)
+    return {**ids, "started": int(ids["started"]), "delete": delete.position}
+
+
+# --- the API: ConsumerView.leaked, live and in time travel -----------------------------------------
+
+
+async def test_consumer_view_says_leaked_for_a_deleted_consumer_holding_allocations(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression: ``store.allocations()`` (and ``state_at``'s) had no ``leaked``, where ``evstore
+    state --consumer --json`` says it: a service had to fold the state and call the audit's
+    predicate itself to tell a leak from a consumer holding allocations."""
+    s = await _revert_to_deleted(tmp_path, store_url)
+    instance = s["instance"]
+    async with open_store(store_url) as store:
+        live = await store.allocations(instance)
+        assert live.deleted and live.leaked and live.allocations == {s["src"]: {"VCPU": 2}}
+        assert live.to_dict()["leaked"] is True
+        for position, leaked in ((s["revert"], True), (s["revert"] - 1, False), (s["tombstone"] - 1, False)):
+            whole = await (await store.state_at(position=position)).allocations(instance)
+            one = await store.state_at(position=position, consumer=instance)
+            sliced = await one.allocations(instance)
+            assert (whole.leaked, sliced.leaked) == (leaked, leaked), position
+            assert whole == sliced, position
+        await store.release(instance)  # (what the audit says clears it)
+        assert not (await store.allocations(instance)).leaked
+        assert (await store.audit()).clean
+
+
+async def test_consumer_view_says_leaked_for_a_migration_left_holding_for_a_deleted_instance(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The migration's own view says it too - live, and in a one-consumer slice of time travel,
+    which folds the migration's own events only: the older writer's delete of its instance does
+    not name it, and the slice said ``leaked`` False where the whole state says True."""
+    s = await _left_holding(tmp_path, store_url)
+    migration, instance = s["migration"], s["instance"]
+    async with open_store(store_url) as store:
+        live = await store.allocations(migration)
+        assert (live.leaked, live.deleted, live.on_behalf_of) == (True, False, instance)
+        for position, leaked in ((s["delete"], True), (s["delete"] - 1, False), (s["started"], False)):
+            whole = await (await store.state_at(position=position)).allocations(migration)
+            one = await store.state_at(position=position, consumer=migration)
+            sliced = await one.allocations(migration)
+            assert (whole.leaked, sliced.leaked) == (leaked, leaked), position
+            assert whole == sliced, position
+        assert not (await store.allocations(instance)).leaked  # (deleted, holding nothing)
+        await store.confirm_migration(migration)  # (what the audit says clears it)
+        assert not (await store.allocations(migration)).leaked
+        assert (await store.audit()).clean
+
+
+async def test_a_migration_in_flight_is_no_leak(store: AllocationStore) -> None:
+    """A migration holding for a live instance is not ``leaked``; once this evstore deletes the
+    instance it holds nothing (released with it), and is not either."""
+    rp = await make_provider(store, VCPU=8)
+    instance, migration = new_uuid(), new_uuid()
+    await allocate(store, instance, {rp: {"VCPU": 2}})
+    await store.start_migration(instance, migration)
+    assert not (await store.allocations(migration)).leaked
+    await store.delete_consumer(instance)
+    view = await store.allocations(migration)
+    assert (view.leaked, view.allocations, view.on_behalf_of) == (False, {}, instance)
+    head = await store.head()
+    assert not (await (await store.state_at(position=head, consumer=migration)).allocations(migration)).leaked
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def _target(url: str) -> tuple[str, str]:
+    return ("--db", url.removeprefix("sqlite:///")) if url.startswith("sqlite:") else ("--url", url)
+
+
+def test_state_and_the_api_agree_on_leaked(tmp_path: Path, store_url: str) -> None:
+    """``state --consumer --json``'s ``leaked`` is the view's, at the head and in the past."""
+    s = asyncio.run(_left_holding(tmp_path, store_url))
+    where = _target(store_url)
+
+    async def api(position: int) -> bool:
+        async with open_store(store_url) as store:
+            view = await store.state_at(position=position)
+            return (await view.allocations(s["migration"])).leaked
+
+    for position in (s["delete"], s["delete"] - 1):
+        doc = _json("state", "--at", str(position), "--consumer", s["migration"], *where)
+        assert doc["leaked"] is asyncio.run(api(position)), position
+    assert _json("state", "--consumer", s["migration"], *where)["leaked"] is True
