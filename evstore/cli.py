@@ -1189,6 +1189,7 @@ def state(
 
     async def work() -> int:
         from evstore.schema import normalize_uuid
+        from projections.invariants import leak_of
         from projections.replay import StateView
         from projections.views import sorted_holdings
 
@@ -1312,10 +1313,13 @@ def state(
             out.print(table)
             return EXIT_OK
         holding = [c for c in st.consumers.values() if c.allocations]
+        leaks = {c.uuid for c in holding if leak_of(st, c) is not None}  # (the audit's)
         summary = {
             "consumers_holding_allocations": len(holding),
             "tombstones": sum(1 for c in st.consumers.values() if c.deleted),
-            "migrations_in_flight": sum(1 for c in holding if c.on_behalf_of),
+            # (a migration of a deleted instance is a leak: no revert or confirm will end it)
+            "migrations_in_flight": sum(1 for c in holding if c.on_behalf_of and c.uuid not in leaks),
+            "leaks": len(leaks),
         }
         if json_out:
             emit_json({**header, **summary, "providers": usage_json(st)})
@@ -1323,9 +1327,14 @@ def state(
         out.print(usage_table(st, f"State at position {position} of {head} ({shown_when})"))
         out.print(
             f"{summary['consumers_holding_allocations']} consumers hold allocations, "
-            f"{summary['migrations_in_flight']} of them migrations in flight; "
-            f"{summary['tombstones']} tombstones"
+            f"{summary['migrations_in_flight']} of them migrations in flight, "
+            f"{summary['leaks']} of them leaks; {summary['tombstones']} tombstones"
         )
+        if leaks:
+            out.print(
+                "leaks: allocations held while deleted, or as the migration of a deleted instance "
+                "(evstore audit lists them)"
+            )
         return EXIT_OK
 
     run(work)

@@ -136,3 +136,21 @@ def test_state_and_the_api_agree_on_leaked(tmp_path: Path, store_url: str) -> No
         doc = _json("state", "--at", str(position), "--consumer", s["migration"], *where)
         assert doc["leaked"] is asyncio.run(api(position)), position
     assert _json("state", "--consumer", s["migration"], *where)["leaked"] is True
+
+
+def test_state_counts_a_leaked_migration_as_a_leak_not_in_flight(tmp_path: Path, store_url: str) -> None:
+    """Regression: the summary of ``evstore state`` counted a migration left holding for a deleted
+    instance as a migration "in flight" (no revert or confirm of it can come: its instance is
+    gone); it is counted as a leak, in the text and in --json (``leaks``)."""
+    s = asyncio.run(_left_holding(tmp_path, store_url))
+    where = _target(store_url)
+    before = _json("state", "--at", str(s["delete"] - 1), *where)
+    assert (before["migrations_in_flight"], before["leaks"]) == (1, 0)
+    after = _json("state", *where)
+    assert (after["migrations_in_flight"], after["leaks"]) == (0, 1)
+    assert after["consumers_holding_allocations"] == 1
+    text = _run("state", *where)
+    assert "1 consumers hold allocations, 0 of them migrations in flight, 1 of them leaks" in text
+    assert "evstore audit lists them" in text
+    clean = _run("state", "--at", str(s["delete"] - 1), *where)
+    assert "1 of them migrations in flight, 0 of them leaks" in clean and "audit lists" not in clean
