@@ -1055,8 +1055,58 @@ NAMED_BY = frozenset({"ProviderCreated", "ProviderUpdated", "ProviderDeleted"})
 
 def left_holding(migration: str) -> str:
     """What a tombstone listed in its instance's migration's history did to it (it names only the
-    instance): see ``AllocationStore.history``."""
+    instance): see ``AllocationStore.history``; said on that tombstone's line in the instance's
+    history too."""
     return f"left its migration {migration} holding what it held: a leak"
+
+
+class LeakNotes:
+    """What ``history`` says on the lines of the events that made a leak (the audit's), which the
+    events' own words do not: an instance's delete that left its migration holding - on its line
+    in the migration's history, where it is listed although it does not name the migration (see
+    ``AllocationStore.history``), and in the instance's."""
+
+    def __init__(self, store: AllocationStore, listed: str) -> None:
+        self.store, self.listed = store, listed
+        #: the instance the listed consumer last held for, as a migration
+        self.instance: str | None = None
+        #: the migrations the listed consumer started, as an instance
+        self.migrations: set[str] = set()
+
+    async def on(self, recorded: Any) -> list[tuple[str, str]]:
+        """The notes on ``recorded``'s line, each in full and with the consumer uuids it names cut
+        to 8 characters (for the table). Called for each event listed, in order."""
+        from evstore import events as ev
+
+        event, key = recorded.event, self.listed
+        notes: list[tuple[str, str]] = []
+        match event:
+            case ev.MigrationStarted():
+                if event.migration == key:
+                    self.instance = event.instance
+                if event.instance == key:
+                    self.migrations.add(event.migration)
+            case ev.ConsumerDeleted():
+                if event.consumer == self.instance and f"consumer:{key}" not in recorded.entities():
+                    notes.append(await self._left(key))  # (listed although it does not name it)
+                elif event.consumer == key:
+                    for migration in sorted(self.migrations - set(event.migrations_released)):
+                        if await self._left_by(migration, recorded.position):
+                            notes.append(await self._left(migration))
+        return notes
+
+    async def _left(self, migration: str) -> tuple[str, str]:
+        return left_holding(migration), left_holding(migration[:8])
+
+    async def _left_by(self, migration: str, tombstone: int) -> bool:
+        """Whether the listed instance's tombstone at ``tombstone`` left ``migration`` holding
+        allocations for it (the migration's own events up to there, and that tombstone)."""
+        try:
+            view = await self.store.state_at(position=tombstone, consumer=migration)
+        except err.CorruptEvent:  # (the listing reports its own damaged rows, not the migration's)
+            return False
+        held = await view.allocations(migration)
+        return held.leaked and held.on_behalf_of == self.listed
 
 
 @app.command()
@@ -1078,7 +1128,7 @@ def history(
             names = await provider_names(store)
             learned: Names = {}  # (see learn_name)
             names_then = NamesThen(store, key)
-            instance: str | None = None  # (the last it held for, as a migration)
+            leak_notes = LeakNotes(store, key)
             # Neither the decoded events nor the whole document are kept (a busy provider's
             # history is a good part of the log: 112k events of a 400k-event log took 1.3 GB):
             # with --json each event's text goes to a temporary file, printed once the history
@@ -1089,26 +1139,19 @@ def history(
                 try:
                     async for recorded in store.history(key):
                         then = await names_then.at(recorded, names)
-                        if recorded.type == "MigrationStarted" and recorded.event["migration"] == key:
-                            instance = recorded.event["instance"]
-                        # (its instance's delete that does not name it: one that left it holding)
-                        left = (
-                            recorded.type == "ConsumerDeleted"
-                            and recorded.event["consumer"] == instance
-                            and f"consumer:{key}" not in recorded.entities()
-                        )
+                        notes = await leak_notes.on(recorded)
                         if json_out:
                             if count:
                                 spool.write(",\n")
                             doc = event_json(recorded, then, learned)
-                            if left:
-                                doc["summary"] += f"; {left_holding(key)}"
+                            doc["summary"] += "".join(f"; {full}" for full, _ in notes)
                             text = json.dumps(doc, indent=2, default=str)
                             spool.write("    " + text.replace("\n", "\n    "))
                         else:
                             cells = event_row(recorded, then, learned)
-                            if left:
-                                cells = (*cells[:4], f"{cells[4]}; {left_holding(key[:8])}")
+                            if notes:
+                                said = "".join(f"; {short}" for _, short in notes)
+                                cells = (*cells[:4], f"{cells[4]}{safe(said)}")
                             rows.append(cells)
                         learn_name(names, learned, recorded)
                         count += 1

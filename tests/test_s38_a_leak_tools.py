@@ -154,3 +154,43 @@ def test_state_counts_a_leaked_migration_as_a_leak_not_in_flight(tmp_path: Path,
     assert "evstore audit lists them" in text
     clean = _run("state", "--at", str(s["delete"] - 1), *where)
     assert "1 of them migrations in flight, 0 of them leaks" in clean and "audit lists" not in clean
+
+
+def test_the_instances_delete_says_it_left_its_migration_holding(tmp_path: Path, store_url: str) -> None:
+    """Regression: in the history of an instance whose delete (an older writer's) left its
+    migration holding allocations, the delete's line did not say so - the migration's history did
+    (stop 37) - so a person reading the instance's story saw a clean delete. It says so, in the
+    table and in --json."""
+    s = asyncio.run(_left_holding(tmp_path, store_url))
+    where, instance, migration = _target(store_url), s["instance"], s["migration"]
+    said = f"left its migration {migration} holding what it held: a leak"
+    events = _json("history", instance, *where)["events"]
+    [deleted] = [e for e in events if e["position"] == s["delete"]]
+    assert deleted["summary"].endswith(f"; {said}")
+    assert not any("left its migration" in e["summary"] for e in events if e is not deleted)
+    [row] = [line for line in _run("history", instance, *where).splitlines() if "ConsumerDeleted" in line]
+    assert f"left its migration {migration[:8]} holding" in row
+    # the migration's history says the same of the same event
+    [mine] = [e for e in _json("history", migration, *where)["events"] if e["position"] == s["delete"]]
+    assert mine["summary"].endswith(f"; {said}")
+
+
+def test_an_instance_deleted_by_this_evstore_leaves_no_such_note(tmp_path: Path) -> None:
+    """This evstore's delete releases the migration with the instance: its line in the
+    instance's history says so in its own words, and no leak is noted anywhere."""
+
+    async def build(url: str) -> tuple[str, str]:
+        async with open_store(url) as store:
+            rp = await make_provider(store, VCPU=8)
+            instance, migration = new_uuid(), new_uuid()
+            await allocate(store, instance, {rp: {"VCPU": 2}})
+            await store.start_migration(instance, migration)
+            await store.delete_consumer(instance)
+            return instance, migration
+
+    db = tmp_path / "own.db"
+    instance, migration = asyncio.run(build(f"sqlite:///{db}"))
+    for key in (instance, migration):
+        summaries = [e["summary"] for e in _json("history", key, "--db", str(db))["events"]]
+        assert not any("a leak" in text for text in summaries), summaries
+    assert f"its migration {migration} released" in summaries[-1]
