@@ -1064,7 +1064,9 @@ class LeakNotes:
     """What ``history`` says on the lines of the events that made a leak (the audit's), which the
     events' own words do not: an instance's delete that left its migration holding - on its line
     in the migration's history, where it is listed although it does not name the migration (see
-    ``AllocationStore.history``), and in the instance's."""
+    ``AllocationStore.history``), and in the instance's - and an event that gave allocations to a
+    consumer deleted before it (an older writer's revert), known when this history listed that
+    delete."""
 
     def __init__(self, store: AllocationStore, listed: str) -> None:
         self.store, self.listed = store, listed
@@ -1072,6 +1074,8 @@ class LeakNotes:
         self.instance: str | None = None
         #: the migrations the listed consumer started, as an instance
         self.migrations: set[str] = set()
+        #: the consumers whose delete this history listed: the first one's position
+        self.tombstones: dict[str, int] = {}
 
     async def on(self, recorded: Any) -> list[tuple[str, str]]:
         """The notes on ``recorded``'s line, each in full and with the consumer uuids it names cut
@@ -1093,6 +1097,12 @@ class LeakNotes:
                     for migration in sorted(self.migrations - set(event.migrations_released)):
                         if await self._left_by(migration, recorded.position):
                             notes.append(await self._left(migration))
+                self.tombstones.setdefault(event.consumer, recorded.position)
+            case ev.MigrationReverted() | ev.AllocationsReplaced():
+                given = event.instance if isinstance(event, ev.MigrationReverted) else event.consumer
+                if event.allocations and given in self.tombstones:
+                    said = f"given to a consumer deleted at position {self.tombstones[given]}: a leak"
+                    notes.append((said, said))
         return notes
 
     async def _left(self, migration: str) -> tuple[str, str]:

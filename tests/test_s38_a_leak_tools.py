@@ -194,3 +194,21 @@ def test_an_instance_deleted_by_this_evstore_leaves_no_such_note(tmp_path: Path)
         summaries = [e["summary"] for e in _json("history", key, "--db", str(db))["events"]]
         assert not any("a leak" in text for text in summaries), summaries
     assert f"its migration {migration} released" in summaries[-1]
+
+
+def test_history_says_an_event_gave_a_deleted_consumer_allocations(tmp_path: Path, store_url: str) -> None:
+    """Regression: the history of an instance an older writer's revert gave allocations back to
+    after its delete - the event the audit cites as the leak's - said only "migration M gave ...
+    back to instance I": nothing said that instance was deleted, nor that this made a leak. Its
+    line says so now, with the tombstone, in the instance's history and in the provider's."""
+    s = asyncio.run(_revert_to_deleted(tmp_path, store_url))
+    where, instance = _target(store_url), s["instance"]
+    said = f"given to a consumer deleted at position {s['tombstone']}: a leak"
+    for key in (instance, s["src"]):
+        events = _json("history", key, *where)["events"]
+        [given] = [e for e in events if e["position"] == s["revert"]]
+        assert said in given["summary"], key
+        assert not any(said in e["summary"] for e in events if e is not given)
+    table = _run("history", instance, *where)
+    [row] = [line for line in table.splitlines() if f" {s['revert']} " in line]
+    assert "given to a consumer deleted at position" in row
