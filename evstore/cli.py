@@ -1066,7 +1066,7 @@ class LeakNotes:
     in the migration's history, where it is listed although it does not name the migration (see
     ``AllocationStore.history``), and in the instance's - and an event that gave allocations to a
     consumer deleted before it (an older writer's revert), known when this history listed that
-    delete."""
+    delete; each with how to clear the leak while it is one still (at the head)."""
 
     def __init__(self, store: AllocationStore, listed: str) -> None:
         self.store, self.listed = store, listed
@@ -1076,6 +1076,8 @@ class LeakNotes:
         self.migrations: set[str] = set()
         #: the consumers whose delete this history listed: the first one's position
         self.tombstones: dict[str, int] = {}
+        #: consumer: whether it holds a leak now (read once)
+        self.leaked_now: dict[str, bool] = {}
 
     async def on(self, recorded: Any) -> list[tuple[str, str]]:
         """The notes on ``recorded``'s line, each in full and with the consumer uuids it names cut
@@ -1102,11 +1104,13 @@ class LeakNotes:
                 given = event.instance if isinstance(event, ev.MigrationReverted) else event.consumer
                 if event.allocations and given in self.tombstones:
                     said = f"given to a consumer deleted at position {self.tombstones[given]}: a leak"
+                    said += await self._clear(given, deleted=True)
                     notes.append((said, said))
         return notes
 
     async def _left(self, migration: str) -> tuple[str, str]:
-        return left_holding(migration), left_holding(migration[:8])
+        clear = await self._clear(migration, deleted=False)
+        return left_holding(migration) + clear, left_holding(migration[:8]) + clear
 
     async def _left_by(self, migration: str, tombstone: int) -> bool:
         """Whether the listed instance's tombstone at ``tombstone`` left ``migration`` holding
@@ -1117,6 +1121,14 @@ class LeakNotes:
             return False
         held = await view.allocations(migration)
         return held.leaked and held.on_behalf_of == self.listed
+
+    async def _clear(self, consumer: str, deleted: bool) -> str:
+        """``; clear it with ...`` while ``consumer`` holds a leak (else nothing: cleared since)."""
+        from projections.invariants import clear_leak
+
+        if consumer not in self.leaked_now:
+            self.leaked_now[consumer] = (await self.store.allocations(consumer)).leaked
+        return f"; {clear_leak(consumer, deleted)}" if self.leaked_now[consumer] else ""
 
 
 @app.command()
@@ -1242,7 +1254,7 @@ def state(
 
     async def work() -> int:
         from evstore.schema import normalize_uuid
-        from projections.invariants import leak_of
+        from projections.invariants import clear_leak, leak_of
         from projections.replay import StateView
         from projections.views import sorted_holdings
 
@@ -1253,6 +1265,7 @@ def state(
         not_empty(consumer, "--consumer", "a consumer uuid")
         point = None if at is None else parse_point(at)  # (a usage error before the store is opened)
         target = resolve_url(db, url)
+        leaked_now = False
         async with open_existing(target) as store:
             head = await store.head()
             if point is None:
@@ -1275,6 +1288,9 @@ def state(
                     # mistyped uuid is an error a script can see, not "absent"; one the log
                     # names, absent at this point - not yet created, released - is absent)
                     raise err.NotFound(f"no event in this log touches consumer {cuuid}")
+                # (whether it holds a leak now, at the head: one then that is cleared since has
+                # nothing left to clear)
+                leaked_now = (await store.allocations(cuuid)).leaked
             position = view.position
             when: str | None = None
             if position:
@@ -1327,6 +1343,7 @@ def state(
             migrations = sorted(m.uuid for m in st.migrations_for(cuuid))
             known = st.consumers.get(cuuid)
             doc = consumer_json(cview, migrations, known.allocated_at if known else None, names)
+            clear = cview.leaked and leaked_now
             if json_out:
                 emit_json({**header, **doc})
                 return EXIT_OK
@@ -1361,6 +1378,7 @@ def state(
                 (behalf_label, cview.on_behalf_of),
                 ("migrations holding for it", ", ".join(migrations) or "-"),
                 ("last allocation change at", doc["allocated_at"]),
+                *([("still a leak now", clear_leak(cuuid, cview.deleted))] if clear else []),
             ):
                 table.add_row(label, safe("-" if value is None else str(value)))
             out.print(table)
@@ -1386,7 +1404,7 @@ def state(
         if leaks:
             out.print(
                 "leaks: allocations held while deleted, or as the migration of a deleted instance "
-                "(evstore audit lists them)"
+                "(evstore audit lists them, and how to clear each)"
             )
         return EXIT_OK
 
@@ -1431,6 +1449,8 @@ def diff(
     """What changed between two points of the log, and which events (positions) did it."""
 
     async def work() -> int:
+        from projections.invariants import clear_leak
+
         not_empty(a, "A", "a position or an ISO time with a zone")
         not_empty(b, "B", "a position or an ISO time with a zone")
         start, end = parse_point(a, "A"), parse_point(b, "B")  # (before the store is opened)
@@ -1446,6 +1466,12 @@ def diff(
             # (names as the usage deltas give them, at b or else at a; today's only for a
             # provider neither end holds: allocations an imported log left on an absent one)
             names = {**await provider_names(store), **result.provider_names}
+            # the consumers leaked at b that still are, at the head: how to clear each
+            still_leaked = []
+            if not json_out:
+                for c in result.of_change("leaked"):
+                    if (now := await store.allocations(c.consumer)).leaked:
+                        still_leaked.append(now)
         if json_out:
             emit_json({"url": shown(target), **result.to_dict()})
             return EXIT_OK
@@ -1481,6 +1507,8 @@ def diff(
                 _positions(c.positions),
             )
         out.print(consumers)
+        for now in still_leaked:
+            out.print(f"consumer {now.consumer} still holds a leak: {clear_leak(now.consumer, now.deleted)}")
         return EXIT_OK
 
     run(work)

@@ -31,7 +31,7 @@ from evstore.events import (
     payload_dict,
 )
 from projections.gcpause import gc_paused
-from projections.invariants import find_leaks, format_amount, over_capacity
+from projections.invariants import DELETED_REASON, clear_leak, find_leaks, format_amount, over_capacity
 from projections.persisted import project_usage_totals
 from projections.replay import Turns
 from projections.state import FOLDS, ConsumerState, State, dismantle
@@ -553,7 +553,18 @@ async def cite_requests(findings: list[Finding], read: ReadRows) -> list[Finding
     looks up in the other services' logs (the positions alone sent them to ``evstore history``
     for it), in ``details["requests"]`` (``{"allocated": {...}, "deleted": {...}}``, each where
     cited; ``{}`` citing nothing). Two rows read per leak; a row whose metadata does not decode
-    (its own integrity finding) or carries neither cites nothing."""
+    (its own integrity finding) or carries neither cites nothing. Each message then ends with how
+    to clear the leak (:func:`~projections.invariants.clear_leak`)."""
+    return [_with_clearing(finding) for finding in await _cited(findings, read)]
+
+
+def _with_clearing(finding: Finding) -> Finding:
+    d = finding.details
+    clear = clear_leak(d["consumer"], d["reason"] == DELETED_REASON)
+    return Finding(finding.kind, f"{finding.message}; {clear}", finding.positions, finding.details)
+
+
+async def _cited(findings: list[Finding], read: ReadRows) -> list[Finding]:
     out = []
     for finding in findings:
         requests: dict[str, dict[str, str]] = {}

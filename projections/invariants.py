@@ -21,12 +21,24 @@ class Leak:
     on_behalf_of: str | None = None
 
 
+def clear_leak(consumer: str, deleted: bool) -> str:
+    """How a leak is cleared today, as a clause of the messages that report one: the API call that
+    releases what ``consumer`` holds (the evstore command line reads and audits; no command of it
+    writes). A deleted consumer's allocations are released; a deleted instance's migration is
+    confirmed, which releases what it holds (as the refused revert of that migration says)."""
+    return f"clear it with store.{'release' if deleted else 'confirm_migration'}('{consumer}')"
+
+
 @dataclass(frozen=True, slots=True)
 class OverCapacity:
     provider: str
     resource_class: str
     used: int
     capacity: float
+
+
+#: a :class:`Leak`'s ``reason`` when the consumer itself is deleted
+DELETED_REASON = "consumer is deleted"
 
 
 def find_leaks(state: State) -> list[Leak]:
@@ -41,7 +53,7 @@ def leak_of(state: State, c: ConsumerState) -> Leak | None:
     if not c.allocations:
         return None
     if c.deleted:
-        reason, tombstone = "consumer is deleted", c.deleted_at
+        reason, tombstone = DELETED_REASON, c.deleted_at
     elif c.on_behalf_of is not None:
         inst = state.consumers.get(c.on_behalf_of)
         if inst is None or not inst.deleted:

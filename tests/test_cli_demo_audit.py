@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shlex
 import sqlite3
@@ -229,6 +230,23 @@ def test_the_readmes_walkthrough_holds_on_every_run(tmp_path: Path) -> None:
     state = evstore("state", "--consumer", instance, "--db", legacy)
     status = "deleted (tombstone), yet holds allocations: a leak"
     assert state.stdout.splitlines()[0].endswith(f": {status}") and f"   # {status}" in readme
+    # how to clear it, as the README says the messages say it: and that clears it
+    clear = f"clear it with store.release('{instance}')"
+    assert leak["message"].endswith(f"; {clear}") and "clear it with\n#" in readme
+    told = json.loads(evstore("history", instance, "--db", legacy, "--json").stdout)["events"]
+    [culprit] = [e for e in told if e["position"] == 567]
+    assert culprit["summary"].endswith(f"given to a consumer deleted at position 432: a leak; {clear}")
+    assert "given to a consumer deleted at position 432: a leak; clear it with store.release(" in readme
+    assert "`store.release(consumer)` for a deleted consumer's allocations" in readme
+
+    async def release() -> None:
+        from evstore import open_store
+
+        async with open_store(f"sqlite:///{legacy}") as store:
+            await store.release(instance)
+
+    asyncio.run(release())
+    assert evstore("audit", "--db", legacy).returncode == 0
 
 
 def test_audit_history_checks_the_history_index(tmp_path: Path) -> None:

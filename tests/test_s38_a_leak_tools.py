@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evstore import AllocationStore, open_store
+from projections.invariants import clear_leak
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_audit_findings import _deleted_mid_migration, _migration_left_holding
 from tests.test_cli_support import evstore
@@ -156,23 +157,71 @@ def test_state_counts_a_leaked_migration_as_a_leak_not_in_flight(tmp_path: Path,
     assert "1 of them migrations in flight, 0 of them leaks" in clean and "audit lists" not in clean
 
 
+def test_the_leak_messages_say_how_to_clear_it_and_that_clears_it(tmp_path: Path, store_url: str) -> None:
+    """Regression: the audit, ``state``, ``history`` and ``diff`` said where a leak is but not how
+    to clear it. Each ends with the API call that does (the command line has none that writes),
+    while the leak is there; done, the audit is clean and the clause is gone."""
+    s = asyncio.run(_revert_to_deleted(tmp_path, store_url))
+    where, instance = _target(store_url), s["instance"]
+    clear = f"clear it with store.release('{instance}')"
+    assert clear == clear_leak(instance, deleted=True)
+
+    findings = json.loads(_run("audit", *where, "--json", code=3))["findings"]
+    [leak] = [f for f in findings if f["kind"] == "leak"]
+    assert leak["message"].endswith(f"; {clear}")
+    assert f"store.release('{instance}')" in _run("audit", *where, code=3)  # (the table wraps the rest)
+    state = _run("state", "--consumer", instance, *where)
+    assert "still a leak now" in state and clear in state
+    events = _json("history", instance, *where)["events"]
+    [given] = [e for e in events if e["position"] == s["revert"]]
+    said = f"given to a consumer deleted at position {s['tombstone']}: a leak"
+    assert given["summary"].endswith(f"{said}; {clear}")
+    assert not any(clear in e["summary"] for e in events if e["position"] != s["revert"])
+    [row] = [line for line in _run("history", instance, *where).splitlines() if f" {s['revert']} " in line]
+    assert "given to a consumer deleted at position" in row
+    diff = _run("diff", str(s["revert"] - 1), str(s["revert"]), *where)
+    assert f"consumer {instance} still holds a leak: {clear}" in diff
+
+    async def release() -> None:
+        async with open_store(store_url) as store:
+            await store.release(instance)
+
+    asyncio.run(release())
+    assert _json("audit", *where)["findings"] == []
+    assert "still a leak now" not in _run("state", "--at", str(s["revert"]), "--consumer", instance, *where)
+    events = _json("history", instance, *where)["events"]
+    [given] = [e for e in events if e["position"] == s["revert"]]
+    assert given["summary"].endswith(": a leak")  # (what it did then; nothing left to clear)
+    assert "still holds a leak" not in _run("diff", str(s["revert"] - 1), str(s["revert"]), *where)
+
+
 def test_the_instances_delete_says_it_left_its_migration_holding(tmp_path: Path, store_url: str) -> None:
     """Regression: in the history of an instance whose delete (an older writer's) left its
     migration holding allocations, the delete's line did not say so - the migration's history did
     (stop 37) - so a person reading the instance's story saw a clean delete. It says so, in the
-    table and in --json."""
+    table and in --json, with how to clear it while the migration still holds them."""
     s = asyncio.run(_left_holding(tmp_path, store_url))
     where, instance, migration = _target(store_url), s["instance"], s["migration"]
     said = f"left its migration {migration} holding what it held: a leak"
+    clear = f"clear it with store.confirm_migration('{migration}')"
     events = _json("history", instance, *where)["events"]
     [deleted] = [e for e in events if e["position"] == s["delete"]]
-    assert deleted["summary"].endswith(f"; {said}")
+    assert deleted["summary"].endswith(f"; {said}; {clear}")
     assert not any("left its migration" in e["summary"] for e in events if e is not deleted)
     [row] = [line for line in _run("history", instance, *where).splitlines() if "ConsumerDeleted" in line]
     assert f"left its migration {migration[:8]} holding" in row
     # the migration's history says the same of the same event
     [mine] = [e for e in _json("history", migration, *where)["events"] if e["position"] == s["delete"]]
-    assert mine["summary"].endswith(f"; {said}")
+    assert mine["summary"].endswith(f"; {said}; {clear}")
+
+    async def confirm() -> None:
+        async with open_store(store_url) as store:
+            await store.confirm_migration(migration)
+
+    asyncio.run(confirm())
+    events = _json("history", instance, *where)["events"]
+    [deleted] = [e for e in events if e["position"] == s["delete"]]
+    assert deleted["summary"].endswith(f"; {said}")  # (what it did; cleared since)
 
 
 def test_an_instance_deleted_by_this_evstore_leaves_no_such_note(tmp_path: Path) -> None:
