@@ -1350,6 +1350,11 @@ def state(
             # A migration consumer emptied by its instance's deletion keeps its on_behalf_of (so a
             # late revert learns the instance is gone): it holds nothing for it any more.
             behalf_label = "on behalf of (migration of)"
+            # (a migration still holding for a deleted instance holds the audit's leak: say so here
+            # too, where the instance's own status is only "deleted")
+            holding_label = "migrations holding for it"
+            if cview.deleted and migrations:
+                holding_label += " (leaks: it is deleted)"
             if cview.on_behalf_of is not None and not cview.allocations:
                 behalf_label = "was on behalf of (migration of)"
             status = (
@@ -1376,7 +1381,7 @@ def state(
                 ("type", cview.consumer_type),
                 ("deleted at position", cview.deleted_at),
                 (behalf_label, cview.on_behalf_of),
-                ("migrations holding for it", ", ".join(migrations) or "-"),
+                (holding_label, ", ".join(migrations) or "-"),
                 ("last allocation change at", doc["allocated_at"]),
                 *([("still a leak now", clear_leak(cuuid, cview.deleted))] if clear else []),
             ):

@@ -261,3 +261,18 @@ def test_history_says_an_event_gave_a_deleted_consumer_allocations(tmp_path: Pat
     table = _run("history", instance, *where)
     [row] = [line for line in table.splitlines() if f" {s['revert']} " in line]
     assert "given to a consumer deleted at position" in row
+
+
+def test_state_of_a_deleted_instance_says_its_migrations_still_holding_are_leaks(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression: ``state --consumer`` of an instance whose delete left its migration holding
+    said "deleted (tombstone)" and listed the migration under "migrations holding for it", as for
+    a live instance mid-migration: nothing on the page said that migration is the audit's leak."""
+    s = asyncio.run(_left_holding(tmp_path, store_url))
+    where, instance, migration = _target(store_url), s["instance"], s["migration"]
+    [row] = [line for line in _run("state", "--consumer", instance, *where).splitlines() if migration in line]
+    assert "migrations holding for it (leaks: it is deleted)" in row
+    before = _run("state", "--at", str(s["delete"] - 1), "--consumer", instance, *where)
+    [row] = [line for line in before.splitlines() if migration in line]
+    assert "migrations holding for it" in row and "leaks" not in row  # (live, mid-migration)
