@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from evstore import AllocationStore, Inventory, open_store
+from tests.peers.placement_client import PlacementPeer
+from tests.peers.venv import PeerUnavailable, placement_python
 
 BACKENDS = ["sqlite"]
 if os.environ.get("EVSTORE_TEST_POSTGRES_URL"):
@@ -18,6 +20,23 @@ if os.environ.get("EVSTORE_TEST_POSTGRES_URL"):
 
 def new_uuid() -> str:
     return str(uuid.uuid4())
+
+
+@pytest.fixture(scope="session")
+def placement_peer() -> Iterator[PlacementPeer]:
+    """The real OpenStack Placement 16.0.0, driven in its own venv (built once); skipped where it
+    cannot be installed, except under CI, where its absence fails."""
+    try:
+        python = placement_python()
+    except PeerUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the Placement 16.0.0 peer is required under CI: {exc}")
+        pytest.skip(f"Placement 16.0.0 peer unavailable: {exc}")
+    peer = PlacementPeer(python)
+    try:
+        yield peer
+    finally:
+        peer.close()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -40,7 +40,7 @@ import asyncio
 import os
 import tempfile
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +73,6 @@ from evstore.errors import InvalidInventoryValue
 from projections.views import ConsumerView
 from tests.conftest import BACKENDS, allocate, make_provider, new_uuid
 from tests.peers.placement_client import PlacementPeer
-from tests.peers.venv import PeerUnavailable, placement_python
 
 CLASSES = ("VCPU", "MEMORY_MB", "DISK_GB")
 N_PROVIDERS = 3  # P0 and P1 exist from the start; P2 must be created by the sequence
@@ -943,21 +942,6 @@ def check_program(peer: PlacementPeer, program: list[Step], backend: str = "sqli
 
 
 # --- fixtures and tests ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def placement_peer() -> Iterator[PlacementPeer]:
-    try:
-        python = placement_python()
-    except PeerUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the Placement 16.0.0 peer is required under CI: {exc}")
-        pytest.skip(f"Placement 16.0.0 peer unavailable: {exc}")
-    peer = PlacementPeer(python)
-    try:
-        yield peer
-    finally:
-        peer.close()
 
 
 COMMON = {

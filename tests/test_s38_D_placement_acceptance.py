@@ -12,10 +12,8 @@ be one (Placement answers otherwise) and to hold (evstore refuses, writing nothi
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +27,8 @@ from evstore import (
     UnknownResourceClass,
     open_store,
 )
-from tests.conftest import BACKENDS
+from tests.conftest import BACKENDS, new_uuid
 from tests.peers.placement_client import PlacementPeer
-from tests.peers.venv import PeerUnavailable, placement_python
 from tests.test_differential_placement import evstore_kind, placement_kind
 
 UNDEFINED = "placement.undefined_code"
@@ -40,25 +37,6 @@ VCPU_MEM = {
     "VCPU": {"total": 8, "allocation_ratio": 1.5, "max_unit": 8},
     "MEMORY_MB": {"total": 64, "reserved": 4, "min_unit": 4, "step_size": 4},
 }
-
-
-@pytest.fixture(scope="module")
-def peer() -> Iterator[PlacementPeer]:
-    try:
-        python = placement_python()
-    except PeerUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the Placement 16.0.0 peer is required under CI: {exc}")
-        pytest.skip(f"Placement 16.0.0 peer unavailable: {exc}")
-    placement = PlacementPeer(python)
-    try:
-        yield placement
-    finally:
-        placement.close()
-
-
-def new_uuid() -> str:
-    return str(uuid.uuid4())
 
 
 def put_body(allocations: dict[str, dict[str, int]], generation: int | None, **owner: str) -> dict[str, Any]:
@@ -141,7 +119,7 @@ Refusal = tuple[str, str, str, Any, Callable[[], Awaitable[Any]], str]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_refusal_has_placements_kind_code_and_detail_and_writes_nothing(
-    peer: PlacementPeer, backend: str
+    placement_peer: PlacementPeer, backend: str
 ) -> None:
     """Each refusal of each command, on both: the same kind (Placement's status and detail, evstore's
     error class), Placement's code where Placement has one of its own, ``placement.undefined_code``
@@ -473,12 +451,12 @@ def test_every_refusal_has_placements_kind_code_and_detail_and_writes_nothing(
         placement, evstore = await both.provider_states([rp, parent, bare])
         assert placement == evstore
 
-    side_by_side(backend, peer, scenario)
+    side_by_side(backend, placement_peer, scenario)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_departures_the_readme_lists_for_text_are_departures_and_hold(
-    peer: PlacementPeer, backend: str
+    placement_peer: PlacementPeer, backend: str
 ) -> None:
     """README ("Text is checked more strictly than Placement checks it"): each case Placement takes
     (or answers otherwise) and evstore refuses, writing nothing. If Placement changed its answer the
@@ -560,7 +538,7 @@ def test_the_departures_the_readme_lists_for_text_are_departures_and_hold(
         # (evstore holds nothing on rp: it refused every one of those writes)
         assert await s.usage(rp) == {"VCPU": 0}
 
-    side_by_side(backend, peer, scenario)
+    side_by_side(backend, placement_peer, scenario)
 
 
 async def test_a_refused_parent_begins_with_placements_detail(store: AllocationStore) -> None:
