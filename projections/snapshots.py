@@ -26,13 +26,17 @@ from projections.state import ConsumerState, ProviderState, State, dismantle, ev
 
 log = structlog.get_logger("evstore.snapshots")
 
-#: bump when the encoding changes; snapshots of another format are ignored (and re-made). Whole-store
-#: snapshots and provider slices share it: slices are re-made only where whole-store snapshots are.
+#: bump when the encoding or the fold changes (a snapshot is the fold's state at its position: one an
+#: earlier fold made would answer as it folded); snapshots of another format are ignored (and re-made).
+#: Whole-store snapshots and provider slices share it: slices are re-made only where whole-store
+#: snapshots are.
 #: 2: provider slices keep each holder's project, user, type and generation with its resources.
 #: 3: a whole-store snapshot is lines (header, providers, chunks of consumers): see encode_state.
 #: 4: a consumer row ends with a migration's instance type; a snapshot's first line (its header)
 #: holds the SHA-256 of the rest, checked before it is used.
-SNAPSHOT_FORMAT = 4
+#: 5: the fold keeps a consumer's first tombstone as its deleted_at (0fb65ec, stop 37): a second one,
+#: only in a log an older writer wrote, had moved it.
+SNAPSHOT_FORMAT = 5
 DEFAULT_SNAPSHOT_EVERY = 10_000
 
 

@@ -26,6 +26,7 @@ from evstore.events import (
 from evstore.log import RawEvent
 from evstore.log.sqlite import SqliteBackend, now_iso
 from projections.exchange import ExportHeader, parse_header, parse_row, row_line
+from projections.snapshots import SNAPSHOT_FORMAT, encode_state
 from projections.state import fold
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
@@ -613,6 +614,33 @@ async def test_a_second_tombstone_of_a_deleted_instance_does_not_move_its_deleti
             assert change is not None and change.change == "leaked"
             assert delete.position in change.positions and again.position not in change.positions
         assert (await store.diff(delete.position, again.position)).consumer(migration) is None
+
+
+async def test_a_snapshot_an_earlier_fold_made_is_not_used(tmp_path: Path, store_url: str) -> None:
+    """Regression: a time-travel snapshot is the fold's state at its position, and 0fb65ec changed
+    the fold (a consumer's ``deleted_at`` stays its first tombstone) without changing the snapshots'
+    format: a snapshot an evstore before it had saved of a log with a second tombstone was still
+    used by ``state_at``, which said ``deleted_at`` was the second tombstone where the log, folded,
+    says the first. A change of the fold changes the format (5): older snapshots are ignored and
+    made again."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
+    again = chained(
+        delete,
+        "ConsumerDeleted",
+        {"consumer": ids["instance"], "released": {}, "migrations_released": {}},
+        meta='{"request_id":"req-del-again"}',
+    )
+    append_row(lines, again)
+    async with open_store(store_url) as store:
+        await store.import_events(lambda: iter(lines))
+        # what the fold before 0fb65ec made of this log, saved as that evstore saved it (format 4)
+        earlier = await store.replay(again.position)
+        earlier.consumers[ids["instance"]].deleted_at = again.position
+        backend: Any = store._backend
+        await backend.save_snapshot(again.position, again.hash, 4, encode_state(earlier), wait=True)
+        view = await store.state_at(again.position)
+        assert (await view.allocations(ids["instance"])).deleted_at == delete.position
+        assert SNAPSHOT_FORMAT != 4
 
 
 def test_evstore_history_of_a_migration_left_holding_lists_and_explains_the_delete(tmp_path: Path) -> None:
