@@ -14,6 +14,7 @@ from evstore import AllocationStore, Receipt, StorageError, open_store
 from evstore.log import postgres
 from evstore.log.sqlite import SqliteBackend
 from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_audit_findings import chained
 
 #: SQLite's largest max_page_count (the default): "the disk has room again"
 ROOM = 4294967294
@@ -155,3 +156,39 @@ async def test_a_batch_failing_at_its_end_is_not_taken_for_a_log_that_lost_event
         assert [e for e in logs if e["event"] == "history_index.own_keys_lost"] == []
         assert await store.head() == 4
         assert (await store.audit(history=True)).clean
+
+
+async def test_a_failed_batch_does_not_vouch_for_the_keys_of_events_a_restore_replaced(
+    tmp_path: Path,
+) -> None:
+    """Regression (review of the fix above): a batch that failed set the writer's tip to the log's
+    last event before it - an event this writer may not have appended. After a restore that
+    replaced the writer's last events under it (positions 3-4 gone, another event at 3), that tip
+    was found in the log, so the kept history keys of the vanished events were trusted: the next
+    index write filed position 3 (a class created) under consumer A, whose allocation the
+    restore dropped - ``history(A)`` listed it and the audit found the index wrong. The tip is
+    what it was before the failed batch: the lost events are noticed (``own_keys_lost``) and
+    their keys forgotten."""
+    a = new_uuid()
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        rp = await make_provider(store, VCPU=100)  # 1, 2
+        await allocate(store, a, {rp: {"VCPU": 1}})  # 3
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # 4
+        [second] = await backend.read_raw(1, 1)
+        other = chained(second, "ResourceClassCreated", {"name": "CUSTOM_X"})
+        await backend.tamper("DELETE FROM events WHERE position >= 3")
+        await backend.tamper("INSERT INTO events VALUES (?,?,?,?,?,?,?,?)", tuple(other))
+        await backend.tamper(
+            "CREATE TRIGGER s38_fail BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'injected'); END"
+        )
+        with pytest.raises(StorageError, match="injected"):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        await backend.tamper("DROP TRIGGER s38_fail")
+        with capture_logs() as logs:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # 4
+        assert [e["position"] for e in logs if e["event"] == "history_index.own_keys_lost"] == [4]
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        assert [(e.position, e.type) async for e in store.history(a)] == []
+        assert not [f for f in (await store.audit(history=True)).findings if "index" in f.message]

@@ -962,6 +962,7 @@ def run_batch(
     """
     outcomes: list[Outcome] = []
     start: int | None = None
+    own_tip = cache.own_tip  # (what it was, for a batch that fails: see there)
     cache.check_file(wal_files=False)  # (and again, with its -wal and -shm, before the commit)
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -970,7 +971,7 @@ def run_batch(
             jobs = [job for job, kept in zip(jobs, keep, strict=True) if kept]
         cache.begin(conn)
         tail = _read_tail(conn)
-        start, start_hash = tail.position, tail.hash
+        start = tail.position
         if cache.history_through is None:  # (first in this connection, or another one wrote since)
             drop_history_past_head(conn, start)
         cache.prefetch_consumers(conn, jobs)
@@ -998,9 +999,12 @@ def run_batch(
         cache.forget()  # (it holds what was rolled back)
         if start is not None:
             cache.drop_own(after=start)
-            # (the tip of what it keeps is the log's last event before this batch, not the
-            # batch's own last: that one, not in the log, read as events the log lost)
-            cache.own_tip = (start, start_hash) if cache.own else None
+            # (the tip of what it keeps is what it was before this batch, not the batch's own
+            # last event: that one, not in the log, read as events the log lost. Nor the log's
+            # last event before the batch, which this writer may not have appended: after a
+            # restore replaced its events, that tip would vouch for the keys of events the log
+            # no longer holds)
+            cache.own_tip = own_tip if cache.own else None
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
