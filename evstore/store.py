@@ -427,6 +427,17 @@ def _position(value: object, what: str = "position", time_in: str | None = None)
     return value
 
 
+def _instant(at: datetime) -> tuple[int, datetime]:
+    """A timezone-aware time as a key ordering the instants it names: Python compares two times of
+    one ``tzinfo`` object by their wall clocks, so a time in a zone's repeated hour (``fold=1``,
+    the later instant) came before an earlier one of its first pass. Times within hours of
+    ``datetime.min`` or ``.max``, which UTC cannot say, order before or after every other."""
+    try:
+        return 0, at.astimezone(UTC)
+    except OverflowError:
+        return (-1 if at.year == 1 else 1), datetime.min.replace(tzinfo=UTC)
+
+
 def _beyond_head(position: int, head: int, field: str, cursor: bool = False) -> err.InvalidInput:
     """The refusal of a position the log has not reached, in one wording wherever a position is
     taken, with the head in ``details["head"]``. ``cursor``: where reading goes on from it
@@ -2082,7 +2093,7 @@ class AllocationStore:
         a, b = _point(a, "diff's a (from)", "a"), _point(b, "diff's b (to)", "b")
         # (two times backwards are refused as two positions are, also when no event lies between
         # them: the log must not decide whether the same mistake is one)
-        if isinstance(a, datetime) and isinstance(b, datetime) and a > b:
+        if isinstance(a, datetime) and isinstance(b, datetime) and _instant(a) > _instant(b):
             raise err.InvalidInput(
                 f"diff needs a <= b, got times {a.isoformat()} and {b.isoformat()}: give the earlier first",
                 field="b",

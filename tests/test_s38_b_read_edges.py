@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,33 @@ async def test_a_diff_given_backwards_in_time_is_refused_even_with_no_event_betw
     assert (same.from_position, same.to_position, same.consumers) == (head, head, [])
     with pytest.raises(InvalidInput, match=r"^diff needs a <= b, got positions 2 and 1"):
         await store.diff(2, 1)
+
+
+class _FoldingZone(tzinfo):
+    """A zone at UTC+2 whose clocks went back an hour (as Europe/Berlin's do on a night in
+    October, without needing the tz database): a wall-clock time lived the second time
+    (``fold=1``) is at UTC+1, an hour later than the first."""
+
+    def utcoffset(self, dt: datetime | None) -> timedelta:
+        return timedelta(hours=1 if dt is not None and dt.fold else 2)
+
+    def dst(self, dt: datetime | None) -> timedelta:
+        return timedelta(0)
+
+
+async def test_a_diff_orders_two_times_by_the_instants_they_name(store: AllocationStore) -> None:
+    """Regression (review): diff compared two times with Python's ``>``, which for two times of one
+    ``tzinfo`` compares their wall clocks: in a zone's repeated hour, 02:45 of its first pass
+    (00:45 UTC) was taken for later than 02:15 of its second (01:15 UTC), so diff(earlier, later)
+    was refused as backwards and diff(later, earlier) accepted."""
+    await make_provider(store, VCPU=8)
+    zone = _FoldingZone()
+    earlier = datetime(2026, 10, 25, 2, 45, fold=0, tzinfo=zone)
+    later = datetime(2026, 10, 25, 2, 15, fold=1, tzinfo=zone)
+    assert earlier.astimezone(UTC) < later.astimezone(UTC)
+    assert (await store.diff(earlier, later)).consumers == []
+    with pytest.raises(InvalidInput, match=r"^diff needs a <= b, got times "):
+        await store.diff(later, earlier)
 
 
 async def test_a_huge_malformed_argument_is_quoted_cut_in_the_message(store: AllocationStore) -> None:
