@@ -30,6 +30,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 import uuid
 from contextlib import aclosing
 from pathlib import Path
@@ -269,10 +270,19 @@ class _Child:
 def _child(
     spec: dict[str, Any], queues: list[Any], stop: Any, final: Any, ready: Any, go: Any, written: Any
 ) -> None:
-    asyncio.run(_Child(spec, queues, stop, final).main(ready, go, written))
+    try:
+        asyncio.run(_Child(spec, queues, stop, final).main(ready, go, written))
+    except BaseException:  # (told to the test: a failed child is more than its exit code)
+        Path(spec["out"] + ".failed").write_text(traceback.format_exc())
+        raise
 
 
 # --- in the test process ---------------------------------------------------------------------
+
+
+def _failures(specs: list[dict[str, Any]]) -> str:
+    failed = [Path(s["out"] + ".failed") for s in specs]
+    return "\n".join(f.read_text() for f in failed if f.exists())
 
 
 async def _campaign(
@@ -316,7 +326,11 @@ async def _campaign(
         )
         assert worker.stdout is not None
         assert (await asyncio.wait_for(worker.stdout.readline(), 30)).strip() == b"ready"
-        await asyncio.sleep(max(0.3, SECONDS / 2 - (time.monotonic() - began)))
+        # (killed mid-stream: once it has been told of a few commands, halfway through at the soonest)
+        while not ack.exists() or ack.read_text().count("\n") < 3:
+            assert time.monotonic() - began < 60, "the writer to kill acknowledged nothing in 60 s"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(max(0.0, SECONDS / 2 - (time.monotonic() - began)) + random.uniform(0, 0.2))
         worker.send_signal(signal.SIGKILL)
         await asyncio.wait_for(worker.communicate(), 60)
         assert worker.returncode == -signal.SIGKILL
@@ -324,7 +338,7 @@ async def _campaign(
         acks_crash = [json.loads(x)["positions"] for x in text.splitlines() if x.endswith("}")]
     while written.value < len(procs):
         assert time.monotonic() - began < SECONDS + 60, "writers did not finish"
-        assert all(p.is_alive() for p in procs), f"seed {seed}: {[p.exitcode for p in procs]}"
+        assert all(p.is_alive() for p in procs), f"seed {seed}: {_failures(specs)}"
         await asyncio.sleep(0.1)
     async with open_store(url) as store:
         # (every receipt is in; on PostgreSQL the head also positions what the killed writer
@@ -333,7 +347,7 @@ async def _campaign(
         stop.set()
         for proc in procs:
             await asyncio.to_thread(proc.join, 90)
-            assert proc.exitcode == 0, f"seed {seed}: child exit {proc.exitcode}"
+            assert proc.exitcode == 0, f"seed {seed}: child exit {proc.exitcode}: {_failures(specs)}"
         full: list[tuple[int, str]] = []
         while batch := await store.read(after=full[-1][0] if full else start):
             full += [(e.position, e.event_id) for e in batch]
