@@ -700,22 +700,17 @@ class _HoldingFor:
         self._since = recorded.position
 
     async def tombstones(self, until: int | None) -> list[RecordedEvent]:
-        """The instance's tombstones after the last one listed, up to ``until`` (None: the end),
-        while the consumer holds allocations for it: none when it holds none."""
+        """The instance's tombstone that left the consumer holding, if it lies after the last
+        position looked at and up to ``until`` (None: the end), while the consumer holds
+        allocations for it: none when it holds none. Only the instance's first tombstone - its
+        deletion, the fold's ``deleted_at``: a second one (an older writer's delete of a deleted
+        consumer) left nothing holding that was not a leak already."""
         if self._instance is None or (until is not None and until <= self._since):
             return []
-        found: list[RecordedEvent] = []
-        while True:
-            batch = await self._backend.read_entities(
-                [f"consumer:{self._instance}"], self._since, self._batch, until, types=("ConsumerDeleted",)
-            )
-            found += batch
-            if batch:
-                self._since = batch[-1].position
-            if len(batch) < self._batch:
-                break
-        if until is not None:
-            self._since = until
+        key = f"consumer:{self._instance}"
+        first = await self._backend.read_entities([key], 0, 1, until, types=("ConsumerDeleted",))
+        found = [first[0]] if first and first[0].position > self._since else []
+        self._since = until if until is not None else max(self._since, first[0].position if first else 0)
         return found
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from evstore import AllocationStore, open_store
 from projections.invariants import clear_leak
 from tests.conftest import allocate, make_provider, new_uuid
-from tests.test_audit_findings import _deleted_mid_migration, _migration_left_holding
+from tests.test_audit_findings import _deleted_mid_migration, _migration_left_holding, append_row, chained
 from tests.test_cli_support import evstore
 
 
@@ -276,3 +276,34 @@ def test_state_of_a_deleted_instance_says_its_migrations_still_holding_are_leaks
     before = _run("state", "--at", str(s["delete"] - 1), "--consumer", instance, *where)
     [row] = [line for line in before.splitlines() if migration in line]
     assert "migrations holding for it" in row and "leaks" not in row  # (live, mid-migration)
+
+
+def test_a_second_tombstone_is_not_said_to_have_left_the_migration_holding(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression (review): in a log where an older writer deleted the instance twice, the fold, the
+    audit and diff say the first tombstone made the leak; ``history`` listed the second too in the
+    migration's history and said of both, there and in the instance's, that it "left its migration
+    holding what it held". Only the first says so, and the migration's history lists only it."""
+    lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
+    again = chained(
+        delete, "ConsumerDeleted", {"consumer": ids["instance"], "released": {}, "migrations_released": {}}
+    )
+    append_row(lines, again)
+    asyncio.run(_imported(store_url, lines))
+    where, instance, migration = _target(store_url), ids["instance"], ids["migration"]
+    noted = [
+        e["position"]
+        for e in _json("history", instance, *where)["events"]
+        if "left its migration" in e["summary"]
+    ]
+    assert noted == [delete.position]
+    listed = [e for e in _json("history", migration, *where)["events"] if e["type"] == "ConsumerDeleted"]
+    assert [e["position"] for e in listed] == [delete.position]
+    assert "left its migration" in listed[0]["summary"]
+
+    async def api_history() -> list[int]:
+        async with open_store(store_url) as store:
+            return [e.position async for e in store.history(migration) if e.type == "ConsumerDeleted"]
+
+    assert asyncio.run(api_history()) == [delete.position]
