@@ -1,4 +1,5 @@
-"""The ``evstore`` command line: run the demo cloud, audit a store, and debug it from its log.
+"""The ``evstore`` command line: run the demo cloud, audit a store, debug it from its log, and
+clear a leak the audit found (``release``, ``confirm-migration``: the API calls its message names).
 
 Every command names its store with ``--db PATH`` (SQLite file), ``--url URL`` (``sqlite:///...``
 or ``postgresql://...``) or the ``EVSTORE_URL`` environment variable. Output is a readable table by
@@ -67,7 +68,7 @@ DEFAULT_DEMO_DB = Path("evstore-demo.db")
 
 app = typer.Typer(
     name="evstore",
-    help="Event-sourced allocation store: demo, audit and replay debugging.",
+    help="Event-sourced allocation store: demo, audit, replay debugging, clearing a leak.",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -1669,6 +1670,120 @@ async def _file_gone(store: Any, first: os.stat_result, gone: list[str], every: 
             with contextlib.suppress(Exception):  # (its error would go unheard in this task)
                 await store.close()
             return
+
+
+# --- clearing a leak: release, confirm-migration ------------------------------------------------
+
+#: the actor the events these commands write record (``history``'s "request / actor"): a person
+#: at the command line, where a service's commands carry its own
+CLI_ACTOR = "evstore-cli"
+
+
+@app.command()
+def release(
+    consumer: Annotated[str, typer.Argument(help="Consumer uuid.")],
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Release every allocation a consumer holds (store.release): how a deleted consumer's leak is cleared."""
+    run(functools.partial(_clear, consumer, db, url, json_out, migration=False))
+
+
+@app.command("confirm-migration")
+def confirm_migration(
+    migration: Annotated[str, typer.Argument(help="Migration consumer uuid.")],
+    db: DbOption = None,
+    url: UrlOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Confirm a migration, releasing what it holds (store.confirm_migration): how the leak of a
+    deleted instance's migration is cleared."""
+    run(functools.partial(_clear, migration, db, url, json_out, migration=True))
+
+
+async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *, migration: bool) -> int:
+    """``release`` or ``confirm-migration``: the API call, and what it released. Every refusal is
+    the API's, but for two: a uuid no event names is ``evstore.not_found`` (as for ``history`` and
+    ``state --consumer``), and a consumer the log names that holds nothing has nothing to release
+    (exit 0: a second run, or one after the instance's delete released it, leaves what was asked)."""
+    from evstore import events as ev
+    from evstore.schema import normalize_uuid
+    from projections.invariants import clear_leak
+    from projections.views import sorted_holdings
+
+    what = "migration" if migration else "consumer"
+    not_empty(given, f"the {what}", f"a {what} uuid")
+    key = normalize_uuid(given, f"{what} uuid")
+    target = resolve_url(db, url)
+    nothing: err.EvstoreError | None = None
+    async with open_existing(target) as store:
+        before = await store.allocations(key)
+        command = store.confirm_migration if migration else store.release
+        try:
+            receipt = await command(key, metadata={"actor": CLI_ACTOR})
+        except (err.NotFound, err.ConsumerDeleted) as exc:
+            if not await _consumer_in_log(store, key):
+                raise err.NotFound(f"no event in this log touches consumer {key}", consumer=key) from None
+            if (await store.allocations(key)).allocations:
+                # (it holds allocations, but not as a migration the API confirms: a deleted
+                # consumer's leak, which the refusal says nothing of, is released otherwise)
+                if before.leaked and before.deleted:
+                    told = f"{exc.message}; it holds a leak: {clear_leak(key, True)}"
+                    raise type(exc)(told, **exc.details) from None
+                raise
+            if migration and not await _was_a_migration(store, key):
+                raise  # (not a migration: an instance's uuid given by mistake is not "nothing")
+            nothing = exc
+        released: dict[str, dict[str, int]] = {}
+        instance: str | None = None
+        position: int | None = None
+        if nothing is None:
+            [position] = receipt.positions  # (one event: what it released, exactly)
+            [recorded] = await store.read(position - 1, 1)
+            event = recorded.event
+            assert isinstance(event, ev.AllocationsReleased | ev.MigrationConfirmed), event
+            released = sorted_holdings(event.released)
+            instance = event.instance if isinstance(event, ev.MigrationConfirmed) else None
+        names = await provider_names(store)
+    cleared = before.leaked and nothing is None
+    if json_out:
+        emit_json(
+            {
+                "url": shown(target),
+                what: key,
+                **({"instance": instance} if migration else {}),
+                "released": released,
+                "position": position,  # (null: nothing to release)
+                "leak_cleared": cleared,
+                "provider_names": {uuid: names[uuid] for uuid in released if uuid in names},
+            }
+        )
+        return EXIT_OK
+    if nothing is not None:
+        line = f"consumer {key} holds nothing: nothing to release"
+        if isinstance(nothing, err.ConsumerDeleted):  # (why a migration has nothing left: the API's words)
+            line += f" ({nothing.message})"
+        elif before.deleted:
+            line += f" (deleted at position {before.deleted_at})"
+    else:
+        done = f"migration {key} of instance {instance} confirmed" if migration else f"consumer {key}"
+        line = f"{done}: released {fmt_allocs(released, names)} at position {position}"
+        if cleared:
+            line += "; the leak is cleared"
+    console().print(safe(line), soft_wrap=True)
+    return EXIT_OK
+
+
+async def _was_a_migration(store: AllocationStore, consumer: str) -> bool:
+    """Whether ``consumer`` was ever a migration consumer: an event moved an instance's
+    allocations to it (a confirm or revert forgets the link, its instance's delete keeps it)."""
+    from evstore import events as ev
+
+    async for recorded in store.history(consumer):
+        if isinstance(event := recorded.event, ev.MigrationStarted) and event.migration == consumer:
+            return True
+    return False
 
 
 # --- maintenance: rebuild, snapshot, stats, export, import --------------------------------------
