@@ -285,14 +285,14 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
 @contextlib.asynccontextmanager
 async def open_existing(target: str, **options: Unpack[StoreOptions]) -> AsyncIterator[AllocationStore]:
     """Open a store that must already exist: a database (file or PostgreSQL schema) without one is
-    refused with NotFound, never turned into an empty store. Unless ``upgrade`` (the commands that
-    write: rebuild, snapshot, upgrade), a store an older evstore wrote is refused
-    (``evstore.schema.version``, nothing written) rather than upgraded: the upgrade closes it to
-    the older evstore processes still using it, which a command that only reads (audit, history,
-    state, diff, tail, stats, export: debugging, often on a live store) must not do behind its
-    user's back; ``evstore upgrade`` does it, once those processes are stopped. So is a store
-    that lost tables or indexes (or, on PostgreSQL, awaits an upgrade's refold), which the open
-    would otherwise make again and refold: ``evstore upgrade`` repairs it."""
+    refused with NotFound, never turned into an empty store. Unless ``upgrade`` (rebuild,
+    snapshot, upgrade), a store an older evstore wrote is refused (``evstore.schema.version``,
+    nothing written) rather than upgraded: the upgrade closes it to the older evstore processes
+    still using it, which a command that only reads (audit, history, state, diff, tail, stats,
+    export: debugging, often on a live store) or clears one leak (release, confirm-migration) must
+    not do behind its user's back; ``evstore upgrade`` does it, once those processes are stopped.
+    So is a store that lost tables or indexes (or, on PostgreSQL, awaits an upgrade's refold),
+    which the open would otherwise make again and refold: ``evstore upgrade`` repairs it."""
     from evstore.store import open_store
 
     options["create"] = False
@@ -1916,8 +1916,8 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
 
     Stop the processes running an older evstore on it first: the upgrade closes the store to them.
     The commands that only read refuse such a store (evstore.schema.version) rather than upgrade
-    it, as do demo and import (which need an empty store); rebuild and snapshot upgrade it as they
-    open it, as open_store does.
+    it, as do release and confirm-migration, and demo and import (which need an empty store);
+    rebuild and snapshot upgrade it as they open it, as open_store does.
     """
 
     async def work() -> int:

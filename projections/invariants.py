@@ -22,12 +22,12 @@ class Leak:
 
 
 def clear_leak(consumer: str, deleted: bool) -> str:
-    """How a leak is cleared today, as a clause of the messages that report one: the API call that
-    releases what ``consumer`` holds (no command of the evstore command line changes what a store
-    with events holds: ``demo`` and ``import`` fill an empty one). A deleted consumer's allocations
-    are released; a deleted instance's migration is confirmed, which releases what it holds (as
-    the refused revert of that migration says)."""
-    return f"clear it with store.{'release' if deleted else 'confirm_migration'}('{consumer}')"
+    """How a leak is cleared today, as a clause of the messages that report one: the command of
+    the evstore command line that releases what ``consumer`` holds, and the API call it makes. A
+    deleted consumer's allocations are released; a deleted instance's migration is confirmed,
+    which releases what it holds (as the refused revert of that migration says)."""
+    command, call = ("release", "release") if deleted else ("confirm-migration", "confirm_migration")
+    return f"clear it with `evstore {command} {consumer}` (store.{call}('{consumer}'))"
 
 
 @dataclass(frozen=True, slots=True)

@@ -656,7 +656,7 @@ def test_evstore_history_of_a_migration_left_holding_lists_and_explains_the_dele
     events = json.loads(done.stdout)["events"]
     assert [e["position"] for e in events] == [int(ids["started"]), delete.position]
     said = f"left its migration {migration} holding what it held: a leak"
-    clear = f"clear it with store.confirm_migration('{migration}')"  # (while it holds them: stop 38)
+    clear = f"clear it with `evstore confirm-migration {migration}` (store.confirm_migration('{migration}'))"
     assert events[1]["type"] == "ConsumerDeleted" and events[1]["summary"].endswith(f"{said}; {clear}")
     assert said not in events[0]["summary"]
     done = evstore("history", migration, "--db", db)
@@ -690,7 +690,7 @@ def test_evstore_diff_shows_a_migration_left_holding_for_a_deleted_instance_as_l
     [row] = [line for line in done.stdout.splitlines() if ids["migration"] in line and "│" in line]
     assert "leaked" in row and "MIGRATION" in row
     # and below the table, how to clear it, as it still holds the leak (stop 38)
-    clear = f"consumer {ids['migration']} still holds a leak: clear it with store.confirm_migration("
+    clear = f"consumer {ids['migration']} still holds a leak: clear it with `evstore confirm-migration "
     assert clear in done.stdout
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shlex
 import sqlite3
@@ -231,22 +230,26 @@ def test_the_readmes_walkthrough_holds_on_every_run(tmp_path: Path) -> None:
     status = "deleted (tombstone), yet holds allocations: a leak"
     assert state.stdout.splitlines()[0].endswith(f": {status}") and f"   # {status}" in readme
     # how to clear it, as the README says the messages say it: and that clears it
-    clear = f"clear it with store.release('{instance}')"
+    clear = f"clear it with `evstore release {instance}` (store.release('{instance}'))"
     assert leak["message"].endswith(f"; {clear}") and "clear it with\n#" in readme
+    assert "#                     `evstore release bf68ade6-…` (store.release('bf68ade6-…'))" in readme
     told = json.loads(evstore("history", instance, "--db", legacy, "--json").stdout)["events"]
     [culprit] = [e for e in told if e["position"] == 567]
     assert culprit["summary"].endswith(f"given to a consumer deleted at position 432: a leak; {clear}")
-    assert "given to a consumer deleted at position 432: a leak; clear it with store.release(" in readme
-    assert "`store.release(consumer)` for a deleted consumer's allocations" in readme
-
-    async def release() -> None:
-        from evstore import open_store
-
-        async with open_store(f"sqlite:///{legacy}") as store:
-            await store.release(instance)
-
-    asyncio.run(release())
+    assert "given to a consumer deleted at position 432: a leak; clear it with `evstore release " in readme
+    assert "`evstore release CONSUMER` (`store.release(consumer)`)\nfor a deleted consumer's" in readme
+    # the README's command clears it, saying what it says there; run again, nothing to release
+    released = evstore("release", instance, "--db", legacy)
+    assert released.returncode == 0 and not released.stderr, released.stderr
+    said = released.stdout.strip()
+    assert said == (
+        f"consumer {instance}: released compute-02: DISK_GB=80 MEMORY_MB=8192 VCPU=4 at position 568; "
+        "the leak is cleared"
+    )
+    assert f"evstore release {instance} --db legacy.db\n# {said.replace(instance, 'bf68ade6-…')}\n" in readme
     assert evstore("audit", "--db", legacy).returncode == 0
+    again = evstore("release", instance, "--db", legacy)
+    assert again.returncode == 0 and "nothing to release (deleted at position 432)" in again.stdout
 
 
 def test_audit_history_checks_the_history_index(tmp_path: Path) -> None:

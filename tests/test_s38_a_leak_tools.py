@@ -159,11 +159,12 @@ def test_state_counts_a_leaked_migration_as_a_leak_not_in_flight(tmp_path: Path,
 
 def test_the_leak_messages_say_how_to_clear_it_and_that_clears_it(tmp_path: Path, store_url: str) -> None:
     """Regression: the audit, ``state``, ``history`` and ``diff`` said where a leak is but not how
-    to clear it. Each ends with the API call that does (the command line has none that writes),
-    while the leak is there; done, the audit is clean and the clause is gone."""
+    to clear it. Each ends with the command that does and the API call it makes (stop 38: the
+    command line had none that writes, and the clause named the call alone), while the leak is
+    there; done, by that command, the audit is clean and the clause is gone."""
     s = asyncio.run(_revert_to_deleted(tmp_path, store_url))
     where, instance = _target(store_url), s["instance"]
-    clear = f"clear it with store.release('{instance}')"
+    clear = f"clear it with `evstore release {instance}` (store.release('{instance}'))"
     assert clear == clear_leak(instance, deleted=True)
 
     findings = json.loads(_run("audit", *where, "--json", code=3))["findings"]
@@ -182,11 +183,7 @@ def test_the_leak_messages_say_how_to_clear_it_and_that_clears_it(tmp_path: Path
     diff = _run("diff", str(s["revert"] - 1), str(s["revert"]), *where)
     assert f"consumer {instance} still holds a leak: {clear}" in diff
 
-    async def release() -> None:
-        async with open_store(store_url) as store:
-            await store.release(instance)
-
-    asyncio.run(release())
+    assert _run("release", instance, *where).endswith("; the leak is cleared\n")  # (what it says)
     assert _json("audit", *where)["findings"] == []
     assert "still a leak now" not in _run("state", "--at", str(s["revert"]), "--consumer", instance, *where)
     events = _json("history", instance, *where)["events"]
@@ -203,7 +200,8 @@ def test_the_instances_delete_says_it_left_its_migration_holding(tmp_path: Path,
     s = asyncio.run(_left_holding(tmp_path, store_url))
     where, instance, migration = _target(store_url), s["instance"], s["migration"]
     said = f"left its migration {migration} holding what it held: a leak"
-    clear = f"clear it with store.confirm_migration('{migration}')"
+    clear = f"clear it with `evstore confirm-migration {migration}` (store.confirm_migration('{migration}'))"
+    assert clear == clear_leak(migration, deleted=False)
     events = _json("history", instance, *where)["events"]
     [deleted] = [e for e in events if e["position"] == s["delete"]]
     assert deleted["summary"].endswith(f"; {said}; {clear}")
@@ -214,11 +212,7 @@ def test_the_instances_delete_says_it_left_its_migration_holding(tmp_path: Path,
     [mine] = [e for e in _json("history", migration, *where)["events"] if e["position"] == s["delete"]]
     assert mine["summary"].endswith(f"; {said}; {clear}")
 
-    async def confirm() -> None:
-        async with open_store(store_url) as store:
-            await store.confirm_migration(migration)
-
-    asyncio.run(confirm())
+    assert _run("confirm-migration", migration, *where).endswith("; the leak is cleared\n")
     events = _json("history", instance, *where)["events"]
     [deleted] = [e for e in events if e["position"] == s["delete"]]
     assert deleted["summary"].endswith(f"; {said}")  # (what it did; cleared since)
