@@ -38,7 +38,7 @@ from collections.abc import (
     Mapping,
 )
 from dataclasses import asdict
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack
 
 import structlog
@@ -427,15 +427,12 @@ def _position(value: object, what: str = "position", time_in: str | None = None)
     return value
 
 
-def _instant(at: datetime) -> tuple[int, datetime]:
+def _instant(at: datetime) -> timedelta:
     """A timezone-aware time as a key ordering the instants it names: Python compares two times of
     one ``tzinfo`` object by their wall clocks, so a time in a zone's repeated hour (``fold=1``,
-    the later instant) came before an earlier one of its first pass. Times within hours of
-    ``datetime.min`` or ``.max``, which UTC cannot say, order before or after every other."""
-    try:
-        return 0, at.astimezone(UTC)
-    except OverflowError:
-        return (-1 if at.year == 1 else 1), datetime.min.replace(tzinfo=UTC)
+    the later instant) came before an earlier one of its first pass. (Its distance from
+    ``datetime.min`` in UTC, which cannot overflow as ``astimezone`` can near year 1 or 9999.)"""
+    return at.replace(tzinfo=None) - datetime.min - (at.utcoffset() or timedelta(0))
 
 
 def _beyond_head(position: int, head: int, field: str, cursor: bool = False) -> err.InvalidInput:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,20 @@ async def test_a_diff_orders_two_times_by_the_instants_they_name(store: Allocati
     assert (await store.diff(earlier, later)).consumers == []
     with pytest.raises(InvalidInput, match=r"^diff needs a <= b, got times "):
         await store.diff(later, earlier)
+    # (and at the ends of the calendar, where UTC cannot say the time: review of the fix)
+    for first, then in (
+        (
+            datetime(9999, 12, 31, 22, tzinfo=timezone(-timedelta(hours=5))),
+            datetime(9999, 12, 31, 23, tzinfo=timezone(-timedelta(hours=5))),
+        ),
+        (
+            datetime(1, 1, 1, 2, tzinfo=timezone(timedelta(hours=5))),
+            datetime(1, 1, 1, 3, tzinfo=timezone(timedelta(hours=5))),
+        ),
+    ):
+        await store.diff(first, then)
+        with pytest.raises(InvalidInput, match=r"^diff needs a <= b, got times "):
+            await store.diff(then, first)
 
 
 async def test_a_huge_malformed_argument_is_quoted_cut_in_the_message(store: AllocationStore) -> None:
