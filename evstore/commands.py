@@ -598,9 +598,12 @@ def _migration_and_instance(
     before this rule, or imported)."""
     mig = state.consumer(migration)
     if mig.deleted:
+        held = (
+            "it still holds allocations: a leak" if mig.allocations else "whatever it held was released then"
+        )
         raise err.ConsumerDeleted(
-            f"Consumer {migration} was deleted at position {mig.deleted_at} (whatever it held was "
-            f"released then): there is no migration of it to {'revert' if giving_back else 'confirm'}",
+            f"Consumer {migration} was deleted at position {mig.deleted_at} ({held}): there is no "
+            f"migration of it to {'revert' if giving_back else 'confirm'}",
             consumer=migration,
             migration=migration,  # (as the refusal for a deleted instance names it)
             deleted_at=mig.deleted_at,

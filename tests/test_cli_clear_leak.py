@@ -68,6 +68,10 @@ def test_release_clears_a_deleted_consumers_leak_and_a_second_run_has_nothing_to
     where, instance = _target(store_url), s["instance"]
     assert evstore("audit", *where).returncode == 3
     head = _head(store_url)
+    # (confirm-migration of it is refused, saying it holds a leak - not that a delete released all)
+    code, name, message = _refused("confirm-migration", instance, *where)
+    assert (code, name) == (1, "evstore.consumer.deleted") and "released then" not in message
+    assert "(it still holds allocations: a leak)" in message and f"`evstore release {instance}`" in message
     said = _ok("release", instance, *where)
     assert said == (f"consumer {instance}: released src: VCPU=2 at position {head + 1}; the leak is cleared")
     assert evstore("audit", *where).returncode == 0  # (clean)
