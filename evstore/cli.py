@@ -1745,6 +1745,8 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
             assert isinstance(event, ev.AllocationsReleased | ev.MigrationConfirmed), event
             released = sorted_holdings(event.released)
             instance = event.instance if isinstance(event, ev.MigrationConfirmed) else None
+        # (a deleted instance's migrations may hold a leak for it still: its release left them)
+        still = await _leaking_migrations(store, key) if before.deleted and not migration else []
         names = await provider_names(store)
     cleared = before.leaked and nothing is None
     if json_out:
@@ -1756,6 +1758,7 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
                 "released": released,
                 "position": position,  # (null: nothing to release)
                 "leak_cleared": cleared,
+                **({} if migration else {"migrations_leaking": still}),
                 "provider_names": {uuid: names[uuid] for uuid in released if uuid in names},
             }
         )
@@ -1770,9 +1773,22 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
         done = f"migration {key} of instance {instance} confirmed" if migration else f"consumer {key}"
         line = f"{done}: released {fmt_allocs(released, names)} at position {position}"
         if cleared:
-            line += "; the leak is cleared"
+            line += "; its leak is cleared" if still else "; the leak is cleared"
+    for m in still:  # (said also when it held nothing: its migrations' leaks are what is left)
+        line += f"; migration {m} still holds a leak for it: {clear_leak(m, False)}"
     console().print(safe(line), soft_wrap=True)
     return EXIT_OK
+
+
+async def _leaking_migrations(store: AllocationStore, instance: str) -> list[str]:
+    """The migrations started for ``instance`` (its history names them) that hold a leak now."""
+    from evstore import events as ev
+
+    started: dict[str, None] = {}
+    async for recorded in store.history(instance):
+        if isinstance(event := recorded.event, ev.MigrationStarted) and event.instance == instance:
+            started.setdefault(event.migration, None)
+    return [m for m in started if (await store.allocations(m)).leaked]
 
 
 async def _was_a_migration(store: AllocationStore, consumer: str) -> bool:

@@ -20,11 +20,20 @@ import pytest
 
 from evstore import open_store
 from tests.conftest import allocate, new_uuid
+from tests.test_audit_findings import _migration_left_holding, append_row, chained
 from tests.test_cli_support import demo_db, evstore
 from tests.test_s38_a_leak_tools import _left_holding, _revert_to_deleted, _target
 
 #: the keys of ``--json``, in order
-RELEASE_KEYS = ["url", "consumer", "released", "position", "leak_cleared", "provider_names"]
+RELEASE_KEYS = [
+    "url",
+    "consumer",
+    "released",
+    "position",
+    "leak_cleared",
+    "migrations_leaking",
+    "provider_names",
+]
 CONFIRM_KEYS = ["url", "migration", "instance", "released", "position", "leak_cleared", "provider_names"]
 
 
@@ -201,3 +210,46 @@ def test_the_help_names_the_api_call(command: str) -> None:
     assert done.returncode == 0
     call = "store.release" if command == "release" else "store.confirm_migration"
     assert call in done.stdout
+
+
+def test_the_release_of_a_deleted_instance_names_its_migrations_still_leaking(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression (review): the release of a deleted instance holding a leak said "the leak is
+    cleared" (``leak_cleared`` true) while a migration still held a leak for it - the audit still
+    failed. It says its own leak is cleared and names each migration still leaking, with how to
+    clear it; confirming that migration leaves the audit clean."""
+    lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
+    instance, migration, src = ids["instance"], ids["migration"], ids["src"]
+    given = chained(
+        delete,
+        "AllocationsReplaced",
+        {
+            "consumer": instance,
+            "allocations": {src: {"VCPU": 1}},
+            "project_id": "p",
+            "user_id": "u",
+            "consumer_type": "INSTANCE",
+            "generation": 5,
+        },
+    )
+    append_row(lines, given)
+
+    async def imported() -> None:
+        async with open_store(store_url) as store:
+            await store.import_events(lambda: iter(lines))
+            assert (await store.allocations(instance)).leaked and (await store.allocations(migration)).leaked
+
+    asyncio.run(imported())
+    where = _target(store_url)
+    doc = _json("release", instance, *where)
+    assert list(doc) == RELEASE_KEYS
+    assert doc["migrations_leaking"] == [migration] and doc["released"] == {src: {"VCPU": 1}}
+    assert evstore("audit", *where).returncode == 3
+    again = _ok("release", instance, *where)
+    assert (
+        f"migration {migration} still holds a leak for it: clear it with `evstore confirm-migration" in again
+    )
+    _ok("confirm-migration", migration, *where)
+    assert _json("release", instance, *where)["migrations_leaking"] == []
+    assert evstore("audit", *where).returncode == 0
