@@ -580,6 +580,20 @@ async def test_the_history_of_a_migration_left_holding_lists_the_delete_that_lef
         assert [e.position async for e in store.history(its_migration)] == [begun, gone]
 
 
+async def _deleted_twice(tmp_path: Path) -> tuple[list[str], RawEvent, RawEvent, dict[str, str]]:
+    """:func:`_migration_left_holding`'s log with the instance deleted again by the older writer
+    (this evstore appends nothing then): (lines, the first delete's row, the second's, the ids)."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
+    again = chained(
+        delete,
+        "ConsumerDeleted",
+        {"consumer": ids["instance"], "released": {}, "migrations_released": {}},
+        meta='{"request_id":"req-del-again"}',
+    )
+    append_row(lines, again)
+    return lines, delete, again, ids
+
+
 async def test_a_second_tombstone_of_a_deleted_instance_does_not_move_its_deletion(
     tmp_path: Path, store_url: str
 ) -> None:
@@ -589,14 +603,7 @@ async def test_a_second_tombstone_of_a_deleted_instance_does_not_move_its_deleti
     released nothing, as its tombstone and its request ("deleted by req-del-again"), and diff
     listed the migration with the second and without the first, the event that made the leak.
     The consumer was deleted by the first: it stays its ``deleted_at``."""
-    lines, delete, ids = await _migration_left_holding(tmp_path)
-    again = chained(
-        delete,
-        "ConsumerDeleted",
-        {"consumer": ids["instance"], "released": {}, "migrations_released": {}},
-        meta='{"request_id":"req-del-again"}',
-    )
-    append_row(lines, again)
+    lines, delete, again, ids = await _deleted_twice(tmp_path)
     migration, started = ids["migration"], int(ids["started"])
     async with open_store(store_url) as store:
         await store.import_events(lambda: iter(lines))
@@ -623,14 +630,7 @@ async def test_a_snapshot_an_earlier_fold_made_is_not_used(tmp_path: Path, store
     used by ``state_at``, which said ``deleted_at`` was the second tombstone where the log, folded,
     says the first. A change of the fold changes the format (5): older snapshots are ignored and
     made again."""
-    lines, delete, ids = await _migration_left_holding(tmp_path)
-    again = chained(
-        delete,
-        "ConsumerDeleted",
-        {"consumer": ids["instance"], "released": {}, "migrations_released": {}},
-        meta='{"request_id":"req-del-again"}',
-    )
-    append_row(lines, again)
+    lines, delete, again, ids = await _deleted_twice(tmp_path)
     async with open_store(store_url) as store:
         await store.import_events(lambda: iter(lines))
         # what the fold before 0fb65ec made of this log, saved as that evstore saved it (format 4)

@@ -17,7 +17,7 @@ from typing import Any
 from evstore import AllocationStore, open_store
 from projections.invariants import clear_leak
 from tests.conftest import allocate, make_provider, new_uuid
-from tests.test_audit_findings import _deleted_mid_migration, _migration_left_holding, append_row, chained
+from tests.test_audit_findings import _deleted_mid_migration, _deleted_twice, _migration_left_holding
 from tests.test_cli_support import evstore
 
 
@@ -279,11 +279,7 @@ def test_a_second_tombstone_is_not_said_to_have_left_the_migration_holding(
     audit and diff say the first tombstone made the leak; ``history`` listed the second too in the
     migration's history and said of both, there and in the instance's, that it "left its migration
     holding what it held". Only the first says so, and the migration's history lists only it."""
-    lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
-    again = chained(
-        delete, "ConsumerDeleted", {"consumer": ids["instance"], "released": {}, "migrations_released": {}}
-    )
-    append_row(lines, again)
+    lines, delete, _, ids = asyncio.run(_deleted_twice(tmp_path))
     asyncio.run(_imported(store_url, lines))
     where, instance, migration = _target(store_url), ids["instance"], ids["migration"]
     noted = [
