@@ -298,21 +298,62 @@ _METADATA_TOO_DEEP = (
 #: the most JSON text a caller's metadata for one command may take (each of its events stores a
 #: copy; the envelope's ids and a caller's short facts are ~100-300 bytes) ...
 _METADATA_MAX_BYTES = 65_536
-#: ... and the room for the keys evstore adds to it: the command's name, its id, an idempotency key
-#: (255 characters, at most 12 bytes each escaped), so that metadata ``command_metadata`` accepted
-#: is not refused by every command run in it
-_OWN_KEYS_ROOM = 4_096
 
 
-def _metadata_json(meta: dict[str, Any], check: bool, room: int = 0) -> str:
+def _own_keys_size(meta: dict[str, Any]) -> int:
+    """The bytes evstore's own keys in ``meta`` (the command's name, its id, an idempotency key) add
+    to its JSON text beside a caller's keys: ``"key":value`` and a comma each. They are not counted
+    against the caller's ``_METADATA_MAX_BYTES``: metadata ``command_metadata`` accepted is not
+    refused by the commands run in it, and what a command accepts is what ``command_metadata`` does."""
+    return sum(
+        len(_METADATA_ENCODER.encode(k)) + len(_METADATA_ENCODER.encode(meta[k])) + 2
+        for k in _OWN_METADATA_KEYS
+        if k in meta
+    )
+
+
+def _non_str_key(value: Any, keys: list[str]) -> tuple[list[str], Any] | None:
+    """The keys down to the first key of a mapping inside ``value`` that is not a string, and that
+    key (JSON would write ``1`` as ``"1"``, ``None`` as ``"null"``: the log would hold other keys than
+    the caller's, or one twice); list items by their index. None: there is none."""
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str):
+                return keys, key
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(item, Mapping | list | tuple) and (found := _non_str_key(item, [*keys, str(key)])):
+            return found
+    return None
+
+
+def _metadata_json(meta: dict[str, Any], check: bool, own: int = 0) -> str:
     """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
-    caller values) as every reader of the log decodes it: from that text."""
+    caller values) as every reader of the log decodes it: from that text. ``own``: the bytes of
+    that text evstore's own keys take (see :func:`_own_keys_size`), not counted against the caller."""
     text = None
     for value in meta.values():
         if type(value) is not str:
             break
     else:  # (most metadata is strings only - evstore's own keys, request ids: the same text, 10x faster)
         text = sorted_json(meta)
+    if text is None and check:
+        try:
+            bad_key = _non_str_key(meta, [])
+        except RecursionError:
+            raise err.InvalidInput(_METADATA_TOO_DEEP, field="metadata") from None
+        if bad_key is not None:
+            keys, key = bad_key
+            inside = ".".join(keys) or "the metadata"
+            raise err.InvalidInput(
+                f"metadata keys must be strings, at any depth: {inside} has the key {key!r:.60}",
+                **where("metadata", ["metadata", *keys, path_key(key)]),
+            )
     try:
         if text is None:
             text = _METADATA_ENCODER.encode(meta)
@@ -326,7 +367,7 @@ def _metadata_json(meta: dict[str, Any], check: bool, room: int = 0) -> str:
         ) from None
     if check:
         # (the text is ASCII - JSON escapes the rest - so its length is its size in bytes)
-        if (size := len(text)) > _METADATA_MAX_BYTES + room:
+        if (size := len(text) - own) > _METADATA_MAX_BYTES:
             raise err.InvalidInput(
                 f"metadata is too large: {size:,} bytes of JSON, at most {_METADATA_MAX_BYTES:,} (every "
                 "event of the command carries it: keep ids and short facts there, not documents)",
@@ -1129,7 +1170,7 @@ class AllocationStore:
         job = Job(
             command,
             meta,
-            _metadata_json(meta, from_caller, _OWN_KEYS_ROOM),
+            _metadata_json(meta, from_caller, _own_keys_size(meta) if from_caller else 0),
             n,
             key,
             *(_fingerprints(command) if key is not None else ("", "")),
