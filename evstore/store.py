@@ -1473,7 +1473,9 @@ class AllocationStore:
         instance's behalf (Nova's resize/migration start). Raises ``NotFound`` (the instance holds
         nothing), ``ConsumerDeleted`` (either is tombstoned), ``ConcurrentUpdate`` (the migration
         already holds allocations), ``InvalidInput`` (same uuid twice, or the instance is itself a
-        migration)."""
+        migration), and, as Nova's ``move_allocations`` is refused by Placement, ``ConstraintViolation``
+        when the inventory changed since so that the amounts break its ``min_unit``/``max_unit``/
+        ``step_size`` (the move's rows are checked as a write's; no room is needed: usage does not grow)."""
         command = cmd.StartMigration(
             normalize_uuid(instance, "instance uuid", "instance"),
             normalize_uuid(migration, "migration uuid", "migration"),
