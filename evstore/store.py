@@ -792,6 +792,10 @@ class AllocationStore:
         validate_int_option(max_batch, "max_batch", 1, 100_000)
         validate_seconds_option(poll_interval, "poll_interval", 3600)
         self._impl = backend
+        #: the URL as messages show it, passwords hidden: worked out now, since ``__del__`` needs it
+        #: where it may not work it out (at the interpreter's exit nothing can be imported, and
+        #: ``re``'s replacement templates import)
+        self._shown_url = err.redact_url(backend.url)
         #: the loop that opened the store: its queue, futures and connections belong to it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._max_batch = max_batch
@@ -830,13 +834,14 @@ class AllocationStore:
         loop: asyncio.AbstractEventLoop | None = getattr(self, "_loop", None)
         if loop is None or self._closing or self._closed is not None:
             return  # (never opened - its options refused, even - or closed)
-        where = (
-            ", opened at (most recent call last):\n" + "".join(self._source_traceback.format()).rstrip()
-            if self._source_traceback
-            else " (python -X dev shows where it was opened)"
-        )
-        how = "`async with open_store(...)`, or `await store.close()`"
-        message = f"unclosed store {self!r}: close it ({how}){where}"
+        message = f"unclosed store {self!r}"
+        with contextlib.suppress(Exception):  # (at exit, formatting the traceback may need an import)
+            where = (
+                ", opened at (most recent call last):\n" + "".join(self._source_traceback.format()).rstrip()
+                if self._source_traceback
+                else " (python -X dev shows where it was opened)"
+            )
+            message += f": close it (`async with open_store(...)`, or `await store.close()`){where}"
         self._closing = True
         writer = self._writer
         with contextlib.suppress(Exception):
@@ -857,7 +862,7 @@ class AllocationStore:
 
     def __repr__(self) -> str:
         # (the URL as every message shows it: a password never reaches a debugger's or a log's text)
-        return f"AllocationStore({err.redact_url(self.url)!r}{', closed' if self._closing else ''})"
+        return f"AllocationStore({self._shown_url!r}{', closed' if self._closing else ''})"
 
     @property
     def backend(self) -> Backend:

@@ -80,6 +80,47 @@ async def test_a_store_left_open_at_exit_warns_and_the_process_exits_quietly(sto
     await _committed(store_url)
 
 
+#: the same, the store kept where the program keeps its services: a module global (or an app
+#: object), alive until the interpreter's exit tears the modules down
+GLOBAL_SCRIPT = (
+    "import asyncio, sys\n"
+    "from evstore import open_store\n"
+    "STORE = None\n"
+    "async def main():\n"
+    "    global STORE\n"
+    "    STORE = await open_store(sys.argv[1])\n"
+    f"    await STORE.create_provider({PROVIDER!r}, 'unclosed')\n"
+    "asyncio.run(main())\n"
+    "print('ended', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("flags", [("-W", "default"), ("-X", "dev")])
+async def test_a_store_kept_in_a_global_at_exit_warns_too(store_url: str, flags: tuple[str, ...]) -> None:
+    """Regression (stop 39, found following the README): a store left open in a module global is
+    dropped only while the interpreter exits, when nothing can be imported: its ``__del__`` failed
+    working out its password-hidden URL ("Exception ignored in ... ImportError: sys.meta_path is
+    None"), so there was no warning and its connections were not let go of."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [sys.executable, *flags, "-c", GLOBAL_SCRIPT, store_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0 and "ended" in done.stdout, done.stderr[-3000:]
+    shown = redact_url(store_url)
+    assert f"ResourceWarning: unclosed store AllocationStore({shown!r})" in done.stderr, done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    # (PostgreSQL: the loop is closed by then, so asyncpg's sockets cannot be closed through it;
+    # asyncio's transports close them as they go, each saying so, after the store's warning)
+    allowed = ("unclosed transport",) if store_url.startswith("postgresql") else ()
+    for noise in NOISE:
+        assert noise in allowed or noise not in done.stderr, done.stderr[-3000:]
+    await _committed(store_url)
+
+
 def test_a_store_left_open_at_exit_raises_its_warning_where_warnings_are_errors(tmp_path: Path) -> None:
     """``-W error::ResourceWarning``: the warning is raised in ``__del__``, which Python reports as
     "Exception ignored in", as for any resource; no thread dies of it, the process ends normally,
