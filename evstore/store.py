@@ -2200,7 +2200,8 @@ class AllocationStore:
         _check_progress(progress, "progress(phase, events)")
         if not callable(open_lines):
             raise err.InvalidInput(
-                "open_lines must be a callable returning the export's lines (it is called twice)",
+                "open_lines must be a callable returning the export's lines, such as `lambda: open(path)` "
+                "(it is called twice, and a third time to name a repeated event id)",
                 field="open_lines",
             )
         importer: Any = self._backend
