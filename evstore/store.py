@@ -745,11 +745,28 @@ class _HoldingFor:
         consumer) left nothing holding that was not a leak already."""
         if self._instance is None or (until is not None and until <= self._since):
             return []
-        key = f"consumer:{self._instance}"
-        first = await self._backend.read_entities([key], 0, 1, until, types=("ConsumerDeleted",))
-        found = [first[0]] if first and first[0].position > self._since else []
-        self._since = until if until is not None else max(self._since, first[0].position if first else 0)
+        first = await _first_tombstone(self._backend, self._instance, until)
+        found = [first] if first is not None and first.position > self._since else []
+        self._since = until if until is not None else max(self._since, first.position if first else 0)
         return found
+
+
+async def _first_tombstone(backend: Backend, consumer: str, until: int | None) -> RecordedEvent | None:
+    """The consumer's own first ``ConsumerDeleted`` up to ``until`` (None: the end): its deletion,
+    the fold's ``deleted_at``. Its history lists other deletes too - of a migration of it (they
+    record it as ``on_behalf_of``), of a consumer that released it as its migration - which are
+    not its tombstone."""
+    after = 0
+    while True:
+        batch = await backend.read_entities(
+            [f"consumer:{consumer}"], after, 64, until, types=("ConsumerDeleted",)
+        )
+        for recorded in batch:
+            if recorded.event["consumer"] == consumer:
+                return recorded
+        if len(batch) < 64:
+            return None
+        after = batch[-1].position
 
 
 async def _fold_instance_tombstone(backend: Backend, state: State, consumer: str, position: int) -> None:
@@ -767,9 +784,9 @@ async def _fold_instance_tombstone(backend: Backend, state: State, consumer: str
     known = state.consumers.get(instance)
     if known is not None and known.deleted:
         return
-    found = await backend.read_entities([f"consumer:{instance}"], 0, 1, position, types=("ConsumerDeleted",))
-    if found:
-        apart = evolve(State(), found[0].event, found[0].position)
+    found = await _first_tombstone(backend, instance, position)
+    if found is not None:
+        apart = evolve(State(), found.event, found.position)
         state.consumers[instance] = apart.consumers[instance]
 
 

@@ -254,11 +254,6 @@ async def _instance_deleted_after_an_earlier_migration_was(url: str, tmp_path: P
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the fix in evstore/store.py (_fold_instance_tombstone, _HoldingFor.tombstones): "
-    "an instance's tombstone is the first ConsumerDeleted of *it*, not the first naming it",
-)
 async def test_a_migrations_slice_and_history_find_its_instances_own_tombstone(
     store_url: str, tmp_path: Path
 ) -> None:
