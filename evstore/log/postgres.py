@@ -706,6 +706,53 @@ CONSUMER_COLUMNS = (
 )
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock detected, serialization failure
 DISK_FULL = "53100"  # disk_full: the server found no room to write (details["reason"] "disk_full")
+#: SQLSTATE class 53, insufficient resources: each one's ``details["reason"]`` (its condition name)
+#: and what a person does about it, said in the error's message. (An unknown code of the class:
+#: its class's, "insufficient_resources".)
+RESOURCE_SHORTAGES: dict[str, tuple[str, str]] = {
+    "53000": (
+        "insufficient_resources",
+        "the database server lacks a resource it needed, which its message and its log name: free "
+        "it or lower the load there, then retry",
+    ),
+    DISK_FULL: (
+        "disk_full",
+        "the database server's disk is full: free space there - its data directory, its WAL, its "
+        "temporary files - then retry; the store stays as it was, consistent",
+    ),
+    "53200": (
+        "out_of_memory",
+        "the database server ran out of memory: lower the load or work_mem there, or give it more "
+        "memory (out of shared memory: raise its max_locks_per_transaction), then retry",
+    ),
+    "53300": (
+        "too_many_connections",
+        "the server has no connection slot free: its max_connections, or the role's or the "
+        "database's CONNECTION LIMIT, is reached - lower pool_size in the processes using it, close "
+        "idle clients, or raise that limit; retry once a slot is free",
+    ),
+    "53400": (
+        "configuration_limit_exceeded",
+        "a limit of the server's configuration was reached, which its message names - "
+        "max_pred_locks_per_transaction, max_prepared_transactions, ...: raise that setting, or "
+        "lower the load there, then retry",
+    ),
+}
+
+
+def _kept(failed: err.StorageError) -> dict[str, Any]:
+    """What an error wrapping ``failed`` keeps of its details: the SQLSTATE and the reason (a full
+    disk, too many connections), which a caller acts on."""
+    return {k: failed.details[k] for k in ("sqlstate", "reason") if k in failed.details}
+
+
+def _resource_shortage(sqlstate: object) -> tuple[str, str] | None:
+    """The reason and the advice for a SQLSTATE of class 53 (see RESOURCE_SHORTAGES), else None."""
+    if not isinstance(sqlstate, str) or not sqlstate.startswith("53"):
+        return None
+    return RESOURCE_SHORTAGES.get(sqlstate, RESOURCE_SHORTAGES["53000"])
+
+
 OPTIONS = (
     "pool_size",
     "min_pool_size",
@@ -1151,6 +1198,7 @@ def _storage_error(
     exc = _reason(exc)
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    shortage: dict[str, str] = {}  # (a connection refused for want of a slot: its reason)
     if _refused_for_good(exc) and not committing:  # (a connect's: nothing was sent)
         lead = (
             f"Cannot connect to PostgreSQL while {doing}: {text} (this process may not use the "
@@ -1168,7 +1216,8 @@ def _storage_error(
         lead = f"Lost the connection to PostgreSQL while {doing}: {text}"
     elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
         # (the server's answer, but to the connect: nothing ran, and a later try may get a slot)
-        lead = f"PostgreSQL error while {doing}: {text}"
+        lead = f"PostgreSQL error while {doing}: {text} ({RESOURCE_SHORTAGES['53300'][1]})"
+        shortage = {"reason": RESOURCE_SHORTAGES["53300"][0]}
     else:
         lead = f"PostgreSQL error while {doing}: {text}"
         if sqlstate == "57014" and "statement timeout" in text:
@@ -1179,14 +1228,12 @@ def _storage_error(
                 "evstore's sessions, e.g. ?statement_timeout=0 in the store URL)"
             )
         reason: dict[str, str] = {}
-        if sqlstate == DISK_FULL:
-            # (the server could not extend a table, an index or a temporary file; a COMMIT that
-            # cannot write its WAL is no answer but a server that stops: the connection lost)
-            lead += (
-                " (the database server's disk is full: free space there - its data directory, its WAL, "
-                "its temporary files - then retry; the store stays as it was, consistent)"
-            )
-            reason = {"reason": "disk_full"}
+        # (disk_full: the server could not extend a table, an index or a temporary file; a COMMIT
+        # that cannot write its WAL is no answer but a server that stops: the connection lost)
+        found = _resource_shortage(sqlstate)
+        if found is not None:
+            lead += f" ({found[1]})"
+            reason = {"reason": found[0]}
         if committing is None:
             return err.StorageError(lead, sqlstate=sqlstate, **reason)
         # the server answered with an error: the transaction is rolled back, also at COMMIT
@@ -1194,7 +1241,7 @@ def _storage_error(
             f"{lead}; it was rolled back", sqlstate=sqlstate, outcome_unknown=False, **reason
         )
     if committing is None:
-        return err.StorageError(lead, sqlstate=sqlstate, transient=True)
+        return err.StorageError(lead, sqlstate=sqlstate, transient=True, **shortage)
     outcome = (
         (
             "it may or may not have been committed (retry with the same idempotency key to be sure)"
@@ -1206,7 +1253,7 @@ def _storage_error(
         else "it was rolled back"
     )
     return err.StorageError(
-        f"{lead}; {outcome}", sqlstate=sqlstate, outcome_unknown=committing, transient=True
+        f"{lead}; {outcome}", sqlstate=sqlstate, outcome_unknown=committing, transient=True, **shortage
     )
 
 
@@ -1345,6 +1392,14 @@ class PostgresBackend:
                     "a setting: check its spelling",
                     url=self.safe_url,
                 ) from None
+            shortage = _resource_shortage(getattr(exc, "sqlstate", None))
+            if shortage is not None:  # (too many connections, the server out of memory: says what to do)
+                raise err.StorageError(
+                    f"Cannot connect to PostgreSQL at {self.safe_url}: {text} ({shortage[1]})",
+                    url=self.safe_url,
+                    sqlstate=getattr(exc, "sqlstate", None),
+                    reason=shortage[0],
+                ) from None
             raise err.StorageError(
                 f"Cannot connect to PostgreSQL at {self.safe_url}: {text}{self._url_note}", url=self.safe_url
             ) from None
@@ -1414,9 +1469,10 @@ class PostgresBackend:
                     if await _refold(conn, missing) and repaired is not None:
                         self.repaired = SchemaRepair(repaired.made_again, refolded=True)
             except DB_ERRORS as exc:
+                failed = _storage_error(exc, "repairing the projection")
                 raise err.StorageError(
-                    f"Cannot repair the projection at {self.safe_url}: "
-                    f"{_storage_error(exc, 'repairing the projection')}",
+                    f"Cannot repair the projection at {self.safe_url}: {failed}",
+                    **_kept(failed),
                     url=self.safe_url,
                 ) from None
 
@@ -1529,9 +1585,8 @@ class PostgresBackend:
                 )
             elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
                 failed = err.StorageError(
-                    f"{failed.message} (waited {self._timeout_named('connect_timeout')} for one of the "
-                    f"pool's; pool_size is {self.pool_size}: lower it, or raise the server's "
-                    "max_connections or the role's CONNECTION LIMIT)",
+                    f"{failed.message}; waited {self._timeout_named('connect_timeout')} for one of "
+                    f"the pool's own connections (pool_size {self.pool_size}) to come free",
                     **failed.details,
                 )
             if self._url_note and not isinstance(exc, TimeoutError):  # (min_pool_size=0: see open)
@@ -1602,14 +1657,22 @@ class PostgresBackend:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout
         pause = 0.005
+        refused: asyncpg.exceptions.TooManyConnectionsError | None = None
         while True:
             try:
                 # (bounded: without a timeout, a call waited for every call ahead of it, each up
                 # to command_timeout, or for ever without one)
                 return await pool.acquire(timeout=max(0.001, deadline - loop.time()))
-            except asyncpg.exceptions.TooManyConnectionsError:
+            except asyncpg.exceptions.TooManyConnectionsError as exc:
                 if loop.time() + pause > deadline or self._pool is None:
                     raise
+                refused = exc
+            except TimeoutError:
+                # (the wait ran out after the server refused a connection for want of a slot: that
+                # refusal is the cause, not a server that "did not answer")
+                if refused is not None and pool.get_size() < self.pool_size:
+                    raise refused from None
+                raise
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
 
@@ -1763,9 +1826,11 @@ class PostgresBackend:
                         found=found,
                         supported=SCHEMA_VERSION,
                     ) from None
+                failed = _storage_error(exc, "migrating")
                 raise err.StorageError(
-                    f"Cannot prepare the store at {self.safe_url}: {_storage_error(exc, 'migrating')}",
+                    f"Cannot prepare the store at {self.safe_url}: {failed}",
                     url=self.safe_url,
+                    **_kept(failed),
                 ) from None
 
     async def _take_migration_lock(self, conn: Any) -> None:
