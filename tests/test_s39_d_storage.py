@@ -4,7 +4,9 @@ class 53) each with its own ``details["reason"]`` and what to do."""
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import AsyncIterator
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -142,3 +144,60 @@ async def test_too_many_connections_at_open_and_while_running_says_so(
         assert await store.head() == 2
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         assert (await store.audit()).clean
+
+
+async def _small_store(path: Path) -> tuple[str, str]:
+    """A store at ``path`` with a provider and a consumer holding some of it (their uuids)."""
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = await make_provider(store, VCPU=10**6)
+        consumer = new_uuid()
+        await allocate(store, consumer, {rp: {"VCPU": 1}})
+        for _ in range(200):
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    return rp, consumer
+
+
+async def test_a_file_that_is_not_a_database_or_is_cut_short_is_refused_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    """Regression: a file that is not SQLite's said only "file is not a database", with
+    ``details["sqlite_error"] == "DatabaseError"`` (the class of every SQLite error) and nothing
+    of what to do; a damaged file had advice but no stable word for it either. They have
+    ``details["reason"]`` ``"not_a_database"`` and ``"damaged"``, and say what to do."""
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not a database, but a text someone named .db\n" * 100)
+    with pytest.raises(StorageError) as caught:
+        async with open_store(f"sqlite:///{junk}"):
+            pass
+    assert caught.value.details["reason"] == "not_a_database", caught.value.details
+    assert "check that the path" in caught.value.message and "backup" in caught.value.message
+    cut = tmp_path / "cut.db"
+    await _small_store(cut)
+    with cut.open("r+b") as file:
+        file.truncate(cut.stat().st_size // 2)
+    with pytest.raises(StorageError) as caught:
+        async with open_store(f"sqlite:///{cut}"):
+            pass
+    assert caught.value.details["reason"] == "damaged", caught.value.details
+    assert "restore it from a backup" in caught.value.message
+
+
+async def test_a_page_damaged_under_a_read_is_a_storage_error_with_its_reason(tmp_path: Path) -> None:
+    """A damaged page met by a read (here the root page of the history index, overwritten) fails
+    that read with ``details["reason"] == "damaged"`` and what to do; the rest of the store still
+    answers."""
+    path = tmp_path / "s.db"
+    rp, consumer = await _small_store(path)
+    with sqlite3.connect(path) as db:
+        [(root,)] = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'event_entities'")
+        [(page_size,)] = db.execute("PRAGMA page_size")
+    db.close()
+    with path.open("r+b") as file:
+        file.seek((root - 1) * page_size)
+        file.write(b"\xff" * 64)
+    async with open_store(f"sqlite:///{path}") as store:
+        assert (await store.usage(rp)).usages == {"VCPU": 201}
+        with pytest.raises(StorageError) as caught:
+            [e async for e in store.history(consumer)]
+        assert caught.value.details["reason"] == "damaged", caught.value.details
+        assert "restore it from a backup" in caught.value.message

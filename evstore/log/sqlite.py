@@ -1303,7 +1303,7 @@ class SqliteBackend:
         except sqlite3.Error as exc:
             await self.close()
             # (as a command's error says it: which SQLite error, "busy" for a lock that stayed)
-            details = {"sqlite_error": type(exc).__name__}
+            details = {"sqlite_error": type(exc).__name__, **_damage_reason(exc)}
             hint = _damage_hint(exc)
             if "readonly" in str(exc) or "unable to open" in str(exc):
                 hint = (
@@ -2064,7 +2064,9 @@ def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
     """What a caller sees of an error SQLite raised while running its work."""
     if _is_disk_full(exc):
         return _disk_full_error(f"SQLite error: {exc}")
-    return err.StorageError(f"SQLite error: {exc}{_damage_hint(exc)}", sqlite_error=type(exc).__name__)
+    return err.StorageError(
+        f"SQLite error: {exc}{_damage_hint(exc)}", sqlite_error=type(exc).__name__, **_damage_reason(exc)
+    )
 
 
 def _is_disk_full(exc: sqlite3.Error) -> bool:
@@ -2092,13 +2094,29 @@ def _disk_full_error(lead: str) -> err.StorageError:
 
 def _damage_hint(exc: sqlite3.Error) -> str:
     """What to do about a database file SQLite found damaged (``database disk image is
-    malformed``: a page it cannot make sense of), said after its error; "" for any other error."""
-    if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF != sqlite3.SQLITE_CORRUPT:
+    malformed``: a page it cannot make sense of) or not a database at all (``file is not a
+    database``: its header is not SQLite's), said after its error; "" for any other error."""
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if code == sqlite3.SQLITE_NOTADB:
+        return (
+            " (the file is not a SQLite database, or its first page is damaged: check that the path "
+            "names the store's file; if it does, restore it from a backup)"
+        )
+    if code != sqlite3.SQLITE_CORRUPT:
         return ""
     return (
         " (the database file is damaged: restore it from a backup; or, if `evstore export` can still "
         "read its log, import that export into a new file with `evstore import`)"
     )
+
+
+def _damage_reason(exc: sqlite3.Error) -> dict[str, str]:
+    """``details["reason"]`` for a damaged file (``"damaged"``) or one that is not a database
+    (``"not_a_database"``), the stable word for what :func:`_damage_hint` says; {} otherwise."""
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if code == sqlite3.SQLITE_NOTADB:
+        return {"reason": "not_a_database"}
+    return {"reason": "damaged"} if code == sqlite3.SQLITE_CORRUPT else {}
 
 
 #: how long the writer's own busy handler waits for another connection's lock (its connection's
