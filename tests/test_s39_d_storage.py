@@ -1,21 +1,35 @@
 """Storage under failure (stop 39, helper D): PostgreSQL's insufficient-resources errors (SQLSTATE
-class 53) each with its own ``details["reason"]`` and what to do."""
+class 53) each with its own ``details["reason"]`` and what to do; a SQLite file that is not a
+database or is damaged, said so; one of several writer processes killed mid-append (both
+backends): nothing acknowledged lost or doubled, nothing refused left behind."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
+import random
+import signal
 import sqlite3
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
-from evstore import StorageError, open_store
+from evstore import AllocationStore, EvstoreError, Receipt, StorageError, open_store
 from evstore.log import postgres
 from evstore.log.postgres import PostgresBackend
 from tests.conftest import allocate, make_provider, new_uuid
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+#: rounds of the kill tests (EVSTORE_SLOW=1: more)
+ROUNDS = 40 if os.environ.get("EVSTORE_SLOW") == "1" else 5
 
 #: class 53's conditions other than disk_full: (SQLSTATE, asyncpg's class, reason, a word of the advice)
 SHORTAGES = [
@@ -201,3 +215,177 @@ async def test_a_page_damaged_under_a_read_is_a_storage_error_with_its_reason(tm
             [e async for e in store.history(consumer)]
         assert caught.value.details["reason"] == "damaged", caught.value.details
         assert "restore it from a backup" in caught.value.message
+
+
+#: a writer process for the kill tests: ``python -c WORKER URL LOG SEED``. Three tasks run keyed
+#: commands - claims, releases, and claims bound to be refused (more than the tiny provider
+#: holds) - and log each one as it starts ("start", with what it asks) and as it ends ("ok" with
+#: its receipt's positions, "refused" with the error's code), a flushed line each.
+WORKER = r"""
+import asyncio, json, logging, os, random, sys, uuid
+import structlog
+from evstore import EvstoreError, StorageError, open_store
+
+async def main(url, log_path, seed):
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    rng = random.Random(seed)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    say = lambda **line: os.write(fd, (json.dumps(line) + "\n").encode())
+    async with open_store(url) as store:
+        providers = {name: u for u, name in await store.providers()}
+        big = [u for name, u in providers.items() if name.startswith("big")]
+        print("ready", flush=True)
+        held = []
+        counter = iter(range(10**9))
+
+        async def one():
+            i = next(counter)
+            key = f"{seed}-{i}"
+            roll = rng.random()
+            if roll < 0.15 and held:
+                consumer = held.pop(rng.randrange(len(held)))
+                ask = {"op": "release", "consumer": consumer}
+            elif roll < 0.3:
+                ask = {"op": "claim", "consumer": str(uuid.uuid4()), "rp": providers["tiny"], "n": 2}
+            else:
+                ask = {"op": "claim", "consumer": str(uuid.uuid4()), "rp": rng.choice(big), "n": 1}
+            say(ev="start", key=key, **ask)
+            try:
+                if ask["op"] == "release":
+                    receipt = await store.delete_consumer(ask["consumer"], idempotency_key=key)
+                else:
+                    receipt = await store.set_allocations(
+                        ask["consumer"], {ask["rp"]: {"VCPU": ask["n"]}}, project_id="p", user_id="u",
+                        consumer_type="INSTANCE", generation=None, idempotency_key=key)
+            except StorageError as exc:
+                say(ev="storage", key=key, code=exc.code, details=exc.details)
+                return
+            except EvstoreError as exc:
+                say(ev="refused", key=key, code=exc.code)
+                return
+            say(ev="ok", key=key, positions=list(receipt.positions))
+            if ask["op"] == "claim":
+                held.append(ask["consumer"])
+
+        async def task():
+            while True:
+                await one()
+
+        await asyncio.gather(*(task() for _ in range(3)))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+async def _start_worker(url: str, log: Path, seed: int) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WORKER, url, str(log), str(seed), stdout=asyncio.subprocess.PIPE, env=ENV
+    )
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 60)
+    assert line.strip() == b"ready", line
+    return proc
+
+
+def _lines(log: Path) -> list[dict[str, Any]]:
+    """The log's complete lines (a kill may cut the last one: it claims nothing)."""
+    return [json.loads(x) for x in log.read_text().splitlines() if x.endswith("}")] if log.exists() else []
+
+
+async def _retry(store: AllocationStore, ask: dict[str, Any]) -> Receipt:
+    if ask["op"] == "release":
+        return await store.delete_consumer(ask["consumer"], idempotency_key=ask["key"])
+    return await store.set_allocations(
+        ask["consumer"],
+        {ask["rp"]: {"VCPU": ask["n"]}},
+        project_id="p",
+        user_id="u",
+        consumer_type="INSTANCE",
+        generation=None,
+        idempotency_key=ask["key"],
+    )
+
+
+async def _kill_one_of_several(url: str, tmp_path: Path, rounds: int, window: float) -> None:
+    """Three processes append to one store; one of them is killed (SIGKILL) at a random moment
+    while the others go on, then they are stopped too. Each round, then: every command a process
+    was told succeeded is in the log exactly once, at the positions its receipt gave; each
+    command refused left nothing; the positions are 1..head, each once; the audit is clean; and
+    a command cut off by the kill, retried with its key, answers what happened (done once)."""
+    async with open_store(url) as store:
+        for i in range(3):
+            await make_provider(store, f"big-{i}", VCPU=10**9)
+        await make_provider(store, "tiny", VCPU=1)
+    rng = random.Random(3939)
+    seed = 0
+    done_keys: dict[str, list[int]] = {}
+    seen = {"ok": 0, "refused": 0, "storage": 0, "replayed": 0, "retried": 0}
+    for _ in range(rounds):
+        procs = []
+        for _ in range(3):
+            seed += 1
+            procs.append((seed, await _start_worker(url, tmp_path / f"w{seed}.jsonl", seed)))
+        await asyncio.sleep(rng.uniform(0.05, window))
+        victim = rng.randrange(3)
+        procs[victim][1].send_signal(signal.SIGKILL)
+        await asyncio.sleep(rng.uniform(0.0, window))  # (the others go on without it)
+        for _, proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(proc.communicate(), 60)
+        async with open_store(url) as store:
+            head = await store.head()
+            events = await store.read(0, head + 10)
+            assert [e.position for e in events] == list(range(1, head + 1)), "positions not 1..head"
+            by_key: dict[str, list[int]] = {}
+            for e in events:
+                key = e.metadata.idempotency_key
+                if key is not None:
+                    by_key.setdefault(key, []).append(e.position)
+            for s, _ in procs:
+                lines = _lines(tmp_path / f"w{s}.jsonl")
+                asks = {x["key"]: x for x in lines if x["ev"] == "start"}
+                ended = {x["key"]: x for x in lines if x["ev"] != "start"}
+                for key, end in ended.items():
+                    seen[end["ev"]] += 1
+                    if end["ev"] == "ok":
+                        assert by_key.get(key, []) == end["positions"], (key, end, by_key.get(key))
+                    elif end["ev"] == "refused":
+                        assert key not in by_key, f"refused {key} ({end['code']}) left events"
+                    else:
+                        assert end["ev"] == "storage", end
+                # cut off by the kill (or failed on storage): retried with the key, done once
+                for key in (k for k in asks if ended.get(k, {}).get("ev") in (None, "storage")):
+                    try:
+                        receipt = await _retry(store, asks[key])
+                    except EvstoreError as exc:
+                        assert not isinstance(exc, StorageError), exc
+                        assert key not in by_key, f"{key} refused on retry but in the log"
+                        continue
+                    seen["retried"] += 1
+                    if key in by_key:
+                        seen["replayed"] += 1
+                        assert receipt.replayed and list(receipt.positions) == by_key[key], (key, receipt)
+                    else:
+                        assert not receipt.replayed
+                        by_key[key] = list(receipt.positions)
+            for key, positions in by_key.items():
+                assert done_keys.setdefault(key, positions) == positions, f"{key} in the log twice"
+            report = await store.audit(history=True)
+            assert report.clean, report.findings
+        with contextlib.suppress(FileNotFoundError):
+            for s, _ in procs:
+                (tmp_path / f"w{s}.jsonl").unlink()
+    assert seen["ok"] and seen["refused"] and seen["retried"], seen
+
+
+async def test_one_of_several_sqlite_writers_killed_mid_append_loses_and_doubles_nothing(
+    tmp_path: Path,
+) -> None:
+    await _kill_one_of_several(f"sqlite:///{tmp_path}/shared.db", tmp_path, ROUNDS, 0.4)
+
+
+async def test_one_of_several_postgresql_clients_killed_mid_command_loses_and_doubles_nothing(
+    tmp_path: Path, pg_url: str
+) -> None:
+    await _kill_one_of_several(pg_url, tmp_path, max(3, ROUNDS // 3), 1.0)
