@@ -10,10 +10,14 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
+import socket
 import sqlite3
+import subprocess
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -389,3 +393,155 @@ async def test_one_of_several_postgresql_clients_killed_mid_command_loses_and_do
     tmp_path: Path, pg_url: str
 ) -> None:
     await _kill_one_of_several(pg_url, tmp_path, max(3, ROUNDS // 3), 1.0)
+
+
+def _pg_bin() -> Path | None:
+    """The directory of PostgreSQL's server programs (initdb, pg_ctl), as .ci/postgres finds it."""
+    found = shutil.which("pg_ctl")
+    if found and shutil.which("initdb"):
+        return Path(found).resolve().parent
+    for candidate in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (candidate / "pg_ctl").exists() and (candidate / "initdb").exists():
+            return candidate
+    return None
+
+
+class _Server:
+    """A throwaway PostgreSQL cluster of this test's own, to restart (the shared one is not
+    restarted); as .ci/postgres starts one, run as ``postgres`` when the test runs as root."""
+
+    def __init__(self, bin_dir: Path, root: Path) -> None:
+        self.bin, self.root = bin_dir, root
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"postgresql://evstore@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str) -> None:
+        subprocess.run([*self.as_user, *args], check=True, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off"
+        data, log = str(self.root / "data"), str(self.root / "server.log")
+        self._run(str(self.bin / "pg_ctl"), "-D", data, "-l", log, "-w", "-t", "60", "-o", options, "start")
+
+    def init(self) -> None:
+        self.root.chmod(0o777)
+        self._run(
+            str(self.bin / "initdb"),
+            "-D",
+            str(self.root / "data"),
+            "-U",
+            "evstore",
+            "--auth=trust",
+            "--no-sync",
+        )
+        self.start()
+
+    async def restart(self, mode: str) -> None:
+        stop = [
+            *self.as_user,
+            str(self.bin / "pg_ctl"),
+            "-D",
+            str(self.root / "data"),
+            "-m",
+            mode,
+            "-w",
+            "stop",
+        ]
+        proc = await asyncio.create_subprocess_exec(*stop, stdout=asyncio.subprocess.DEVNULL)
+        assert await proc.wait() == 0
+        await asyncio.to_thread(self.start)
+
+    def stop(self) -> None:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            self._run(
+                str(self.bin / "pg_ctl"), "-D", str(self.root / "data"), "-m", "immediate", "-w", "stop"
+            )
+
+
+@pytest.fixture
+def own_server() -> Iterator[_Server]:
+    bin_dir = _pg_bin()
+    if bin_dir is None or (os.geteuid() == 0 and shutil.which("runuser") is None):
+        pytest.skip("no PostgreSQL server programs (initdb, pg_ctl) to run a server of the test's own")
+    root = Path(tempfile.mkdtemp(prefix="evstore-s39d-pg."))
+    server = _Server(bin_dir, root)
+    try:
+        try:
+            server.init()
+        except (subprocess.SubprocessError, OSError) as exc:
+            pytest.skip(f"cannot start a PostgreSQL server of the test's own: {exc}")
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", ["immediate", "fast"])
+async def test_commands_through_a_postgresql_restart_each_say_what_became_of_them(
+    own_server: _Server, mode: str
+) -> None:
+    """Commands run while the server restarts (``pg_ctl restart -m immediate``: a crash and
+    recovery; ``-m fast``: a clean shutdown): each succeeded, failed with ``outcome_unknown``
+    True - and a retry with its key answers what happened -, or failed cleanly, leaving nothing;
+    the store recovers without being reopened, and the log is whole."""
+    async with open_store(own_server.url, pool_size=6, connect_timeout=2) as store:
+        providers = [await make_provider(store, f"n{i}", VCPU=10**9) for i in range(3)]
+        asks: dict[str, tuple[str, str]] = {}
+        ended: dict[str, tuple[str, list[int]]] = {}
+        stop = asyncio.Event()
+        keys = iter(range(10**9))
+
+        async def claim(key: str) -> Receipt:
+            consumer, rp = asks[key]
+            return await store.set_allocations(
+                consumer,
+                {rp: {"VCPU": 1}},
+                project_id="p",
+                user_id="u",
+                consumer_type="INSTANCE",
+                generation=None,
+                idempotency_key=key,
+            )
+
+        async def client(n: int) -> None:
+            while not stop.is_set():
+                key = f"k{next(keys)}"
+                asks[key] = (new_uuid(), providers[n % 3])
+                try:
+                    ended[key] = ("ok", list((await claim(key)).positions))
+                except StorageError as exc:
+                    unknown = exc.details.get("outcome_unknown")
+                    assert unknown in (True, False), exc.details  # (a keyed command: always said)
+                    ended[key] = ("unknown" if unknown else "clean", [])
+                    await asyncio.sleep(0.05)
+
+        clients = [asyncio.create_task(client(n)) for n in range(8)]
+        while sum(1 for v in ended.values() if v[0] == "ok") < 50:
+            await asyncio.sleep(0.05)
+        await own_server.restart(mode)
+        done_before = len(ended)
+        while sum(1 for v in list(ended.values())[done_before:] if v[0] == "ok") < 50:
+            await asyncio.sleep(0.05)  # (the same store, not reopened, goes on)
+        stop.set()
+        await asyncio.gather(*clients)
+        assert {v[0] for v in ended.values()} - {"ok"}, "nothing met the restart"
+        head = await store.head()
+        events = await store.read(0, head + 10)
+        assert [e.position for e in events] == list(range(1, head + 1))
+        by_key: dict[str, list[int]] = {}
+        for e in events:
+            if e.metadata.idempotency_key is not None:
+                by_key.setdefault(e.metadata.idempotency_key, []).append(e.position)
+        for key, (outcome, positions) in ended.items():
+            if outcome == "ok":
+                assert by_key[key] == positions, key
+            elif outcome == "clean":
+                assert key not in by_key, f"{key} failed cleanly but is in the log"
+            receipt = await claim(key)  # (retried with its key: the truth)
+            assert receipt.replayed == (key in by_key), (key, outcome, receipt)
+            if receipt.replayed:
+                assert list(receipt.positions) == by_key[key]
+        assert (await store.audit(history=True)).clean
