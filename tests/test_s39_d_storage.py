@@ -545,3 +545,25 @@ async def test_commands_through_a_postgresql_restart_each_say_what_became_of_the
             if receipt.replayed:
                 assert list(receipt.positions) == by_key[key]
         assert (await store.audit(history=True)).clean
+
+
+async def test_a_resource_shortage_while_opening_keeps_its_reason(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: an error of the server while an open prepared the store ("Cannot prepare the
+    store at ...") kept its words but lost its ``sqlstate`` and ``reason``: a caller could not tell
+    a server out of memory from any other failure to open."""
+    async with open_store(pg_url):
+        pass
+
+    async def short_of_memory(self: PostgresBackend, conn: Any) -> None:
+        raise asyncpg.exceptions.OutOfMemoryError("out of shared memory")
+
+    monkeypatch.setattr(PostgresBackend, "_take_migration_lock", short_of_memory)
+    with pytest.raises(StorageError) as caught:
+        async with open_store(pg_url):
+            pass
+    assert caught.value.message.startswith("Cannot prepare the store at")
+    assert caught.value.details["reason"] == "out_of_memory", caught.value.details
+    assert caught.value.details["sqlstate"] == "53200"
+    assert "max_locks_per_transaction" in caught.value.message
