@@ -1003,6 +1003,15 @@ class AllocationStore:
                 await asyncio.wait(list(self._running))
         finally:
             await self._backend.close()
+            # The subscribers' reads still in flight (PostgreSQL's pool closes once their queries
+            # have returned their rows, which they then decode) are cancelled, and their
+            # subscribers end with StoreClosed, before close() returns: it returned with them
+            # pending, and a loop closed after it said "Task was destroyed but it is pending!"
+            while self._reads:
+                reads = [shared.task for shared in self._reads.values()]
+                for task in reads:
+                    task.cancel()
+                await asyncio.wait(reads)
 
     async def __aenter__(self) -> AllocationStore:
         return await self.open()
@@ -1812,6 +1821,8 @@ class AllocationStore:
             key = (after, limit)
             shared = self._reads.get(key)
             if shared is None:
+                if self._closing:  # (a read begun now would outlive close(), which ends them)
+                    raise err.StoreClosed("The store was closed while this subscriber followed it")
                 # (in a context of its own, as the poller: not the first subscriber's)
                 task = asyncio.get_running_loop().create_task(
                     self._backend.read(after, limit),
