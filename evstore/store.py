@@ -51,6 +51,7 @@ from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, 
 from evstore.schema import (
     ConsumerAllocations,
     Inventory,
+    _shown_int,
     coerce_consumer_allocations,
     coerce_inventory,
     normalize_allocations,
@@ -498,7 +499,8 @@ def _given(value: object) -> str:
     if isinstance(value, date):
         return f"{type(value).__name__} {value.isoformat()}"
     if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
+        # (past 64 bits by far, said so: str() of more than 4,300 digits raises ValueError)
+        return _shown_int(value)
     return f"{type(value).__name__} {value!r:.60}"
 
 
@@ -558,7 +560,9 @@ def _aware_time(value: object, what: str = "at") -> datetime:
 
 def _count(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_POSITION:
-        raise err.InvalidInput(f"{what} must be an integer from 1 to 2**63-1, got {value!r:.60}", field=what)
+        raise err.InvalidInput(
+            f"{what} must be an integer from 1 to 2**63-1, got {_given(value)}", field=what
+        )
     return value
 
 

@@ -1,5 +1,5 @@
-"""Reading the log live (stop 39, helper G): ``subscribe`` ending with its store, and on
-PostgreSQL never skipping an event whose transaction commits late.
+"""Reading the log live (stop 39, helper G): ``subscribe`` ending with its store, on PostgreSQL
+never skipping an event whose transaction commits late, and the arguments of the log's readers.
 
 Closing a store ends the subscribers' reads in flight before ``close()`` returns. Before, on
 PostgreSQL, the pool closed once a read's query had returned its rows, and ``close()`` returned
@@ -7,6 +7,11 @@ while the read decoded them: the read's task, and the subscriber waiting for it,
 pending, and a loop closed after ``close()`` (``loop.run_until_complete(store.close());
 loop.close()``) said "Task was destroyed but it is pending!". A read held in flight (a gate
 before it reads) makes that deterministic on both backends.
+
+An integer of more than 4,300 digits given as a position or a count (``read(after=)``, ``limit``,
+``batch_size``, ``position_of``...) raised Python's ValueError ("Exceeds the limit (4300 digits)
+for integer string conversion"), from writing it into the message refusing it, not
+``InvalidInput``: it is said to be "an integer past 64 bits", as a generation or an amount is.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from urllib.parse import parse_qsl, urlsplit
 import asyncpg
 import pytest
 
-from evstore import StoreClosed, open_store
+from evstore import AllocationStore, InvalidInput, StoreClosed, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.pg import server_url
 from tests.test_idle_subscribers import GUARD, ended, idle_subscribers, until
@@ -157,3 +162,43 @@ async def test_subscribers_and_pollers_never_skip_an_event_whose_transaction_com
     assert len(slow_positions) == 4
     for name, got in seen.items():
         assert got == list(range(1, head + 1)), name
+
+
+# --- arguments -------------------------------------------------------------------------------
+
+
+async def test_a_position_or_count_too_long_to_write_out_is_refused_as_invalid_input(
+    store: AllocationStore,
+) -> None:
+    await make_provider(store, VCPU=1)
+    huge = 10**5000  # (str() of it raises ValueError: more than 4,300 digits)
+    consumer = new_uuid()
+    calls = {
+        "read after": (lambda: store.read(huge), "after"),
+        "read limit": (lambda: store.read(0, huge), "limit"),
+        "read negative limit": (lambda: store.read(0, -huge), "limit"),
+        "subscribe after": (lambda: store.subscribe(after=huge).__anext__(), "after"),
+        "subscribe batch_size": (lambda: store.subscribe(batch_size=huge).__anext__(), "batch_size"),
+        "history batch_size": (lambda: store.history(consumer, batch_size=huge).__anext__(), "batch_size"),
+        "export batch_size": (lambda: store.export(batch_size=huge).__anext__(), "batch_size"),
+        "position_of": (lambda: store.position_of(huge), "point"),
+        "replay": (lambda: store.replay(huge), "to_position"),
+    }
+    for name, (call, field) in calls.items():
+        with pytest.raises(InvalidInput) as refused:
+            await call()
+        assert refused.value.details["field"] == field, name
+        assert refused.value.message.endswith("got an integer past 64 bits"), (name, refused.value.message)
+    assert len(await store.read(0, 2**63 - 1)) == 2  # (the largest count is read as ever)
+
+
+async def test_a_count_refused_names_what_was_given_as_a_position_refused_does(
+    store: AllocationStore,
+) -> None:
+    """``limit=True`` said "got True", where ``after=True`` said "got bool True"."""
+    for value, shown in [(True, "bool True"), ("5", "str '5'"), (1.0, "float 1.0"), (0, "0")]:
+        with pytest.raises(
+            InvalidInput, match=r"limit must be an integer from 1 to 2\*\*63-1, got "
+        ) as refused:
+            await store.read(0, value)
+        assert refused.value.message.endswith(f"got {shown}"), refused.value.message
