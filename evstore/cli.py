@@ -1079,6 +1079,8 @@ class LeakNotes:
         self.tombstones: dict[str, int] = {}
         #: consumer: whether it holds a leak now (read once)
         self.leaked_now: dict[str, bool] = {}
+        #: consumer: the position of its tombstone in the store (read once), see _deleted_before
+        self.deleted_at: dict[str, int | None] = {}
 
     async def on(self, recorded: Any) -> list[tuple[str, str]]:
         """The notes on ``recorded``'s line, each in full and with the consumer uuids it names cut
@@ -1093,6 +1095,13 @@ class LeakNotes:
                     self.instance = event.instance
                 if event.instance == key:
                     self.migrations.add(event.migration)
+                if event.allocations:
+                    mine = key in (event.instance, event.migration)
+                    notes += await self._given(event.migration, recorded.position, mine)
+                    # (an older writer's move of a deleted instance's allocations: the migration
+                    # holds them for it, the audit's leak; this evstore refuses such a move)
+                    if not notes and (mine or event.instance in self.tombstones):
+                        notes += await self._held_for(event.migration, event.instance, recorded.position)
             case ev.ConsumerDeleted() if event.consumer not in self.tombstones:
                 # (a consumer's first tombstone only: a second - an older writer's delete of a
                 # deleted consumer - left nothing holding that was not a leak already)
@@ -1103,13 +1112,63 @@ class LeakNotes:
                         if await self._left_by(migration, recorded.position):
                             notes.append(await self._left(migration))
                 self.tombstones.setdefault(event.consumer, recorded.position)
-            case ev.MigrationReverted() | ev.AllocationsReplaced():
-                given = event.instance if isinstance(event, ev.MigrationReverted) else event.consumer
-                if event.allocations and given in self.tombstones:
-                    said = f"given to a consumer deleted at position {self.tombstones[given]}: a leak"
-                    said += await self._clear(given, deleted=True)
-                    notes.append((said, said))
+            case ev.MigrationReverted() if event.allocations:
+                notes += await self._given(event.instance, recorded.position, event.instance == key)
+            case ev.AllocationsReplaced() if event.allocations:
+                notes += await self._given(event.consumer, recorded.position, event.consumer == key)
+                # (an older writer's write to a migration its instance's delete emptied: it holds
+                # for that deleted instance again, as the fold keeps the link)
+                instance = event.on_behalf_of or (self.instance if event.consumer == key else None)
+                mine = key in (event.consumer, instance) or instance in self.tombstones
+                if not notes and instance is not None and mine:
+                    held = await self._held_for(event.consumer, instance, recorded.position)
+                    if held and await self._leaked_then(event.consumer, instance, recorded.position):
+                        notes += held
         return notes
+
+    async def _given(self, consumer: str, position: int, mine: bool) -> list[tuple[str, str]]:
+        """The note on an event at ``position`` that gave ``consumer`` allocations, if it was
+        deleted before (the store asked, when this history may not list that delete: ``mine``)."""
+        if consumer not in self.tombstones and not mine:
+            return []
+        deleted_at = await self._deleted_before(consumer, position)
+        if deleted_at is None:
+            return []
+        said = f"given to a consumer deleted at position {deleted_at}: a leak"
+        said += await self._clear(consumer, deleted=True)
+        return [(said, said)]
+
+    async def _held_for(self, migration: str, instance: str, position: int) -> list[tuple[str, str]]:
+        """The note on an event at ``position`` that gave ``migration`` allocations held for
+        ``instance``, if that instance was deleted before."""
+        deleted_at = await self._deleted_before(instance, position)
+        if deleted_at is None:
+            return []
+        said = f"held for an instance deleted at position {deleted_at}: a leak"
+        said += await self._clear(migration, deleted=False)
+        return [(said, said)]
+
+    async def _leaked_then(self, migration: str, instance: str, position: int) -> bool:
+        """Whether ``migration`` held a leak for ``instance`` right after ``position`` (its own
+        events folded: whether the link to its instance held then)."""
+        try:
+            view = await self.store.state_at(position=position, consumer=migration)
+        except err.CorruptEvent:  # (the listing reports its own damaged rows)
+            return False
+        held = await view.allocations(migration)
+        return held.leaked and held.on_behalf_of == instance
+
+    async def _deleted_before(self, consumer: str, position: int) -> int | None:
+        """The position of ``consumer``'s tombstone (its first: permanent) if it is before
+        ``position``: this history's, or else, the tombstone not listed in it (the instance's in
+        its migration's history), the store's."""
+        if consumer in self.tombstones:
+            deleted_at: int | None = self.tombstones[consumer]
+        else:
+            if consumer not in self.deleted_at:
+                self.deleted_at[consumer] = (await self.store.allocations(consumer)).deleted_at
+            deleted_at = self.deleted_at[consumer]
+        return deleted_at if deleted_at is not None and deleted_at < position else None
 
     async def _left(self, migration: str) -> tuple[str, str]:
         clear = await self._clear(migration, deleted=False)

@@ -1,0 +1,125 @@
+"""The command line as an operator meets it (stop 39, helper A): ``history``'s leak notes on an
+older writer's move of a deleted instance's allocations, ``confirm-migration --json``'s instance
+when there is nothing to confirm, ``state --provider`` and ``tail`` marking leaks, ``release``'s
+``leak_cleared`` under a race, and the failures an operator's bad input meets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from evstore import open_store
+from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_audit_findings import _tail, append_row, chained
+from tests.test_cli_support import evstore
+from tests.test_s38_a_leak_tools import _imported, _target
+
+
+def _run(*args: str, code: int = 0) -> str:
+    done = evstore(*args)
+    assert done.returncode == code, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+def _json(*args: str, code: int = 0) -> Any:
+    return json.loads(_run(*args, "--json", code=code))
+
+
+async def _moved_after_delete(tmp_path: Path) -> tuple[list[str], int, dict[str, str]]:
+    """An export of a store where an instance (2 VCPU on src) was deleted (this evstore: released),
+    and the move of its allocations to a migration an older, Placement-style writer then recorded
+    (a MigrationStarted, as a ``write_allocations`` move is recorded): (lines, the move's position,
+    the uuids and the tombstone's position)."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        tombstone = (await source.delete_consumer(instance)).position
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    move = chained(
+        last,
+        "MigrationStarted",
+        {"instance": instance, "migration": migration, "allocations": {src: {"VCPU": 2}},
+         "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
+         "instance_generation": 1, "provider_generations": {}},
+    )  # fmt: skip
+    append_row(lines, move)
+    ids = {"src": src, "instance": instance, "migration": migration, "tombstone": str(tombstone)}
+    return lines, move.position, ids
+
+
+# --- 1. history notes the move of a deleted instance's allocations to a migration ---------------
+
+
+def test_history_says_a_move_of_a_deleted_instances_allocations_made_a_leak(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression (stop 38's leftover): an older writer's MigrationStarted moving a deleted
+    instance's allocations onto a migration makes the migration the audit's leak, but its line in
+    the histories of the instance and of the migration said only "instance I moved ... to
+    migration M", although history marks the event that made each leak. Both say so now, with how
+    to clear it while it is one (and, cleared, what it did)."""
+    lines, moved, ids = asyncio.run(_moved_after_delete(tmp_path))
+    asyncio.run(_imported(store_url, lines))
+    where, instance, migration = _target(store_url), ids["instance"], ids["migration"]
+    [leak] = [f for f in _json("audit", *where, code=3)["findings"] if f["kind"] == "leak"]
+    assert leak["details"]["consumer"] == migration and moved in leak["positions"]
+    said = f"held for an instance deleted at position {ids['tombstone']}: a leak"
+    clear = f"clear it with `evstore confirm-migration {migration}` (store.confirm_migration('{migration}'))"
+    for key in (instance, migration):
+        events = _json("history", key, *where)["events"]
+        [move] = [e for e in events if e["position"] == moved]
+        assert move["summary"].endswith(f"; {said}; {clear}"), (key, move["summary"])
+        assert not any("a leak" in e["summary"] for e in events if e is not move), key
+        [row] = [line for line in _run("history", key, *where).splitlines() if "MigrationStarted" in line]
+        assert "held for an instance deleted at position" in row, row
+    assert _run("confirm-migration", migration, *where).endswith("; the leak is cleared\n")
+    for key in (instance, migration):
+        [move] = [e for e in _json("history", key, *where)["events"] if e["position"] == moved]
+        assert move["summary"].endswith(f"; {said}"), key  # (what it did; cleared since)
+
+
+async def _written_after_delete(tmp_path: Path) -> tuple[list[str], int, dict[str, str]]:
+    """An export where an instance's delete released its migration (this evstore: the link kept),
+    and the write of allocations to that migration an older writer then recorded (an
+    AllocationsReplaced that does not name the instance): (lines, its position, the ids)."""
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        src = await make_provider(source, "src", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(source, instance, {src: {"VCPU": 2}})
+        await source.start_migration(instance, migration)
+        tombstone = (await source.delete_consumer(instance)).position
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    write = chained(
+        last,
+        "AllocationsReplaced",
+        {"consumer": migration, "allocations": {src: {"VCPU": 2}}, "project_id": "project",
+         "user_id": "user", "consumer_type": "MIGRATION", "generation": 1, "provider_generations": {}},
+    )  # fmt: skip
+    append_row(lines, write)
+    ids = {"src": src, "instance": instance, "migration": migration, "tombstone": str(tombstone)}
+    return lines, write.position, ids
+
+
+def test_history_says_a_write_to_a_deleted_instances_migration_made_a_leak(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression (as above): an older writer's write of allocations to a migration its
+    instance's delete had emptied (the link to the instance kept) is the audit's leak; the
+    migration's history said only "consumer M now holds ...". It says whose deleted instance it
+    holds them for, and how to clear it."""
+    lines, written, ids = asyncio.run(_written_after_delete(tmp_path))
+    asyncio.run(_imported(store_url, lines))
+    where, migration = _target(store_url), ids["migration"]
+    [leak] = [f for f in _json("audit", *where, code=3)["findings"] if f["kind"] == "leak"]
+    assert leak["details"]["consumer"] == migration
+    events = _json("history", migration, *where)["events"]
+    [write] = [e for e in events if e["position"] == written]
+    said = f"held for an instance deleted at position {ids['tombstone']}: a leak"
+    assert write["summary"].endswith(f"; {said}; clear it with `evstore confirm-migration {migration}` "
+                                     f"(store.confirm_migration('{migration}'))")  # fmt: skip
+    assert not any("a leak" in e["summary"] for e in events if e is not write)
