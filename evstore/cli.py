@@ -1776,6 +1776,7 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
     key = normalize_uuid(given, f"{what} uuid")
     target = resolve_url(db, url)
     nothing: err.EvstoreError | None = None
+    instance: str | None = None  # (a migration's: the one confirmed, or the one the log names)
     async with open_existing(target) as store:
         before = await store.allocations(key)
         command = store.confirm_migration if migration else store.release
@@ -1791,11 +1792,11 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
                     told = f"{exc.message}; it holds a leak: {clear_leak(key, True)}"
                     raise type(exc)(told, **exc.details) from None
                 raise
-            if migration and not await _was_a_migration(store, key):
+            instance = await _instance_of(store, key) if migration else None
+            if migration and instance is None:
                 raise  # (not a migration: an instance's uuid given by mistake is not "nothing")
             nothing = exc
         released: dict[str, dict[str, int]] = {}
-        instance: str | None = None
         position: int | None = None
         if nothing is None:
             [position] = receipt.positions  # (one event: what it released, exactly)
@@ -1850,15 +1851,17 @@ async def _leaking_migrations(store: AllocationStore, instance: str) -> list[str
     return [m for m in started if (await store.allocations(m)).leaked]
 
 
-async def _was_a_migration(store: AllocationStore, consumer: str) -> bool:
-    """Whether ``consumer`` was ever a migration consumer: an event moved an instance's
-    allocations to it (a confirm or revert forgets the link, its instance's delete keeps it)."""
+async def _instance_of(store: AllocationStore, consumer: str) -> str | None:
+    """The instance ``consumer`` was last a migration of (None: never a migration consumer): the
+    last event that moved an instance's allocations to it (a confirm or revert forgets the link,
+    its instance's delete keeps it; the log still names it)."""
     from evstore import events as ev
 
+    instance: str | None = None
     async for recorded in store.history(consumer):
         if isinstance(event := recorded.event, ev.MigrationStarted) and event.migration == consumer:
-            return True
-    return False
+            instance = event.instance
+    return instance
 
 
 # --- maintenance: rebuild, snapshot, stats, export, import --------------------------------------

@@ -123,3 +123,32 @@ def test_history_says_a_write_to_a_deleted_instances_migration_made_a_leak(
     assert write["summary"].endswith(f"; {said}; clear it with `evstore confirm-migration {migration}` "
                                      f"(store.confirm_migration('{migration}'))")  # fmt: skip
     assert not any("a leak" in e["summary"] for e in events if e is not write)
+
+
+# --- 2. confirm-migration --json names the instance when there is nothing to confirm -------------
+
+
+def test_confirm_migration_with_nothing_to_confirm_names_its_instance(tmp_path: Path, store_url: str) -> None:
+    """Regression (stop 38's leftover): ``confirm-migration --json`` of a migration that holds
+    nothing answered ``"instance": null``, where the log names its instance (and a confirm that
+    releases something names it): a migration confirmed already, and one its instance's delete
+    released, both name the instance the log last moved to them."""
+
+    async def build() -> dict[str, str]:
+        async with open_store(store_url) as store:
+            rp = await make_provider(store, "rp", VCPU=8)
+            ids = {name: new_uuid() for name in ("confirmed", "its_instance", "released", "deleted")}
+            await allocate(store, ids["its_instance"], {rp: {"VCPU": 1}})
+            await store.start_migration(ids["its_instance"], ids["confirmed"])
+            await store.confirm_migration(ids["confirmed"])
+            await allocate(store, ids["deleted"], {rp: {"VCPU": 1}})
+            await store.start_migration(ids["deleted"], ids["released"])
+            await store.delete_consumer(ids["deleted"])
+            return ids
+
+    ids = asyncio.run(build())
+    where = _target(store_url)
+    for migration, instance in ((ids["confirmed"], ids["its_instance"]), (ids["released"], ids["deleted"])):
+        doc = _json("confirm-migration", migration, *where)
+        assert (doc["migration"], doc["instance"], doc["position"]) == (migration, instance, None), doc
+        assert doc["released"] == {} and doc["leak_cleared"] is False
