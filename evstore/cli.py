@@ -1777,18 +1777,22 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
     target = resolve_url(db, url)
     nothing: err.EvstoreError | None = None
     instance: str | None = None  # (a migration's: the one confirmed, or the one the log names)
+    # Nothing is read before the command: another writer may change the consumer in between
+    # (what it says is the log's: the refusal's, or the state its own event released from)
+    cleared = False
     async with open_existing(target) as store:
-        before = await store.allocations(key)
         command = store.confirm_migration if migration else store.release
         try:
             receipt = await command(key, metadata={"actor": CLI_ACTOR})
         except (err.NotFound, err.ConsumerDeleted) as exc:
             if not await _consumer_in_log(store, key):
                 raise err.NotFound(f"no event in this log touches consumer {key}", consumer=key) from None
-            if (await store.allocations(key)).allocations:
+            # (a release is refused only for a consumer that held nothing when it was decided:
+            # what it holds by now, another writer's since, is no reason to fail)
+            if migration and (now := await store.allocations(key)).allocations:
                 # (it holds allocations, but not as a migration the API confirms: a deleted
                 # consumer's leak, which the refusal says nothing of, is released otherwise)
-                if before.leaked and before.deleted:
+                if now.leaked and now.deleted:
                     told = f"{exc.message}; it holds a leak: {clear_leak(key, True)}"
                     raise type(exc)(told, **exc.details) from None
                 raise
@@ -1805,10 +1809,13 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
             assert isinstance(event, ev.AllocationsReleased | ev.MigrationConfirmed), event
             released = sorted_holdings(event.released)
             instance = event.instance if isinstance(event, ev.MigrationConfirmed) else None
+            # (whether what it released was a leak: the consumer as the log has it just before)
+            then = await store.state_at(position=position - 1, consumer=key)
+            cleared = (await then.allocations(key)).leaked
+        after = await store.allocations(key)  # (its tombstone, if any: permanent)
         # (a deleted instance's migrations may hold a leak for it still: its release left them)
-        still = await _leaking_migrations(store, key) if before.deleted and not migration else []
+        still = await _leaking_migrations(store, key) if after.deleted and not migration else []
         names = await provider_names(store)
-    cleared = before.leaked and nothing is None
     if json_out:
         emit_json(
             {
@@ -1827,8 +1834,8 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
         line = f"consumer {key} holds nothing: nothing to release"
         if isinstance(nothing, err.ConsumerDeleted):  # (why a migration has nothing left: the API's words)
             line += f" ({nothing.message})"
-        elif before.deleted:
-            line += f" (deleted at position {before.deleted_at})"
+        elif after.deleted:
+            line += f" (deleted at position {after.deleted_at})"
     else:
         done = f"migration {key} of instance {instance} confirmed" if migration else f"consumer {key}"
         line = f"{done}: released {fmt_allocs(released, names)} at position {position}"

@@ -10,11 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from evstore import open_store
+import pytest
+
+from evstore import AllocationStore, cli, open_store
+from evstore.errors import NotFound
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_audit_findings import _tail, append_row, chained
 from tests.test_cli_support import evstore
-from tests.test_s38_a_leak_tools import _imported, _target
+from tests.test_s38_a_leak_tools import _imported, _revert_to_deleted, _target
 
 
 def _run(*args: str, code: int = 0) -> str:
@@ -152,3 +155,78 @@ def test_confirm_migration_with_nothing_to_confirm_names_its_instance(tmp_path: 
         doc = _json("confirm-migration", migration, *where)
         assert (doc["migration"], doc["instance"], doc["position"]) == (migration, instance, None), doc
         assert doc["released"] == {} and doc["leak_cleared"] is False
+
+
+# --- 4. release under a race with another writer ---------------------------------------------------
+
+
+def _fresh_like(url: str, tmp_path: Path) -> str:
+    """Another empty store on ``url``'s backend."""
+    if url.startswith("sqlite:"):
+        return f"sqlite:///{tmp_path}/fresh.db"
+    from tests.pg import fresh_database_url
+
+    return fresh_database_url()
+
+
+def _where_args(url: str) -> tuple[str | None, str | None]:
+    """(--db, --url) as ``_clear`` takes them."""
+    return (url.removeprefix("sqlite:///"), None) if url.startswith("sqlite:") else (None, url)
+
+
+async def test_release_refused_while_another_writer_allocates_says_nothing_to_release(
+    store_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: ``release`` read the consumer again after the API refused it (it held nothing)
+    and, finding allocations another writer had written in between, failed with the refusal's
+    ``evstore.not_found`` (exit 1) - the release was decided on a consumer holding nothing, which
+    is "nothing to release", exit 0, nothing written. Interleaved deliberately: the other writer
+    allocates right after the refusal."""
+    async with open_store(store_url) as other:
+        rp = await make_provider(other, "rp", VCPU=8)
+        consumer = new_uuid()
+        await allocate(other, consumer, {rp: {"VCPU": 1}})
+        await other.release(consumer)
+        real = AllocationStore.release
+
+        async def release(self: AllocationStore, given: str, **options: Any) -> Any:
+            try:
+                return await real(self, given, **options)
+            except NotFound:
+                await allocate(other, consumer, {rp: {"VCPU": 2}})  # (the other writer, between)
+                raise
+
+        monkeypatch.setattr(AllocationStore, "release", release)
+        head = await other.head()
+        assert await cli._clear(consumer, *_where_args(store_url), True, migration=False) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["position"], doc["released"], doc["leak_cleared"]) == (None, {}, False)
+        assert await other.head() == head + 1  # (the other writer's, and nothing of the release's)
+
+
+async def test_release_says_whether_it_cleared_a_leak_from_what_it_released(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``leak_cleared`` is the log's: whether the consumer held a leak just before the release's
+    own event - not a read made before the command, which another writer may have made stale. Here
+    another writer releases the leak first (interleaved deliberately, just before the command):
+    this release has nothing to release and cleared nothing; run alone, it clears the leak."""
+    s = await _revert_to_deleted(tmp_path, store_url)
+    instance = s["instance"]
+    real = AllocationStore.release
+    async with open_store(store_url) as other:
+
+        async def release(self: AllocationStore, given: str, **options: Any) -> Any:
+            await real(other, given)  # (the other writer, first)
+            return await real(self, given, **options)
+
+        monkeypatch.setattr(AllocationStore, "release", release)
+        assert await cli._clear(instance, *_where_args(store_url), True, migration=False) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["position"], doc["leak_cleared"]) == (None, False)
+    monkeypatch.setattr(AllocationStore, "release", real)
+    (tmp_path / "again").mkdir()
+    s = await _revert_to_deleted(tmp_path / "again", fresh := _fresh_like(store_url, tmp_path))
+    assert await cli._clear(s["instance"], *_where_args(fresh), True, migration=False) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["leak_cleared"] is True and doc["position"] is not None
