@@ -1328,6 +1328,7 @@ def state(
         point = None if at is None else parse_point(at)  # (a usage error before the store is opened)
         target = resolve_url(db, url)
         leaked_now = False
+        provider_leaks: dict[str, tuple[bool, bool]] = {}
         async with open_existing(target) as store:
             head = await store.head()
             if point is None:
@@ -1353,6 +1354,10 @@ def state(
                 # (whether it holds a leak now, at the head: one then that is cleared since has
                 # nothing left to clear)
                 leaked_now = (await store.allocations(cuuid)).leaked
+            if provider is not None:
+                puuid = normalize_uuid(provider, "provider uuid")
+                on_it = await view.provider_allocations(puuid)
+                provider_leaks = await _leaks_among(store, view, on_it, sliced=point is not None)
             position = view.position
             when: str | None = None
             if position:
@@ -1378,6 +1383,7 @@ def state(
                             cuuid: c.consumer_type if (c := st.consumers.get(cuuid)) else None
                             for cuuid in sorted(holders)
                         },
+                        "leaks": sorted(provider_leaks),
                     }
                 )
                 return EXIT_OK
@@ -1390,14 +1396,26 @@ def state(
             table.add_column("consumer", no_wrap=True)
             table.add_column("type")
             table.add_column("allocations")
+            if provider_leaks:
+                table.add_column("leak")
             for cuuid, resources in holders.items():
                 c = st.consumers.get(cuuid)
+                leak = [] if not provider_leaks else ["-"]
+                if cuuid in provider_leaks:
+                    deleted, still = provider_leaks[cuuid]
+                    leak = ["a leak" + (f": {clear_leak(cuuid, deleted)}" if still else " (cleared since)")]
                 table.add_row(
                     cuuid,
                     (c.consumer_type if c else None) or "-",
                     safe(fmt_allocs({puuid: resources}, names)),
+                    *map(safe, leak),
                 )
             out.print(table)
+            if provider_leaks:
+                out.print(
+                    f"{len(provider_leaks)} of them leaks: allocations held while deleted, or as the "
+                    "migration of a deleted instance"
+                )
             return EXIT_OK
         if consumer is not None:
             cuuid = normalize_uuid(consumer, "consumer uuid")
@@ -1476,6 +1494,33 @@ def state(
         return EXIT_OK
 
     run(work)
+
+
+async def _leaks_among(
+    store: AllocationStore, view: Any, holders: Mapping[str, Any], *, sliced: bool
+) -> dict[str, tuple[bool, bool]]:
+    """The consumers of ``holders`` (a provider's, in ``view``) that hold a leak there - the
+    audit's, as ``state`` and ``state --consumer`` count them: {consumer: (deleted, whether it
+    still holds one now)}. ``sliced``: ``view`` is the provider's slice of time travel, which does
+    not know every tombstone (an instance's, for its migration): each consumer that is deleted now
+    or holds for an instance (its tombstone, if any, is permanent) is folded on its own then."""
+    from projections.invariants import leak_of
+
+    state, found = view.state, {}
+    for consumer in holders:
+        known = state.consumers.get(consumer)
+        if not sliced:
+            leak = leak_of(state, known) if known is not None else None
+            if known is not None and leak is not None:
+                found[consumer] = (known.deleted, True)
+            continue
+        now = await store.allocations(consumer)
+        if not (now.deleted or now.on_behalf_of or (known is not None and known.on_behalf_of)):
+            continue
+        then = await (await store.state_at(position=view.position, consumer=consumer)).allocations(consumer)
+        if then.leaked:
+            found[consumer] = (then.deleted, now.leaked)
+    return found
 
 
 async def _consumer_in_log(store: AllocationStore, consumer: str) -> bool:

@@ -230,3 +230,37 @@ async def test_release_says_whether_it_cleared_a_leak_from_what_it_released(
     assert await cli._clear(s["instance"], *_where_args(fresh), True, migration=False) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["leak_cleared"] is True and doc["position"] is not None
+
+
+# --- 3. state --provider and tail mark leaks --------------------------------------------------------
+
+
+def test_state_of_a_provider_marks_the_leaks_on_it(tmp_path: Path, store_url: str) -> None:
+    """Regression (stop 38's leftover): ``state --provider`` listed the allocations on it with no
+    word of which are leaks, where ``state`` counts them and ``state --consumer`` says so: a
+    deleted consumer's, and a deleted instance's migration's. ``--json`` has ``leaks`` (the
+    consumers holding one there), the table a "leak" column with how to clear each while it is
+    one; at the head and in time travel (the provider's slice) alike."""
+    lines, moved, ids = asyncio.run(_moved_after_delete(tmp_path))
+    asyncio.run(_imported(store_url, lines))
+    where, src, migration = _target(store_url), ids["src"], ids["migration"]
+    for at in ((), ("--at", str(moved))):
+        doc = _json("state", "--provider", src, *at, *where)
+        assert doc["leaks"] == [migration] and list(doc["allocations"]) == [migration], at
+        [row] = [
+            line for line in _run("state", "--provider", src, *at, *where).splitlines() if migration in line
+        ]
+        assert f"a leak: clear it with `evstore confirm-migration {migration}`" in row, (at, row)
+    assert _json("state", "--provider", src, "--at", str(moved - 1), *where)["leaks"] == []
+    _run("confirm-migration", migration, *where)
+    assert _json("state", "--provider", src, *where)["leaks"] == []
+    [row] = [line for line in _run("state", "--provider", src, "--at", str(moved), *where).splitlines()
+             if migration in line]  # fmt: skip
+    assert "a leak (cleared since)" in row
+
+    fresh = _fresh_like(store_url, tmp_path)
+    (tmp_path / "second").mkdir()
+    s = asyncio.run(_revert_to_deleted(tmp_path / "second", fresh))
+    where, instance = _target(fresh), s["instance"]
+    for at in ((), ("--at", str(s["revert"]))):
+        assert _json("state", "--provider", s["src"], *at, *where)["leaks"] == [instance], at
