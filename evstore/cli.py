@@ -1193,6 +1193,61 @@ class LeakNotes:
         return f"; {clear_leak(consumer, deleted)}" if self.leaked_now[consumer] else ""
 
 
+class TailLeakNotes:
+    """What ``tail`` says on the line of an event that gave allocations that are a leak (an older
+    writer's, in an imported log: this evstore refuses them): to a consumer deleted before it
+    (a revert, a write, a move onto a deleted migration), or to a migration held for an instance
+    deleted before it; each with how to clear it while it is one still. A consumer's tombstone
+    is read from the store once (it is permanent; a later one comes through the tail itself)."""
+
+    def __init__(self, store: AllocationStore) -> None:
+        self.store = store
+        #: consumer: the position of its first tombstone (None: not deleted when read)
+        self.deleted_at: dict[str, int | None] = {}
+        #: consumer: whether it holds a leak now (read once)
+        self.leaked_now: dict[str, bool] = {}
+
+    async def on(self, recorded: Any) -> list[str]:
+        from evstore import events as ev
+
+        event, notes = recorded.event, []
+        given: str | None = None
+        instance: str | None = None
+        match event:
+            case ev.ConsumerDeleted():
+                if self.deleted_at.get(event.consumer) is None:
+                    self.deleted_at[event.consumer] = recorded.position
+            case ev.MigrationStarted() if event.allocations:
+                given, instance = event.migration, event.instance
+            case ev.MigrationReverted() if event.allocations:
+                given = event.instance
+            case ev.AllocationsReplaced() if event.allocations:
+                given, instance = event.consumer, event.on_behalf_of
+        if given is not None and (at := await self._deleted_before(given, recorded.position)) is not None:
+            notes.append(
+                f"given to a consumer deleted at position {at}: a leak{await self._clear(given, True)}"
+            )
+        elif instance is not None and (at := await self._deleted_before(instance, recorded.position)):
+            assert given is not None
+            notes.append(
+                f"held for an instance deleted at position {at}: a leak{await self._clear(given, False)}"
+            )
+        return notes
+
+    async def _deleted_before(self, consumer: str, position: int) -> int | None:
+        if consumer not in self.deleted_at:
+            self.deleted_at[consumer] = (await self.store.allocations(consumer)).deleted_at
+        at = self.deleted_at[consumer]
+        return at if at is not None and at < position else None
+
+    async def _clear(self, consumer: str, deleted: bool) -> str:
+        from projections.invariants import clear_leak
+
+        if consumer not in self.leaked_now:
+            self.leaked_now[consumer] = (await self.store.allocations(consumer)).leaked
+        return f"; {clear_leak(consumer, deleted)}" if self.leaked_now[consumer] else ""
+
+
 @app.command()
 def history(
     uuid: Annotated[str, typer.Argument(help="Consumer or provider uuid.")],
@@ -1660,15 +1715,19 @@ def tail(
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK
+            leak_notes = TailLeakNotes(store)
             async for recorded in _following(store, start, follow, file):
                 if not follow and recorded.position > head:
                     break
+                said = "".join(f"; {text}" for text in await leak_notes.on(recorded))
                 if json_out:
-                    print(json.dumps(event_json(recorded, names, learned), default=str), flush=True)
+                    doc = event_json(recorded, names, learned)
+                    doc["summary"] += said  # (as history's)
+                    print(json.dumps(doc, default=str), flush=True)
                 else:
                     meta = recorded.metadata  # (as history shows it: request / actor)
                     who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
-                    what = describe(recorded.event, names, short=True, learned=learned)
+                    what = describe(recorded.event, names, short=True, learned=learned) + said
                     out.print(  # (never folded: one event, one line, for grep)
                         f"{recorded.position:>8} {recorded.recorded_at.isoformat(timespec='microseconds')} "
                         f"{recorded.type:<20} {safe(who)}  {safe(what)}",

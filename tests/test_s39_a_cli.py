@@ -264,3 +264,38 @@ def test_state_of_a_provider_marks_the_leaks_on_it(tmp_path: Path, store_url: st
     where, instance = _target(fresh), s["instance"]
     for at in ((), ("--at", str(s["revert"]))):
         assert _json("state", "--provider", s["src"], *at, *where)["leaks"] == [instance], at
+
+
+def test_tail_notes_the_events_that_made_a_leak(tmp_path: Path, store_url: str) -> None:
+    """Regression (stop 38's leftover): ``tail`` printed an older writer's event that made a leak
+    in its own words only (history marks it): its line and its ``--json`` summary say so now, with
+    how to clear it while it is one - a move of a deleted instance's allocations onto a migration,
+    and a revert that gave a deleted instance allocations back."""
+    lines, moved, ids = asyncio.run(_moved_after_delete(tmp_path))
+    asyncio.run(_imported(store_url, lines))
+    where, migration = _target(store_url), ids["migration"]
+    said = f"held for an instance deleted at position {ids['tombstone']}: a leak"
+    clear = f"clear it with `evstore confirm-migration {migration}`"
+    tail = ("tail", "--after", "0", "--no-follow", *where)
+    docs = [json.loads(line) for line in _run(*tail, "--json").splitlines()]
+    assert [d["position"] for d in docs if "a leak" in d["summary"]] == [moved]
+    [move] = [d for d in docs if d["position"] == moved]
+    assert move["summary"].endswith(f"; {said}; {clear} (store.confirm_migration('{migration}'))")
+    [row] = [line for line in _run(*tail).splitlines() if line.split()[0] == str(moved)]
+    assert said in row and clear in row
+    _run("confirm-migration", migration, *where)
+    [move] = [json.loads(x) for x in _run(*tail, "--json").splitlines() if json.loads(x)["position"] == moved]
+    assert move["summary"].endswith(f"; {said}")  # (what it did; cleared since)
+
+    fresh = _fresh_like(store_url, tmp_path)
+    (tmp_path / "second").mkdir()
+    s = asyncio.run(_revert_to_deleted(tmp_path / "second", fresh))
+    docs = [
+        json.loads(x)
+        for x in _run("tail", "--after", "0", "--no-follow", *_target(fresh), "--json").splitlines()
+    ]
+    [given] = [d for d in docs if "a leak" in d["summary"]]
+    assert given["position"] == s["revert"]
+    assert (
+        f"given to a consumer deleted at position {s['tombstone']}: a leak; clear it with" in given["summary"]
+    )
