@@ -930,12 +930,15 @@ class NamesThen:
         return [recorded.position for recorded in named], [recorded.event["name"] for recorded in named]
 
 
-async def provider_events(store: Any, provider: str, until: int | None, types: Sequence[str]) -> list[Any]:
-    """The events of ``types`` in ``provider``'s history up to ``until``, read through the history
-    index without decoding the others (a provider's naming events are few)."""
+async def provider_events(
+    store: Any, provider: str, until: int | None, types: Sequence[str], kind: str = "provider"
+) -> list[Any]:
+    """The events of ``types`` in ``provider``'s history (or, ``kind`` "consumer", a consumer's)
+    up to ``until``, read through the history index without decoding the others (a provider's
+    naming events are few)."""
     found: list[Any] = []
     while batch := await store.backend.read_entities(
-        [f"provider:{provider}"], found[-1].position if found else 0, 1000, until, types=types
+        [f"{kind}:{provider}"], found[-1].position if found else 0, 1000, until, types=types
     ):
         found += batch
     return found
@@ -1194,49 +1197,110 @@ class LeakNotes:
 
 
 class TailLeakNotes:
-    """What ``tail`` says on the line of an event that gave allocations that are a leak (an older
-    writer's, in an imported log: this evstore refuses them): to a consumer deleted before it
-    (a revert, a write, a move onto a deleted migration), or to a migration held for an instance
-    deleted before it; each with how to clear it while it is one still. A consumer's tombstone
-    is read from the store once (it is permanent; a later one comes through the tail itself)."""
+    """What ``tail`` says on the line of an event that made a leak (an older writer's, in an
+    imported log: this evstore refuses them), as ``history`` does: one that gave allocations to a
+    consumer deleted before it (a revert, a write, a move onto a deleted migration) or to a
+    migration held for an instance deleted before it, and a delete that left the instance's
+    migration holding; each with how to clear it while it is one still. What came after
+    ``start`` is learned from the listed events themselves (the tombstones, the migrations
+    started and ended); what came before, from the store, once a consumer (a tombstone is
+    permanent): ``tail --after 0`` reads nothing more than the log."""
 
-    def __init__(self, store: AllocationStore) -> None:
-        self.store = store
-        #: consumer: the position of its first tombstone (None: not deleted when read)
+    #: the events of an instance's history that start or end its migrations
+    ENDS = ("MigrationStarted", "MigrationConfirmed", "MigrationReverted")
+
+    def __init__(self, store: AllocationStore, start: int) -> None:
+        self.store, self.start = store, start
+        #: consumer: the position of its first tombstone (None: not deleted, when known)
         self.deleted_at: dict[str, int | None] = {}
+        #: instance: the migrations started for it and not ended (since ``start``, or read)
+        self.open: dict[str, dict[str, None]] = {}
+        #: the instances whose migrations before ``start`` were read into ``open``
+        self.read: set[str] = set()
         #: consumer: whether it holds a leak now (read once)
         self.leaked_now: dict[str, bool] = {}
 
     async def on(self, recorded: Any) -> list[str]:
         from evstore import events as ev
 
-        event, notes = recorded.event, []
+        event, position, notes = recorded.event, recorded.position, []
         given: str | None = None
         instance: str | None = None
         match event:
             case ev.ConsumerDeleted():
-                if self.deleted_at.get(event.consumer) is None:
-                    self.deleted_at[event.consumer] = recorded.position
-            case ev.MigrationStarted() if event.allocations:
-                given, instance = event.migration, event.instance
-            case ev.MigrationReverted() if event.allocations:
-                given = event.instance
+                if await self._deleted_before(event.consumer, position) is None:
+                    # (its first tombstone: a second left nothing holding that was not a leak)
+                    for migration in await self._left(event, position):
+                        notes.append(left_holding(migration) + await self._clear(migration, False))
+                    self.deleted_at[event.consumer] = position
+            case ev.MigrationStarted():
+                (await self._open(event.instance))[event.migration] = None
+                if event.allocations:
+                    given, instance = event.migration, event.instance
+            case ev.MigrationConfirmed():
+                (await self._open(event.instance)).pop(event.migration, None)
+            case ev.MigrationReverted():
+                (await self._open(event.instance)).pop(event.migration, None)
+                given = event.instance if event.allocations else None
             case ev.AllocationsReplaced() if event.allocations:
                 given, instance = event.consumer, event.on_behalf_of
-        if given is not None and (at := await self._deleted_before(given, recorded.position)) is not None:
+        if given is not None and (at := await self._deleted_before(given, position)) is not None:
             notes.append(
                 f"given to a consumer deleted at position {at}: a leak{await self._clear(given, True)}"
             )
-        elif instance is not None and (at := await self._deleted_before(instance, recorded.position)):
-            assert given is not None
+        elif (
+            given is not None
+            and instance is not None
+            and (at := await self._deleted_before(instance, position))
+        ):
             notes.append(
                 f"held for an instance deleted at position {at}: a leak{await self._clear(given, False)}"
             )
         return notes
 
+    async def _open(self, instance: str) -> dict[str, None]:
+        """The migrations of ``instance`` open now (those before ``start`` read once)."""
+        if instance not in self.read:
+            self.read.add(instance)
+            started = self.open.setdefault(instance, {})
+            if self.start:
+                from evstore import events as ev
+
+                before: dict[str, None] = {}
+                for recorded in await provider_events(
+                    self.store, instance, self.start, self.ENDS, "consumer"
+                ):
+                    e = recorded.event
+                    if isinstance(e, ev.MigrationStarted) and e.instance == instance:
+                        before[e.migration] = None
+                    elif e.instance == instance:
+                        before.pop(e.migration, None)
+                self.open[instance] = {**before, **started}
+        return self.open[instance]
+
+    async def _left(self, event: Any, position: int) -> list[str]:
+        """The migrations the delete ``event`` at ``position`` left holding a leak for its
+        consumer: open, not released by it, and holding one right after (each folded alone)."""
+        left = []
+        for migration in await self._open(event.consumer):
+            if migration in event.migrations_released:
+                continue
+            try:
+                view = await self.store.state_at(position=position, consumer=migration)
+            except err.CorruptEvent:  # (the tail reports its own damaged rows)
+                continue
+            held = await view.allocations(migration)
+            if held.leaked and held.on_behalf_of == event.consumer:
+                left.append(migration)
+        return left
+
     async def _deleted_before(self, consumer: str, position: int) -> int | None:
+        """``consumer``'s first tombstone if it is before ``position``."""
         if consumer not in self.deleted_at:
-            self.deleted_at[consumer] = (await self.store.allocations(consumer)).deleted_at
+            # (after start, its tombstone would have been listed: only one before needs reading)
+            self.deleted_at[consumer] = (
+                (await self.store.allocations(consumer)).deleted_at if self.start else None
+            )
         at = self.deleted_at[consumer]
         return at if at is not None and at < position else None
 
@@ -1715,7 +1779,7 @@ def tail(
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK
-            leak_notes = TailLeakNotes(store)
+            leak_notes = TailLeakNotes(store, start)
             async for recorded in _following(store, start, follow, file):
                 if not follow and recorded.position > head:
                     break

@@ -15,7 +15,7 @@ import pytest
 from evstore import AllocationStore, cli, open_store
 from evstore.errors import NotFound
 from tests.conftest import allocate, make_provider, new_uuid
-from tests.test_audit_findings import _tail, append_row, chained
+from tests.test_audit_findings import _migration_left_holding, _tail, append_row, chained
 from tests.test_cli_support import evstore
 from tests.test_s38_a_leak_tools import _imported, _revert_to_deleted, _target
 
@@ -299,3 +299,32 @@ def test_tail_notes_the_events_that_made_a_leak(tmp_path: Path, store_url: str) 
     assert (
         f"given to a consumer deleted at position {s['tombstone']}: a leak; clear it with" in given["summary"]
     )
+
+
+def test_tail_notes_a_delete_that_left_its_migration_holding(tmp_path: Path, store_url: str) -> None:
+    """``tail`` says it too of an older writer's delete that left the instance's migration holding
+    (its own words name only the instance), as history does - from a start before the migration
+    and after it alike; this evstore's delete (which releases the migration) gets no such note."""
+    lines, delete, ids = asyncio.run(_migration_left_holding(tmp_path))
+    asyncio.run(_imported(store_url, lines))
+    where, migration, started = _target(store_url), ids["migration"], int(ids["started"])
+    said = f"left its migration {migration} holding what it held: a leak"
+    clear = f"clear it with `evstore confirm-migration {migration}` (store.confirm_migration('{migration}'))"
+    for after in (0, started):
+        tail = ("tail", "--after", str(after), "--no-follow", *where, "--json")
+        docs = [json.loads(line) for line in _run(*tail).splitlines()]
+        assert [d["position"] for d in docs if "a leak" in d["summary"]] == [delete.position], after
+        [deleted] = [d for d in docs if d["position"] == delete.position]
+        assert deleted["summary"].endswith(f"; {said}; {clear}"), after
+
+    async def own() -> None:  # (this evstore's delete of an instance mid-migration)
+        async with open_store(store_url) as store:
+            rp = await make_provider(store, "own", VCPU=8)
+            instance = new_uuid()
+            await allocate(store, instance, {rp: {"VCPU": 1}})
+            await store.start_migration(instance, new_uuid())
+            await store.delete_consumer(instance)
+
+    asyncio.run(own())
+    docs = [json.loads(x) for x in _run("tail", "--after", "0", "--no-follow", *where, "--json").splitlines()]
+    assert [d["position"] for d in docs if "a leak" in d["summary"]] == [delete.position]
