@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from typer._click.exceptions import ClickException, NoArgsIsHelpError
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption
 
 from evstore import errors as err
 
@@ -2495,6 +2495,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit(EXIT_USAGE)
     except ClickException as exc:
         message = exc.format_message()
+        if isinstance(exc, NoSuchOption) and re.fullmatch(r"-[0-9]", exc.option_name[:2]):
+            # (`diff -1 3`: a negative position taken for an option; -- before it passes it on)
+            message += " (a negative number is no position: a position is from 0 to 2**63-1)"
         if message:
             print(f"error: evstore.usage: {message}", file=sys.stderr)
         _exit(exc.exit_code)

@@ -328,3 +328,22 @@ def test_tail_notes_a_delete_that_left_its_migration_holding(tmp_path: Path, sto
     asyncio.run(own())
     docs = [json.loads(x) for x in _run("tail", "--after", "0", "--no-follow", *where, "--json").splitlines()]
     assert [d["position"] for d in docs if "a leak" in d["summary"]] == [delete.position]
+
+
+# --- part 2: the failures an operator's bad input meets ---------------------------------------------
+
+
+def test_a_negative_position_given_to_diff_says_it_is_no_position(tmp_path: Path) -> None:
+    """Regression (black-box): ``diff -1 3`` (and ``diff 3 -5``) answered only "No such option:
+    -1" - the command line took the negative position for an option, and the operator was told
+    nothing about positions, where ``state --at -1`` says a position is from 0 to 2**63-1. Still a
+    usage error (exit 2), one line; an unknown option that is no number is as it was."""
+    db = str(tmp_path / "none.db")  # (refused before any store is opened)
+    for args in (("-1", "3"), ("3", "-5")):
+        done = evstore("diff", *args, "--db", db)
+        assert done.returncode == 2 and not done.stdout, done
+        [line] = done.stderr.splitlines()
+        assert line.startswith("error: evstore.usage: No such option: -")
+        assert line.endswith("(a negative number is no position: a position is from 0 to 2**63-1)")
+    done = evstore("history", "-x", "--db", db)
+    assert done.returncode == 2 and done.stderr.strip() == "error: evstore.usage: No such option: -x"
