@@ -347,3 +347,47 @@ def test_a_negative_position_given_to_diff_says_it_is_no_position(tmp_path: Path
         assert line.endswith("(a negative number is no position: a position is from 0 to 2**63-1)")
     done = evstore("history", "-x", "--db", db)
     assert done.returncode == 2 and done.stderr.strip() == "error: evstore.usage: No such option: -x"
+
+
+def test_history_and_tail_say_a_move_onto_a_deleted_consumer_made_a_leak(
+    tmp_path: Path, store_url: str
+) -> None:
+    """An older writer's move of a live instance's allocations onto a consumer deleted before
+    (its tombstone not in the instance's history) gave a deleted consumer allocations: the
+    audit's leak, to be released. The move's line says so in the instance's history, the
+    consumer's, and tail's."""
+
+    async def build() -> tuple[list[str], int, dict[str, str]]:
+        async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+            src = await make_provider(source, "src", VCPU=8)
+            instance, gone = new_uuid(), new_uuid()
+            await allocate(source, gone, {src: {"VCPU": 1}})
+            tombstone = (await source.delete_consumer(gone)).position
+            await allocate(source, instance, {src: {"VCPU": 2}})
+            lines = [line async for line in source.export()]
+            last = await _tail(source)
+        move = chained(
+            last,
+            "MigrationStarted",
+            {"instance": instance, "migration": gone, "allocations": {src: {"VCPU": 2}},
+             "project_id": "project", "user_id": "user", "instance_consumer_type": "INSTANCE",
+             "instance_generation": 1, "provider_generations": {}},
+        )  # fmt: skip
+        append_row(lines, move)
+        return lines, move.position, {"instance": instance, "gone": gone, "tombstone": str(tombstone)}
+
+    lines, moved, ids = asyncio.run(build())
+    asyncio.run(_imported(store_url, lines))
+    where, gone = _target(store_url), ids["gone"]
+    [leak] = [f for f in _json("audit", *where, code=3)["findings"] if f["kind"] == "leak"]
+    assert leak["details"]["consumer"] == gone
+    said = f"given to a consumer deleted at position {ids['tombstone']}: a leak"
+    clear = f"clear it with `evstore release {gone}` (store.release('{gone}'))"
+    for key in (ids["instance"], gone):
+        events = _json("history", key, *where)["events"]
+        assert [e["position"] for e in events if "a leak" in e["summary"]] == [moved], key
+        assert events[-1]["summary"].endswith(f"; {said}; {clear}"), key
+    docs = [json.loads(x) for x in _run("tail", "--after", "0", "--no-follow", *where, "--json").splitlines()]
+    assert [d["summary"].endswith(f"; {said}; {clear}") for d in docs] == [
+        d["position"] == moved for d in docs
+    ]
