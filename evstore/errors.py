@@ -12,6 +12,23 @@ import re
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+#: digits past which an integer is not written out in a message (``repr`` of one of more than
+#: 4,300 digits raises ``ValueError``; one this long is no value anyone meant)
+_SHOWN_DIGITS = 40
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for a message: cut to ``limit`` characters with an ellipsis when longer (a
+    cut quote would read as the whole value); an integer of more than 40 digits said to be one;
+    a value whose ``repr`` fails named by its type."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**_SHOWN_DIGITS:
+        return f"an integer of more than {_SHOWN_DIGITS} digits"
+    try:
+        text = repr(value)
+    except Exception:  # (a caller's object: its __repr__ may fail)
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "…"
+
 
 class EvstoreError(Exception):
     """Base of every error evstore raises on purpose.

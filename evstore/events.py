@@ -23,7 +23,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import SchemaValidator, core_schema
 
-from evstore.errors import CorruptEvent, InvalidInput, SchemaVersionError
+from evstore.errors import CorruptEvent, InvalidInput, SchemaVersionError, shown
 from evstore.schema import (
     CANONICAL_UUID,
     MAX_INT,
@@ -545,7 +545,7 @@ def decode_event(
         )
     if type(version) is not int:
         raise CorruptEvent(
-            f"{event_type}{where} has schema_version {version!r:.40}, not an integer",
+            f"{event_type}{where} has schema_version {shown(version, 40)}, not an integer",
             position=position,
             reason="undecodable",
         )
@@ -618,7 +618,7 @@ class ValueCheck:
             value = fields[name]
             if kind == "id":
                 if value is not None and value not in self._ids and not self._id(value):
-                    return f"{name} {value!r:.80} is not a uuid in canonical form"
+                    return f"{name} {shown(value, 80)} is not a uuid in canonical form"
             elif kind == "allocs":
                 if value:
                     bad = self._allocations(value)
@@ -629,33 +629,33 @@ class ValueCheck:
                     return f"{name} {value} is not between 0 and {MAX_GENERATION}"
             elif kind == "class":
                 if value not in self._classes and not self._class(value):
-                    return f"{name} {value!r:.80} does not match ^[A-Z0-9_]+$"
+                    return f"{name} {shown(value, 80)} does not match ^[A-Z0-9_]+$"
             elif kind == "owner":
                 if not 1 <= len(value) <= 255:
-                    return f"{name} {value!r:.80} is not 1..255 characters"
+                    return f"{name} {shown(value, 80)} is not 1..255 characters"
             elif kind == "bumps":
                 for provider, generation in value.items():
                     if provider not in self._ids and not self._id(provider):
-                        return f"{name} names {provider!r:.80}, not a uuid in canonical form"
+                        return f"{name} names {shown(provider, 80)}, not a uuid in canonical form"
                     if not 0 <= generation <= MAX_GENERATION:
                         return f"generation {generation} of provider {provider} is out of 0..{MAX_GENERATION}"
             elif kind == "inventories":
                 for rc in value:
                     if rc not in self._classes and not self._class(rc):
-                        return f"inventory class {rc!r:.80} does not match ^[A-Z0-9_]+$"
+                        return f"inventory class {shown(rc, 80)} does not match ^[A-Z0-9_]+$"
             elif kind == "per_migration":
                 for migration, allocs in value.items():
                     if migration not in self._ids and not self._id(migration):
-                        return f"{name} names {migration!r:.80}, not a uuid in canonical form"
+                        return f"{name} names {shown(migration, 80)}, not a uuid in canonical form"
                     bad = self._allocations(allocs)
                     if bad is not None:
                         return f"{name} of {migration}: {bad}"
             elif kind == "custom_class":
                 if not (value.startswith("CUSTOM_") and self._class(value)):
-                    return f"resource class {value!r:.80} is not a custom class (CUSTOM_[A-Z0-9_]+)"
+                    return f"resource class {shown(value, 80)} is not a custom class (CUSTOM_[A-Z0-9_]+)"
             elif kind == "provider_name":
                 if not 1 <= len(value) <= 200:
-                    return f"provider name {value!r:.80} is not 1..200 characters"
+                    return f"provider name {shown(value, 80)} is not 1..200 characters"
         return None
 
     def _ids_sound(self, values: Iterable[str]) -> bool:
@@ -668,7 +668,7 @@ class ValueCheck:
         """What is wrong with a consumer id not refused before (``None``: nothing, or refused)."""
         if uuid in self.refused or self._id(uuid):
             return None
-        return f"consumer id {uuid!r:.80} is not a uuid in canonical form"
+        return f"consumer id {shown(uuid, 80)} is not a uuid in canonical form"
 
     def _id(self, value: object) -> bool:
         if type(value) is not str or not CANONICAL_UUID.match(value):
@@ -695,14 +695,14 @@ class ValueCheck:
         ids, classes = self._ids, self._classes
         for provider, resources in allocs.items():
             if provider not in ids and not self._id(provider):
-                return f"provider {provider!r:.80} is not a uuid in canonical form"
+                return f"provider {shown(provider, 80)} is not a uuid in canonical form"
             if not resources:
                 return f"provider {provider} with no resource class"
             for rc, amount in resources.items():
                 if not 0 < amount <= MAX_INT:
                     return f"{amount} of {rc} on provider {provider} is not between 1 and {MAX_INT}"
                 if rc not in classes and not self._class(rc):
-                    return f"class {rc!r:.80} on provider {provider} does not match ^[A-Z0-9_]+$"
+                    return f"class {shown(rc, 80)} on provider {provider} does not match ^[A-Z0-9_]+$"
         return None
 
 

@@ -28,7 +28,7 @@ from pydantic import (
     field_validator,
 )
 
-from evstore.errors import InvalidInput, InvalidInventoryValue
+from evstore.errors import InvalidInput, InvalidInventoryValue, shown
 
 MAX_INT = 2147483647
 #: the largest amount a command takes: Placement's schema takes any integer from 1, and its row checks
@@ -94,7 +94,7 @@ def normalize_uuid(
     if isinstance(value, str) and _UUID_SPELLINGS.fullmatch(value):
         return str(_uuid.UUID(value))
     raise InvalidInput(
-        f"Malformed {what}: {value!r:.80} is not a UUID",
+        f"Malformed {what}: {shown(value, 80)} is not a UUID",
         **where(field or what, path),
         value=repr(value)[:100],
     )
@@ -105,7 +105,7 @@ def validate_resource_class_name(
 ) -> str:
     if not isinstance(name, str) or not RC_PATTERN.fullmatch(name) or len(name) > 255:
         raise InvalidInput(
-            f"Invalid resource class {name!r:.80}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
+            f"Invalid resource class {shown(name, 80)}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
             resource_class=repr(name)[:100],
             **where(field, path),
         )
@@ -126,14 +126,14 @@ def validate_amount(
 ) -> int:
     if isinstance(amount, bool) or not isinstance(amount, int):
         raise InvalidInput(
-            f"Amount of {resource_class} must be an integer, got {amount!r:.80}",
+            f"Amount of {resource_class} must be an integer, got {shown(amount, 80)}",
             resource_class=resource_class,
             **where(field, path),
         )
     if amount < 1 or amount > MAX_AMOUNT:
-        shown = _shown_int(amount)
+        said = _shown_int(amount)
         raise InvalidInput(
-            f"Amount of {resource_class} must be between 1 and 2**63-1, got {shown}",
+            f"Amount of {resource_class} must be between 1 and 2**63-1, got {said}",
             resource_class=resource_class,
             **({"amount": amount} if abs(amount) < _SHOWN_INT_LIMIT else {}),
             **where(field, path),
@@ -170,7 +170,7 @@ def normalize_allocations(value: object, what: str = "allocations") -> dict[str,
             )
         if puuid in out:
             raise InvalidInput(
-                f"{what} name provider {puuid} twice (spelled {provider!r:.60} the second time)",
+                f"{what} name provider {puuid} twice (spelled {shown(provider, 60)} the second time)",
                 **where(what, [what, path_key(provider)]),
             )
         row = out[puuid] = {}
@@ -189,16 +189,19 @@ def validate_name(value: object, what: str, max_len: int = 255, field: str | Non
     default) in the details."""
     if not isinstance(value, str) or not (1 <= len(value) <= max_len):
         raise InvalidInput(
-            f"{what} must be a string of 1..{max_len} characters, got {value!r:.80}", field=field or what
+            f"{what} must be a string of 1..{max_len} characters, got {shown(value, 80)}", field=field or what
         )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidInput(
-            f"{what} must be valid Unicode text (no lone surrogates), got {value!r:.80}", field=field or what
+            f"{what} must be valid Unicode text (no lone surrogates), got {shown(value, 80)}",
+            field=field or what,
         ) from None
     if "\x00" in value:  # (PostgreSQL cannot store it: refused on every backend alike)
-        raise InvalidInput(f"{what} must not contain NUL characters, got {value!r:.80}", field=field or what)
+        raise InvalidInput(
+            f"{what} must not contain NUL characters, got {shown(value, 80)}", field=field or what
+        )
     return value
 
 
@@ -208,7 +211,7 @@ def validate_consumer_type(value: object, query: bool = False) -> str:
     if not isinstance(value, str) or not RC_PATTERN.fullmatch(value) or len(value) > 255:
         also = ', or "all" or "unknown"' if query else ""
         raise InvalidInput(
-            f"consumer_type must match ^[A-Z0-9_]+$ (at most 255 characters){also}, got {value!r:.80}",
+            f"consumer_type must match ^[A-Z0-9_]+$ (at most 255 characters){also}, got {shown(value, 80)}",
             field="consumer_type",
         )
     return value
@@ -231,9 +234,11 @@ def validate_generation(
         or not isinstance(value, int)
         or not GIVEN_GENERATION_MIN <= value <= GIVEN_GENERATION_MAX
     ):
-        shown = _shown_int(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+        said = (
+            _shown_int(value) if isinstance(value, int) and not isinstance(value, bool) else shown(value, 80)
+        )
         raise InvalidInput(
-            f"{what} must be an integer from -2**63 to 2**63{' or None' if nullable else ''}, got {shown}",
+            f"{what} must be an integer from -2**63 to 2**63{' or None' if nullable else ''}, got {said}",
             field=field,
         )
     return value
@@ -493,7 +498,9 @@ def is_known_class(name: str, custom: set[str] | frozenset[str]) -> bool:
 def validate_int_option(value: object, name: str, least: int, most: int = 1_000_000) -> int:
     """An integer store option (``open_store(..., name=value)``): bools and floats refused."""
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
-        raise InvalidInput(f"{name} must be an integer from {least} to {most}, got {value!r:.40}", field=name)
+        raise InvalidInput(
+            f"{name} must be an integer from {least} to {most}, got {shown(value, 40)}", field=name
+        )
     return value
 
 
@@ -501,7 +508,8 @@ def validate_seconds_option(value: object, name: str, most: float = 86_400) -> f
     """A duration store option in seconds, above 0 (nan and inf refused)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= most:
         raise InvalidInput(
-            f"{name} must be a number of seconds above 0 and at most {most:g}, got {value!r:.40}", field=name
+            f"{name} must be a number of seconds above 0 and at most {most:g}, got {shown(value, 40)}",
+            field=name,
         )
     return float(value)
 
@@ -510,12 +518,12 @@ def validate_flag_option(value: object, name: str) -> bool:
     """A yes/no store option given as a keyword (``create``, ``upgrade``): a bool, nothing else
     (``"false"`` and ``0`` are truthy or falsy by accident). One message for both backends."""
     if not isinstance(value, bool):
-        raise InvalidInput(f"{name} must be True or False, got {value!r:.40}", field=name)
+        raise InvalidInput(f"{name} must be True or False, got {shown(value, 40)}", field=name)
     return value
 
 
 def flag_option_from_url(text: str, name: str) -> bool:
     """A yes/no store option given as ``?name=text`` in a URL: true/false or 1/0, any case."""
     if text.lower() not in ("true", "false", "1", "0"):
-        raise InvalidInput(f"{name} must be true or false, got {text!r:.40}", field=name)
+        raise InvalidInput(f"{name} must be true or false, got {shown(text, 40)}", field=name)
     return text.lower() in ("true", "1")

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ValidationError
 
 from evstore import commands as cmd
 from evstore import errors as err
+from evstore.errors import shown
 from evstore.events import GENESIS_HASH, Metadata, RecordedEvent, sorted_json
 from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, follows_on, random_bits
 from evstore.schema import (
@@ -352,7 +353,7 @@ def _metadata_json(meta: dict[str, Any], check: bool, own: int = 0) -> str:
             keys, key = bad_key
             inside = ".".join(keys) or "the metadata"
             raise err.InvalidInput(
-                f"metadata keys must be strings, at any depth: {inside} has the key {key!r:.60}",
+                f"metadata keys must be strings, at any depth: {inside} has the key {shown(key, 60)}",
                 **where("metadata", ["metadata", *keys, path_key(key)]),
             )
     try:
@@ -385,7 +386,7 @@ def _metadata_json(meta: dict[str, Any], check: bool, own: int = 0) -> str:
                 what = f"a key of {inside}" if is_key else ".".join(keys)
                 raise err.InvalidInput(
                     f"metadata is not valid: {what} must be valid Unicode text (no lone surrogates), "
-                    f"got {value!r:.80}",
+                    f"got {shown(value, 80)}",
                     **where("metadata", ["metadata", *keys]),
                 ) from None
             problems = "; ".join(
@@ -501,7 +502,7 @@ def _given(value: object) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         # (past 64 bits by far, said so: str() of more than 4,300 digits raises ValueError)
         return _shown_int(value)
-    return f"{type(value).__name__} {value!r:.60}"
+    return f"{type(value).__name__} {shown(value, 60)}"
 
 
 def _time_hint(value: object) -> str:
@@ -1975,7 +1976,9 @@ class AllocationStore:
         of ``state_at`` read) against the log: a second pass over it, about as long as
         ``rebuild(full=True)``'s; a damaged index is an ``integrity`` finding."""
         if not isinstance(history, bool):
-            raise err.InvalidInput(f"history must be True or False, got {history!r:.40}", field="history")
+            raise err.InvalidInput(
+                f"history must be True or False, got {shown(history, 40)}", field="history"
+            )
         check = getattr(self._backend, "check_history", None) if history else None
         return await _audit.audit(
             self._backend.read_raw,
@@ -2013,7 +2016,7 @@ class AllocationStore:
         the head; an exception it raises ends the rebuild, the projection left as it was."""
         for name, flag in (("full", full), ("force", force)):
             if not isinstance(flag, bool):
-                raise err.InvalidInput(f"{name} must be True or False, got {flag!r:.40}", field=name)
+                raise err.InvalidInput(f"{name} must be True or False, got {shown(flag, 40)}", field=name)
         _check_progress(progress, "progress(events_folded, head)")
         if not force and (lost := await self._backend.lost_tail()) is not None:
             raise err.CorruptEvent(lost.message(), **lost.details())

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from evstore.errors import CorruptEvent, EvstoreError, InvalidInput, ProjectionCorrupt
+from evstore.errors import CorruptEvent, EvstoreError, InvalidInput, ProjectionCorrupt, shown
 from evstore.events import (
     CAPACITY_PRESSURE,
     CHECKED_PAYLOAD_DECODERS,
@@ -75,7 +75,7 @@ class AuditReport:
         not answered with an empty list that reads as "none found"."""
         if kind not in FINDING_KINDS:
             raise InvalidInput(
-                f"unknown kind of finding {kind!r:.40}: one of {', '.join(FINDING_KINDS)}", field="kind"
+                f"unknown kind of finding {shown(kind, 40)}: one of {', '.join(FINDING_KINDS)}", field="kind"
             )
         return [f for f in self.findings if f.kind == kind]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from uuid import UUID
 
-from evstore.errors import InvalidInput
+from evstore.errors import InvalidInput, shown
 from evstore.events import decode_event
 from projections.gcpause import gc_paused
 from projections.invariants import leak_of
@@ -105,7 +105,7 @@ class Diff:
         is refused, not answered with an empty list that reads as "none"."""
         if kind not in CHANGE_KINDS:
             raise InvalidInput(
-                f"unknown kind of change {kind!r:.40}: one of {', '.join(CHANGE_KINDS)}", field="kind"
+                f"unknown kind of change {shown(kind, 40)}: one of {', '.join(CHANGE_KINDS)}", field="kind"
             )
         return [c for c in self.consumers if c.change == kind]
 

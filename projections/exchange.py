@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from evstore.errors import CorruptEvent, InvalidInput
+from evstore.errors import CorruptEvent, InvalidInput, shown
 from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event, describe_error
 from evstore.schema import CANONICAL_UUID
 from projections.state import State, evolve_noting_providers
@@ -167,8 +167,8 @@ class ChainCheck:
             )
         if not CANONICAL_UUID.match(row.event_id):
             raise _corrupt(
-                f"event id {row.event_id!r:.80} of position {row.position} is not a uuid in canonical form "
-                "(lower case, with dashes), as every event id evstore writes is",
+                f"event id {shown(row.event_id, 80)} of position {row.position} is not a uuid in canonical "
+                "form (lower case, with dashes), as every event id evstore writes is",
                 line,
                 position=row.position,
                 reason="envelope",

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from evstore.errors import ProjectionCorrupt
+from evstore.errors import ProjectionCorrupt, shown
 from evstore.events import MAX_GENERATION, sorted_json
 from evstore.schema import MAX_INT, Inventory
 from projections.state import ConsumerState, ProviderState, State
@@ -205,7 +205,7 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
         if not isinstance(used, dict) or not all(type(v) is int for v in used.values()):
             raise ValueError("usages is not a mapping of amounts")
         if type(generation) is not int or generation < 0:
-            raise ValueError(f"generation {generation!r:.40} is not a count")
+            raise ValueError(f"generation {shown(generation, 40)} is not a count")
         return ProviderState(uuid, name, parent, root, generation, inventories_from_json(inventories), used)
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise ProjectionCorrupt(
@@ -250,7 +250,7 @@ def consumer_from_row(row: tuple[Any, ...]) -> ConsumerState:
     ) = row
     if deleted not in (0, 1):  # (True and False included: PostgreSQL's column is a boolean)
         raise ProjectionCorrupt(
-            f"The projection row of consumer {uuid} has deleted = {deleted!r:.40}, neither 0 nor 1: the "
+            f"The projection row of consumer {uuid} has deleted = {shown(deleted, 40)}, neither 0 nor 1: the "
             "projection is damaged; `evstore rebuild` refolds it from the log",
             consumer=uuid,
         )
@@ -278,18 +278,18 @@ def check_loaded_consumer(c: ConsumerState) -> None:
     bad = None
     # (0 is Placement's generation for the consumers it makes: imported logs hold it)
     if not (c.generation is None or (type(c.generation) is int and 0 <= c.generation <= MAX_GENERATION)):
-        bad = f"generation {c.generation!r:.40}"
+        bad = f"generation {shown(c.generation, 40)}"
     elif not (c.deleted_at is None or type(c.deleted_at) is int):
-        bad = f"deleted_at {c.deleted_at!r:.40}"
+        bad = f"deleted_at {shown(c.deleted_at, 40)}"
     elif not (c.on_behalf_of is None or type(c.on_behalf_of) is str):
-        bad = f"on_behalf_of {c.on_behalf_of!r:.40}"
+        bad = f"on_behalf_of {shown(c.on_behalf_of, 40)}"
     elif not (c.instance_type is None or type(c.instance_type) is str):
-        bad = f"instance_type {c.instance_type!r:.40}"
+        bad = f"instance_type {shown(c.instance_type, 40)}"
     else:
         for provider, resources in c.allocations.items():
             for rc, amount in resources.items():
                 if type(amount) is not int or not 1 <= amount <= MAX_INT:
-                    bad = f"an allocation of {amount!r:.40} {rc} on provider {provider}"
+                    bad = f"an allocation of {shown(amount, 40)} {rc} on provider {provider}"
                     break
     if bad is not None:
         raise ProjectionCorrupt(
@@ -353,14 +353,14 @@ def user_counters_from_json(project: str, user: str, text: Any) -> UserCounters:
         for entry in entries:
             ctype, count, amounts = entry
             if not (isinstance(ctype, str) and type(count) is int):
-                raise ValueError(f"a counter {entry!r:.80}")
+                raise ValueError(f"a counter {shown(entry, 80)}")
             if not isinstance(amounts, dict) or not all(type(v) is int for v in amounts.values()):
-                raise ValueError(f"usages {amounts!r:.80} are not a mapping of amounts")
+                raise ValueError(f"usages {shown(amounts, 80)} are not a mapping of amounts")
             found[ctype] = (count, amounts)
         return found
     except (ValueError, TypeError, RecursionError) as exc:
         raise ProjectionCorrupt(
-            f"The usage counters of project {project!r:.80}, user {user!r:.80} cannot be read "
+            f"The usage counters of project {shown(project, 80)}, user {shown(user, 80)} cannot be read "
             f"({_first_line(exc)}): the projection is damaged; `evstore rebuild` refolds it from the log",
             project_id=project,
             user_id=user or None,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from evstore import SchemaVersionError, StorageError, open_store
+from evstore.errors import shown
 from evstore.log.sqlite import SCHEMA_VERSION
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import demo_db, evstore
@@ -150,7 +151,7 @@ async def test_a_schema_version_evstore_does_not_write_is_refused_with_the_repai
     rp, consumer, head = await _store(path)
     _tamper(path, f"UPDATE meta SET value = '{value}' WHERE key = 'schema_version'")
     message = await _refused(path)
-    assert f"its schema version is {repr(value)[:40]}, not a number" in message or value == "0", message
+    assert f"its schema version is {shown(value, 40)}, not a number" in message or value == "0", message
     assert f"UPDATE meta SET value = '{SCHEMA_VERSION}' WHERE key = 'schema_version'" in message, message
     _repair(path, message)
     await _opens_as_it_was(path, rp, consumer, head)

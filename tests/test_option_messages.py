@@ -12,6 +12,7 @@ from evstore import (
     Inventory,
     open_store,
 )
+from evstore.errors import shown
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -123,7 +124,7 @@ async def test_a_flag_option_that_is_not_a_bool_has_one_message_on_both_backends
             await open_store(url, **{option: value})  # type: ignore[arg-type]
         assert caught.value.details["field"] == option
         messages.append(caught.value.message)
-    assert messages[0] == messages[1] == f"{option} must be True or False, got {value!r:.40}"
+    assert messages[0] == messages[1] == f"{option} must be True or False, got {shown(value, 40)}"
 
 
 @pytest.mark.parametrize("option", ["create", "upgrade"])

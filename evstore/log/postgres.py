@@ -95,6 +95,7 @@ import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
+from evstore.errors import shown
 from evstore.events import EventBase, RecordedEvent, untrack_rows
 from evstore.log import (
     HISTORY_EXAMPLES,
@@ -802,7 +803,7 @@ def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
         except ValueError:
             kind = "a number of seconds" if name.endswith("_timeout") else "an integer"
             raise err.InvalidInput(
-                f"{name} in the URL must be {kind}, got {text!r:.40}", field=name
+                f"{name} in the URL must be {kind}, got {shown(text, 40)}", field=name
             ) from None
     return rest, options
 
@@ -990,7 +991,7 @@ async def _lost_version(
     else:
         number = parse_version(value)
         what = (
-            f"{where}: its schema version is {value!r:.40}, "
+            f"{where}: its schema version is {shown(value, 40)}, "
             + ("not a number" if number is None else "and evstore numbers its versions from 1")
             + ", so it was changed by hand, or damaged"
         )
@@ -1725,7 +1726,7 @@ class PostgresBackend:
                             held = (
                                 "no schema version"
                                 if value is None
-                                else f"schema version {value!r:.40}, "
+                                else f"schema version {shown(value, 40)}, "
                                 + ("not a number" if parsed is None else "not one evstore writes")
                             )
                             raise err.SchemaVersionError(

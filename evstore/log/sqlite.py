@@ -35,6 +35,7 @@ import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
+from evstore.errors import shown
 from evstore.events import (
     EVENT_TYPES,
     EventBase,
@@ -907,7 +908,7 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
     except Exception as exc:
         # Nothing written yet: this job fails alone, not every job of its group commit.
         raise err.StorageError(
-            f"Cannot run {type(job.command).__name__}: {exc!r:.200} (if the projection is damaged, "
+            f"Cannot run {type(job.command).__name__}: {shown(exc, 200)} (if the projection is damaged, "
             "`evstore audit` says where and `evstore rebuild` refolds it from the log)"
         ) from exc
     # From here on the job writes: nothing may reject it any more (see run_batch).
@@ -1061,7 +1062,7 @@ def _check_keyword_options(options: dict[str, Any]) -> None:
     timeout = options.get("busy_timeout", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise err.InvalidInput(
-            f"busy_timeout must be a number of seconds from 0 to 86400, got {timeout!r:.40}",
+            f"busy_timeout must be a number of seconds from 0 to 86400, got {shown(timeout, 40)}",
             field="busy_timeout",
         )
     _sync_mode(options.get("synchronous", "FULL"))
@@ -1072,7 +1073,7 @@ def _sync_mode(value: object) -> str:
     mode = value.upper() if isinstance(value, str) else value
     if mode not in ("OFF", "NORMAL", "FULL", "EXTRA"):
         raise err.InvalidInput(
-            f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {mode!r:.40}", field="synchronous"
+            f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {shown(mode, 40)}", field="synchronous"
         )
     return str(mode)
 
@@ -1088,7 +1089,7 @@ def _option_from_url(name: str, text: str) -> Any:
             seconds = math.nan
         if not 0 <= seconds <= 86_400:  # (here too: a keyword may replace it, unchecked below)
             raise err.InvalidInput(
-                f"busy_timeout must be a number of seconds from 0 to 86400, got {text!r:.40}",
+                f"busy_timeout must be a number of seconds from 0 to 86400, got {shown(text, 40)}",
                 field="busy_timeout",
             )
         return seconds
@@ -1124,7 +1125,7 @@ class SqliteBackend:
         busy_timeout = float(chosen.get("busy_timeout", 30.0))
         if not 0 <= busy_timeout <= 86_400:  # (also refuses nan and inf)
             raise err.InvalidInput(
-                f"busy_timeout must be a number of seconds from 0 to 86400, got {busy_timeout!r:.40}",
+                f"busy_timeout must be a number of seconds from 0 to 86400, got {shown(busy_timeout, 40)}",
                 field="busy_timeout",
             )
         self.busy_timeout_ms = int(busy_timeout * 1000)
@@ -2414,7 +2415,7 @@ def _schema_state(conn: sqlite3.Connection, path: str = "") -> bool:
             if store:
                 raise _lost_version(path, "value", row[0], _version_of_tables(outdated, reshaped_in))
             raise err.SchemaVersionError(
-                f"This database's schema version is {row[0]!r:.40}, not one evstore writes, and it "
+                f"This database's schema version is {shown(row[0], 40)}, not one evstore writes, and it "
                 "holds no evstore log: it was not written by evstore (another application's meta "
                 "table?). Use another file for the store.",
                 found=row[0],
@@ -2501,7 +2502,7 @@ def _lost_version(
     else:
         number = parse_version(value)
         what = (
-            f"{store}: its schema version is {value!r:.40}, not a number"
+            f"{store}: its schema version is {shown(value, 40)}, not a number"
             if number is None
             else f"{store}: its schema version is {number}: evstore numbers its versions from 1"
         ) + ", so it was changed by hand, or the file was damaged"
