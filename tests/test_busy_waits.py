@@ -212,7 +212,6 @@ async def test_a_cancelled_open_on_a_locked_file_lets_the_program_end(tmp_path: 
     await _store_with_provider(path)
     holder = _holder(path, "c.execute('PRAGMA locking_mode=EXCLUSIVE'); c.execute('BEGIN EXCLUSIVE')")
     try:
-        started = time.monotonic()
         run = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
@@ -222,11 +221,13 @@ async def test_a_cancelled_open_on_a_locked_file_lets_the_program_end(tmp_path: 
             cwd=str(Path(__file__).parent.parent),
         )
         out, _ = await asyncio.wait_for(run.communicate(), 60)
-        elapsed = time.monotonic() - started
     finally:
         _release(holder)
     assert b"gave up" in out and b"returned" in out, out
-    assert elapsed < 8, (elapsed, out)
+    # (asyncio.run's own time, as the program measured it: not the interpreter's start and
+    # evstore's import, which took most of 8 s on a loaded machine while asyncio.run took 0.82)
+    returned = float(out.split(b"returned ")[1].split()[0])
+    assert returned < 10, out  # (30 s, busy_timeout, before the fix)
 
 
 _TAKING_TURNS = """
