@@ -43,7 +43,7 @@ async def test_a_command_given_up_on_while_another_process_holds_the_lock_lets_c
             await asyncio.wait_for(allocate(store, new_uuid(), {rp: {"VCPU": 1}}), 0.3)
         started = time.monotonic()
         await asyncio.wait_for(store.close(), 20)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 10  # (busy_timeout: 30 s)
     finally:
         _release(holder)
     async with open_store(f"sqlite:///{path}") as store:
@@ -70,7 +70,7 @@ async def test_a_command_queued_behind_one_given_up_on_commits_once_the_lock_is_
             _release(holder)
         started = time.monotonic()
         await asyncio.wait_for(waiting, 20)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 10  # (busy_timeout: 30 s)
         assert await store.head() == 3  # (the given-up command was not run)
         assert await store.usage(rp) == {"VCPU": 2}
 
@@ -110,7 +110,7 @@ async def test_close_during_an_open_waiting_for_the_lock_returns_at_once(tmp_pat
         await asyncio.sleep(0.3)
         started = time.monotonic()
         await asyncio.wait_for(store.close(), 20)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 10  # (busy_timeout: 30 s)
         with pytest.raises(StoreClosed):
             await asyncio.wait_for(opening, 5)
     finally:
@@ -181,7 +181,7 @@ async def test_a_rebuild_given_up_on_while_the_lock_is_held_stops_waiting(tmp_pa
             await asyncio.wait_for(store.rebuild(), 0.5)
         started = time.monotonic()
         await asyncio.wait_for(store.close(), 20)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 10  # (busy_timeout: 30 s)
     finally:
         _release(holder)
     async with open_store(f"sqlite:///{path}") as store:
@@ -287,7 +287,7 @@ async def test_a_cancelled_import_stops_waiting_for_the_lock(tmp_path: Path) -> 
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(store.import_events(lambda: lines), 0.5)
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 10  # (busy_timeout: 30 s)
     finally:
         _release(holder)
     await asyncio.wait_for(store.close(), 10)
