@@ -1245,7 +1245,7 @@ async def test_reads_go_on_while_commands_wait_for_another_processs_fence(pg_url
             claims = [asyncio.ensure_future(allocate(store, new_uuid(), {rp: {"VCPU": 1}})) for rp in rps]
             await asyncio.sleep(0.3)
             assert not any(c.done() for c in claims)  # (they wait for the fence)
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(10):  # (before the fix: until the fence was let go, below)
                 assert await store.head() == 12
                 assert (await store.usage(rps[0])).usages == {"VCPU": 0}
                 assert [e.position async for e in store.history(rps[0])] == [1, 2]
@@ -2156,7 +2156,7 @@ async def test_a_command_in_a_partition_fails_after_command_timeout_not_once_per
             await allocate(store, consumer, {rp: {"VCPU": 2}})
         took = loop.time() - started
         partition.heal()
-        assert took < 3, f"failed after {took:.1f} s with command_timeout=1"
+        assert took < 10, f"failed after {took:.1f} s with command_timeout=1"  # (18-21 s before)
         assert caught.value.details["outcome_unknown"] is False
         assert "within command_timeout (1 s)" in caught.value.message, caught.value.message
         assert "rolled back" in caught.value.message, caught.value.message
