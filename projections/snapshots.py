@@ -301,12 +301,16 @@ async def fold_to(
     start_at: int | None = None,
     taken: frozenset[int] = frozenset(),
     must_save: bool = False,
+    fill: bool = False,
 ) -> State:
     """The state at ``position``: the nearest snapshot at or before it, plus the events since.
 
-    On the way, a snapshot is saved at every multiple of ``every`` past the one it starts from
-    (when ``save``), except at the positions in ``taken``, so the next question about this part
-    of the log is answered faster. ``start_at``: start from the nearest snapshot at or before
+    On the way (when ``save``), a snapshot is saved at the last multiple of ``every`` at or
+    before ``position``, past the one it starts from, so the next question about this part of
+    the log is answered from there. ``fill``: at every multiple of ``every`` on the way instead,
+    except at the positions in ``taken`` (:func:`take_snapshots`: a question that saved them all
+    paid for each one's encoding and write, 23 of them on the way to a position 232k events into
+    a log: 3.6 s of CPU where it now takes 1.7). ``start_at``: start from the nearest snapshot at or before
     that position instead (to fill the snapshots missing after it). A snapshot that cannot be
     saved (a session that cannot write: a read-only role or database, a hot standby; a full
     disk) is only a question answered slower, and the fold goes on without saving, unless
@@ -323,6 +327,7 @@ async def fold_to(
             decoded = await asyncio.to_thread(_decoded, decode_state, found, "whole store")
         state = decoded if decoded is not None else State()
         after = state.position
+        last = position - position % every  # (the one snapshot a question saves; 0: none)
         while after < position:
             batch = await backend.read_raw(after, min(batch_size, position - after))
             # (over a hole - rows deleted by hand - "the next N events" reach past ``position``)
@@ -338,7 +343,7 @@ async def fold_to(
             rows = [(raw.position, raw.type, raw.schema_version, raw.data) for raw in batch]
             folded = 0
             for i, raw in enumerate(batch):
-                if hole is not None and raw.position > hole and save:
+                if hole is not None and raw.position > hole and save and (fill or raw.position <= last):
                     message = (
                         f"Position {hole} is missing from the log (the next event is at {raw.position}): "
                         "rows were deleted from it; `evstore audit` lists the damage"
@@ -347,7 +352,8 @@ async def fold_to(
                         raise CorruptEvent(message, position=hole, reason="position_gap")
                     log.warning("snapshot.not_saved", position=hole, error=message)
                     save = False
-                if save and raw.position % every == 0 and raw.position not in taken:
+                due = raw.position % every == 0 if fill else raw.position == last
+                if save and due and raw.position not in taken:
                     await fold_payloads_yielding(state, rows[folded : i + 1])
                     folded = i + 1
                     try:
@@ -391,7 +397,7 @@ async def take_snapshots(
     missing = next((p for p in range(every, at + 1, every) if p not in taken), None)
     if missing is not None:
         state = await fold_to(
-            backend, at, every, progress=progress, start_at=missing, taken=taken, must_save=True
+            backend, at, every, progress=progress, start_at=missing, taken=taken, must_save=True, fill=True
         )
         # (freed on a thread a piece at a time: dropped on the event loop, it stalled it for as
         # long as freeing the whole state takes; see dismantle)
