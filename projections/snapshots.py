@@ -21,7 +21,7 @@ from evstore.errors import CorruptEvent, EvstoreError, InvalidInput
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
-from projections.replay import fold_payloads_yielding
+from projections.replay import fold_payloads_yielding, replay
 from projections.state import ConsumerState, ProviderState, State, dismantle, evolve
 
 log = structlog.get_logger("evstore.snapshots")
@@ -44,6 +44,7 @@ class SnapshotStore(Protocol):
     """What a backend offers to keep snapshots (the SQLite backend implements it)."""
 
     async def read_raw(self, after: int, limit: int) -> list[Any]: ...
+    async def read_payloads(self, after: int, limit: int) -> list[Any]: ...
     async def save_snapshot(
         self, position: int, event_hash: str, fmt: int, state: str, wait: bool = True
     ) -> None: ...
@@ -326,8 +327,9 @@ async def fold_to(
         if found is not None:
             decoded = await asyncio.to_thread(_decoded, decode_state, found, "whole store")
         state = decoded if decoded is not None else State()
+        if not fill:
+            return await _answer(backend, state, position, every, save, batch_size, progress)
         after = state.position
-        last = position - position % every  # (the one snapshot a question saves; 0: none)
         while after < position:
             batch = await backend.read_raw(after, min(batch_size, position - after))
             # (over a hole - rows deleted by hand - "the next N events" reach past ``position``)
@@ -343,7 +345,7 @@ async def fold_to(
             rows = [(raw.position, raw.type, raw.schema_version, raw.data) for raw in batch]
             folded = 0
             for i, raw in enumerate(batch):
-                if hole is not None and raw.position > hole and save and (fill or raw.position <= last):
+                if hole is not None and raw.position > hole and save:
                     message = (
                         f"Position {hole} is missing from the log (the next event is at {raw.position}): "
                         "rows were deleted from it; `evstore audit` lists the damage"
@@ -352,8 +354,7 @@ async def fold_to(
                         raise CorruptEvent(message, position=hole, reason="position_gap")
                     log.warning("snapshot.not_saved", position=hole, error=message)
                     save = False
-                due = raw.position % every == 0 if fill else raw.position == last
-                if save and due and raw.position not in taken:
+                if save and raw.position % every == 0 and raw.position not in taken:
                     await fold_payloads_yielding(state, rows[folded : i + 1])
                     folded = i + 1
                     try:
@@ -371,6 +372,58 @@ async def fold_to(
                 progress(after)
     state.position = max(state.position, position)  # (a hole at ``position``: the state there)
     return state
+
+
+async def _answer(
+    backend: SnapshotStore,
+    state: State,
+    position: int,
+    every: int,
+    save: bool,
+    batch_size: int,
+    progress: Callable[[int], None] | None,
+) -> State:
+    """A question's fold from ``state`` (a snapshot, or empty) to ``position``, saving the snapshot
+    at the last multiple of ``every`` at or before it on the way: a replay (read ahead, usage
+    recounted once at the end when it starts empty), to that snapshot and then on. (fold_to's loop
+    read whole rows, hash and metadata included, one batch at a time: 1.4-1.6 s of CPU where a
+    replay to the same position, 232k events, took 0.9-1.0.)"""
+    last = position - position % every
+    if save and last > state.position:
+        holes: list[tuple[int, int]] = []
+        state = await replay(_watching_holes(backend.read_payloads, holes), last, batch_size, state, progress)
+        found = await backend.read_raw(last - 1, 1)
+        if holes:
+            # A hole (rows deleted by hand): no snapshot after it, for one folded without the
+            # missing event would still match its position's hash once the row is put back, and
+            # answer without it for good.
+            hole, after_it = holes[0]
+            message = (
+                f"Position {hole} is missing from the log (the next event is at {after_it}): "
+                "rows were deleted from it; `evstore audit` lists the damage"
+            )
+            log.warning("snapshot.not_saved", position=hole, error=message)
+        elif found and found[0].position == last:
+            try:
+                # (on the way to an answer, a save does not wait long for another process's
+                # write lock: the answer does not need it)
+                await _save(backend, state, last, found[0].hash, wait=False)
+            except EvstoreError as exc:
+                log.warning("snapshot.not_saved", position=last, error=str(exc)[:200])
+    return await replay(backend.read_payloads, position, batch_size, state, progress)
+
+
+def _watching_holes(read: Callable[[int, int], Awaitable[list[Any]]], holes: list[tuple[int, int]]) -> Any:
+    """``read`` (of ``(position, ...)`` rows), noting each hole a batch steps over (the missing
+    position, the next one there is) in ``holes``."""
+
+    async def reading(after: int, limit: int) -> list[Any]:
+        batch = await read(after, limit)
+        if batch and batch[-1][0] - after != len(batch):
+            holes.append(next((p, row[0]) for p, row in enumerate(batch, after + 1) if row[0] != p))
+        return batch
+
+    return reading
 
 
 async def _save(backend: SnapshotStore, state: State, position: int, event_hash: str, wait: bool) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from evstore import AllocationStore
+from evstore import AllocationStore, open_store
 from projections.replay import replay
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_projections_support import random_workload
@@ -55,17 +55,36 @@ async def test_a_question_answered_from_a_snapshot_it_saved_equals_a_replay(stor
     saved = head - head % 4
     assert await store.snapshot_positions() == [saved]
     backend: Any = store.backend
-    real = backend.read_raw
+    real = backend.read_payloads
     afters: list[int] = []
 
     async def spy(after: int, limit: int) -> Any:
         afters.append(after)
         return await real(after, limit)
 
-    backend.read_raw = spy
+    backend.read_payloads = spy
     try:
         answer = await store.state_at(position=head)
     finally:
-        del backend.read_raw
+        del backend.read_payloads
     assert afters == ([saved] if saved < head else [])
     assert answer.state == await replay(store.backend.read, head)
+
+
+async def test_a_hole_after_the_snapshot_a_question_saves_does_not_stop_the_save(store_url: str) -> None:
+    """A question folds by replay now, watching the positions for holes (rows deleted by hand):
+    one before the snapshot it would save stops the save (test_time_travel.py's hole tests), one
+    after it does not - that snapshot was folded from every event up to it."""
+    async with open_store(store_url, snapshot_every=5) as store:
+        rp = await make_provider(store, VCPU=100)  # positions 1, 2
+        for _ in range(10):  # 3-12: 1 VCPU each
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        await store.backend.tamper("DELETE FROM events WHERE position = 11")  # type: ignore[attr-defined]
+        view = await store.state_at(12)
+        assert (view.position, await view.usage(rp)) == (12, {"VCPU": 9})
+        assert await store.snapshot_positions() == [10]
+        assert await (await store.state_at(12)).usage(rp) == {"VCPU": 9}  # (from it)
+        await store.backend.tamper("DELETE FROM events WHERE position = 7")  # type: ignore[attr-defined]
+        await store.backend.drop_snapshots()  # type: ignore[attr-defined]
+        assert await (await store.state_at(12)).usage(rp) == {"VCPU": 8}
+        assert await store.snapshot_positions() == []
