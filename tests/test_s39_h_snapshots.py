@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from evstore import AllocationStore, open_store
+import pytest
+
+from evstore import AllocationStore, CorruptEvent, open_store
 from projections.replay import replay
+from projections.snapshots import SNAPSHOT_FORMAT, decode_state
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_projections_support import random_workload
 
@@ -88,3 +91,33 @@ async def test_a_hole_after_the_snapshot_a_question_saves_does_not_stop_the_save
         await store.backend.drop_snapshots()  # type: ignore[attr-defined]
         assert await (await store.state_at(12)).usage(rp) == {"VCPU": 8}
         assert await store.snapshot_positions() == []
+
+
+async def test_every_snapshot_take_snapshots_saves_decodes_to_a_replay_to_its_position(
+    store: AllocationStore,
+) -> None:
+    """take_snapshots folds by replay now, to each multiple in turn (the first stretch with its
+    usage recounted once at the end): each snapshot it saved, decoded, is the replay's state there."""
+    store.snapshot_every = 7
+    await random_workload(store, seed=23, commands=50)
+    head = await store.head()
+    taken = await store.take_snapshots()
+    assert taken == list(range(7, head + 1, 7))
+    backend: Any = store.backend
+    for position in taken:
+        found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
+        assert found is not None and found[0] == position
+        assert decode_state(found[1]) == await replay(store.backend.read, position), position
+
+
+async def test_take_snapshots_says_where_a_hole_after_its_last_snapshot_is(store_url: str) -> None:
+    """A hole past the last multiple still fails take_snapshots (asked to, it checks the log it
+    folds), after the snapshots before it are saved."""
+    async with open_store(store_url, snapshot_every=5) as store:
+        rp = await make_provider(store, VCPU=100)  # positions 1, 2
+        for _ in range(10):  # 3-12
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        await store.backend.tamper("DELETE FROM events WHERE position = 11")  # type: ignore[attr-defined]
+        with pytest.raises(CorruptEvent, match=r"Position 11 is missing .* next event is at 12"):
+            await store.take_snapshots()
+        assert await store.snapshot_positions() == [5, 10]
