@@ -302,25 +302,22 @@ async def fold_to(
     start_at: int | None = None,
     taken: frozenset[int] = frozenset(),
     must_save: bool = False,
-    fill: bool = False,
 ) -> State:
     """The state at ``position``: the nearest snapshot at or before it, plus the events since.
 
-    On the way (when ``save``), a snapshot is saved at the last multiple of ``every`` at or
-    before ``position``, past the one it starts from, so the next question about this part of
-    the log is answered from there. ``fill``: at every multiple of ``every`` on the way instead,
-    except at the positions in ``taken`` (:func:`take_snapshots`: a question that saved them all
-    paid for each one's encoding and write, 23 of them on the way to a position 232k events into
-    a log: 3.6 s of CPU where it now takes 1.7). ``start_at``: start from the nearest snapshot at or before
-    that position instead (to fill the snapshots missing after it). A snapshot that cannot be
-    saved (a session that cannot write: a read-only role or database, a hot standby; a full
-    disk) is only a question answered slower, and the fold goes on without saving, unless
-    ``must_save`` (the snapshots were what the caller asked for).
+    On the way, a snapshot is saved at every multiple of ``every`` past the one it starts from
+    (when ``save``), except at the positions in ``taken``, so the next question about this part
+    of the log - also one before this position - is answered faster. ``start_at``: start from
+    the nearest snapshot at or before that position instead (to fill the snapshots missing after
+    it). A snapshot that cannot be saved (a session that cannot write: a read-only role or
+    database, a hot standby; a full disk) is only a question answered slower, and the fold goes
+    on without saving, unless ``must_save`` (the snapshots were what the caller asked for).
 
     The events are folded by :func:`replay` (payload rows, the next batch read while this one is
-    folded), to each snapshot's position in turn; the hash a snapshot is saved with is read
-    with that one row. (Until stop 39 a loop of its own read whole rows - hash, metadata, event
-    id - one batch at a time: take_snapshots' fold took 0.73x the CPU once it went by replay.)
+    folded, usage recounted once at the end of the first stretch when it starts empty), to each
+    snapshot's position in turn; the hash a snapshot is saved with is read with that one row.
+    (Until stop 39 a loop of its own read whole rows - hash, metadata, event id - one batch at a
+    time: take_snapshots' fold took 0.73x the CPU once it went by replay, a question's 0.74x.)
     """
     if every < 1:
         raise InvalidInput("snapshot interval must be a positive number of events")
@@ -332,18 +329,18 @@ async def fold_to(
         if found is not None:
             decoded = await asyncio.to_thread(_decoded, decode_state, found, "whole store")
         state = decoded if decoded is not None else State()
-        if not fill:
-            return await _answer(backend, state, position, every, save, batch_size, progress)
         holes: list[tuple[int, int]] = []
         read = _watching_holes(backend.read_payloads, holes)
         at = state.position - state.position % every + every  # (the next multiple)
         while True:
-            # (folded to each multiple in turn by replay: payload rows, read ahead)
-            state = await replay(read, min(at, position), batch_size, state, progress)
-            if holes and save:
+            # (folded to each multiple in turn, by replay; once nothing is to be saved, to the end)
+            to = min(at, position) if save else position
+            state = await replay(read, to, batch_size, state, progress)
+            if holes and save and (at <= position or must_save):
                 # A hole (rows deleted by hand): no snapshot at or after it, for a snapshot
                 # folded without the missing event would still match its position's hash once
-                # the row is put back, and answer without it for good.
+                # the row is put back, and answer without it for good. (take_snapshots, asked
+                # to, checks the log to its head: a hole past its last multiple fails it too.)
                 hole, after_it = holes[0]
                 message = (
                     f"Position {hole} is missing from the log (the next event is at {after_it}): "
@@ -353,56 +350,21 @@ async def fold_to(
                     raise CorruptEvent(message, position=hole, reason="position_gap")
                 log.warning("snapshot.not_saved", position=hole, error=message)
                 save = False
-            if at > position:
-                return state
-            if save and at not in taken:
+            if save and at == to and at not in taken:
                 row = await backend.read_raw(at - 1, 1)  # (for its hash)
                 if row and row[0].position == at:
                     try:
+                        # (on the way to an answer, a save does not wait long for another
+                        # process's write lock: the answer does not need it)
                         await _save(backend, state, at, row[0].hash, wait=must_save)
                     except EvstoreError as exc:
                         if must_save:
                             raise
                         log.warning("snapshot.not_saved", position=at, error=str(exc)[:200])
                         save = False
+            if to >= position:
+                return state
             at += every
-
-
-async def _answer(
-    backend: SnapshotStore,
-    state: State,
-    position: int,
-    every: int,
-    save: bool,
-    batch_size: int,
-    progress: Callable[[int], None] | None,
-) -> State:
-    """A question's fold from ``state`` (a snapshot, or empty) to ``position``, saving the snapshot
-    at the last multiple of ``every`` at or before it on the way: a replay (read ahead, usage
-    recounted once at the end when it starts empty), to that snapshot and then on."""
-    last = position - position % every
-    if save and last > state.position:
-        holes: list[tuple[int, int]] = []
-        state = await replay(_watching_holes(backend.read_payloads, holes), last, batch_size, state, progress)
-        found = await backend.read_raw(last - 1, 1)
-        if holes:
-            # A hole (rows deleted by hand): no snapshot after it, for one folded without the
-            # missing event would still match its position's hash once the row is put back, and
-            # answer without it for good.
-            hole, after_it = holes[0]
-            message = (
-                f"Position {hole} is missing from the log (the next event is at {after_it}): "
-                "rows were deleted from it; `evstore audit` lists the damage"
-            )
-            log.warning("snapshot.not_saved", position=hole, error=message)
-        elif found and found[0].position == last:
-            try:
-                # (on the way to an answer, a save does not wait long for another process's
-                # write lock: the answer does not need it)
-                await _save(backend, state, last, found[0].hash, wait=False)
-            except EvstoreError as exc:
-                log.warning("snapshot.not_saved", position=last, error=str(exc)[:200])
-    return await replay(backend.read_payloads, position, batch_size, state, progress)
 
 
 def _watching_holes(read: Callable[[int, int], Awaitable[list[Any]]], holes: list[tuple[int, int]]) -> Any:
@@ -442,7 +404,7 @@ async def take_snapshots(
     missing = next((p for p in range(every, at + 1, every) if p not in taken), None)
     if missing is not None:
         state = await fold_to(
-            backend, at, every, progress=progress, start_at=missing, taken=taken, must_save=True, fill=True
+            backend, at, every, progress=progress, start_at=missing, taken=taken, must_save=True
         )
         # (freed on a thread a piece at a time: dropped on the event loop, it stalled it for as
         # long as freeing the whole state takes; see dismantle)
