@@ -382,12 +382,14 @@ def _watching_holes(read: Callable[[int, int], Awaitable[list[Any]]], holes: lis
 
 async def _save(backend: SnapshotStore, state: State, position: int, event_hash: str, wait: bool) -> None:
     encoded = await asyncio.to_thread(encode_state, state)
-    await backend.save_snapshot(position, event_hash, SNAPSHOT_FORMAT, encoded, wait=wait)
     if supports_provider_snapshots(backend):
+        # (the whole-store snapshot and its slices in one transaction: all of them or none)
         slices = sorted((await asyncio.to_thread(provider_slices, state)).items())
         await backend.save_provider_snapshots(  # type: ignore[attr-defined]
-            position, event_hash, SNAPSHOT_FORMAT, slices, wait=wait
+            position, event_hash, SNAPSHOT_FORMAT, slices, wait=wait, whole=encoded
         )
+    else:
+        await backend.save_snapshot(position, event_hash, SNAPSHOT_FORMAT, encoded, wait=wait)
 
 
 async def take_snapshots(

@@ -3,11 +3,13 @@ its way, folded by replay; each position's snapshot and slices in one transactio
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from evstore import AllocationStore, CorruptEvent, open_store
+from evstore import AllocationStore, CorruptEvent, StorageError, open_store
 from projections.replay import replay
 from projections.snapshots import SNAPSHOT_FORMAT, decode_state
 from tests.conftest import allocate, make_provider, new_uuid
@@ -139,3 +141,36 @@ async def test_take_snapshots_says_where_a_hole_after_its_last_snapshot_is(store
         with pytest.raises(CorruptEvent, match=r"Position 11 is missing .* next event is at 12"):
             await store.take_snapshots()
         assert await store.snapshot_positions() == [5, 10]
+
+
+async def test_a_failure_between_a_positions_slices_leaves_nothing_of_it(tmp_path: Path) -> None:
+    """Regression (stop 39, helper I): SQLite wrote a position's whole-store snapshot, then each
+    provider's slice, each in a transaction of its own (an fsync each: 40 providers' slices were
+    most of take_snapshots' write time). A failure between them (a crash, a full disk; injected
+    here at the second provider's slice) left the snapshot and the first slices written. They are
+    one transaction now: all of a position, or nothing of it."""
+    db = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{db}", snapshot_every=5) as store:
+        first, second = sorted([await make_provider(store, VCPU=100), await make_provider(store, VCPU=100)])
+        for _ in range(8):  # 5-12
+            await allocate(store, new_uuid(), {first: {"VCPU": 1}, second: {"VCPU": 1}})
+        tamper = store.backend.tamper  # type: ignore[attr-defined]
+        await tamper(
+            f"CREATE TRIGGER refuse BEFORE INSERT ON provider_snapshots WHEN NEW.provider = '{second}' "
+            "BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
+        )
+        with pytest.raises(StorageError, match="injected failure"):
+            await store.take_snapshots()
+        assert await store.snapshot_positions() == []
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("SELECT count(*) FROM provider_snapshots").fetchone() == (0,)
+        # a question goes on without saving (a cache), its answer a replay's
+        assert (await store.state_at(12)).state == await replay(store.backend.read, 12)
+        assert await store.snapshot_positions() == []
+        await tamper("DROP TRIGGER refuse")
+        assert await store.take_snapshots() == [5, 10]
+        with sqlite3.connect(db) as conn:
+            rows = conn.execute(
+                "SELECT position, count(*) FROM provider_snapshots GROUP BY position"
+            ).fetchall()
+        assert rows == [(5, 2), (10, 2)]

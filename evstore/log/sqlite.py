@@ -1738,16 +1738,35 @@ class SqliteBackend:
         await self._on_writer(lambda conn: _retry_busy(lambda: w(conn), self.busy_timeout))
 
     async def save_provider_snapshots(
-        self, position: int, event_hash: str, fmt: int, states: Sequence[tuple[str, str]], wait: bool = True
+        self,
+        position: int,
+        event_hash: str,
+        fmt: int,
+        states: Sequence[tuple[str, str]],
+        wait: bool = True,
+        whole: str | None = None,
     ) -> None:
         """One provider's slice of the state (see projections/snapshots.py) per provider, at a
-        position (``wait``: as :meth:`save_snapshot`)."""
+        position (``wait``: as :meth:`save_snapshot`), and with ``whole`` the whole-store snapshot
+        there: all in one transaction. (Until stop 39 each slice was a transaction of its own, an
+        fsync each: 40 providers' slices took 0.09-0.17 s of wall a position, and a failure between
+        them left some of a position's slices written.)"""
 
         def w(conn: sqlite3.Connection) -> None:
-            conn.executemany(
-                "INSERT OR REPLACE INTO provider_snapshots VALUES (?,?,?,?,?)",
-                [(provider, position, event_hash, fmt, state) for provider, state in states],
-            )
+            conn.execute("BEGIN IMMEDIATE")  # (the only busy statement: retried whole)
+            try:
+                if whole is not None:
+                    sql = "INSERT OR REPLACE INTO snapshots (position, event_hash, format, state) "
+                    sql += "VALUES (?,?,?,?)"
+                    conn.execute(sql, (position, event_hash, fmt, whole))
+                conn.executemany(
+                    "INSERT OR REPLACE INTO provider_snapshots VALUES (?,?,?,?,?)",
+                    [(provider, position, event_hash, fmt, state) for provider, state in states],
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback(conn)
+                raise
 
         await self._save_on_writer(w, wait)
 
