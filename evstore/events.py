@@ -541,18 +541,20 @@ def decode_event(
     where = f" at position {position}" if position is not None else ""
     if cls is None:
         raise CorruptEvent(
-            f"Unknown event type {event_type!r}{where}", position=position, reason="unknown_type"
+            f"Unknown event type {shown(event_type, 80)}{where}{_NEWER_OR_DAMAGED}",
+            position=position,
+            reason="unknown_type",
         )
     if type(version) is not int:
         raise CorruptEvent(
-            f"{event_type}{where} has schema_version {shown(version, 40)}, not an integer",
+            f"{event_type}{where} has schema_version {shown(version, 40)}, not an integer{_DAMAGED}",
             position=position,
             reason="undecodable",
         )
     if version > cls.SCHEMA_VERSION or version < 1:
         raise CorruptEvent(
-            f"{event_type}{where} has schema_version {version}; "
-            f"this evstore reads up to {cls.SCHEMA_VERSION}",
+            f"{event_type}{where} has schema_version {shown(version, 40)}; "
+            f"this evstore reads up to {cls.SCHEMA_VERSION}{_NEWER_OR_DAMAGED}",
             position=position,
             reason="unknown_schema_version",
         )
@@ -565,10 +567,28 @@ def decode_event(
     except (ValueError, ValidationError, SchemaVersionError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else describe_error(exc)
         raise CorruptEvent(
-            f"Cannot decode {event_type}{where}: {why}".splitlines()[0],
+            f"Cannot decode {event_type}{where}: {why}".splitlines()[0] + _DAMAGED,
             position=position,
             reason="undecodable",
         ) from None
+
+
+#: what to do about a row no evstore writes, said after what is wrong with it
+_DAMAGED = (
+    " (the row was changed by hand or damaged: `evstore audit` lists every such row; restore the "
+    "store from a backup, or import an export taken before the damage)"
+)
+#: ... and about one a newer evstore may have written
+_NEWER_OR_DAMAGED = (
+    " (written by a newer evstore? read the store with that version; if not, the row was changed "
+    "by hand or damaged: `evstore audit` lists every such row; restore the store from a backup)"
+)
+
+
+def without_advice(message: str) -> str:
+    """A decoding error's message without what to do about it (the audit, which lists such rows,
+    says what is wrong with each)."""
+    return message.removesuffix(_DAMAGED).removesuffix(_NEWER_OR_DAMAGED)
 
 
 # --- values no command writes (import refuses them, the audit reports them) -------------------

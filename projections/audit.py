@@ -29,6 +29,7 @@ from evstore.events import (
     check_metadata,
     decode_event,
     payload_dict,
+    without_advice,
 )
 from projections.gcpause import gc_paused
 from projections.invariants import DELETED_REASON, clear_leak, find_leaks, format_amount, over_capacity
@@ -228,7 +229,7 @@ class _Replay:
             except CorruptEvent as exc:
                 if self.checked:
                     self.report.findings.append(
-                        Finding("integrity", exc.message, (row.position,), dict(exc.details))
+                        Finding("integrity", without_advice(exc.message), (row.position,), dict(exc.details))
                     )
                 return
         self.state.position = row.position
