@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import unicodedata
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Unpack
@@ -1626,6 +1626,9 @@ async def _leaks_among(
     from projections.invariants import leak_of
 
     state, found = view.state, {}
+    # (a provider's slice keeps no consumer's link to its instance, and a migration released
+    # since has none now: the migrations among the holders, from the events that made them so)
+    migrations = await _migrations_among(store, holders, view.position) if sliced else set()
     for consumer in holders:
         known = state.consumers.get(consumer)
         if not sliced:
@@ -1634,11 +1637,27 @@ async def _leaks_among(
                 found[consumer] = (known.deleted, True)
             continue
         now = await store.allocations(consumer)
-        if not (now.deleted or now.on_behalf_of or (known is not None and known.on_behalf_of)):
+        if not (now.deleted or now.on_behalf_of or consumer in migrations):
             continue
         then = await (await store.state_at(position=view.position, consumer=consumer)).allocations(consumer)
         if then.leaked:
             found[consumer] = (then.deleted, now.leaked)
+    return found
+
+
+async def _migrations_among(store: AllocationStore, consumers: Iterable[str], position: int) -> set[str]:
+    """Those of ``consumers`` that a ``MigrationStarted`` up to ``position`` made a migration (a
+    ``write_allocations`` move is recorded as one too)."""
+    wanted = set(consumers)
+    keys = [f"consumer:{c}" for c in sorted(wanted)]
+    found: set[str] = set()
+    after = 0
+    while keys:
+        batch = await store.backend.read_entities(keys, after, 1000, position, types=("MigrationStarted",))
+        found.update(m for e in batch if (m := getattr(e.event, "migration", None)) in wanted)
+        if len(batch) < 1000:
+            break
+        after = batch[-1].position
     return found
 
 

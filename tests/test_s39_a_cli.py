@@ -391,3 +391,38 @@ def test_history_and_tail_say_a_move_onto_a_deleted_consumer_made_a_leak(
     assert [d["summary"].endswith(f"; {said}; {clear}") for d in docs] == [
         d["position"] == moved for d in docs
     ]
+
+
+async def _left_holding_then_snapshot_then_released(tmp_path: Path, url: str) -> tuple[dict[str, str], int]:
+    """An older writer's log where an instance's delete left its migration holding, imported;
+    snapshots every 10 events taken past it; then the migration released (the leak cleared)."""
+    lines, delete, ids = await _migration_left_holding(tmp_path)
+    async with open_store(url, snapshot_every=10) as store:
+        await store.import_events(lambda: iter(lines))
+        while await store.head() < delete.position + 12:
+            await make_provider(store, VCPU=1)
+        at = await store.head() - 1
+        assert at - at % 10 > delete.position  # (a snapshot between the leak and the position asked)
+        assert await store.take_snapshots()
+        await store.release(ids["migration"])
+    return ids, at
+
+
+def test_state_of_a_provider_in_time_travel_marks_a_leak_cleared_since_past_a_snapshot(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression (stop 39, found by review): with a provider snapshot between the leak and the
+    position asked, ``state --provider P --at X`` left out a migration's leak that a release had
+    cleared since: the provider's slice keeps no consumer's link to its instance, and the released
+    migration has none now, so it was not checked - while without the snapshot it was."""
+    ids, at = asyncio.run(_left_holding_then_snapshot_then_released(tmp_path, store_url))
+    where, migration = _target(store_url), ids["migration"]
+    assert _json("state", "--at", str(at), "--consumer", migration, *where)["leaked"] is True
+    doc = _json("state", "--provider", ids["src"], "--at", str(at), *where)
+    assert migration in doc["allocations"] and doc["leaks"] == [migration]
+    [row] = [
+        line
+        for line in _run("state", "--provider", ids["src"], "--at", str(at), *where).splitlines()
+        if migration[:8] in line or migration in line
+    ]
+    assert "a leak (cleared since)" in row
