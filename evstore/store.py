@@ -1007,16 +1007,19 @@ class AllocationStore:
             while self._running:  # (jobs the writer started on their own: PostgreSQL's)
                 await asyncio.wait(list(self._running))
         finally:
-            await self._backend.close()
-            # The subscribers' reads still in flight (PostgreSQL's pool closes once their queries
-            # have returned their rows, which they then decode) are cancelled, and their
-            # subscribers end with StoreClosed, before close() returns: it returned with them
-            # pending, and a loop closed after it said "Task was destroyed but it is pending!"
-            while self._reads:
-                reads = [shared.task for shared in self._reads.values()]
-                for task in reads:
-                    task.cancel()
-                await asyncio.wait(reads)
+            try:
+                await self._backend.close()
+            finally:
+                # The subscribers' reads still in flight (PostgreSQL's pool closes once their
+                # queries have returned their rows, which they then decode) are cancelled, and
+                # their subscribers end with StoreClosed, before close() returns - also when the
+                # backend's close failed: it returned with them pending, and a loop closed after
+                # it said "Task was destroyed but it is pending!"
+                while self._reads:
+                    reads = [shared.task for shared in self._reads.values()]
+                    for task in reads:
+                        task.cancel()
+                    await asyncio.wait(reads)
 
     async def __aenter__(self) -> AllocationStore:
         return await self.open()

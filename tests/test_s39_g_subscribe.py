@@ -50,6 +50,34 @@ async def test_close_ends_the_subscribers_reads_in_flight_before_it_returns(
     assert seen == [[], [], []]  # (nothing read before the close is delivered after it)
 
 
+async def test_close_ends_the_subscribers_reads_also_when_the_backend_fails_to_close(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (stop 39, found by review): the reads were ended after the backend's close, in
+    the same ``finally``: a close that raised left them pending."""
+    store = await open_store(store_url, poll_interval=3600)
+    rp = await make_provider(store, VCPU=100)
+    start = await store.head()
+    tasks, _ = await idle_subscribers(store, 2, start)
+    reads = HeldReads(store, monkeypatch, after_reading=True)
+    reads.gate.clear()
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+    await until(lambda: reads.held == 1)
+    real_close = store.backend.close
+
+    async def failing_close() -> None:
+        await real_close()
+        raise OSError("the disk went away while closing")
+
+    monkeypatch.setattr(store.backend, "close", failing_close)
+    with pytest.raises(OSError, match="went away"):
+        async with asyncio.timeout(GUARD):
+            await store.close()
+    assert not reads_in_flight()
+    errors = await ended(tasks)
+    assert all(isinstance(e, StoreClosed) for e in errors), {repr(e) for e in errors}
+
+
 async def test_a_subscriber_beginning_a_read_as_the_store_closes_ends_without_one(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
