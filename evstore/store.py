@@ -334,10 +334,11 @@ def _non_str_key(value: Any, keys: list[str]) -> tuple[list[str], Any] | None:
     return None
 
 
-def _metadata_json(meta: dict[str, Any], check: bool, own: int = 0) -> str:
+def _metadata_json(meta: dict[str, Any], check: bool, own_keys: bool = False) -> str:
     """``meta`` as the JSON text every event of the command carries, checked (``check``: it holds
-    caller values) as every reader of the log decodes it: from that text. ``own``: the bytes of
-    that text evstore's own keys take (see :func:`_own_keys_size`), not counted against the caller."""
+    caller values) as every reader of the log decodes it: from that text. ``own_keys``: it holds
+    evstore's own keys, whose bytes are not counted against the caller (see :func:`_own_keys_size`:
+    worked out only for a text over the bound, off every command's path)."""
     text = None
     for value in meta.values():
         if type(value) is not str:
@@ -369,7 +370,10 @@ def _metadata_json(meta: dict[str, Any], check: bool, own: int = 0) -> str:
         ) from None
     if check:
         # (the text is ASCII - JSON escapes the rest - so its length is its size in bytes)
-        if (size := len(text) - own) > _METADATA_MAX_BYTES:
+        if (
+            len(text) > _METADATA_MAX_BYTES
+            and (size := len(text) - (_own_keys_size(meta) if own_keys else 0)) > _METADATA_MAX_BYTES
+        ):
             raise err.InvalidInput(
                 f"metadata is too large: {size:,} bytes of JSON, at most {_METADATA_MAX_BYTES:,} (every "
                 "event of the command carries it: keep ids and short facts there, not documents)",
@@ -1209,7 +1213,7 @@ class AllocationStore:
         job = Job(
             command,
             meta,
-            _metadata_json(meta, from_caller, _own_keys_size(meta) if from_caller else 0),
+            _metadata_json(meta, from_caller, own_keys=from_caller),
             n,
             key,
             *(_fingerprints(command) if key is not None else ("", "")),
