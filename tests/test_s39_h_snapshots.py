@@ -11,7 +11,7 @@ import pytest
 
 from evstore import AllocationStore, CorruptEvent, StorageError, open_store
 from projections.replay import replay
-from projections.snapshots import SNAPSHOT_FORMAT, decode_state
+from projections.snapshots import load_snapshot_state
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_projections_support import random_workload
 
@@ -81,9 +81,9 @@ async def test_every_snapshot_a_question_saves_decodes_to_a_replay_to_its_positi
     assert await store.snapshot_positions() == saved
     backend: Any = store.backend
     for position in saved:
-        found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
-        assert found is not None and found[0] == position
-        assert decode_state(found[1]) == await replay(store.backend.read, position), position
+        found = await load_snapshot_state(backend, position)  # (with its chain of tombstones)
+        assert found is not None and found.position == position
+        assert found == await replay(store.backend.read, position), position
     afters: list[int] = []
     _spy_on_payload_reads(store, afters)
     try:
@@ -125,9 +125,9 @@ async def test_every_snapshot_take_snapshots_saves_decodes_to_a_replay_to_its_po
     assert taken == list(range(7, head + 1, 7))
     backend: Any = store.backend
     for position in taken:
-        found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
-        assert found is not None and found[0] == position
-        assert decode_state(found[1]) == await replay(store.backend.read, position), position
+        found = await load_snapshot_state(backend, position)  # (with its chain of tombstones)
+        assert found is not None and found.position == position
+        assert found == await replay(store.backend.read, position), position
 
 
 async def test_take_snapshots_says_where_a_hole_after_its_last_snapshot_is(store_url: str) -> None:

@@ -2611,21 +2611,27 @@ class PostgresBackend:
     # --- snapshots (a cache of folded states; see projections/snapshots.py) -------------------
 
     async def save_snapshot(
-        self, position: int, event_hash: str, fmt: int, state: str, wait: bool = True
+        self,
+        position: int,
+        event_hash: str,
+        fmt: int,
+        state: str,
+        wait: bool = True,
+        tombstones: str | None = None,
     ) -> None:
-        """(``wait`` is SQLite's: here a save waits only for another save of the same position.)"""
+        """(``wait`` is SQLite's: here a save waits only for another save of the same position.)
+        ``tombstones``: the snapshot's tombstone segment (see :meth:`load_tombstones`), saved in
+        the same transaction."""
+        sql = (
+            "INSERT INTO snapshots VALUES ($1, $2, $3, $4) ON CONFLICT (position) DO UPDATE SET "
+            "event_hash = EXCLUDED.event_hash, format = EXCLUDED.format, state = EXCLUDED.state"
+        )
+        rows = [(position, event_hash, fmt, state)]
+        if tombstones is not None:
+            rows.append((-position, event_hash, fmt, tombstones))
         async with self._connection() as conn:
-            await self._guard(
-                conn.execute(
-                    "INSERT INTO snapshots VALUES ($1, $2, $3, $4) ON CONFLICT (position) DO UPDATE SET "
-                    "event_hash = EXCLUDED.event_hash, format = EXCLUDED.format, state = EXCLUDED.state",
-                    position,
-                    event_hash,
-                    fmt,
-                    state,
-                ),
-                "saving a snapshot",
-            )
+            # (executemany is atomic, since asyncpg 0.22: both rows or neither)
+            await self._guard(conn.executemany(sql, rows), "saving a snapshot")
 
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
         """The latest snapshot at or before ``at_most`` whose event is still the one it was taken at."""
@@ -2645,7 +2651,8 @@ class PostgresBackend:
     async def snapshot_positions(self, usable_in: int | None = None) -> list[int]:
         """Positions of the snapshots (``usable_in``: only those of that format whose event is
         still the one they were taken at, as load_snapshot uses them)."""
-        sql = "SELECT position FROM snapshots ORDER BY position"
+        # (not the tombstone segments, kept at minus their position: see load_tombstones)
+        sql = "SELECT position FROM snapshots WHERE position > 0 ORDER BY position"
         args: tuple[Any, ...] = ()
         if usable_in is not None:
             sql = (
@@ -2657,6 +2664,27 @@ class PostgresBackend:
         async with self._connection() as conn:
             rows = await self._guard(conn.fetch(sql, *args), "listing snapshots")
         return [int(r[0]) for r in rows]
+
+    async def load_tombstones(self, at_most: int, fmt: int) -> list[tuple[int, str]]:
+        """The tombstone segments (see projections/snapshots.py) of the snapshots at or before
+        ``at_most`` whose event is still the one they were taken at, as ``(position, text)``.
+
+        A segment is kept in the snapshots table at minus its snapshot's position: a cache needs
+        no table of its own, and so no schema change (an older evstore of this schema version
+        ignores them: it reads its own format, at positive positions, and drops them with the rest)."""
+        async with self._connection() as conn:
+            rows = await self._guard(
+                conn.fetch(
+                    "SELECT e.position, s.state FROM snapshots s JOIN events e "
+                    "ON e.position = -s.position AND e.hash = s.event_hash "
+                    "WHERE s.position < 0 AND s.position >= -$1::bigint AND s.format = $2 "
+                    "ORDER BY s.position DESC",
+                    at_most,
+                    fmt,
+                ),
+                "loading a snapshot's tombstones",
+            )
+        return [(int(r[0]), str(r[1])) for r in rows]
 
     async def drop_snapshots(self) -> None:
         async with self._connection() as conn:

@@ -1660,18 +1660,18 @@ class SqliteBackend:
     # --- snapshots (a cache of folded states; see projections/snapshots.py) -------------------
 
     async def save_snapshot(
-        self, position: int, event_hash: str, fmt: int, state: str, wait: bool = True
+        self,
+        position: int,
+        event_hash: str,
+        fmt: int,
+        state: str,
+        wait: bool = True,
+        tombstones: str | None = None,
     ) -> None:
         """``wait``: for another connection's write lock up to busy_timeout (else ~0.1 s: see
-        :meth:`_save_on_writer`)."""
-
-        def w(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "INSERT OR REPLACE INTO snapshots (position, event_hash, format, state) VALUES (?,?,?,?)",
-                (position, event_hash, fmt, state),
-            )
-
-        await self._save_on_writer(w, wait)
+        :meth:`_save_on_writer`); ``tombstones``: the snapshot's tombstone segment (see
+        :meth:`load_tombstones`), saved in the same transaction."""
+        await self.save_provider_snapshots(position, event_hash, fmt, (), wait, state, tombstones)
 
     async def _save_on_writer(self, write: Callable[[sqlite3.Connection], None], wait: bool) -> None:
         """A snapshot's write. One saved on the way to answering a question (``wait`` False: time
@@ -1711,7 +1711,9 @@ class SqliteBackend:
 
         def q(conn: sqlite3.Connection) -> list[int]:
             if usable_in is None:
-                return [int(r[0]) for r in conn.execute("SELECT position FROM snapshots ORDER BY position")]
+                # (not the tombstone segments, kept at minus their position: see load_tombstones)
+                sql = "SELECT position FROM snapshots WHERE position > 0 ORDER BY position"
+                return [int(r[0]) for r in conn.execute(sql)]
             sql = (
                 "SELECT s.position FROM snapshots s JOIN events e "
                 "ON e.position = s.position AND e.hash = s.event_hash "
@@ -1720,6 +1722,25 @@ class SqliteBackend:
             return [int(r[0]) for r in conn.execute(sql, (usable_in,))]
 
         return await self._on_reader(q)
+
+    async def load_tombstones(self, at_most: int, fmt: int) -> list[tuple[int, str]]:
+        """The tombstone segments (see projections/snapshots.py) of the snapshots at or before
+        ``at_most`` whose event is still the one they were taken at, as ``(position, text)``.
+
+        A segment is kept in the snapshots table at minus its snapshot's position: a cache needs
+        no table of its own, and so no schema change (an older evstore of this schema version
+        ignores them: it reads its own format, at positive positions, and drops them with the rest)."""
+
+        def q(conn: sqlite3.Connection) -> list[tuple[int, str]]:
+            rows = conn.execute(
+                "SELECT e.position, s.state FROM snapshots s JOIN events e "
+                "ON e.position = -s.position AND e.hash = s.event_hash "
+                "WHERE s.position < 0 AND s.position >= -? AND s.format = ? ORDER BY s.position DESC",
+                (at_most, fmt),
+            )
+            return [(int(r[0]), str(r[1])) for r in rows]
+
+        return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
 
     async def drop_snapshots(self) -> None:
         """Both kinds, in one transaction: a failure between them (a crash, a full disk) must not
@@ -1745,20 +1766,24 @@ class SqliteBackend:
         states: Sequence[tuple[str, str]],
         wait: bool = True,
         whole: str | None = None,
+        tombstones: str | None = None,
     ) -> None:
         """One provider's slice of the state (see projections/snapshots.py) per provider, at a
         position (``wait``: as :meth:`save_snapshot`), and with ``whole`` the whole-store snapshot
-        there: all in one transaction. (Until stop 39 each slice was a transaction of its own, an
-        fsync each: 40 providers' slices took 0.09-0.17 s of wall a position, and a failure between
-        them left some of a position's slices written.)"""
+        there and ``tombstones`` its tombstone segment: all in one transaction. (Until stop 39
+        each slice was a transaction of its own, an fsync each: 40 providers' slices took
+        0.09-0.17 s of wall a position, and a failure between them left some of a position's
+        slices written.)"""
 
         def w(conn: sqlite3.Connection) -> None:
             conn.execute("BEGIN IMMEDIATE")  # (the only busy statement: retried whole)
             try:
+                sql = "INSERT OR REPLACE INTO snapshots (position, event_hash, format, state) "
+                sql += "VALUES (?,?,?,?)"
                 if whole is not None:
-                    sql = "INSERT OR REPLACE INTO snapshots (position, event_hash, format, state) "
-                    sql += "VALUES (?,?,?,?)"
                     conn.execute(sql, (position, event_hash, fmt, whole))
+                if tombstones is not None:
+                    conn.execute(sql, (-position, event_hash, fmt, tombstones))  # (see load_tombstones)
                 conn.executemany(
                     "INSERT OR REPLACE INTO provider_snapshots VALUES (?,?,?,?,?)",
                     [(provider, position, event_hash, fmt, state) for provider, state in states],
