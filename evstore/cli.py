@@ -2386,12 +2386,17 @@ def import_(
         path, _ = parse_sqlite_url(target)
         if path != ":memory:" and not Path(path).exists():
             created = Path(path)
-        elif others := foreign_tables(path):
-            fail(
-                "evstore.invalid_input",
-                f"{path} is not an evstore store: it holds another application's tables "
-                f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); import into a new file",
-            )
+        else:
+            try:
+                others = foreign_tables(target)
+            except err.EvstoreError as exc:  # (locked past busy_timeout, unreadable: as the open says it)
+                fail(exc.code, exc.message)
+            if others:
+                fail(
+                    "evstore.invalid_input",
+                    f"{path} is not an evstore store: it holds another application's tables "
+                    f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); import into a new file",
+                )
 
     imported: list[int] = []  # (set once the import committed)
     source = export_file

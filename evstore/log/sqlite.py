@@ -2327,14 +2327,17 @@ def not_a_regular_file(path: str) -> str | None:
     return "is not a regular file (a device or socket)"
 
 
-def _table_names(path: str) -> list[str]:
+def _table_names(path: str, busy_timeout: float) -> list[str]:
     """The tables of the existing database at ``path``, read without a write lock or creating
-    anything (raises ``sqlite3.Error`` when it cannot be opened or read)."""
-    conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-    try:
+    anything; another connection's lock is waited for up to ``busy_timeout`` seconds, in slices
+    (see :func:`_look`: sqlite3's default waited 5 s, whatever the store's busy_timeout said).
+    Raises ``sqlite3.Error`` when it cannot be opened or read (the last busy answer, for a file
+    that stayed locked)."""
+
+    def names(conn: sqlite3.Connection) -> list[str]:
         return [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-    finally:
-        conn.close()
+
+    return _look(path, names, time.monotonic() + busy_timeout, threading.Event())
 
 
 def _no_store_reason(path: str, deadline: float, stop: threading.Event) -> str | None:
@@ -2400,16 +2403,38 @@ def _holds_no_store(path: str, deadline: float, stop: threading.Event) -> bool:
         return not os.path.exists(path)
 
 
-def foreign_tables(path: str) -> list[str]:
-    """The tables of an existing SQLite database that are not evstore's (another application's:
-    an import must not write evstore's tables beside them); empty when the file is missing,
-    empty, an evstore store, no database or not a regular file (read-only check)."""
-    if path == ":memory:" or not_a_regular_file(path) is not None:
+def foreign_tables(url: str) -> list[str]:
+    """The tables of the existing SQLite database of the store ``url`` that are not evstore's
+    (another application's: an import must not write evstore's tables beside them); empty when
+    the file is missing, empty, an evstore store or not a regular file (read-only check). A lock
+    another connection holds is waited for up to the URL's busy_timeout (30 s by default), as the
+    store's open waits; a file that stays locked longer, or cannot be read (not a database,
+    damaged), raises StorageError as the open says it - never "no other tables" (after sqlite3's
+    default 5 s), which let the import go on to an open that refused the file with another code."""
+    path, options = parse_sqlite_url(url)
+    busy_timeout = (
+        float(_option_from_url("busy_timeout", options["busy_timeout"]))
+        if "busy_timeout" in options
+        else 30.0
+    )
+    if path == ":memory:" or not_a_regular_file(path) is not None or not os.path.exists(path):
         return []  # (a FIFO would be waited on for ever: the store's open refuses it with the reason)
     try:
-        tables = _table_names(path)
-    except sqlite3.Error:
-        return []
+        tables = _table_names(path, busy_timeout)
+    except sqlite3.Error as exc:
+        if not os.path.exists(path):
+            return []  # (removed since: the import creates it)
+        if isinstance(exc, sqlite3.OperationalError) and _is_busy(exc):
+            raise err.StorageError(
+                f"Cannot open {url}: {exc} (another connection held it locked for longer than "
+                f"busy_timeout ({busy_timeout:g} s): retry, or open the store with a longer busy_timeout)",
+                sqlite_error="busy",
+            ) from None
+        raise err.StorageError(
+            f"Cannot open {url}: {exc}{_damage_hint(exc)}",
+            sqlite_error=type(exc).__name__,
+            **_damage_reason(exc),
+        ) from None
     ours = _schema_objects()[0].keys()
     return sorted(t for t in tables if t not in ours and not t.startswith("sqlite_"))
 
