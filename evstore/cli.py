@@ -2018,7 +2018,9 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
         )
         return EXIT_OK
     if nothing is not None:
-        line = f"consumer {key} holds nothing: nothing to release"
+        # (a migration's instance named as its --json names it, and as its confirmation does)
+        who = f"migration {key} of instance {instance}" if migration else f"consumer {key}"
+        line = f"{who} holds nothing: nothing to release"
         if isinstance(nothing, err.ConsumerDeleted):  # (why a migration has nothing left: the API's words)
             line += f" ({nothing.message})"
         elif after.deleted:
