@@ -1204,13 +1204,23 @@ class TailLeakNotes:
     migration holding; each with how to clear it while it is one still. What came after
     ``start`` is learned from the listed events themselves (the tombstones, the migrations
     started and ended); what came before, from the store, once a consumer (a tombstone is
-    permanent): ``tail --after 0`` reads nothing more than the log."""
+    permanent): ``tail --after 0`` reads nothing more than the log. For the events up to ``head``
+    (those the log held when the tail began) that is read a page of events at a time, for all the
+    consumers the page names, in one read of the log before ``start`` for the tombstones and one for
+    the migrations (see :meth:`_look_ahead`); it was read a consumer at a time, one or two reads of
+    the store each: ``tail --after 1`` took 1.5 times as long as ``--after 0``."""
 
     #: the events of an instance's history that start or end its migrations
     ENDS = ("MigrationStarted", "MigrationConfirmed", "MigrationReverted")
+    #: how many of the events up to the head one look ahead covers
+    AHEAD = 500
 
-    def __init__(self, store: AllocationStore, start: int) -> None:
-        self.store, self.start = store, start
+    def __init__(self, store: AllocationStore, start: int, head: int, limit: int | None = None) -> None:
+        self.store, self.start, self.head = store, start, head
+        #: how many events one look ahead reads (no more than the listing shows: ``--limit``)
+        self.page = min(self.AHEAD, limit or self.AHEAD)
+        #: the last position a look ahead covered (nothing to look up before position 0)
+        self.ahead = start if start else head
         #: consumer: the position of its first tombstone (None: not deleted, when known)
         self.deleted_at: dict[str, int | None] = {}
         #: instance: the migrations started for it and not ended (since ``start``, or read)
@@ -1224,6 +1234,8 @@ class TailLeakNotes:
         from evstore import events as ev
 
         event, position, notes = recorded.event, recorded.position, []
+        if self.ahead < position <= self.head:
+            await self._look_ahead(position)
         given: str | None = None
         instance: str | None = None
         match event:
@@ -1257,6 +1269,76 @@ class TailLeakNotes:
                 f"held for an instance deleted at position {at}: a leak{await self._clear(given, False)}"
             )
         return notes
+
+    async def _look_ahead(self, position: int) -> None:
+        """Read what came before ``start`` for every consumer the events from ``position`` on (a
+        page of them, up to the head) name: the first tombstone of each (as :meth:`_deleted_before`
+        reads it) and the migrations open for each instance (as :meth:`_open` reads them), each in
+        one read of the log (per 500 consumers). A damaged row leaves it to those, a consumer at a
+        time: the listing reports its own damaged rows."""
+        from evstore import events as ev
+
+        self.ahead = self.head  # (also when a read below fails: not tried again for each event)
+        try:
+            page = await self.store.read(position - 1, min(self.page, self.head - position + 1))
+            if page:
+                self.ahead = page[-1].position
+            deleted: dict[str, int | None] = {}
+            instances: dict[str, dict[str, None]] = {}
+            for recorded in page:
+                match event := recorded.event:
+                    case ev.ConsumerDeleted():
+                        deleted[event.consumer] = None
+                        instances[event.consumer] = {}
+                    case ev.MigrationStarted():
+                        deleted[event.migration] = deleted[event.instance] = None
+                        instances[event.instance] = {}
+                    case ev.MigrationConfirmed():
+                        instances[event.instance] = {}
+                    case ev.MigrationReverted():
+                        deleted[event.instance] = None
+                        instances[event.instance] = {}
+                    case ev.AllocationsReplaced():
+                        deleted[event.consumer] = None
+                        if event.on_behalf_of is not None:
+                            deleted[event.on_behalf_of] = None
+            deleted = {c: None for c in deleted if c not in self.deleted_at}
+            instances = {i: {} for i in instances if i not in self.read}
+            for recorded in await self._before_start(deleted, ("ConsumerDeleted",)):
+                event = recorded.event
+                if (
+                    isinstance(event, ev.ConsumerDeleted)
+                    and event.consumer in deleted
+                    and deleted[event.consumer] is None
+                ):
+                    deleted[event.consumer] = recorded.position  # (its first: the tombstone)
+            for recorded in await self._before_start(instances, self.ENDS):
+                event = recorded.event
+                if (started := instances.get(event.instance)) is not None:
+                    if isinstance(event, ev.MigrationStarted):
+                        started[event.migration] = None
+                    else:
+                        started.pop(event.migration, None)
+        except err.CorruptEvent:
+            return
+        self.deleted_at.update(deleted)
+        self.open.update(instances)
+        self.read.update(instances)
+
+    async def _before_start(self, consumers: Iterable[str], types: Sequence[str]) -> list[Any]:
+        """The events of ``types`` up to ``start`` that name one of ``consumers``, in order."""
+        keys = [f"consumer:{c}" for c in consumers]
+        found: dict[int, Any] = {}
+        for first in range(0, len(keys), 500):
+            chunk, after = keys[first : first + 500], 0
+            while batch := await self.store.backend.read_entities(
+                chunk, after, 1000, self.start, types=types
+            ):
+                found.update((recorded.position, recorded) for recorded in batch)
+                if len(batch) < 1000:
+                    break
+                after = batch[-1].position
+        return [found[at] for at in sorted(found)]
 
     async def _open(self, instance: str) -> dict[str, None]:
         """The migrations of ``instance`` open now (those before ``start`` read once)."""
@@ -1798,7 +1880,7 @@ def tail(
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK
-            leak_notes = TailLeakNotes(store, start)
+            leak_notes = TailLeakNotes(store, start, head, limit)
             async for recorded in _following(store, start, follow, file):
                 if not follow and recorded.position > head:
                     break
