@@ -314,24 +314,63 @@ def _own_keys_size(meta: dict[str, Any]) -> int:
     )
 
 
-def _non_str_key(value: Any, keys: list[str]) -> tuple[list[str], Any] | None:
-    """The keys down to the first key of a mapping inside ``value`` that is not a string, and that
-    key (JSON would write ``1`` as ``"1"``, ``None`` as ``"null"``: the log would hold other keys than
-    the caller's, or one twice); list items by their index. None: there is none."""
+def _metadata_fault(value: Any, keys: list[str], text: bool) -> tuple[list[str], Any, str] | None:
+    """The first thing inside ``value`` (metadata) that the log cannot give back as the caller
+    gave it, with the keys down to it (list items by their index), as ``(keys, what, kind)``:
+    ``kind`` "key" for a key of a mapping that is not a string (JSON would write ``1`` as ``"1"``,
+    ``None`` as ``"null"``: the log would hold other keys than the caller's, or one twice) - the
+    keys down to that mapping, and the key; each mapping's keys are looked at before what it holds.
+    With ``text``, also a string that is not valid Unicode text (a lone surrogate, which JSON
+    escapes but no reader of the log decodes): ``kind`` "text_key" for a key (the keys down to it,
+    itself included), "text" for a value. None: there is none."""
+    if isinstance(value, str):
+        return (keys, value, "text") if text and not _is_text(value) else None
     items: Iterable[tuple[Any, Any]]
     if isinstance(value, Mapping):
         for key in value:
             if not isinstance(key, str):
-                return keys, key
+                return keys, key, "key"
         items = value.items()
     elif isinstance(value, list | tuple):
         items = enumerate(value)
     else:
         return None
     for key, item in items:
-        if isinstance(item, Mapping | list | tuple) and (found := _non_str_key(item, [*keys, str(key)])):
-            return found
+        if text and not _is_text(key):
+            return [*keys, str(key)], key, "text_key"
+        if isinstance(item, Mapping | list | tuple) or (text and isinstance(item, str)):
+            if (found := _metadata_fault(item, [*keys, str(key)], text)) is not None:
+                return found
     return None
+
+
+def _is_text(value: Any) -> bool:
+    """Whether ``value`` is not a string holding a lone surrogate (see :func:`_metadata_fault`)."""
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _metadata_fault_error(fault: tuple[list[str], Any, str]) -> err.InvalidInput:
+    """What :func:`_metadata_fault` found, as the caller is told it (with ``details["path"]``)."""
+    keys, found, kind = fault
+    if kind == "key":
+        inside = ".".join(keys) or "the metadata"
+        return err.InvalidInput(
+            f"metadata keys must be strings, at any depth: {inside} has the key {shown(found, 60)}",
+            **where("metadata", ["metadata", *keys, path_key(found)]),
+        )
+    inside = ".".join(keys[:-1]) or "the metadata"
+    what = f"a key of {inside}" if kind == "text_key" else ".".join(keys)
+    return err.InvalidInput(
+        f"metadata is not valid: {what} must be valid Unicode text (no lone surrogates), "
+        f"got {shown(found, 80)}",
+        **where("metadata", ["metadata", *keys]),
+    )
 
 
 def _metadata_json(meta: dict[str, Any], check: bool, own_keys: bool = False) -> str:
@@ -347,16 +386,11 @@ def _metadata_json(meta: dict[str, Any], check: bool, own_keys: bool = False) ->
         text = sorted_json(meta)
     if text is None and check:
         try:
-            bad_key = _non_str_key(meta, [])
+            fault = _metadata_fault(meta, [], text=False)
         except RecursionError:
             raise err.InvalidInput(_METADATA_TOO_DEEP, field="metadata") from None
-        if bad_key is not None:
-            keys, key = bad_key
-            inside = ".".join(keys) or "the metadata"
-            raise err.InvalidInput(
-                f"metadata keys must be strings, at any depth: {inside} has the key {shown(key, 60)}",
-                **where("metadata", ["metadata", *keys, path_key(key)]),
-            )
+        if fault is not None:
+            raise _metadata_fault_error(fault)
     try:
         if text is None:
             text = _METADATA_ENCODER.encode(meta)
@@ -384,19 +418,13 @@ def _metadata_json(meta: dict[str, Any], check: bool, own_keys: bool = False) ->
         except ValidationError as exc:
             if any("recursion limit" in e["msg"] for e in exc.errors()):
                 raise err.InvalidInput(_METADATA_TOO_DEEP, field="metadata") from None
-            if (bad := _lone_surrogate(meta, [])) is not None:
-                keys, value, is_key = bad
-                inside = ".".join(keys[:-1]) or "the metadata"
-                what = f"a key of {inside}" if is_key else ".".join(keys)
-                raise err.InvalidInput(
-                    f"metadata is not valid: {what} must be valid Unicode text (no lone surrogates), "
-                    f"got {shown(value, 80)}",
-                    **where("metadata", ["metadata", *keys]),
-                ) from None
+            # (the keys were looked at above: a string that is not text is what is left to find)
+            if (fault := _metadata_fault(meta, [], text=True)) is not None:
+                raise _metadata_fault_error(fault) from None
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].lower()}"
                 if e["loc"]
-                else f"a value is not valid unicode text ({e['msg']})"  # (what _lone_surrogate did not find)
+                else f"a value is not valid unicode text ({e['msg']})"  # (what _metadata_fault did not find)
                 for e in exc.errors()
             )
             first = [str(p) for p in exc.errors()[0]["loc"]] if exc.errors() else []
@@ -404,31 +432,6 @@ def _metadata_json(meta: dict[str, Any], check: bool, own_keys: bool = False) ->
                 f"metadata is not valid: {problems}", **where("metadata", ["metadata", *first])
             ) from None
     return text
-
-
-def _lone_surrogate(value: Any, keys: list[str]) -> tuple[list[str], str, bool] | None:
-    """The keys down to the first string of ``value`` - a value, or a key of one of its mappings -
-    that is not valid Unicode text (a lone surrogate, which JSON escapes but no reader of the log
-    decodes), that string, and whether it is a key; list items by their index. None: there is none."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return keys, value, False
-        return None
-    items: Iterable[tuple[Any, Any]]
-    if isinstance(value, Mapping):
-        items = value.items()
-    elif isinstance(value, list | tuple):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        if isinstance(key, str) and _lone_surrogate(key, []) is not None:
-            return [*keys, key], key, True
-        if (found := _lone_surrogate(item, [*keys, str(key)])) is not None:
-            return found
-    return None
 
 
 def _fingerprints(command: cmd.Command) -> tuple[str, str]:
