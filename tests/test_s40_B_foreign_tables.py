@@ -58,8 +58,10 @@ def test_a_file_locked_past_busy_timeout_is_a_busy_error_not_no_tables(tmp_path:
 def test_a_lock_let_go_of_within_busy_timeout_is_waited_for(tmp_path: Path) -> None:
     path = _app_file(tmp_path / "app.db")
     with _locked(path) as holder:
-        threading.Timer(0.5, lambda: holder.execute("ROLLBACK")).start()
+        letting_go = threading.Timer(0.5, lambda: holder.execute("ROLLBACK"))
+        letting_go.start()
         assert foreign_tables(f"sqlite:///{path}?busy_timeout=10") == ["users"]
+        letting_go.join()
 
 
 def test_a_file_that_is_not_a_database_is_said_as_the_open_says_it(tmp_path: Path) -> None:
