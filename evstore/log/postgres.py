@@ -1336,6 +1336,8 @@ class PostgresBackend:
         self._unsynced: set[int] = set()
         #: pooled connections whose release was cancelled, which may never have run (_give_back)
         self._interrupted: set[Any] = set()
+        #: the pool's acquires whose callers were cancelled, left to finish (see _acquire)
+        self._orphans: set[asyncio.Task[None]] = set()
         self._namespace = ""
         # Commands use at most all but one connection: waiting for a lock another process holds
         # (its rebuild's fence, a hot entity), they must not take every connection from the reads
@@ -1529,6 +1531,10 @@ class PostgresBackend:
     async def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
+            if self._orphans:  # (acquires left by their callers: see _acquire; each has a timeout)
+                _, left = await asyncio.wait(set(self._orphans), timeout=10)
+                for orphan in left:
+                    orphan.cancel()
             for conn in self._interrupted:  # (see _give_back)
                 if not _closed(conn):
                     with contextlib.suppress(asyncpg.InterfaceError):
@@ -1663,7 +1669,7 @@ class PostgresBackend:
             try:
                 # (bounded: without a timeout, a call waited for every call ahead of it, each up
                 # to command_timeout, or for ever without one)
-                return await pool.acquire(timeout=max(0.001, deadline - loop.time()))
+                return await self._shielded(pool, max(0.001, deadline - loop.time()))
             except asyncpg.exceptions.TooManyConnectionsError as exc:
                 if loop.time() + pause > deadline or self._pool is None:
                     raise
@@ -1676,6 +1682,38 @@ class PostgresBackend:
                 raise
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
+
+    async def _shielded(self, pool: Any, within: float) -> Any:
+        """``pool.acquire(timeout=within)``, which its caller's cancellation does not stop.
+
+        Cancelled while the pool opened a connection for it, under the default sslmode (prefer:
+        asyncpg asks the server for TLS first), asyncpg closes the half-made connection and its
+        protocol sets an error nobody awaits - asyncio then logs "Future exception was never
+        retrieved ... unexpected connection_lost() call" (MagicStack/asyncpg#1211, #1310). The
+        acquire runs in a task of its own: the caller sees its cancellation at once, and the
+        connection that arrives after it has gone is given back (close waits for those)."""
+        attempt = asyncio.ensure_future(pool.acquire(timeout=within))
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            orphan = asyncio.ensure_future(self._settle(pool, attempt))
+            self._orphans.add(orphan)
+            orphan.add_done_callback(self._orphans.discard)
+            raise
+
+    async def _settle(self, pool: Any, attempt: asyncio.Future[Any]) -> None:
+        """Gives back the connection of an acquire whose caller was cancelled (see _shielded)."""
+        try:
+            conn = await attempt
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # (this one's own: a shutdown's, close's)
+                raise
+            return  # (no connection: nothing to give back)
+        except Exception:
+            return
+        with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
+            await self._give_back(pool, conn, max(self.connect_timeout, self.command_timeout or 0))
 
     async def _migrate(self) -> None:
         found, upgrading = 0, False
