@@ -741,6 +741,17 @@ RESOURCE_SHORTAGES: dict[str, tuple[str, str]] = {
 }
 
 
+#: the shortages a later try may well not meet: the server short of memory or of some other
+#: resource (53200, 53000: what its other sessions hold - sorts, hashes, locks, dynamic shared
+#: memory, background workers - comes free as they end) or of connection slots (53300). Their
+#: errors say ``transient=True``: subscribers ride them out with their back-off, as a restart,
+#: rather than ending at the first one. Not a full disk (53100), which waits for a person to free
+#: space, nor a configuration limit (53400: temp_file_limit, max_prepared_transactions, ...),
+#: which the same statement meets again until a person raises it; nor a code of the class this
+#: table does not know.
+PASSING_SHORTAGES = frozenset({"53000", "53200", "53300"})
+
+
 def _kept(failed: err.StorageError) -> dict[str, Any]:
     """What an error wrapping ``failed`` keeps of its details: the SQLSTATE and the reason (a full
     disk, too many connections), which a caller acts on."""
@@ -1195,7 +1206,8 @@ def _storage_error(
     A failure of the connection rather than of the work (lost, refused, timed out, the server
     shutting down or full) says ``transient=True``: the same call may succeed on a new
     connection once the server is back (subscribers wait for that: AllocationStore.subscribe);
-    not one that is refused for good (:func:`_refused_for_good`), nor an answer of the server."""
+    not one that is refused for good (:func:`_refused_for_good`), nor an answer of the server but
+    a shortage that passes by itself (PASSING_SHORTAGES: out of memory, say)."""
     exc = _reason(exc)
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -1228,13 +1240,15 @@ def _storage_error(
                 " (the statement_timeout of the URL, the role or the database ended it: raise it for "
                 "evstore's sessions, e.g. ?statement_timeout=0 in the store URL)"
             )
-        reason: dict[str, str] = {}
+        reason: dict[str, Any] = {}
         # (disk_full: the server could not extend a table, an index or a temporary file; a COMMIT
         # that cannot write its WAL is no answer but a server that stops: the connection lost)
         found = _resource_shortage(sqlstate)
         if found is not None:
             lead += f" ({found[1]})"
             reason = {"reason": found[0]}
+            if sqlstate in PASSING_SHORTAGES:
+                reason["transient"] = True
         if committing is None:
             return err.StorageError(lead, sqlstate=sqlstate, **reason)
         # the server answered with an error: the transaction is rolled back, also at COMMIT
