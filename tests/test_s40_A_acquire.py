@@ -20,6 +20,7 @@ import asyncpg.connect_utils
 import pytest
 
 from evstore import open_store
+from evstore.log import postgres
 from evstore.log.postgres import PostgresBackend
 
 GUARD = 10.0  # a hang guard, not a timing assertion
@@ -83,3 +84,84 @@ async def test_a_read_cancelled_while_the_pool_connects_logs_nothing_and_leaks_n
         async with backend._connection(), backend._connection(), backend._connection():
             assert pool.get_size() == 3
         assert await store.head() == 0
+
+
+class _ScriptedPool:
+    """A pool whose acquires play ``script`` in turn: an error to raise, or a callable run first
+    (a pause, a connection the pool opened meanwhile) before the next step."""
+
+    def __init__(self, script: list[Any], size: int) -> None:
+        self.script = script
+        self.size = size
+
+    def get_size(self) -> int:
+        return self.size
+
+    def get_idle_size(self) -> int:
+        return 0
+
+    async def acquire(self, timeout: float | None = None) -> Any:
+        while True:
+            step = self.script.pop(0)  # (a step too many: IndexError)
+            if isinstance(step, BaseException):
+                raise step
+            await step()
+
+
+def _refused() -> asyncpg.exceptions.TooManyConnectionsError:
+    return asyncpg.exceptions.TooManyConnectionsError("sorry, too many clients already")
+
+
+async def test_a_timeout_right_after_a_refusal_is_put_down_to_it() -> None:
+    """The wait for a connection ran out just after the server refused one for want of a slot,
+    the pool below its size: the refusal is the cause, and is what the caller gets (as before)."""
+    backend = PostgresBackend("postgresql://evstore@127.0.0.1:1/evstore", pool_size=3, connect_timeout=5)
+    pool = backend._pool = _ScriptedPool([_refused(), TimeoutError()], size=1)  # type: ignore[assignment]
+    with pytest.raises(asyncpg.exceptions.TooManyConnectionsError):
+        await backend._acquire(pool)
+    assert pool.script == []
+
+
+async def test_a_timeout_with_a_cause_of_its_own_is_not_put_down_to_an_earlier_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: a refusal for want of a slot was remembered for the rest of the wait: a
+    timeout after it, the pool below its size, was raised as that refusal even where it had
+    another cause - the server that then left a connect unanswered past the refusal's time, or
+    a pool that has opened a connection since (the slots came free; its connections were busy).
+    Those are the timeouts they are ("did not answer within connect_timeout")."""
+    monkeypatch.setattr(postgres, "_REFUSAL_FRESH", 0.05, raising=False)
+    backend = PostgresBackend("postgresql://evstore@127.0.0.1:1/evstore", pool_size=3, connect_timeout=5)
+
+    async def unanswered() -> None:  # (a connect the server does not answer, past the refusal's time)
+        await asyncio.sleep(0.2)
+
+    pool = backend._pool = _ScriptedPool([_refused(), unanswered, TimeoutError()], size=1)  # type: ignore[assignment]
+    with pytest.raises(TimeoutError):
+        await backend._acquire(pool)
+    assert pool.script == []
+
+    async def opened() -> None:  # (a slot came free: the pool opened a connection, then waited)
+        await backend._opened_one(_Connection())
+
+    pool = backend._pool = _ScriptedPool([_refused(), opened, TimeoutError()], size=2)  # type: ignore[assignment]
+    with pytest.raises(TimeoutError):
+        await backend._acquire(pool)
+    assert pool.script == []
+
+
+class _Connection:
+    async def execute(self, *args: Any) -> None:
+        pass
+
+
+async def test_the_pool_counts_the_connections_it_opens(pg_url: str) -> None:
+    """What the refusal's rule reads: each connection the pool opens is counted."""
+    async with open_store(pg_url, pool_size=3, min_pool_size=1) as store:
+        backend = store.backend
+        assert isinstance(backend, PostgresBackend) and backend._pool is not None
+        before = backend._opened
+        assert before >= 1
+        await backend._pool.expire_connections()
+        await store.head()
+        assert backend._opened == before + 1

@@ -741,6 +741,11 @@ RESOURCE_SHORTAGES: dict[str, tuple[str, str]] = {
 }
 
 
+#: how long after the server refused the pool a connection for want of a slot (53300) a wait
+#: for one that runs out is put down to that refusal (see PostgresBackend._acquire): a refusal
+#: answers a connect in a round trip, and the pool tries again within 0.1 s
+_REFUSAL_FRESH = 0.5
+
 #: the shortages a later try may well not meet: the server short of memory or of some other
 #: resource (53200, 53000: what its other sessions hold - sorts, hashes, locks, dynamic shared
 #: memory, background workers - comes free as they end) or of connection slots (53300). Their
@@ -1352,6 +1357,10 @@ class PostgresBackend:
         self._interrupted: set[Any] = set()
         #: the pool's acquires whose callers were cancelled, left to finish (see _acquire)
         self._orphans: set[asyncio.Task[None]] = set()
+        #: the connections the pool has opened so far, and this count and the loop's time at the
+        #: last refusal of one for want of a slot (see _acquire)
+        self._opened = 0
+        self._last_refusal: tuple[int, float] | None = None
         self._namespace = ""
         # Commands use at most all but one connection: waiting for a lock another process holds
         # (its rebuild's fence, a hot entity), they must not take every connection from the reads
@@ -1386,7 +1395,7 @@ class PostgresBackend:
                 command_timeout=self.command_timeout,
                 statement_cache_size=self.statement_cache_size,
                 reset=functools.partial(_reset_connection, unsynced=self._unsynced),
-                init=_init_connection,
+                init=self._opened_one,
             )
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             if isinstance(exc, ValueError):  # (ClientConfigurationError: ?sslmode=bogus, a URL's fault)
@@ -1669,6 +1678,22 @@ class PostgresBackend:
             interrupted.add(conn)
             raise
 
+    async def _opened_one(self, conn: Any) -> None:
+        """The pool's ``init``: each connection it opens, counted (see _acquire)."""
+        await _init_connection(conn)
+        self._opened += 1
+
+    def _refusal_is_cause(self, pool: Any) -> bool:
+        """Whether a wait for a connection that ran out is likely the doing of the server's
+        refusals for want of a slot: the pool is below its size, the last refusal (of any of
+        this store's calls) is recent and the pool has opened no connection since. Otherwise it
+        has a cause of its own - a connect the server left unanswered, connections that came
+        and stayed busy - which the refusal would hide."""
+        if self._last_refusal is None or pool.get_size() >= self.pool_size:
+            return False
+        opened, at = self._last_refusal
+        return opened == self._opened and asyncio.get_running_loop().time() - at <= _REFUSAL_FRESH
+
     async def _acquire(self, pool: Any) -> Any:
         """``pool.acquire()``; when the server refuses the pool another connection (too many
         for ``max_connections`` or the role's ``CONNECTION LIMIT``: ``pool_size`` is more than
@@ -1685,13 +1710,14 @@ class PostgresBackend:
                 # to command_timeout, or for ever without one)
                 return await self._shielded(pool, max(0.001, deadline - loop.time()))
             except asyncpg.exceptions.TooManyConnectionsError as exc:
+                self._last_refusal = (self._opened, loop.time())
                 if loop.time() + pause > deadline or self._pool is None:
                     raise
                 refused = exc
             except TimeoutError:
                 # (the wait ran out after the server refused a connection for want of a slot: that
-                # refusal is the cause, not a server that "did not answer")
-                if refused is not None and pool.get_size() < self.pool_size:
+                # refusal is the cause, not a server that "did not answer" - if it still is)
+                if refused is not None and self._refusal_is_cause(pool):
                     raise refused from None
                 raise
             await asyncio.sleep(pause)
