@@ -81,10 +81,12 @@ import functools
 import hashlib
 import heapq
 import itertools
+import logging
 import random
 import re
 import ssl
 import uuid as _uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
@@ -1277,6 +1279,50 @@ def _storage_error(
     )
 
 
+#: asyncpg's warning, with the connect's traceback, at each failed try to reopen the connections
+#: the pool keeps at least (min_pool_size) - after a connection was lost, while the server is
+#: down or refuses it: retried after 1 s, 2 s, ... 60 s, for as long as the outage lasts
+_FLOOR_WARNING = "Failed to restore the pool connection floor; retrying"
+#: the open backends, whose pools' floor warnings _floor_retry routes
+_OPEN: weakref.WeakSet[PostgresBackend] = weakref.WeakSet()
+
+
+def _floor_retry(record: logging.LogRecord) -> bool:
+    """A filter of asyncpg's pool logger: its floor warning for a pool of evstore's where the
+    logging is not configured - which printed it, with a traceback of some 40 lines, on stderr at
+    every try during an outage - is logged through structlog instead, a line with the error and
+    what it means (``postgres.pool_floor_retry``), as subscribers log their retries. Left as it
+    is: where the logging is configured (its handlers decide), for another pool, and for an error
+    other than the connection's or the server's (a bug's, whose traceback is wanted)."""
+    if record.msg != _FLOOR_WARNING or not record.exc_info or logging.getLogger(record.name).hasHandlers():
+        return True
+    exc = record.exc_info[1]
+    if not isinstance(exc, DB_ERRORS):
+        return True
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # (no loop running: not the pool's maintenance)
+        return True
+    frame = getattr(task.get_coro() if task is not None else None, "cr_frame", None)
+    pool = frame.f_locals.get("self") if frame is not None else None
+    backend = next((b for b in list(_OPEN) if pool is not None and b._pool is pool), None)
+    if backend is None:
+        return True
+    failed = _storage_error(
+        exc,
+        f"reopening the pool's min_pool_size ({backend.min_pool_size}) connections to {backend.safe_url}",
+        None,
+        backend._timeout_named("connect_timeout"),
+    )
+    log.warning(
+        "postgres.pool_floor_retry",
+        error=failed.message,
+        action="asyncpg tries again after a pause growing from 1 s to 60 s; calls connect anew meanwhile",
+        **{k: v for k, v in _kept(failed).items() if v is not None},
+    )
+    return False
+
+
 class _Refused(Exception):
     """A command's decision was to refuse it: raised inside its transaction to roll it back, and
     its outcome returned (see PostgresBackend._attempt)."""
@@ -1431,6 +1477,8 @@ class PostgresBackend:
             ) from None
         except ValueError as exc:
             raise self._malformed(exc) from None
+        _OPEN.add(self)
+        logging.getLogger("asyncpg.pool").addFilter(_floor_retry)  # (once: a filter added again is not)
         try:
             await self._migrate()
             await self._repair_projection()
@@ -1553,6 +1601,7 @@ class PostgresBackend:
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
+        _OPEN.discard(self)
         if pool is not None:
             if self._orphans:  # (acquires left by their callers: see _acquire; each has a timeout)
                 _, left = await asyncio.wait(set(self._orphans), timeout=10)
@@ -1570,6 +1619,7 @@ class PostgresBackend:
 
     def abandon(self) -> None:
         pool, self._pool = self._pool, None
+        _OPEN.discard(self)
         if pool is None:
             return
         loop = getattr(pool, "_loop", None)
