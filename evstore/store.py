@@ -838,6 +838,8 @@ class AllocationStore:
         self._idle: dict[asyncio.Future[None], int] = {}
         #: the one task polling the head for them (other processes' appends): None when none waits
         self._poller: asyncio.Task[None] | None = None
+        #: what the poller's pause between reads waits for: set to end it early (_until_appended)
+        self._poller_nap: asyncio.Future[None] | None = None
         #: the reads of the log in flight for subscribers, by (after, limit): subscribers at the same
         #: position share one (a commit wakes them all at once)
         self._reads: dict[tuple[int, int], _SharedRead] = {}
@@ -1890,10 +1892,14 @@ class AllocationStore:
         if self._poller is None:
             # (in a context of its own: not the first waiting subscriber's, whose bound request
             # id would be on the poller's log lines)
+            self._poller_nap = asyncio.get_running_loop().create_future()
             self._poller = asyncio.get_running_loop().create_task(
-                self._poll_for_subscribers(), name="evstore-subscribers-poller", context=contextvars.Context()
+                self._poll_for_subscribers(self._poller_nap),
+                name="evstore-subscribers-poller",
+                context=contextvars.Context(),
             )
             self._poller.add_done_callback(self._poller_ended)
+        cancelled = False
         try:
             if at_most is None:
                 await waiter
@@ -1902,8 +1908,17 @@ class AllocationStore:
                 await asyncio.wait([waiter], timeout=at_most)
                 if waiter.done():
                     waiter.result()  # (the poller's failure, if it failed)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             del self._idle[waiter]
+            nap = self._poller_nap
+            if cancelled and not self._idle and nap is not None and not nap.done():
+                # (the last waiting subscriber was cancelled: the poller ends now, not at its next
+                # tick up to poll_interval later; not at a wake-up or an outage's pause, after
+                # which the subscriber waits again at once)
+                nap.set_result(None)
             if waiter.done() and not waiter.cancelled():
                 # (this subscriber was cancelled as the poller failed: its copy of the error is
                 # retrieved here, not logged as "never retrieved")
@@ -1917,7 +1932,7 @@ class AllocationStore:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _poll_for_subscribers(self) -> None:
+    async def _poll_for_subscribers(self, nap: asyncio.Future[None]) -> None:
         """Every ``poll_interval`` while a subscriber waits, read the head of the log (on
         PostgreSQL that also positions what a writer that died left unpositioned, as a read
         does) and wake the subscribers when it is beyond what one of them has delivered: other
@@ -1927,16 +1942,22 @@ class AllocationStore:
         that failed for a reason that may pass (see ``_OUTAGE_RETRY_FOR``) is tried again after
         a pause (``poll_interval`` at least), the subscribers waiting on; a failure that goes on
         longer, or any other, is raised in every waiting subscriber, as its own read would have
-        raised it, and ends this task (the next subscriber to wait starts another)."""
+        raised it, and ends this task (the next subscriber to wait starts another). ``nap``: what
+        its pauses wait for, which the last waiting subscriber's cancellation ends."""
         outage: _Outage | None = None
         pause = self._poll_interval
         # (optional: the error that says no append can reach the store any more - SQLite's file
         # deleted or replaced - rather than subscribers waiting for ever)
         check_followable = getattr(self._impl, "check_followable", None)
         while True:
-            await asyncio.sleep(pause)
+            # (a pause that the last waiting subscriber's cancellation ends: see _until_appended;
+            # one that came during a read ends the next pause at once)
+            self._poller_nap = nap
+            await asyncio.wait([nap], timeout=pause)
             if self._closing or not self._idle:
                 return
+            if nap.done():
+                nap = asyncio.get_running_loop().create_future()
             try:
                 if check_followable is not None:
                     await check_followable()
