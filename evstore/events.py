@@ -551,7 +551,15 @@ def decode_event(
             position=position,
             reason="undecodable",
         )
-    if version > cls.SCHEMA_VERSION or version < 1:
+    if version < 1:
+        # (no evstore, older or newer, writes one: not a version to upgrade to)
+        raise CorruptEvent(
+            f"{event_type}{where} has schema_version {shown(version, 40)}; evstore's versions "
+            f"start at 1{_DAMAGED}",
+            position=position,
+            reason="unknown_schema_version",
+        )
+    if version > cls.SCHEMA_VERSION:
         raise CorruptEvent(
             f"{event_type}{where} has schema_version {shown(version, 40)}; "
             f"this evstore reads up to {cls.SCHEMA_VERSION}{_NEWER_OR_DAMAGED}",
