@@ -69,7 +69,7 @@ from evstore.schema import (
 from projections import audit as _audit
 from projections.audit import AuditReport
 from projections.diff import Diff
-from projections.replay import StateView, replay
+from projections.replay import StateView, gapless, replay
 from projections.state import ConsumerState, ProviderState, State, evolve
 from projections.views import (
     RESERVED_CONSUMER_TYPES,
@@ -2076,7 +2076,7 @@ class AllocationStore:
             head = await self._backend.head()
             if to_position > head:  # (as state_at and diff: a position the log has not reached)
                 raise _beyond_head(to_position, head, "at" if at is not None else "to_position")
-        return await replay(self._backend.read_payloads, to_position)
+        return await replay(gapless(self._backend.read_payloads), to_position)
 
     async def state_at(
         self,
@@ -2145,7 +2145,7 @@ class AllocationStore:
         if snapshots.supports_snapshots(self._backend):
             backend: Any = self._backend
             return await snapshots.fold_to(backend, position, self.snapshot_every)
-        return await replay(self._backend.read_payloads, position)
+        return await replay(gapless(self._backend.read_payloads), position)
 
     async def take_snapshots(self, progress: Callable[[int], None] | None = None) -> list[int]:
         """Fold the log to its head, saving a snapshot every ``snapshot_every`` events; their positions."""
@@ -2214,7 +2214,7 @@ class AllocationStore:
                 raise _beyond_head(bound, head, field)
         if start > end:  # (a time and a position: the log says which comes first)
             raise err.InvalidInput(f"diff needs a <= b, got positions {start} and {end}", field="b")
-        return await diff_states(await self._fold_to(start), self._backend.read_raw, end)
+        return await diff_states(await self._fold_to(start), gapless(self._backend.read_raw), end)
 
     def export(self, batch_size: int = 1000) -> AsyncGenerator[str, None]:
         """The log as JSON lines: a header, then every row verbatim (see projections/exchange.py),

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from uuid import UUID
 
-from evstore.errors import InvalidInput, ProviderNotFound
+from evstore.errors import CorruptEvent, InvalidInput, ProviderNotFound
 from evstore.events import PAYLOAD_DECODERS, RecordedEvent, decode_event
 from evstore.log import PayloadRow
 from projections.gcpause import gc_paused
@@ -213,6 +213,29 @@ async def replay(
     if to_position is not None:
         state.position = max(state.position, to_position)  # (a hole at to_position: the state there)
     return state
+
+
+def gapless(read: Callable[[int, int], Awaitable[list[Any]]]) -> Callable[[int, int], Awaitable[list[Any]]]:
+    """``read`` (of rows as :func:`replay` takes them), refusing a batch that steps over a position:
+    a hole left by rows deleted by hand (``CorruptEvent``, reason ``position_gap``, at the missing
+    position), as ``read``, ``export`` and ``rebuild`` refuse it - a fold over it would answer
+    without the missing event (a tombstone deleted by hand: the instance alive again)."""
+
+    async def reading(after: int, limit: int) -> list[Any]:
+        batch = await read(after, limit)
+        if batch and _position_of(batch[-1]) - after != len(batch):
+            hole, found = next(
+                (p, _position_of(row)) for p, row in enumerate(batch, after + 1) if _position_of(row) != p
+            )
+            raise CorruptEvent(
+                f"Position {hole} is missing from the log (the next event is at {found}): rows were "
+                "deleted from it; `evstore audit` lists the damage",
+                position=hole,
+                reason="position_gap",
+            )
+        return batch
+
+    return reading
 
 
 def _position_of(row: Any) -> int:

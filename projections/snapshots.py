@@ -27,11 +27,11 @@ from typing import Any, NamedTuple, Protocol
 import pydantic_core
 import structlog
 
-from evstore.errors import CorruptEvent, EvstoreError, InvalidInput
+from evstore.errors import EvstoreError, InvalidInput
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS
-from projections.replay import replay
+from projections.replay import gapless, replay
 from projections.state import ConsumerState, ProviderState, State, dismantle, evolve
 
 log = structlog.get_logger("evstore.snapshots")
@@ -557,27 +557,15 @@ async def fold_to(
         # a fraction of a second, which the event loop must not stall for)
         found = await _load(backend, position if start_at is None else start_at)
         state, shared = found if found is not None else (State(), Tombstones())
-        holes: list[tuple[int, int]] = []
-        read = _watching_holes(backend.read_payloads, holes)
+        # (a hole - rows deleted by hand - refuses the fold when it is read: the snapshots before
+        # it are saved, none at or after it - one folded without the missing event would still
+        # match its position's hash once the row is put back, and answer without it for good)
+        read = gapless(backend.read_payloads)
         at = state.position - state.position % every + every  # (the next multiple)
         while True:
             # (folded to each multiple in turn, by replay; once nothing is to be saved, to the end)
             to = min(at, position) if save else position
             state = await replay(read, to, batch_size, state, progress)
-            if holes and save and (at <= position or must_save):
-                # A hole (rows deleted by hand): no snapshot at or after it, for a snapshot
-                # folded without the missing event would still match its position's hash once
-                # the row is put back, and answer without it for good. (take_snapshots, asked
-                # to, checks the log to its head: a hole past its last multiple fails it too.)
-                hole, after_it = holes[0]
-                message = (
-                    f"Position {hole} is missing from the log (the next event is at {after_it}): "
-                    "rows were deleted from it; `evstore audit` lists the damage"
-                )
-                if must_save:
-                    raise CorruptEvent(message, position=hole, reason="position_gap")
-                log.warning("snapshot.not_saved", position=hole, error=message)
-                save = False
             if save and at == to and at not in taken:
                 row = await backend.read_raw(at - 1, 1)  # (for its hash)
                 if row and row[0].position == at:
@@ -593,19 +581,6 @@ async def fold_to(
             if to >= position:
                 return state
             at += every
-
-
-def _watching_holes(read: Callable[[int, int], Awaitable[list[Any]]], holes: list[tuple[int, int]]) -> Any:
-    """``read`` (of ``(position, ...)`` rows), noting each hole a batch steps over (the missing
-    position, the next one there is) in ``holes``."""
-
-    async def reading(after: int, limit: int) -> list[Any]:
-        batch = await read(after, limit)
-        if batch and batch[-1][0] - after != len(batch):
-            holes.append(next((p, row[0]) for p, row in enumerate(batch, after + 1) if row[0] != p))
-        return batch
-
-    return reading
 
 
 async def _save(

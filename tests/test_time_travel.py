@@ -367,23 +367,27 @@ async def test_time_travel_over_a_hole_never_folds_an_event_past_the_position(st
     evstore.log.corrupt and the audit lists), the folds read "the next N events" to reach a
     position, and got one past it: ``state_at(8)``, ``replay(8)`` and ``diff(5, 8)`` answered the
     state at position 9 (its event folded in, ``position == 9``); ``state_at(7)``, the hole
-    itself, answered position 8. They fold over the hole as the rebuild and the audit do, but
-    stop at the position asked about."""
+    itself, answered position 8. Since stop 40 they do not fold over the hole at all (refused,
+    naming it, as read, export and rebuild refuse it: an answer without the missing event - a
+    tombstone, say - would be a state the log never had); before it they answer, from the
+    snapshot at 5 or from the log."""
     async with open_store(store_url, snapshot_every=5) as store:
         rp = await make_provider(store, VCPU=100)  # positions 1, 2
         for _ in range(8):  # 3-10: 1 VCPU each
             await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         await store.take_snapshots()
         await store.backend.tamper("DELETE FROM events WHERE position = 7")  # type: ignore[attr-defined]
-        for position, used in ((8, 5), (7, 4), (6, 4)):
-            view = await store.state_at(position)
-            assert (view.position, await view.usage(rp)) == (position, {"VCPU": used})
-            replayed = await store.replay(position)
-            assert replayed.position == position
-            assert replayed.providers[rp].usages == {"VCPU": used}
-            changed = await store.diff(5, position)
-            assert changed.to_position == position
-            assert [u.after for u in changed.usage] == [used]
+        for position in (8, 7):
+            for fold in (store.state_at(position), store.replay(position), store.diff(5, position)):
+                with pytest.raises(CorruptEvent, match="Position 7 is missing") as raised:
+                    await fold
+                assert raised.value.details == {"position": 7, "reason": "position_gap"}
+        view = await store.state_at(6)
+        assert (view.position, await view.usage(rp)) == (6, {"VCPU": 4})
+        replayed = await store.replay(6)
+        assert (replayed.position, replayed.providers[rp].usages) == (6, {"VCPU": 4})
+        changed = await store.diff(5, 6)
+        assert changed.to_position == 6 and [u.after for u in changed.usage] == [4]
 
 
 async def test_no_snapshot_is_saved_from_a_fold_over_a_hole(store_url: str) -> None:
@@ -399,7 +403,9 @@ async def test_no_snapshot_is_saved_from_a_fold_over_a_hole(store_url: str) -> N
         tamper = store.backend.tamper  # type: ignore[attr-defined]
         await tamper("CREATE TABLE backup AS SELECT * FROM events WHERE position = 7")
         await tamper("DELETE FROM events WHERE position = 7")
-        assert await (await store.state_at(10)).usage(rp) == {"VCPU": 7}  # (over the hole)
+        with pytest.raises(CorruptEvent, match="Position 7 is missing"):  # (not over the hole)
+            await store.state_at(10)
+        assert await store.snapshot_positions() == [5]  # (saved on its way, before the hole)
         with pytest.raises(CorruptEvent, match="Position 7 is missing") as raised:
             await store.take_snapshots()
         assert raised.value.code == "evstore.log.corrupt"
