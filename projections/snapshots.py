@@ -69,7 +69,7 @@ class SnapshotStore(Protocol):
         state: str,
         wait: bool = True,
         tombstones: str | None = None,
-    ) -> None: ...
+    ) -> bool | None: ...
     async def load_tombstones(self, at_most: int, fmt: int) -> list[tuple[int, str]]: ...
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None: ...
     async def snapshot_positions(self, usable_in: int | None = None) -> list[int]: ...
@@ -589,10 +589,11 @@ async def _save(
     """Save the snapshot of ``state`` at ``position``, its tombstone segment and (where the backend
     keeps them) its provider slices, in one transaction; then extend ``shared`` with the segment."""
     encoded = await asyncio.to_thread(encode_snapshot, state, shared)
+    saved: bool | None
     if supports_provider_snapshots(backend):
         # (the whole-store snapshot and its slices in one transaction: all of them or none)
         slices = sorted((await asyncio.to_thread(provider_slices, state)).items())
-        await backend.save_provider_snapshots(  # type: ignore[attr-defined]
+        saved = await backend.save_provider_snapshots(  # type: ignore[attr-defined]
             position,
             event_hash,
             SNAPSHOT_FORMAT,
@@ -602,11 +603,15 @@ async def _save(
             tombstones=encoded.segment,
         )
     else:
-        await backend.save_snapshot(
+        saved = await backend.save_snapshot(
             position, event_hash, SNAPSHOT_FORMAT, encoded.whole, wait=wait, tombstones=encoded.segment
         )
-    # (only once saved: a snapshot that failed to save leaves the chain as it was)
-    encoded.extend(shared, position)
+    # (only once saved: a snapshot that failed to save, or that the backend left unsaved without
+    # an error - SQLite's on the way to an answer, in a rollback-journal file - leaves the chain
+    # as it was; extended, every later snapshot of this fold named a segment never saved, and was
+    # never used. None: a backend that does not say, which saves or raises)
+    if saved is not False:
+        encoded.extend(shared, position)
 
 
 async def take_snapshots(

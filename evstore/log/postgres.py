@@ -2746,10 +2746,10 @@ class PostgresBackend:
         state: str,
         wait: bool = True,
         tombstones: str | None = None,
-    ) -> None:
+    ) -> bool:
         """(``wait`` is SQLite's: here a save waits only for another save of the same position.)
         ``tombstones``: the snapshot's tombstone segment (see :meth:`load_tombstones`), saved in
-        the same transaction."""
+        the same transaction. True: saved (SQLite's may be left unsaved without an error)."""
         sql = (
             "INSERT INTO snapshots VALUES ($1, $2, $3, $4) ON CONFLICT (position) DO UPDATE SET "
             "event_hash = EXCLUDED.event_hash, format = EXCLUDED.format, state = EXCLUDED.state"
@@ -2760,6 +2760,7 @@ class PostgresBackend:
         async with self._connection() as conn:
             # (executemany is atomic, since asyncpg 0.22: both rows or neither)
             await self._guard(conn.executemany(sql, rows), "saving a snapshot")
+        return True
 
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
         """The latest snapshot at or before ``at_most`` whose event is still the one it was taken at."""

@@ -1667,22 +1667,25 @@ class SqliteBackend:
         state: str,
         wait: bool = True,
         tombstones: str | None = None,
-    ) -> None:
+    ) -> bool:
         """``wait``: for another connection's write lock up to busy_timeout (else ~0.1 s: see
         :meth:`_save_on_writer`); ``tombstones``: the snapshot's tombstone segment (see
-        :meth:`load_tombstones`), saved in the same transaction."""
-        await self.save_provider_snapshots(position, event_hash, fmt, (), wait, state, tombstones)
+        :meth:`load_tombstones`), saved in the same transaction. False when left unsaved without
+        an error (see :meth:`_save_on_writer`)."""
+        return await self.save_provider_snapshots(position, event_hash, fmt, (), wait, state, tombstones)
 
-    async def _save_on_writer(self, write: Callable[[sqlite3.Connection], None], wait: bool) -> None:
+    async def _save_on_writer(self, write: Callable[[sqlite3.Connection], None], wait: bool) -> bool:
         """A snapshot's write. One saved on the way to answering a question (``wait`` False: time
         travel, diff) waits ~0.1 s at most for another process's write lock, then fails busy (the
         caller goes on without saving): it waited busy_timeout, 30 s by default, before the answer
-        - and this store's commands, queued behind it on the writer, with it."""
+        - and this store's commands, queued behind it on the writer, with it. False when it was
+        left unsaved without an error: the caller's chain of tombstone segments (see
+        projections/snapshots.py) must not name a segment that was not saved."""
         if not wait and self._wal_deferred:
             # (a cache, on the way to an answer: not worth turning a file that is only read out of
             # its rollback-journal mode - see _wal_deferred - so left unsaved, as when busy)
             log.debug("snapshot.not_saved", reason="rollback_journal_file")
-            return
+            return False
         timeout = self.busy_timeout if wait else min(self.busy_timeout, 0.1)
 
         def run(conn: sqlite3.Connection) -> None:
@@ -1690,6 +1693,7 @@ class SqliteBackend:
             _retry_busy(lambda: write(conn), timeout)
 
         await self._on_writer(run)
+        return True
 
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
         """The latest snapshot at or before ``at_most`` whose event is still the one it was taken at."""
@@ -1767,13 +1771,13 @@ class SqliteBackend:
         wait: bool = True,
         whole: str | None = None,
         tombstones: str | None = None,
-    ) -> None:
+    ) -> bool:
         """One provider's slice of the state (see projections/snapshots.py) per provider, at a
         position (``wait``: as :meth:`save_snapshot`), and with ``whole`` the whole-store snapshot
         there and ``tombstones`` its tombstone segment: all in one transaction. (Until stop 39
         each slice was a transaction of its own, an fsync each: 40 providers' slices took
         0.09-0.17 s of wall a position, and a failure between them left some of a position's
-        slices written.)"""
+        slices written.) False when left unsaved without an error (see :meth:`_save_on_writer`)."""
 
         def w(conn: sqlite3.Connection) -> None:
             conn.execute("BEGIN IMMEDIATE")  # (the only busy statement: retried whole)
@@ -1793,7 +1797,7 @@ class SqliteBackend:
                 _rollback(conn)
                 raise
 
-        await self._save_on_writer(w, wait)
+        return await self._save_on_writer(w, wait)
 
     async def load_provider_snapshot(self, provider: str, at_most: int, fmt: int) -> tuple[int, str] | None:
         def q(conn: sqlite3.Connection) -> tuple[int, str] | None:
