@@ -392,20 +392,39 @@ def _first_line(text: str) -> str:
 
 async def load_snapshot_state(backend: SnapshotStore, at_most: int) -> State | None:
     """The state of the latest usable snapshot at or before ``at_most`` (tests, debugging)."""
-    found = await _load(backend, at_most)
-    return None if found is None else found[0]
+    state, _, _ = await _load(backend, at_most)
+    return None if not state.position else state
 
 
-async def _load(backend: SnapshotStore, at_most: int) -> tuple[State, Tombstones] | None:
-    """The latest snapshot at or before ``at_most`` with its chain of tombstones, or None (none,
-    or one that cannot be decoded: a damaged row, a segment of its chain missing)."""
-    found = await backend.load_snapshot(at_most, SNAPSHOT_FORMAT)
-    if found is None:
-        return None
-    segments: dict[int, str] = {}
-    if _tombstones_through(found[1]) is not None:
-        segments = dict(await backend.load_tombstones(found[0], SNAPSHOT_FORMAT))
-    return await asyncio.to_thread(_decoded_snapshot, found, segments)
+#: snapshots a fold passes over, at most, for the latest one it can use (each one read whole)
+PASSED_OVER = 8
+
+
+async def _load(backend: SnapshotStore, at_most: int) -> tuple[State, Tombstones, list[int]]:
+    """The latest usable snapshot at or before ``at_most`` with its chain of tombstones (the
+    empty state and chain when there is none), and the positions of the later ones passed over,
+    unusable (a damaged row, a segment of its chain missing or replaced), latest first.
+
+    A snapshot whose chain broke is passed over for the one before it: a fold with another
+    interval that saved its own segment where the chain ran (two processes with different
+    ``snapshot_every``), a rebuild or drop_snapshots under a fold, breaks every later snapshot of
+    that chain, and a fold of another interval never saves them again. Until this review the fold
+    then started from position 0, for every question after such a snapshot, for good."""
+    passed: list[int] = []
+    segments: dict[int, str] | None = None
+    while len(passed) < PASSED_OVER:
+        found = await backend.load_snapshot(at_most, SNAPSHOT_FORMAT)
+        if found is None:
+            break
+        if segments is None and _tombstones_through(found[1]) is not None:
+            # (once: an earlier snapshot's chain is made of earlier segments)
+            segments = dict(await backend.load_tombstones(found[0], SNAPSHOT_FORMAT))
+        decoded = await asyncio.to_thread(_decoded_snapshot, found, segments or {})
+        if decoded is not None:
+            return decoded[0], decoded[1], passed
+        passed.append(found[0])
+        at_most = found[0] - 1
+    return State(), Tombstones(), passed
 
 
 def _tombstones_through(text: str) -> Any:
@@ -534,7 +553,9 @@ async def fold_to(
     taken: frozenset[int] = frozenset(),
     must_save: bool = False,
 ) -> State:
-    """The state at ``position``: the nearest snapshot at or before it, plus the events since.
+    """The state at ``position``: the nearest usable snapshot at or before it, plus the events
+    since (a later one whose chain of tombstone segments broke is passed over, and saved again on
+    the way: see :func:`_load`).
 
     On the way, a snapshot is saved at every multiple of ``every`` past the one it starts from
     (when ``save``), except at the positions in ``taken``, so the next question about this part
@@ -555,8 +576,10 @@ async def fold_to(
     with gc_paused():
         # (whole-state work runs on a thread: decoding or encoding a large store's state takes
         # a fraction of a second, which the event loop must not stall for)
-        found = await _load(backend, position if start_at is None else start_at)
-        state, shared = found if found is not None else (State(), Tombstones())
+        state, shared, passed = await _load(backend, position if start_at is None else start_at)
+        # (the snapshots passed over, unusable, are saved again on the way, whatever the interval:
+        # a fold of this one would never save them, and every later question would pass them over)
+        again = sorted(p for p in passed if p <= position)
         # (a hole - rows deleted by hand - refuses the fold when it is read: the snapshots before
         # it are saved, none at or after it - one folded without the missing event would still
         # match its position's hash once the row is put back, and answer without it for good)
@@ -564,23 +587,28 @@ async def fold_to(
         at = state.position - state.position % every + every  # (the next multiple)
         while True:
             # (folded to each multiple in turn, by replay; once nothing is to be saved, to the end)
-            to = min(at, position) if save else position
+            stop = min(at, again[0]) if again else at
+            to = min(stop, position) if save else position
             state = await replay(read, to, batch_size, state, progress)
-            if save and at == to and at not in taken:
-                row = await backend.read_raw(at - 1, 1)  # (for its hash)
-                if row and row[0].position == at:
+            redo = bool(again) and again[0] == stop
+            if save and stop == to and (redo or stop not in taken):
+                row = await backend.read_raw(stop - 1, 1)  # (for its hash)
+                if row and row[0].position == stop:
                     try:
                         # (on the way to an answer, a save does not wait long for another
                         # process's write lock: the answer does not need it)
-                        await _save(backend, state, at, row[0].hash, wait=must_save, shared=shared)
+                        await _save(backend, state, stop, row[0].hash, wait=must_save, shared=shared)
                     except EvstoreError as exc:
                         if must_save:
                             raise
-                        log.warning("snapshot.not_saved", position=at, error=str(exc)[:200])
+                        log.warning("snapshot.not_saved", position=stop, error=str(exc)[:200])
                         save = False
             if to >= position:
                 return state
-            at += every
+            if redo:
+                again.pop(0)
+            if stop == at:
+                at += every
 
 
 async def _save(
@@ -614,6 +642,59 @@ async def _save(
         encoded.extend(shared, position)
 
 
+async def _whole(backend: SnapshotStore, positions: list[int]) -> frozenset[int]:
+    """Those of ``positions`` (snapshots whose event is unchanged) whose chain of tombstone
+    segments is whole: take_snapshots saves the others again, as missing. (Until this review it
+    counted a snapshot whose chain broke - another interval's fold saved its own segment where the
+    chain ran, a rebuild dropped it under a fold - as taken, and left it unusable.) Reads each
+    snapshot's header and each segment once."""
+    whole: set[int] = set()
+    segments: dict[int, str] | None = None
+    links: dict[int, tuple[str, int, Any] | None] = {}
+    for position in positions:
+        found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
+        if found is None or found[0] != position:
+            continue
+        through = _tombstones_through(found[1])
+        if not isinstance(through, dict):
+            whole.add(position)  # (no chain: every consumer in it; or damaged, which decoding says)
+            continue
+        if segments is None:
+            segments = dict(await backend.load_tombstones(positions[-1], SNAPSHOT_FORMAT))
+        if await asyncio.to_thread(_links_whole, through, segments, links):
+            whole.add(position)
+    return frozenset(whole)
+
+
+def _links_whole(through: dict[str, Any], segments: Mapping[int, str], links: dict[int, Any]) -> bool:
+    """Whether the chain that ends at ``through`` (a snapshot header's ``tombstones``) is whole,
+    as :func:`_chain` checks it, without decoding its tombstones. ``links``: each segment's digest
+    and link back (None: unreadable), by position, filled in as they are read."""
+    try:
+        at, want = int(through["position"]), through["digest"]
+        while at > 0:
+            if at not in links:
+                text = segments.get(at)
+                link = None
+                if text is not None:
+                    header, _ = _checked_body(text, "tombstone segment")
+                    since, since_digest = int(header["since"]), header["since_digest"]
+                    if (
+                        int(header["position"]) == at
+                        and 0 <= since < at
+                        and (since > 0) == isinstance(since_digest, str)
+                    ):
+                        link = (_digest(text), since, since_digest)
+                links[at] = link
+            link = links[at]
+            if link is None or link[0] != want:
+                return False
+            at, want = link[1], link[2]
+        return True
+    except Exception:  # (any shape of damage, as _decoded: the snapshot is saved again)
+        return False
+
+
 async def take_snapshots(
     backend: SnapshotStore,
     head: Callable[[], Awaitable[int]],
@@ -624,7 +705,7 @@ async def take_snapshots(
     (also before the latest snapshot: a smaller ``every`` than before fills in between); returns
     all positions."""
     at = await head()
-    taken = frozenset(await backend.snapshot_positions(usable_in=SNAPSHOT_FORMAT))
+    taken = await _whole(backend, await backend.snapshot_positions(usable_in=SNAPSHOT_FORMAT))
     missing = next((p for p in range(every, at + 1, every) if p not in taken), None)
     if missing is not None:
         state = await fold_to(

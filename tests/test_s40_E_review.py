@@ -46,6 +46,42 @@ async def _unusable_snapshots(store: AllocationStore) -> list[int]:
     return found
 
 
+async def test_a_question_past_a_snapshot_whose_chain_broke_saves_it_again(store: AllocationStore) -> None:
+    """Two processes with different intervals: one took snapshots every 2, the other folds from the
+    start every 5 and saves its own segment at 10, which the first one's chain ran through. The
+    first one's snapshots at 12, 14, ... are then unusable; a question at 13 of the process folding
+    every 5 finds 12, cannot use it, folds from the start and saves 5 and 10 again - but not 12,
+    which no fold of interval 5 ever saves, and take_snapshots counts as taken. Every later question
+    there folded from position 0 again, for good (the commit says "the chain saved again")."""
+    store.snapshot_every = 2
+    await _tombstones(store, 10)
+    head = await store.head()
+    await store.take_snapshots()
+    backend: Any = store.backend
+    await snapshots.fold_to(backend, head, every=5, start_at=0)  # (the other process)
+    store.snapshot_every = 5
+    assert (await store.state_at(13)).state == await replay(store.backend.read, 13)
+    with structlog.testing.capture_logs() as logs:
+        assert (await store.state_at(13)).state == await replay(store.backend.read, 13)
+    assert [e for e in logs if e["event"] == "snapshot.unreadable"] == []
+    for p in range(await store.head() + 1):
+        assert (await store.state_at(p)).state == await replay(store.backend.read, p), p
+
+
+async def test_take_snapshots_saves_again_those_whose_chain_broke(store: AllocationStore) -> None:
+    """take_snapshots counted a snapshot whose chain broke (its event unchanged) as taken, and
+    left it: after it, snapshots it listed could not be used."""
+    store.snapshot_every = 2
+    await _tombstones(store, 10)
+    head = await store.head()
+    await store.take_snapshots()
+    backend: Any = store.backend
+    await snapshots.fold_to(backend, head, every=5, start_at=0)  # (another process's fold)
+    assert await _unusable_snapshots(store) == [p for p in range(12, head + 1, 2) if p % 10]
+    await store.take_snapshots()
+    assert await _unusable_snapshots(store) == []
+
+
 async def test_a_snapshot_save_skipped_does_not_extend_the_chain(tmp_path: Path) -> None:
     """SQLite leaves a snapshot on the way to an answer unsaved (without an error) while the file
     is in rollback-journal mode - a ``VACUUM INTO`` copy opened to read - until the first write
