@@ -259,3 +259,91 @@ async def test_random_logs_two_intervals_state_at_equals_replay(
     from tests.test_s39_c_reads import _url
 
     await asyncio.wait_for(_random_run(_url(backend_name, tmp_path, f"r{seed}"), seed, 150), 300)
+
+
+# --- random logs an older writer wrote ----------------------------------------------------------
+
+
+async def _legacy_run(backend_name: str, tmp_path: Path, seed: int) -> None:
+    """A log of evstore's own commands, then an older writer's rows at random: allocations
+    written for deleted consumers and for migrations kept for their link, writes that empty them,
+    releases, second deletes. Imported, its snapshots taken and asked in random order by two
+    processes with different intervals: state_at equals a replay at every position."""
+    from tests.test_audit_findings import append_row, chained
+    from tests.test_s39_c_reads import _url
+
+    rng = random.Random(seed)
+    async with open_store(_url(backend_name, tmp_path, f"a{seed}")) as a:
+        rp = await make_provider(a, VCPU=10_000)
+        known: list[str] = []
+        for _ in range(12):
+            inst = new_uuid()
+            await allocate(a, inst, {rp: {"VCPU": 2}})
+            known.append(inst)
+            if rng.random() < 0.4:
+                mig = new_uuid()
+                await a.start_migration(inst, mig)
+                known.append(mig)
+            if rng.random() < 0.6:
+                await a.delete_consumer(inst)  # (a migration of it is kept for its link)
+        lines = [line async for line in a.export()]
+        [last] = await a.backend.read_raw(await a.head() - 1, 1)
+    for _ in range(40):
+        c = rng.choice(known)
+        roll = rng.random()
+        if roll < 0.45:
+            held = {rp: {"VCPU": rng.randint(1, 3)}} if rng.random() < 0.7 else {}
+            data: dict[str, Any] = {
+                "consumer": c,
+                "allocations": held,
+                "consumer_type": "INSTANCE",
+                "generation": rng.randint(1, 9),
+                "project_id": "pa",
+                "user_id": "ua",
+            }
+            last = chained(last, "AllocationsReplaced", data)
+        elif roll < 0.7:
+            last = chained(last, "AllocationsReleased", {"consumer": c, "released": {}})
+        elif roll < 0.85:
+            last = chained(
+                last, "ConsumerDeleted", {"consumer": c, "released": {}, "migrations_released": {}}
+            )
+        else:
+            c = new_uuid()
+            known.append(c)
+            data = {
+                "consumer": c,
+                "allocations": {rp: {"VCPU": 1}},
+                "consumer_type": "INSTANCE",
+                "generation": 1,
+                "project_id": "pa",
+                "user_id": "ua",
+            }
+            last = chained(last, "AllocationsReplaced", data)
+        append_row(lines, last)
+    url = _url(backend_name, tmp_path, f"b{seed}")
+    async with open_store(url, snapshot_every=2) as b:
+        await b.import_events(lambda: iter(lines))
+    async with (
+        open_store(url, snapshot_every=rng.choice([2, 3])) as b,
+        open_store(url, snapshot_every=5) as c2,
+    ):
+        head = await b.head()
+        for _ in range(12):
+            s = rng.choice([b, c2])
+            if rng.random() < 0.3:
+                await s.take_snapshots()
+            else:
+                p = rng.randint(0, head)
+                assert (await s.state_at(p)).state == await replay(s.backend.read, p), (seed, p)
+        for p in range(head + 1):
+            want = await replay(b.backend.read, p)
+            assert (await b.state_at(p)).state == want, (seed, p)
+            assert (await c2.state_at(p)).state == want, (seed, p)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_older_writer_logs_state_at_equals_replay(
+    backend_name: str, tmp_path: Path, seed: int
+) -> None:
+    await asyncio.wait_for(_legacy_run(backend_name, tmp_path, seed), 300)
