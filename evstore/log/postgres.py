@@ -694,6 +694,17 @@ async def _refold(conn: Any, missing: list[str]) -> bool:
     return True
 
 
+async def _drop_snapshots(conn: Any) -> None:
+    """Delete every snapshot and tombstone segment, the table locked first (in the caller's
+    transaction, or one of its own): a snapshot and its segment are two rows a save locks in its
+    order, which a DELETE's scan may take the other way round - "deadlock detected" (a rebuild
+    failed with it under test_maintenance_races). SHARE ROW EXCLUSIVE waits for the saves under
+    way and holds new ones back until the commit; rows already saved are still read meanwhile."""
+    async with conn.transaction():  # (a savepoint inside the caller's)
+        await conn.execute("LOCK TABLE snapshots IN SHARE ROW EXCLUSIVE MODE")
+        await conn.execute("DELETE FROM snapshots")
+
+
 async def _recreate(conn: Any, missing: list[str]) -> None:
     """Create the lost projection objects (empty: the caller refolds), in dependency order."""
     for name, ddl in PROJECTION_OBJECTS:
@@ -2817,7 +2828,7 @@ class PostgresBackend:
 
     async def drop_snapshots(self) -> None:
         async with self._connection() as conn:
-            await self._guard(conn.execute("DELETE FROM snapshots"), "dropping snapshots")
+            await self._guard(_drop_snapshots(conn), "dropping snapshots")
 
     async def import_all(
         self,
@@ -2927,7 +2938,7 @@ class PostgresBackend:
                                 await conn.execute(f"REINDEX TABLE {table}")
                         # (the time-travel snapshots go with the projection, in its transaction:
                         # see the SQLite backend's _rebuild)
-                        await conn.execute("DELETE FROM snapshots")
+                        await _drop_snapshots(conn)
                         return folded
                 except CallbackFailed as exc:  # (not the database's: see CallbackFailed)
                     raise exc.error from None
