@@ -660,8 +660,12 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
     changes = [_Change(mig.uuid, {}, False), _Change(inst.uuid, _held(mig), False)]
     named = _check_and_plan(state, changes)
     assert mig.project_id and mig.user_id
-    # An absent instance's remembered attributes are leftovers, not facts: the migration
-    # carries the owner and the consumer type it took over from the instance.
+    # Nova's move_allocations(migration -> instance) writes the instance with the project and
+    # user of the migration (the source of the move), whatever the instance holds (destination
+    # allocations claimed for another project, say): Placement then counts the allocations given
+    # back under the migration's project. The consumer type is not sent (microversion 1.28), so
+    # an instance holding allocations keeps its own; an absent instance's remembered attributes
+    # are leftovers, not facts: the migration carries the type it took over from the instance.
     holding = bool(inst.allocations)
     return [
         ev.MigrationReverted(
@@ -669,8 +673,8 @@ def _revert_migration(state: State, command: RevertMigration) -> list[ev.EventBa
             instance=inst.uuid,
             allocations=_held(mig),
             replaced=_held(inst),
-            project_id=(inst.project_id if holding else None) or mig.project_id,
-            user_id=(inst.user_id if holding else None) or mig.user_id,
+            project_id=mig.project_id,
+            user_id=mig.user_id,
             instance_consumer_type=(inst.consumer_type if holding else mig.instance_type) or "INSTANCE",
             instance_generation=(inst.generation or 0) + 1,
             provider_generations=_bumps(state, named, set()),

@@ -712,8 +712,10 @@ class Sequence:
                     },
                     inst.consumer: {
                         "allocations": self.placement_allocs(mig.allocations),
-                        "project_id": inst.project_id or mig.project_id,
-                        "user_id": inst.user_id or mig.user_id,
+                        # (Nova's move_allocations: the source's - the migration's - project
+                        # and user, whatever the instance holds)
+                        "project_id": mig.project_id,
+                        "user_id": mig.user_id,
                         "consumer_type": inst.consumer_type or instance_type,
                         "consumer_generation": inst.generation,
                     },
