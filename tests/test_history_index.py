@@ -365,8 +365,10 @@ async def test_events_appended_where_a_lost_tail_was_are_indexed_as_themselves(
     async with open_store(f"sqlite:///{path}") as store:
         old = await make_provider(store, "old", VCPU=100)  # positions 1, 2
         new = await make_provider(store, "new", VCPU=100)  # 3, 4
-        for _ in range(10):
-            await build(store, old, 1)
+        for i in range(10):
+            # (events of providers only: had they changed consumers, whose rows record their
+            # positions, the store would refuse commands until rebuild(force=True), s40 D)
+            await store.rename_provider(old, f"old-{i}")
     # (closed: the index covers positions 5-14, all of them on `old`)
     with sqlite3.connect(path) as conn:
         conn.execute("DELETE FROM events WHERE position > 4")
@@ -428,8 +430,9 @@ async def test_a_writer_does_not_index_another_process_events_with_the_keys_of_i
     async with open_store(f"sqlite:///{path}") as store:
         old = await make_provider(store, "old", VCPU=100)  # positions 1, 2
         new = await make_provider(store, "new", VCPU=100)  # 3, 4
-        for _ in range(6):
-            await build(store, old, 1)  # 5-10: this writer's, not indexed yet (the lag)
+        for i in range(6):  # 5-10: this writer's, not indexed yet (the lag); of a provider only
+            # (events that changed consumers would be seen lost: commands refused, s40 D)
+            await store.rename_provider(old, f"old-{i}")
         with sqlite3.connect(path) as conn:
             conn.execute("DELETE FROM events WHERE position > 4")
         with monkeypatch.context() as killed:  # (the other process ends without its close)

@@ -4,7 +4,15 @@ lost position of the log."""
 
 from __future__ import annotations
 
-from evstore import AllocationStore, open_store
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import pytest
+
+from evstore import AllocationStore, CorruptEvent, open_store
 from tests.conftest import make_provider, new_uuid
 from tests.peers.placement_client import PlacementPeer
 from tests.test_differential_placement import (
@@ -93,3 +101,115 @@ def test_revert_over_another_projects_claim_matches_placement(placement_peer: Pl
             RevertMigration(2),
         ],
     )
+
+
+def _delete_event_rows(store_url: str, backend_name: str, after: int) -> None:
+    """Lose the log's events after ``after`` (rows deleted by hand, an older copy restored)."""
+    if backend_name == "sqlite":
+        conn = sqlite3.connect(urlsplit(store_url).path)
+        try:
+            assert conn.execute("DELETE FROM events WHERE position > ?", (after,)).rowcount > 0
+            conn.commit()
+        finally:
+            conn.close()
+        return
+    import asyncpg
+
+    async def delete() -> None:
+        pg = await asyncpg.connect(store_url)
+        try:
+            assert await pg.execute("DELETE FROM events WHERE position > $1", after) != "DELETE 0"
+        finally:
+            await pg.close()
+
+    asyncio.run(delete())  # (called outside the test's loop: see the callers)
+
+
+async def _in_thread(fn: Callable[[], None]) -> None:
+    await asyncio.to_thread(fn)
+
+
+# README ("evstore rebuild"): refused when the log lost its last events, "since it would forget them
+# for good: restore the events after `head`, or `--force`"; SPEC §2: a tombstone is never forgotten.
+# On SQLite the next command was appended at the lost tombstone's position: the audit no longer
+# reported the loss and a plain rebuild forgot the tombstone (the deleted instance held its
+# allocations again). (PostgreSQL names the lost event by its sequence number, never reused.)
+async def test_a_command_after_lost_last_events_does_not_let_rebuild_forget_them(
+    store_url: str, backend_name: str
+) -> None:
+    inst = new_uuid()
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await store.set_allocations(inst, {rp: {"VCPU": 2}}, generation=None, **OWNER)
+        tombstone = (await store.delete_consumer(inst)).position
+        assert tombstone == await store.head()
+    await _in_thread(lambda: _delete_event_rows(store_url, backend_name, tombstone - 1))
+    async with open_store(store_url) as store:
+        assert "integrity" in {f.kind for f in (await store.audit()).findings}
+        with contextlib.suppress(CorruptEvent):  # (SQLite refuses it: see the next test)
+            await make_provider(store)  # any command, e.g. the next build's
+        assert [f.details["reason"] for f in (await store.audit()).integrity] == ["log_truncated"]
+        with pytest.raises(CorruptEvent) as caught:
+            await store.rebuild()
+        assert caught.value.details["reason"] == "log_truncated"
+        assert caught.value.details["consumer"] == inst
+    async with open_store(store_url) as store:  # (and after a reopen: nothing was forgotten)
+        with pytest.raises(CorruptEvent):
+            await store.rebuild()
+
+
+async def test_sqlite_refuses_commands_while_its_log_is_behind_its_projection(sqlite_url: str) -> None:
+    """The refusal itself: every command, whatever it names, with the error a rebuild gives
+    (evstore.log.corrupt, the audit's log_truncated details), nothing appended; after
+    ``rebuild(force=True)`` accepts the loss, commands go on at the head."""
+    inst = new_uuid()
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await store.set_allocations(inst, {rp: {"VCPU": 2}}, generation=None, **OWNER)
+        tombstone = (await store.delete_consumer(inst)).position
+        assert tombstone is not None
+    await _in_thread(lambda: _delete_event_rows(sqlite_url, "sqlite", tombstone - 1))
+    async with open_store(sqlite_url) as store:
+        head = await store.head()
+        expected = {"reason": "log_truncated", "head": head, "consumer": inst, "lost_position": tombstone}
+        [finding] = (await store.audit()).integrity
+        assert finding.details == expected
+        for name, command in {
+            "create_provider": lambda: make_provider(store),
+            "a write to another consumer": lambda: store.set_allocations(
+                new_uuid(), {rp: {"VCPU": 1}}, generation=None, **OWNER
+            ),
+            "a write to the lost tombstone's consumer": lambda: store.set_allocations(
+                inst, {rp: {"VCPU": 1}}, generation=None, **OWNER
+            ),
+            "delete_consumer": lambda: store.delete_consumer(new_uuid()),
+        }.items():
+            with pytest.raises(CorruptEvent) as caught:
+                await command()
+            assert caught.value.code == "evstore.log.corrupt", name
+            assert caught.value.details == expected, name
+            assert "lost its last events" in caught.value.message and "--force" in caught.value.message
+        assert await store.head() == head  # nothing appended
+        await store.rebuild(force=True)  # (the README's way to accept the loss)
+        other = new_uuid()
+        receipt = await store.set_allocations(other, {rp: {"VCPU": 1}}, generation=None, **OWNER)
+        assert receipt.positions == (head + 1,)
+        assert (await store.audit()).clean
+
+
+async def test_sqlite_refuses_commands_once_an_open_stores_log_loses_its_last_events(sqlite_url: str) -> None:
+    """The same while the store stays open: the rows are deleted by another connection between two
+    commands (the head goes back), and the next command is refused."""
+    inst = new_uuid()
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        await store.set_allocations(inst, {rp: {"VCPU": 2}}, generation=None, **OWNER)
+        tombstone = (await store.delete_consumer(inst)).position
+        assert tombstone is not None
+        await _in_thread(lambda: _delete_event_rows(sqlite_url, "sqlite", tombstone - 1))
+        with pytest.raises(CorruptEvent) as caught:
+            await make_provider(store)
+        assert caught.value.details["lost_position"] == tombstone
+        assert await store.head() == tombstone - 1
+        with pytest.raises(CorruptEvent):
+            await store.rebuild()

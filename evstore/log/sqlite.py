@@ -627,6 +627,10 @@ class _WriterCache:
         self.file: tuple[str, int, int] | None = None
         #: its -wal and -shm files as opened, likewise (none while the file is not in WAL mode)
         self.wal_files: tuple[tuple[str, int, int], ...] = ()
+        #: the head of the log a write transaction of this connection last found, once the
+        #: projection was found recording no change past it (None: not yet). A fact about the
+        #: log, kept when the rest is forgotten: see check_log_not_behind.
+        self.head_seen: int | None = None
         self.forget()
 
     def forget(self) -> None:
@@ -676,6 +680,29 @@ class _WriterCache:
             self.forget()
         self.data_version = version
         self._clean()
+
+    def check_log_not_behind(self, conn: sqlite3.Connection, head: int) -> None:
+        """First in each write transaction, before it appends at ``head + 1``: refused
+        (CorruptEvent, the audit's ``log_truncated``) while the projection records changes past
+        the head - the log lost its last events (rows deleted, an older copy of its events
+        restored). Appended there, a command's events would take the lost ones' positions: the
+        audit would no longer see the loss, and a rebuild without force would forget the lost
+        events (a tombstone among them). The projection is looked at (a scan of its consumers)
+        only in this connection's first write transaction and when the head went back: positions
+        are never taken back by a commit, so the head found lower than before is the only sign
+        of events lost since. Otherwise this costs one comparison."""
+        if self.head_seen is not None and head >= self.head_seen:
+            self.head_seen = head
+            return
+        lost = _lost_tail(conn)
+        if lost is not None:
+            log.error("log.truncated_commands_refused", **lost.details())
+            raise err.CorruptEvent(
+                "Commands are refused: one appended now would take the position of an event the log "
+                f"lost. {lost.message()}",
+                **lost.details(),
+            )
+        self.head_seen = head
 
     def check_file(self, wal_files: bool = True) -> None:
         """Before a commit (and before any other work on the writer: an import, a rebuild, a
@@ -972,6 +999,7 @@ def run_batch(
             jobs = [job for job, kept in zip(jobs, keep, strict=True) if kept]
         cache.begin(conn)
         tail = _read_tail(conn)
+        cache.check_log_not_behind(conn, tail.position)
         start = tail.position
         if cache.history_through is None:  # (first in this connection, or another one wrote since)
             drop_history_past_head(conn, start)
@@ -996,6 +1024,7 @@ def run_batch(
             ) from None
         cache.check_file()
         conn.execute("COMMIT")
+        cache.head_seen = tail.position
     except BaseException:
         cache.forget()  # (it holds what was rolled back)
         if start is not None:
