@@ -229,8 +229,10 @@ class Encoded(NamedTuple):
     """A snapshot as :func:`encode_snapshot` encodes it."""
 
     whole: str
-    #: its tombstone segment (None without a chain: the snapshot holds every consumer)
+    #: its tombstone segment (None without a chain: the snapshot holds every consumer), and the
+    #: digest of the segment's text, as the snapshot's header names it
     segment: str | None
+    digest: str | None
     #: what the segment adds to the chain it extends, and what it takes from it
     new: dict[str, Tombstone]
     gone: list[str]
@@ -240,7 +242,7 @@ class Encoded(NamedTuple):
         for uuid in self.gone:
             del shared.rows[uuid]
         shared.rows.update(self.new)
-        shared.position, shared.digest = position, None if self.segment is None else _digest(self.segment)
+        shared.position, shared.digest = position, self.digest
 
 
 def encode_snapshot(state: State, shared: Tombstones | None) -> Encoded:
@@ -291,7 +293,7 @@ def encode_snapshot(state: State, shared: Tombstones | None) -> Encoded:
         "custom_classes": sorted(state.custom_classes),
     }
     if shared is None:
-        return Encoded(_with_header(header, [_dumps(providers), *_lines(rows)]), None, {}, [])
+        return Encoded(_with_header(header, [_dumps(providers), *_lines(rows)]), None, None, {}, [])
     segment = _with_header(
         {
             "format": SNAPSHOT_FORMAT,
@@ -301,8 +303,9 @@ def encode_snapshot(state: State, shared: Tombstones | None) -> Encoded:
         },
         [_dumps(gone), *_lines(new.values())],
     )
-    header["tombstones"] = {"position": state.position, "digest": _digest(segment)}
-    return Encoded(_with_header(header, [_dumps(providers), *_lines(rows)]), segment, new, gone)
+    digest = _digest(segment)
+    header["tombstones"] = {"position": state.position, "digest": digest}
+    return Encoded(_with_header(header, [_dumps(providers), *_lines(rows)]), segment, digest, new, gone)
 
 
 def _digest(body: str) -> str:
@@ -366,15 +369,13 @@ def _chain(through: int, digest: str, segments: Mapping[int, str]) -> Tombstones
     at, want = through, digest
     while at > 0:
         text = segments.get(at)
-        if text is None or _digest(text) != want:
-            what = "is missing" if text is None else "was replaced by another fold's"
-            raise ValueError(f"its chain's tombstone segment at position {at} {what}")
-        header, body = _checked_body(text, "tombstone segment")
-        since, want = int(header["since"]), header["since_digest"]
-        if int(header["position"]) != at or not 0 <= since < at or (since > 0) != isinstance(want, str):
-            raise ValueError(f"its chain's tombstone segment at position {at} says {_first_line(text)}")
-        bodies.append(body)
-        at = since
+        if text is None:
+            raise ValueError(f"its chain's tombstone segment at position {at} is missing")
+        got, since, since_digest = _link(at, text)
+        if got != want:
+            raise ValueError(f"its chain's tombstone segment at position {at} was replaced by another fold's")
+        bodies.append(text.partition("\n")[2])
+        at, want = since, since_digest
     rows: dict[str, Tombstone] = {}
     for body in reversed(bodies):
         gone, *lines = body.split("\n")
@@ -384,6 +385,20 @@ def _chain(through: int, digest: str, segments: Mapping[int, str]) -> Tombstones
             for t in _loads(line):
                 rows[t[0]] = tuple(t)
     return Tombstones(through, digest, rows)
+
+
+def _link(at: int, text: str) -> tuple[str, int, Any]:
+    """The segment ``text`` kept at ``at``: the digest of its text, and the position and digest of
+    the segment before it (ValueError: not a segment at ``at``). The digest is of the whole text,
+    header and all, as the link to it names it: matched, it covers the body too, so the body's own
+    digest in the header is not computed again (a question reads every segment of its chain)."""
+    header = _loads(text.partition("\n")[0])
+    if not isinstance(header, dict) or header.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"its chain's tombstone segment at position {at} says {_first_line(text)}")
+    since, since_digest = int(header["since"]), header["since_digest"]
+    if int(header["position"]) != at or not 0 <= since < at or (since > 0) != isinstance(since_digest, str):
+        raise ValueError(f"its chain's tombstone segment at position {at} says {_first_line(text)}")
+    return _digest(text), since, since_digest
 
 
 def _first_line(text: str) -> str:
@@ -676,17 +691,7 @@ def _links_whole(through: dict[str, Any], segments: Mapping[int, str], links: di
         while at > 0:
             if at not in links:
                 text = segments.get(at)
-                link = None
-                if text is not None:
-                    header, _ = _checked_body(text, "tombstone segment")
-                    since, since_digest = int(header["since"]), header["since_digest"]
-                    if (
-                        int(header["position"]) == at
-                        and 0 <= since < at
-                        and (since > 0) == isinstance(since_digest, str)
-                    ):
-                        link = (_digest(text), since, since_digest)
-                links[at] = link
+                links[at] = None if text is None else _link(at, text)
             link = links[at]
             if link is None or link[0] != want:
                 return False
