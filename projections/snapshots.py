@@ -30,7 +30,7 @@ import structlog
 from evstore.errors import EvstoreError, InvalidInput
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
-from projections.persisted import INVENTORY_FIELDS
+from projections.persisted import INVENTORY_FIELDS, consumer_row
 from projections.replay import gapless, replay
 from projections.state import ConsumerState, ProviderState, State, dismantle, evolve
 
@@ -162,32 +162,20 @@ def _consumer_from_row(row: list[Any]) -> ConsumerState:
     )
 
 
-#: a consumer that holds nothing as a segment keeps it (uuid, project, user, type, generation,
-#: deleted, deleted_at, on_behalf_of, allocated_at, instance type): a tombstone, or a migration
-#: kept for the link to its instance once it holds nothing
-Tombstone = tuple[
-    str, str | None, str | None, str | None, int | None, bool, int | None, str | None, int | None, str | None
-]
+#: a consumer that holds nothing as a segment keeps it: its projection row
+#: (:func:`projections.persisted.consumer_row` - uuid, project, user, type, generation, deleted,
+#: deleted_at, on_behalf_of, allocated_at, instance type): a tombstone, or a migration kept for
+#: the link to its instance once it holds nothing
+Tombstone = tuple[Any, ...]
 
 
 def _tombstone(c: ConsumerState) -> Tombstone | None:
     """``c`` as a segment keeps it, or None when it holds something (a segment keeps only what
     holds nothing: those the state keeps once absent - tombstones, and migrations for their
-    instance's link - accumulate with the log, while those that hold are as many as are alive)."""
-    if c.allocations:
-        return None
-    return (
-        c.uuid,
-        c.project_id,
-        c.user_id,
-        c.consumer_type,
-        c.generation,
-        c.deleted,
-        c.deleted_at,
-        c.on_behalf_of,
-        c.allocated_at,
-        c.instance_type,
-    )
+    instance's link - accumulate with the log, while those that hold are as many as are alive).
+    (A segment saved before this was written with ``deleted`` as JSON true, where the row has 1:
+    equal in the comparison with the chain, as decoded either way.)"""
+    return None if c.allocations else consumer_row(c)
 
 
 def _consumer_from_tombstone(t: Any) -> ConsumerState:
