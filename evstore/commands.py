@@ -32,9 +32,25 @@ Allocs = dict[str, dict[str, int]]
 # --- commands ---------------------------------------------------------------------------------
 
 
+# A refusal that needs no state is made where the command is made (``__post_init__``): a malformed
+# argument is refused before the command is queued (README), not after it waited its turn behind
+# the writer - up to busy_timeout for another process's write lock, to come back as a storage
+# error saying "retry" - or by a closed store as StoreClosed.
+
+
 @dataclass(frozen=True, slots=True)
 class CreateResourceClass:
     name: str
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if not name.startswith(CUSTOM_PREFIX) or name == CUSTOM_PREFIX or name in STANDARD_CLASSES:
+            # (Placement's pattern for a custom class: ^CUSTOM_[A-Z0-9_]+$)
+            raise err.InvalidInput(
+                f"Custom resource classes must be {CUSTOM_PREFIX} followed by at least one of A-Z, 0-9 "
+                f"or _: {name}",
+                field="name",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +58,16 @@ class CreateProvider:
     provider: str
     name: str
     parent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.parent is not None and self.parent == self.provider:
+            # (Placement's detail, its ObjectActionError's words included)
+            raise err.InvalidInput(
+                f'Unable to create resource provider "{self.name}", {self.provider}: Object action create '
+                "failed because: parent provider UUID cannot be same as UUID. Please set parent provider "
+                "UUID to None if there is no parent. (A resource provider cannot be its own parent.)",
+                field="parent",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +120,17 @@ class ConsumerWrite:
 class WriteAllocations:
     consumers: tuple[ConsumerWrite, ...]
 
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for w in self.consumers:
+            if w.consumer in seen:
+                raise err.InvalidInput(
+                    f"Consumer {w.consumer} appears twice in one command",
+                    consumer=w.consumer,
+                    **where("allocations", ["allocations", w.consumer]),
+                )
+            seen.add(w.consumer)
+
 
 @dataclass(frozen=True, slots=True)
 class Release:
@@ -104,6 +141,10 @@ class Release:
 class StartMigration:
     instance: str
     migration: str
+
+    def __post_init__(self) -> None:
+        if self.instance == self.migration:
+            raise err.InvalidInput("instance and migration must be different consumers", field="migration")
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,15 +495,7 @@ def _named_by(ch: _Change, state: State) -> list[str]:
 
 
 def _write_allocations(state: State, writes: list[ConsumerWrite]) -> list[ev.EventBase]:
-    seen: set[str] = set()
-    for w in writes:
-        if w.consumer in seen:
-            raise err.InvalidInput(
-                f"Consumer {w.consumer} appears twice in one command",
-                consumer=w.consumer,
-                **where("allocations", ["allocations", w.consumer]),
-            )
-        seen.add(w.consumer)
+    # (a consumer named twice was refused when the command was made: WriteAllocations.__post_init__)
     changes = [_Change(w.consumer, w.allocations, True, w.generation) for w in writes]
     named = _check_and_plan(state, changes, written=True)
     move = _as_move(state, writes)
@@ -533,8 +566,7 @@ def _release(state: State, command: Release) -> list[ev.EventBase]:
 
 
 def _start_migration(state: State, command: StartMigration) -> list[ev.EventBase]:
-    if command.instance == command.migration:
-        raise err.InvalidInput("instance and migration must be different consumers", field="migration")
+    # (an instance that is its own migration was refused when the command was made)
     inst = state.consumer(command.instance)
     mig = state.consumer(command.migration)
     if inst.deleted:
@@ -837,17 +869,12 @@ def _create_provider(state: State, command: CreateProvider) -> list[ev.EventBase
     # (Placement's order: the parent, then uniqueness)
     root = command.provider
     if command.parent is not None:
-        # (the refusals begin with Placement's detail for them, its ObjectActionError's words included)
+        # (the refusals begin with Placement's detail for them, its ObjectActionError's words included;
+        # a provider that is its own parent was refused when the command was made)
         cannot = (
             f'Unable to create resource provider "{command.name}", {command.provider}: '
             "Object action create failed because: "
         )
-        if command.parent == command.provider:
-            raise err.InvalidInput(
-                f"{cannot}parent provider UUID cannot be same as UUID. Please set parent provider UUID to "
-                "None if there is no parent. (A resource provider cannot be its own parent.)",
-                field="parent",
-            )
         parent = state.providers.get(command.parent)
         if parent is None:
             raise err.ProviderNotFound(
@@ -904,14 +931,7 @@ def _delete_provider(state: State, command: DeleteProvider) -> list[ev.EventBase
 
 
 def _create_resource_class(state: State, command: CreateResourceClass) -> list[ev.EventBase]:
-    name = command.name
-    if not name.startswith(CUSTOM_PREFIX) or name == CUSTOM_PREFIX or name in STANDARD_CLASSES:
-        # (Placement's pattern for a custom class: ^CUSTOM_[A-Z0-9_]+$)
-        raise err.InvalidInput(
-            f"Custom resource classes must be {CUSTOM_PREFIX} followed by at least one of A-Z, 0-9 "
-            f"or _: {name}",
-            field="name",
-        )
-    if name in state.custom_classes:
+    # (a name that is no custom class was refused when the command was made)
+    if command.name in state.custom_classes:
         return []
-    return [ev.ResourceClassCreated(name=name)]
+    return [ev.ResourceClassCreated(name=command.name)]
