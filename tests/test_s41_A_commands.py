@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from evstore import AllocationStore, InvalidInput, open_store
+from evstore import AllocationStore, ConsumerAllocations, InvalidInput, Inventory, open_store
 from tests.conftest import new_uuid
 
 OWNER = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE"}
@@ -82,3 +82,27 @@ async def test_a_malformed_argument_is_refused_as_such_by_a_closed_store(store_u
     with pytest.raises(InvalidInput, match=said) as refused:
         await call(store)
     assert refused.value.details["field"] == field
+
+
+# --- findings outside helper A's files (strict xfail) -------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="evstore/schema.py (and events.Metadata): the value types refuse bad values with "
+    "InvalidInput when called (Inventory(...)), but their pydantic classmethods model_validate / "
+    "model_validate_json - public API of a pydantic model, the way a dict or JSON read from a "
+    "config becomes an Inventory - raise pydantic's ValidationError: no .code, no details['field']",
+)
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: Inventory.model_validate({"total": 0}),
+        lambda: Inventory.model_validate_json('{"total": "eight"}'),
+        lambda: ConsumerAllocations.model_validate({"allocations": {}, "project_id": "p"}),
+    ],
+    ids=["Inventory.model_validate", "Inventory.model_validate_json", "ConsumerAllocations.model_validate"],
+)
+def test_the_value_types_classmethods_refuse_as_invalid_input(build: Callable[[], object]) -> None:
+    with pytest.raises(InvalidInput):
+        build()
