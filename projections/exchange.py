@@ -204,7 +204,11 @@ class ChainCheck:
             )
         # Readers find positions by time comparing the stored text (it sorts as the times do only
         # in one form), and the hash covers the text: a time in any other form is refused.
-        if recorded.astimezone(UTC).isoformat(timespec="microseconds") != row.recorded_at:
+        try:
+            in_utc = recorded.astimezone(UTC).isoformat(timespec="microseconds")
+        except OverflowError:  # (an offset that takes it before year 1 or past 9999 in UTC)
+            in_utc = None
+        if in_utc != row.recorded_at:
             raise _corrupt(
                 f"recorded_at of position {row.position} is {row.recorded_at!r}, not in evstore's form "
                 "(UTC with microseconds, e.g. 2026-01-02T03:04:05.000006+00:00)",
