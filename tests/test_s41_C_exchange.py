@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from evstore import CorruptEvent, open_store
+from evstore import CorruptEvent, Inventory, open_store
+from evstore import events as ev
 from evstore.events import GENESIS_HASH, event_hash
 from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_s41_C_time_travel import export_of
 
 _HASHED = ("position", "event_id", "type", "schema_version", "data", "metadata", "recorded_at")
 
@@ -55,3 +59,132 @@ async def test_a_time_utc_cannot_say_is_refused_as_corrupt(
         assert refused.value.details == {"line": 2, "position": 1, "reason": "envelope"}
         assert "evstore's form" in refused.value.message
         assert await target.head() == 0
+
+
+# --- the seed bug, as a log an older, Placement-style writer left ---------------------------------
+
+SRC, DST, INSTANCE, MIGRATION = (str(uuid.UUID(int=n, version=4)) for n in (1, 2, 3, 4))
+FLAVOR = {"VCPU": 4, "MEMORY_MB": 8192}
+
+
+def seed_bug_log(revert: str) -> list[ev.EventBase]:
+    """Bug 1848343 as an older writer recorded it: the instance resized from SRC to DST (the
+    migration holds SRC), the instance deleted - its DST allocation released, the migration left
+    holding SRC - and then the revert gives SRC back to the deleted instance: as evstore's own
+    MigrationReverted, or as Placement's move_allocations, two AllocationsReplaced."""
+    inventory = {rc: Inventory(total=64 * 1024) for rc in FLAVOR}
+    events: list[ev.EventBase] = [
+        ev.ProviderCreated(provider=SRC, name="compute-src", root=SRC),
+        ev.ProviderCreated(provider=DST, name="compute-dst", root=DST),
+        ev.InventoriesReplaced(provider=SRC, inventories=inventory, generation=1),
+        ev.InventoriesReplaced(provider=DST, inventories=inventory, generation=1),
+        ev.AllocationsReplaced(
+            consumer=INSTANCE,
+            allocations={SRC: FLAVOR},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=1,
+            provider_generations={SRC: 2},
+        ),
+        ev.MigrationStarted(
+            instance=INSTANCE,
+            migration=MIGRATION,
+            allocations={SRC: FLAVOR},
+            project_id="p",
+            user_id="u",
+            instance_consumer_type="INSTANCE",
+            instance_generation=1,
+            provider_generations={SRC: 3},
+        ),
+        ev.AllocationsReplaced(
+            consumer=INSTANCE,
+            allocations={DST: FLAVOR},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=1,
+            provider_generations={DST: 2},
+        ),
+        # (the older writer's delete: the migration's SRC allocation is not released)
+        ev.ConsumerDeleted(consumer=INSTANCE, released={DST: FLAVOR}),
+    ]
+    if revert == "MigrationReverted":
+        events.append(
+            ev.MigrationReverted(
+                migration=MIGRATION,
+                instance=INSTANCE,
+                allocations={SRC: FLAVOR},
+                project_id="p",
+                user_id="u",
+                instance_consumer_type="INSTANCE",
+                instance_generation=2,
+                provider_generations={SRC: 4},
+            )
+        )
+    else:
+        events += [
+            ev.AllocationsReplaced(
+                consumer=MIGRATION,
+                allocations={},
+                previous={SRC: FLAVOR},
+                project_id="p",
+                user_id="u",
+                consumer_type="MIGRATION",
+                generation=None,
+                provider_generations={SRC: 4},
+            ),
+            ev.AllocationsReplaced(
+                consumer=INSTANCE,
+                allocations={SRC: FLAVOR},
+                project_id="p",
+                user_id="u",
+                consumer_type="INSTANCE",
+                generation=1,
+                provider_generations={SRC: 4},
+            ),
+        ]
+    return events
+
+
+@pytest.mark.parametrize("revert", ["MigrationReverted", "move_allocations"])
+async def test_the_seed_bug_in_an_imported_log_is_found_told_and_cleared(store_url: str, revert: str) -> None:
+    events = seed_bug_log(revert)
+    lines = export_of(events, datetime(2025, 3, 1, tzinfo=UTC))
+    deleted_at, head = 8, len(events)
+    async with open_store(store_url, snapshot_every=3) as store:
+        await store.import_events(lambda: lines)
+        # between the delete and the revert: the migration holds SRC for a deleted instance
+        migration = await (await store.state_at(deleted_at, consumer=MIGRATION)).allocations(MIGRATION)
+        assert migration.leaked and migration.on_behalf_of == INSTANCE
+        assert migration == (await store.state_at(deleted_at)).state.consumers[MIGRATION].allocations
+        delete = await store.diff(deleted_at - 1, deleted_at)
+        leaked = delete.consumer(MIGRATION)
+        assert leaked is not None and leaked.change == "leaked" and leaked.positions == (deleted_at,)
+        assert [p.position async for p in store.history(MIGRATION)] == [
+            6,
+            deleted_at,
+            9,
+        ]  # (its revert's first)
+        # at the head: the revert gave SRC back to the deleted instance, the audit's leak
+        report = await store.audit()
+        assert [(f.kind, f.details["consumer"]) for f in report.findings] == [("leak", INSTANCE)]
+        leak = report.findings[0]
+        assert leak.positions == (deleted_at, head) and leak.details["allocations"] == {SRC: FLAVOR}
+        assert "req-8" in leak.message and f"store.release('{INSTANCE}')" in leak.message
+        instance = await (await store.state_at(head, consumer=INSTANCE)).allocations(INSTANCE)
+        assert instance.leaked and instance.deleted and instance.deleted_at == deleted_at
+        assert (await store.allocations(INSTANCE)).leaked
+        revert_diff = await store.diff(deleted_at, head)
+        assert revert_diff.consumer(INSTANCE).change == "leaked"  # type: ignore[union-attr]
+        assert [
+            (u.provider, u.delta) for u in revert_diff.usage
+        ] == []  # (SRC: the migration's, now the instance's)
+        assert head in [e.position async for e in store.history(INSTANCE)]
+        # cleared as the message says: usage back to what it was before the instance existed
+        receipt = await store.release(INSTANCE)
+        assert receipt.positions == (head + 1,)
+        assert (await store.audit()).clean
+        assert await store.usage(SRC) == {"VCPU": 0, "MEMORY_MB": 0}
+        assert (await store.state_at(4)).state.providers[SRC].usages == {}
+        assert [line async for line in store.export()][1 : len(lines)] == lines[1:]  # (rows kept as imported)
