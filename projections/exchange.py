@@ -232,6 +232,17 @@ class ChainCheck:
                     position=row.position,
                     reason="invalid_value",
                 )
+            if "\\u0000" in row.data and (field_name := _nul_in(row.data)) is not None:
+                # (no command writes one, and PostgreSQL cannot store one in the projection: refused
+                # here alike on both backends, where SQLite imported it and PostgreSQL failed as it
+                # wrote the rows, naming neither the line nor the event)
+                raise _corrupt(
+                    f"the event at position {row.position} holds a value no evstore command writes: "
+                    f"{field_name} holds a NUL character (which PostgreSQL cannot store)",
+                    line,
+                    position=row.position,
+                    reason="invalid_value",
+                )
             self._fold(event, row.position, line)
         self.last_time = recorded
         self.prev_hash = row.hash
@@ -290,6 +301,28 @@ def _storable(data: str) -> bool:
     except (ValueError, RecursionError):  # (UnicodeEncodeError is a ValueError)
         return False
     return True
+
+
+def _nul_in(data: str) -> str | None:
+    """The payload field of the JSON text ``data`` (already decoded once: well formed, of its
+    event's shape) holding a NUL character in a string or a key, None when none does."""
+
+    def holds(value: Any) -> bool:
+        if isinstance(value, str):
+            return "\x00" in value
+        if isinstance(value, dict):
+            return any(holds(k) or holds(v) for k, v in value.items())
+        if isinstance(value, list):
+            return any(holds(v) for v in value)
+        return False
+
+    try:
+        payload = json.loads(data)
+    except (ValueError, RecursionError):
+        return None  # (decoding said what is wrong with it)
+    if not isinstance(payload, dict):
+        return None
+    return next((str(k) for k, v in payload.items() if holds(k) or holds(v)), None)
 
 
 def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterator[ExportRow]:
