@@ -12,9 +12,9 @@ Two kinds of log, on each backend:
 
 For each, ``state_at`` (from snapshots taken at a small interval, questions asked in a random
 order so that later ones start from earlier ones' snapshots), ``replay``, the provider and consumer
-slices, ``diff``'s usage deltas, the audit's leaks and the answers by time must equal what a plain
-``evolve`` of ``read()``'s events gives; snapshots taken at another interval must not change any
-answer; an export of the imported log must be the file it came from.
+slices, ``diff``'s usage deltas, the audit's leaks, the histories and the answers by time must
+equal what a plain ``evolve`` of ``read()``'s events gives; snapshots taken at another interval
+must not change any answer; an export of the imported log must be the file it came from.
 """
 
 from __future__ import annotations
@@ -253,6 +253,33 @@ async def check_diffs(store: AllocationStore, folds: list[State], rnd: random.Ra
                 assert change.consumer in {leak.consumer for leak in find_leaks(after)}, (a, b, change)
 
 
+async def check_histories(
+    store: AllocationStore, folds: list[State], providers: list[str], consumers: list[str]
+) -> None:
+    """``history(uuid)`` lists, once each and in order, every event that changed the provider (its
+    row, or what any consumer holds on it) or the consumer (what it holds, its labels, its
+    tombstone): also an imported log's, whose events need not name every provider they change."""
+
+    def provider_at(state: State, uuid: str) -> Any:
+        p = state.providers.get(uuid)
+        row = None if p is None else (p.name, p.parent, p.root, p.generation, p.inventories, p.usages)
+        return row, {c.uuid: c.allocations[uuid] for c in state.consumers.values() if uuid in c.allocations}
+
+    def consumer_at(state: State, uuid: str) -> Any:
+        c = state.consumers.get(uuid)
+        return (
+            None
+            if c is None
+            else (c.allocations, c.deleted, c.project_id, c.user_id, c.consumer_type, c.generation)
+        )
+
+    for entity, at in [*((p, provider_at) for p in providers), *((c, consumer_at) for c in consumers)]:
+        changed = {p for p in range(1, len(folds)) if at(folds[p - 1], entity) != at(folds[p], entity)}
+        listed = [e.position async for e in store.history(entity)]
+        assert listed == sorted(set(listed)), entity
+        assert changed <= set(listed), (entity, sorted(changed - set(listed)))
+
+
 async def check_times(store: AllocationStore) -> None:
     """An answer by time is the answer at the last event recorded at or before it (a group
     commit's events share their time), in any time zone; before the first event, position 0."""
@@ -286,6 +313,7 @@ async def test_time_travel_on_a_log_of_every_command_equals_a_plain_fold(store_u
         folds = await folds_of(store)
         await check_every_position(store, folds, providers, consumers, rnd)
         await check_diffs(store, folds, rnd, count=40)
+        await check_histories(store, folds, providers, consumers)
         await check_times(store)
         assert await store.snapshot_positions(), "the questions saved snapshots"
         report = await store.audit(history=True)
@@ -310,6 +338,7 @@ async def test_time_travel_on_an_imported_buggy_log_equals_a_plain_fold(store_ur
         folds = await folds_of(store)
         await check_every_position(store, folds, providers, consumers, rnd)
         await check_diffs(store, folds, rnd, count=20)
+        await check_histories(store, folds, providers, consumers)
         await check_times(store)
         report = await store.audit()
         leaks = {f.details["consumer"] for f in report.findings if f.kind == "leak"}
