@@ -336,18 +336,26 @@ def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterat
     check = check if check is not None else ChainCheck()
     count = 0
     line_no = 0
-    for line_no, text in enumerate(lines, start=1):
-        if not isinstance(text, str):
-            raise InvalidInput(f"line {line_no} of the export is a {type(text).__name__}, not text")
-        if not text.strip():
-            continue
-        if header is None:
-            header = parse_header(text)
-            continue
-        row = parse_row(text, line_no)
-        check.check(row, line_no)
-        count += 1
-        yield row
+    try:
+        for line_no, text in enumerate(lines, start=1):
+            if not isinstance(text, str):
+                raise InvalidInput(f"line {line_no} of the export is a {type(text).__name__}, not text")
+            if not text.strip():
+                continue
+            if header is None:
+                header = parse_header(text)
+                continue
+            row = parse_row(text, line_no)
+            check.check(row, line_no)
+            count += 1
+            yield row
+    except UnicodeDecodeError:
+        # (raised by a text file the lines are read from - `lambda: open(path)` - as it decodes
+        # them, a chunk ahead of the lines read: no line to name)
+        raise InvalidInput(
+            "the export is not UTF-8 text: not an evstore export, or a damaged one (nothing was imported)",
+            field="open_lines",
+        ) from None
     if header is None:
         if check.ends_at is not None:  # (a second pass: the first one read a whole export)
             raise InvalidInput(

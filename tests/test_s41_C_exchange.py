@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from evstore import CorruptEvent, Inventory, open_store
+from evstore import CorruptEvent, InvalidInput, Inventory, open_store
 from evstore import events as ev
 from evstore.events import GENESIS_HASH, event_hash
 from tests.conftest import allocate, make_provider, new_uuid
@@ -249,3 +249,29 @@ async def test_a_nul_character_in_an_imported_events_metadata_is_kept(store_url:
     async with open_store(store_url) as store:
         assert await store.import_events(lambda: lines) == len(events)
         assert (await store.read(0, 1))[0].metadata.request_id == "req\x00"
+
+
+async def test_a_file_that_is_not_utf8_text_is_refused_as_invalid_input(
+    tmp_path: Path, store_url: str
+) -> None:
+    """``import_events(lambda: open(path))`` - the form the API's own message suggests - of a file
+    with bytes that are not UTF-8 ended in the file's bare UnicodeDecodeError, raised by the text
+    file as the import read it (``evstore import`` said "not UTF-8 text", evstore.invalid_input)."""
+    rows = await exported_rows(tmp_path)
+    path = tmp_path / "damaged.jsonl"
+    lines = chained(rows)
+    path.write_bytes(
+        ("\n".join(lines[:2]) + "\n").encode() + b"\xff\xfe garbage\n" + lines[2].encode() + b"\n"
+    )
+    opened: list[Any] = []
+
+    def open_lines() -> Any:
+        opened.append(path.open(encoding="utf-8"))
+        return opened[-1]
+
+    async with open_store(store_url) as target:
+        with pytest.raises(InvalidInput) as refused:
+            await target.import_events(open_lines)
+        assert "not UTF-8 text" in refused.value.message and refused.value.details == {"field": "open_lines"}
+        assert await target.head() == 0
+    assert opened and all(f.closed for f in opened)
