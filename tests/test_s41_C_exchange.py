@@ -275,3 +275,12 @@ async def test_a_file_that_is_not_utf8_text_is_refused_as_invalid_input(
         assert "not UTF-8 text" in refused.value.message and refused.value.details == {"field": "open_lines"}
         assert await target.head() == 0
     assert opened and all(f.closed for f in opened)
+
+
+async def test_a_name_spelling_out_a_nul_escape_is_not_a_nul(store_url: str) -> None:
+    """(A backslash and "u0000" in a name are six characters, not NUL: imported as they are.)"""
+    events = [ev.ProviderCreated(provider=SRC, name="a\\u0000b", root=SRC)]
+    lines = export_of(events, datetime(2025, 3, 1, tzinfo=UTC))
+    async with open_store(store_url) as store:
+        assert await store.import_events(lambda: lines) == 1
+        assert await store.providers() == [(SRC, "a\\u0000b")]
