@@ -238,7 +238,8 @@ class ChainCheck:
                 # wrote the rows, naming neither the line nor the event)
                 raise _corrupt(
                     f"the event at position {row.position} holds a value no evstore command writes: "
-                    f"{field_name} holds a NUL character (which PostgreSQL cannot store)",
+                    f"{field_name} holds a NUL character (every command refuses one: PostgreSQL cannot "
+                    "store it)",
                     line,
                     position=row.position,
                     reason="invalid_value",
