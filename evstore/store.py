@@ -50,6 +50,7 @@ from evstore.errors import shown
 from evstore.events import GENESIS_HASH, Metadata, RecordedEvent, sorted_json
 from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, follows_on, random_bits
 from evstore.schema import (
+    MAX_INT,
     ConsumerAllocations,
     Inventory,
     _shown_int,
@@ -1640,6 +1641,19 @@ class AllocationStore:
         found: dict[str, dict[str, int]] | None = await self._backend.query("provider_allocations", uuid)
         if found is None:
             raise err.ProviderNotFound(f"No resource provider with uuid {uuid} found", provider=uuid)
+        for consumer, resources in found.items():
+            # (as a consumer's rows are checked when a command or allocations() loads them: an
+            # amount evstore never writes is a damaged row, not a holding to sum)
+            for rc, amount in resources.items():
+                if type(amount) is not int or not 1 <= amount <= MAX_INT:
+                    raise err.ProjectionCorrupt(
+                        f"The projection rows of consumer {consumer} hold an allocation of "
+                        f"{shown(amount, 40)} {rc} on provider {uuid}, which evstore never writes: the "
+                        "projection is damaged (`evstore rebuild` refolds it from the log), or the log "
+                        "holds it (imported from another writer; `evstore audit` names the event)",
+                        consumer=consumer,
+                        provider=uuid,
+                    )
         return sorted_holdings(found)
 
     async def usages(
