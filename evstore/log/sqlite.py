@@ -2142,6 +2142,13 @@ def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
     """What a caller sees of an error SQLite raised while running its work."""
     if _is_disk_full(exc):
         return _disk_full_error(f"SQLite error: {exc}")
+    if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF == sqlite3.SQLITE_READONLY:
+        return err.StorageError(
+            f"SQLite error: {exc} ({READ_ONLY_HINT})",
+            sqlite_error=type(exc).__name__,
+            reason="read_only",
+            outcome_unknown=False,
+        )
     return err.StorageError(
         f"SQLite error: {exc}{_damage_hint(exc)}", sqlite_error=type(exc).__name__, **_damage_reason(exc)
     )
@@ -2150,6 +2157,17 @@ def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
 def _is_disk_full(exc: sqlite3.Error) -> bool:
     """SQLite's ``SQLITE_FULL``: a write found no room (the disk or the file system full)."""
     return (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF == sqlite3.SQLITE_FULL
+
+
+#: what SQLite's ``SQLITE_READONLY`` means for the caller: the store opened (a file this process may
+#: read, in a directory where its -wal and -shm files could be made, reads as any other), but a
+#: write found the file, or its -wal or -shm, not writable - its mode or owner, or a file system
+#: mounted read-only. SQLite refuses before it writes a frame: nothing of the command was written.
+READ_ONLY_HINT = (
+    "this process may not write the database file, or its -wal or -shm file: nothing of it was written; "
+    "check the files' permissions (mode and owner) and that their file system is not mounted read-only, "
+    "or work on a writable copy - the store's reads still answer"
+)
 
 
 #: what a full disk means for the caller (see _disk_full_error)
