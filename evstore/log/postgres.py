@@ -84,6 +84,7 @@ import itertools
 import logging
 import random
 import re
+import socket
 import ssl
 import uuid as _uuid
 import weakref
@@ -844,6 +845,29 @@ _AUTHORITY = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)")
 _USER_AND_MORE = re.compile(r"[^:/?#@]*:.*@")
 
 
+def _connect_hint(exc: BaseException) -> str:
+    """What to check when the first connect of an open failed for a reason of its own: the login
+    refused (SQLSTATE class 28: no such role, a wrong password, no pg_hba.conf entry), nothing
+    listening at the address, a host name that does not resolve; "" for any other failure."""
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    if sqlstate.startswith("28"):
+        return (
+            " (the server refused the login: check the URL's user name and password - or PGPASSWORD, "
+            "~/.pgpass - and that the server's pg_hba.conf lets that user connect to that database "
+            "from this host)"
+        )
+    if isinstance(exc, ConnectionRefusedError):
+        return " (nothing listens there: check the host and the port in the URL, and that the server is up)"
+    if isinstance(exc, FileNotFoundError):
+        return (
+            " (no server socket there: check the URL's host - the directory of the server's Unix "
+            "socket - and port, and that the server is up)"
+        )
+    if isinstance(exc, socket.gaierror):
+        return " (the host name does not resolve: check the host in the URL, and this host's DNS)"
+    return ""
+
+
 def _misread_password(url: str, safe_url: str) -> str:
     """A note for the errors about ``url`` when its user name and password may have been misread
     ("" when not): the URL's last "@" is past the end of its host part. A password with an
@@ -1483,8 +1507,12 @@ class PostgresBackend:
                     sqlstate=getattr(exc, "sqlstate", None),
                     reason=shortage[0],
                 ) from None
+            sqlstate = getattr(exc, "sqlstate", None)
             raise err.StorageError(
-                f"Cannot connect to PostgreSQL at {self.safe_url}: {text}{self._url_note}", url=self.safe_url
+                f"Cannot connect to PostgreSQL at {self.safe_url}: {text}{_connect_hint(exc)}"
+                f"{self._url_note}",
+                url=self.safe_url,
+                **({"sqlstate": sqlstate} if sqlstate else {}),
             ) from None
         except ValueError as exc:
             raise self._malformed(exc) from None

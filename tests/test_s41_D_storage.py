@@ -1,0 +1,194 @@
+"""Storage probes of stop 41 (helper D): damaged projection rows read by every query alike, a
+read-only store file's commands refused with what to do, PostgreSQL's refused connects saying
+what to check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evstore import AllocationStore, ProjectionCorrupt, StorageError, open_store
+from tests.conftest import allocate, make_provider, new_uuid
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def _damage_allocation(store: AllocationStore, consumer: str, provider: str, amount: object) -> None:
+    """The projection row of ``consumer``'s allocation of VCPU on ``provider`` set to ``amount``."""
+    if store.url.startswith("sqlite"):
+        await store.backend.tamper(
+            "UPDATE p_allocations SET resources = json_object('VCPU', json(?)) "
+            "WHERE consumer = ? AND provider = ?",
+            (_json(amount), consumer, provider),
+        )
+    else:
+        await store.backend.tamper(
+            "UPDATE p_allocations SET used = ? WHERE consumer = ? AND provider = ?",
+            (amount, consumer, provider),
+        )
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+@pytest.mark.parametrize("amount", [-5, 0, "5"])
+async def test_provider_allocations_refuses_a_damaged_amount_as_allocations_does(
+    store: AllocationStore, amount: object
+) -> None:
+    """Finding (stop 41, helper D): an allocation row damaged by hand to an amount evstore never
+    writes (-5, 0, the text "5") was refused by ``allocations(consumer)`` and by every command on
+    the consumer (``evstore.projection.corrupt``, "rebuild"), but ``provider_allocations(provider)``
+    - Placement's GET /resource_providers/{uuid}/allocations, what a scheduler sums - answered it
+    as the consumer's holding: ``{'VCPU': -5}``. Now it refuses it the same way."""
+    if amount == "5" and not store.url.startswith("sqlite"):
+        pytest.skip("PostgreSQL's column is a bigint: it cannot hold text")
+    rp = await make_provider(store, VCPU=8)
+    damaged, other = new_uuid(), new_uuid()
+    await allocate(store, damaged, {rp: {"VCPU": 1}})
+    await allocate(store, other, {rp: {"VCPU": 2}})
+    await _damage_allocation(store, damaged, rp, amount)
+    with pytest.raises(ProjectionCorrupt) as by_consumer:
+        await store.allocations(damaged)
+    with pytest.raises(ProjectionCorrupt) as by_provider:
+        await store.provider_allocations(rp)
+    assert by_provider.value.code == "evstore.projection.corrupt"
+    assert by_provider.value.details["consumer"] == damaged == by_consumer.value.details["consumer"]
+    assert by_provider.value.details["provider"] == rp
+    assert "rebuild" in by_provider.value.message and repr(amount) in by_provider.value.message
+    await store.rebuild()
+    assert await store.provider_allocations(rp) == {damaged: {"VCPU": 1}, other: {"VCPU": 2}}
+    assert (await store.audit()).clean
+
+
+def _without_write_permission() -> list[str] | None:
+    """A prefix that runs a command as root without the capabilities that let root write any
+    file (as tests/test_cli_hostile.py does); None where that cannot be done."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        return None
+    caps = "-dac_override,-dac_read_search,-fowner"
+    probe = subprocess.run(["setpriv", "--bounding-set", caps, "--inh-caps", caps, "true"], check=False)
+    return ["setpriv", "--bounding-set", caps, "--inh-caps", caps] if probe.returncode == 0 else None
+
+
+READ_ONLY_PROBE = """
+import asyncio, json, sys
+import structlog, logging
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+from evstore import EvstoreError, open_store
+
+async def main():
+    out = {}
+    async with open_store(sys.argv[1]) as store:
+        out["head"] = await store.head()
+        try:
+            await store.create_provider(sys.argv[2], "another")
+        except EvstoreError as exc:
+            out["error"] = exc.to_dict()
+        out["head_after"] = await store.head()
+        out["clean"] = (await store.audit()).clean
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+async def test_a_command_on_a_read_only_store_file_says_what_to_do(tmp_path: Path) -> None:
+    """Finding (stop 41, helper D): a store file the process may read but not write (mode 0444, in
+    a directory it may write: its -wal and -shm files can be made) opens, and its reads answer; but
+    each command failed with SQLite's bare "SQLite error: attempt to write a readonly database"
+    and only ``sqlite_error: OperationalError`` - no word of the file's permissions, where a
+    read-only directory's open says what to do. Now the command's error says that the file (or its
+    -wal or -shm) may not be written, to check its permissions or the file system's, that nothing
+    was written, and ``details["reason"]`` is ``"read_only"`` (``outcome_unknown`` False)."""
+    prefix = _without_write_permission()
+    if prefix is None:
+        pytest.skip("cannot drop root's right to write any file here (no setpriv)")
+    path = tmp_path / "s.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await make_provider(store, VCPU=8)
+    path.chmod(0o444)
+    try:
+        run = subprocess.run(
+            [*prefix, sys.executable, "-c", READ_ONLY_PROBE, f"sqlite:///{path}", new_uuid()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )
+    finally:
+        path.chmod(0o644)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["head"] == out["head_after"] == 2 and out["clean"]
+    error = out["error"]
+    assert error["code"] == StorageError.code
+    assert error["details"]["reason"] == "read_only"
+    assert error["details"]["outcome_unknown"] is False
+    assert "permission" in error["message"] and "nothing of it was written" in error["message"]
+    with sqlite3.connect(path) as conn:  # (and nothing was)
+        assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 2
+
+
+def _server_url() -> str:
+    from tests.pg import server_url
+
+    return server_url()
+
+
+async def test_a_postgresql_login_refused_says_what_to_check() -> None:
+    """Finding (stop 41, helper D): a login the server refuses (a role that does not exist, a
+    wrong password, no pg_hba.conf entry: SQLSTATE class 28) was "Cannot connect to PostgreSQL at
+    URL: role "nosuchuser" does not exist" with only the URL in its details, where a missing
+    database says what to do. Now it says to check the URL's user and password and the server's
+    pg_hba.conf, and its details carry the ``sqlstate``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(_server_url())
+    netloc = f"nosuchuser_s41:secret@{parts.hostname}:{parts.port}"
+    url = urlunsplit(parts._replace(netloc=netloc))
+    with pytest.raises(StorageError) as caught:
+        async with open_store(url):
+            pass
+    assert caught.value.details["sqlstate"].startswith("28")
+    assert "nosuchuser_s41" in caught.value.message and "secret" not in caught.value.message
+    assert "user name and password" in caught.value.message and "pg_hba.conf" in caught.value.message
+
+
+async def test_a_postgresql_port_nothing_listens_on_says_what_to_check() -> None:
+    """Finding (stop 41, helper D): a URL whose host has nothing listening on its port said only
+    "[Errno 111] Connect call failed ('127.0.0.1', N)". Now it says to check the host, the port
+    and that the server is up."""
+    import socket
+
+    with socket.socket() as sock:  # (a port just free: nothing listens on it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(StorageError) as caught:
+        async with open_store(f"postgresql://evstore:pw@127.0.0.1:{port}/evstore", connect_timeout=5):
+            pass
+    assert "Connect call failed" in caught.value.message and "pw" not in caught.value.message
+    assert "check the host and the port" in caught.value.message
+
+
+async def test_a_postgresql_socket_directory_without_a_server_says_what_to_check(tmp_path: Path) -> None:
+    """Finding (stop 41, helper D): a URL naming a Unix socket directory where no server listens
+    said only "[Errno 2] No such file or directory". Now it says which part of the URL to check."""
+    with pytest.raises(StorageError) as caught:
+        async with open_store(f"postgresql:///evstore?host={tmp_path}", connect_timeout=5):
+            pass
+    assert "No such file or directory" in caught.value.message
+    assert "no server socket there" in caught.value.message
