@@ -192,3 +192,42 @@ async def test_a_postgresql_socket_directory_without_a_server_says_what_to_check
             pass
     assert "No such file or directory" in caught.value.message
     assert "no server socket there" in caught.value.message
+
+
+@pytest.mark.parametrize("receipt", ["{bad", "[]", "null", '{"positions": "x"}', '{"positions": [1, "a"]}'])
+async def test_a_damaged_idempotency_receipt_is_a_typed_error_that_says_what_it_means(
+    store: AllocationStore, receipt: str
+) -> None:
+    """Finding (stop 41, helper D): a retry whose key's stored receipt was damaged (its row edited
+    by hand, a bad restore) failed as "Storage failure: JSONDecodeError('Expecting property name
+    ...')" or "Storage failure: KeyError('consumer_generations')" - the repr of an exception from
+    inside the decoding, no word of which key or what to do. Now it is ``evstore.storage`` with
+    ``details["reason"] == "damaged"`` and the ``idempotency_key``, saying that the command was
+    committed under the key before and nothing was written now; the store goes on."""
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+
+    async def claim() -> object:
+        return await store.set_allocations(
+            c,
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            idempotency_key="key-1",
+        )
+
+    await claim()
+    head = await store.head()
+    await store.backend.tamper("UPDATE idempotency SET receipt = ? WHERE key = ?", (receipt, "key-1"))
+    with pytest.raises(StorageError) as caught:
+        await claim()
+    assert caught.value.details["reason"] == "damaged"
+    assert caught.value.details["idempotency_key"] == "key-1"
+    assert caught.value.details["outcome_unknown"] is False
+    assert "key-1" in caught.value.message and "committed" in caught.value.message
+    assert "Storage failure" not in caught.value.message
+    assert await store.head() == head
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # (the store goes on)
+    assert (await store.audit()).clean

@@ -21,7 +21,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from evstore.commands import Command, Needs
-from evstore.errors import CorruptEvent, EvstoreError
+from evstore.errors import CorruptEvent, EvstoreError, StorageError, shown
 from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
 from projections.state import State
 
@@ -130,6 +130,33 @@ class Receipt:
             raw["provider_generations"],
             replayed=replayed,
         )
+
+    @classmethod
+    def stored(cls, key: str, text: Any) -> Receipt:
+        """The receipt an idempotency key recorded, read back for a retry; a row that is not one
+        evstore writes (edited by hand, a bad restore) is a ``StorageError`` saying so, with
+        ``details["reason"] == "damaged"`` - not the decoder's exception from inside."""
+        try:
+            receipt = cls.from_json(text)
+            ints = (*receipt.positions, *receipt.provider_generations.values())
+            if not all(type(n) is int for n in ints) or not isinstance(receipt.consumer_generations, dict):
+                raise ValueError("not a receipt of positions and generations")
+            if not all(g is None or type(g) is int for g in receipt.consumer_generations.values()):
+                raise ValueError("a consumer generation that is not an integer")
+            return receipt
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StorageError(
+                f"The receipt stored for idempotency key {shown(key, 80)} cannot be read ({first[:120]}): "
+                "its row in the idempotency table was damaged (edited by hand, a bad restore). The command "
+                "that key names was committed before (its events carry the key in their metadata: "
+                "`evstore history` of its consumer or provider shows them), and nothing was written now; "
+                "so do not run it again under another key without checking what it did. Restore the "
+                "store from a backup, or delete that row to let the key be used again",
+                idempotency_key=key,
+                reason="damaged",
+                outcome_unknown=False,
+            ) from None
 
 
 Outcome = Receipt | EvstoreError

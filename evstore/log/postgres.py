@@ -2279,7 +2279,7 @@ class PostgresBackend:
                         f"Idempotency key {key!r} was already used for a different command",
                         idempotency_key=key,
                     )
-                replayed = Receipt.from_json(row["receipt"])
+                replayed = Receipt.stored(key, row["receipt"])
                 return replayed, list(replayed.positions)  # stored as seqs
         # A command naming only consumers (a release, a revert, a migration's start) learns of its
         # providers and migrations by loading: each found beyond its locks cost one more load (and
