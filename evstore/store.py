@@ -1848,6 +1848,7 @@ class AllocationStore:
         (as :meth:`_fail_idle`), and one cancelled from outside (a shutdown cancelling tasks) is
         begun again by those still waiting. The subscribers share the same event objects: events
         are read-only (README)."""
+        self._check_loop()  # (a subscriber resumed on another loop: its shared read is not there)
         while True:
             key = (after, limit)
             shared = self._reads.get(key)
@@ -1896,7 +1897,11 @@ class AllocationStore:
         a commit of this process, the poller finding the head beyond ``after``, or the store
         closing (or ``at_most`` seconds, when given). ``wakes``: :attr:`_wakes` before the
         subscriber's last read (a wake-up since then may be for what that read missed: no wait).
-        Raises what the poller's read of the head raised, when it failed while this waited."""
+        Raises what the poller's read of the head raised, when it failed while this waited.
+        ``WrongEventLoop`` when the subscriber was resumed on a loop other than the store's: a
+        wait there would be for ever (no commit of the store wakes a future of that loop, and a
+        poller started there cannot read)."""
+        self._check_loop()
         if self._wakes != wakes or self._closing:
             return
         # (a plain await of a future: wait_for on Python 3.11 swallowed a cancellation that

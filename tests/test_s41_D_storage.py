@@ -231,3 +231,43 @@ async def test_a_damaged_idempotency_receipt_is_a_typed_error_that_says_what_it_
     assert await store.head() == head
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # (the store goes on)
     assert (await store.audit()).clean
+
+
+async def test_a_subscriber_resumed_on_another_event_loop_raises_wrong_event_loop(sqlite_url: str) -> None:
+    """Finding (stop 41, helper D): a subscriber begun on the store's loop and then iterated from
+    another loop (a thread's ``asyncio.run``) did not raise ``WrongEventLoop`` as every other call
+    does: it waited on that loop for appends no one would announce there - for ever (its poller,
+    started on that loop, could not read). Now its next iteration raises ``WrongEventLoop``; the
+    store goes on serving its own loop's subscribers."""
+    import asyncio
+    import threading
+
+    from evstore import WrongEventLoop
+
+    async with open_store(sqlite_url, poll_interval=0.05) as store:
+        await make_provider(store, VCPU=1)
+        events = store.subscribe()
+        while (await events.__anext__()).position < await store.head():
+            pass
+        caught: list[BaseException] = []
+
+        def elsewhere() -> None:
+            async def resume() -> None:
+                try:
+                    await asyncio.wait_for(events.__anext__(), 10)
+                except BaseException as exc:
+                    caught.append(exc)
+
+            asyncio.run(resume())
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        while thread.is_alive():  # (the store's loop runs meanwhile)
+            await asyncio.sleep(0.02)
+        assert len(caught) == 1 and isinstance(caught[0], WrongEventLoop), caught
+        head = await store.head()
+        follower = store.subscribe(after=head)
+        async with open_store(sqlite_url) as other:  # (another connection's append: the poller's)
+            await make_provider(other, VCPU=1)
+        assert (await asyncio.wait_for(follower.__anext__(), 10)).position == head + 1
+        await follower.aclose()
