@@ -271,3 +271,46 @@ async def test_a_subscriber_resumed_on_another_event_loop_raises_wrong_event_loo
             await make_provider(other, VCPU=1)
         assert (await asyncio.wait_for(follower.__anext__(), 10)).position == head + 1
         await follower.aclose()
+
+
+@pytest.mark.parametrize("create", [True, False])
+async def test_a_symlink_loop_is_refused_as_no_database_file(tmp_path: Path, create: bool) -> None:
+    """Finding (stop 41, helper D): a store path that is a symbolic link loop (``loop.db`` ->
+    ``loop.db``) raised a bare ``RuntimeError: Symlink loop from ...`` with ``create=False`` (as
+    the read-only CLI commands open), and with ``create=True`` "unable to open database file
+    (evstore needs to write the file and its directory ...: work on a writable copy)", which is
+    not the trouble. Now both are ``evstore.invalid_input`` saying it is a symbolic link loop, as a
+    directory or a FIFO at the path is refused."""
+    from evstore import InvalidInput
+
+    link = tmp_path / "loop.db"
+    link.symlink_to("loop.db")
+    with pytest.raises(InvalidInput) as caught:
+        async with open_store(f"sqlite:///{link}", create=create):
+            pass
+    assert "symbolic link loop" in caught.value.message and str(link) in caught.value.message
+
+
+async def test_a_symlink_into_a_missing_directory_is_not_found_as_a_missing_directory_is(
+    tmp_path: Path,
+) -> None:
+    """Finding (stop 41, helper D): a store path that is a symbolic link to a file in a directory
+    that does not exist (a volume not mounted, a moved data directory) was refused as
+    ``evstore.storage`` "unable to open database file (evstore needs to write the file and its
+    directory ... work on a writable copy)", where the same path written out is
+    ``evstore.not_found`` "directory ... does not exist". Now the link is refused that way, naming
+    the missing directory and the link's target; a link to a file yet to be made in a directory
+    that exists still makes the store there."""
+    from evstore import NotFound
+
+    link = tmp_path / "s.db"
+    link.symlink_to(tmp_path / "unmounted" / "s.db")
+    with pytest.raises(NotFound) as caught:
+        async with open_store(f"sqlite:///{link}"):
+            pass
+    assert f"directory {tmp_path / 'unmounted'} does not exist" in caught.value.message
+    assert str(tmp_path / "unmounted" / "s.db") in caught.value.message
+    (tmp_path / "unmounted").mkdir()
+    async with open_store(f"sqlite:///{link}") as store:
+        await make_provider(store, VCPU=1)
+    assert (tmp_path / "unmounted" / "s.db").is_file()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import itertools
 import math
@@ -1267,6 +1268,13 @@ class SqliteBackend:
                     f"Cannot open {self.url}: {self.path} {kind}, not a database file (a SQLite store is a "
                     "regular file, made on first open)"
                 )
+            missing = await asyncio.to_thread(_link_target_dir_missing, self.path)
+            if missing is not None:
+                target, directory = missing
+                raise err.NotFound(
+                    f"Cannot open {self.url}: directory {directory} does not exist ({self.path} is a "
+                    f"symbolic link to {target})"
+                )
         if not self.create and self.memory:
             raise err.NotFound(
                 f"No evstore store in {self.url}: an in-memory store starts empty, so there is nothing "
@@ -2361,13 +2369,27 @@ def _rows_naming(
     return conn.execute(sql, (after, last, *names))
 
 
+def _link_target_dir_missing(path: str) -> tuple[str, str] | None:
+    """For ``path`` a symbolic link to nothing (dangling): its target and the target's directory
+    when that directory does not exist (a volume not mounted, a data directory moved), which SQLite
+    reports only as "unable to open database file"; ``None`` otherwise (no link, a link to a file,
+    or to one yet to be made where its directory exists: SQLite makes it there)."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return None
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    return None if os.path.isdir(directory) else (target, directory)
+
+
 def not_a_regular_file(path: str) -> str | None:
     """What ``path`` is when it exists and is not a regular file (symbolic links followed), as a
     message says it ("is a FIFO (named pipe)"); ``None`` for a file or nothing. SQLite would
     wait for ever on a FIFO's other end."""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # (SQLite: "unable to open database file"; Path.resolve: RuntimeError)
+            return "is a symbolic link loop (following it leads back to a link on the way)"
         return None  # (absent: made on open, or refused there with the reason)
     if stat.S_ISREG(mode):
         return None
