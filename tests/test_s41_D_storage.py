@@ -314,3 +314,24 @@ async def test_a_symlink_into_a_missing_directory_is_not_found_as_a_missing_dire
     async with open_store(f"sqlite:///{link}") as store:
         await make_provider(store, VCPU=1)
     assert (tmp_path / "unmounted" / "s.db").is_file()
+
+
+async def test_a_postgresql_session_that_may_not_write_says_so_with_the_reason_sqlite_gives(
+    pg_url: str,
+) -> None:
+    """Finding (stop 41, helper D): a command on a PostgreSQL session that may not write (a hot
+    standby, ``default_transaction_read_only`` set for the role, the database or in the URL) was
+    "cannot execute INSERT in a read-only transaction; it was rolled back" with only the sqlstate
+    25006 - no word of where such a session comes from or what to do, nor the ``reason`` a
+    read-only SQLite file now gives. Now ``details["reason"] == "read_only"``, and the message
+    says to run commands on the primary or with a session that may write; reads still answer."""
+    async with open_store(pg_url) as store:
+        await make_provider(store, VCPU=1)
+    async with open_store(f"{pg_url}&default_transaction_read_only=on") as store:
+        head = await store.head()
+        with pytest.raises(StorageError) as caught:
+            await make_provider(store, VCPU=1)
+        assert caught.value.details["reason"] == "read_only"
+        assert caught.value.details["outcome_unknown"] is False
+        assert "primary" in caught.value.message
+        assert await store.head() == head and (await store.audit()).clean

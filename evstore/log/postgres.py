@@ -1291,6 +1291,9 @@ def _storage_error(
             reason = {"reason": found[0]}
             if sqlstate in PASSING_SHORTAGES:
                 reason["transient"] = True
+        elif sqlstate == "25006":  # (read_only_sql_transaction: as a SQLite file this process may not write)
+            lead += f" ({READ_ONLY_HINT})"
+            reason = {"reason": "read_only"}
         if committing is None:
             return err.StorageError(lead, sqlstate=sqlstate, **reason)
         # the server answered with an error: the transaction is rolled back, also at COMMIT
@@ -1312,6 +1315,14 @@ def _storage_error(
     return err.StorageError(
         f"{lead}; {outcome}", sqlstate=sqlstate, outcome_unknown=committing, transient=True, **shortage
     )
+
+
+#: what SQLSTATE 25006 (read_only_sql_transaction) means for the caller: nothing was written
+READ_ONLY_HINT = (
+    "this session may not write: the server is a hot standby, or default_transaction_read_only is "
+    "set for the role, the database or in the store URL; run commands on the primary, with a "
+    "session that may write - reads, export, audit and time travel work here"
+)
 
 
 #: asyncpg's warning, with the connect's traceback, at each failed try to reopen the connections
