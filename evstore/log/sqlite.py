@@ -398,7 +398,21 @@ def _read_tail(conn: sqlite3.Connection) -> _Tail:
     ).fetchone()
     if row is None:
         return _Tail(0, GENESIS_HASH, "", now_iso())
-    return _Tail(row[0], row[1], row[2], now_iso())
+    return _Tail(row[0], row[1], _time_or_nothing(row[2]), now_iso())
+
+
+def _time_or_nothing(text: Any) -> str:
+    """The last event's time as the writer takes it over (times never go backwards: each new event
+    is recorded at the later of the clock and it, compared as text): "" for a row whose time is no
+    time (damaged by hand: "yesterday" sorts after any "2026-..."), which every event appended
+    after it then copied - accepted, and unreadable. The damaged row stays for the audit."""
+    if isinstance(text, str):
+        try:
+            if datetime.fromisoformat(text).tzinfo is not None:
+                return text
+        except ValueError:
+            pass
+    return ""
 
 
 def _time_ordered_uuid() -> str:
