@@ -48,9 +48,18 @@ from evstore import commands as cmd
 from evstore import errors as err
 from evstore.errors import shown
 from evstore.events import GENESIS_HASH, Metadata, RecordedEvent, sorted_json
-from evstore.log import MAX_POSITION, Backend, Job, Outcome, RawEvent, Receipt, follows_on, random_bits
+from evstore.log import (
+    MAX_POSITION,
+    Backend,
+    Job,
+    Outcome,
+    RawEvent,
+    Receipt,
+    check_held_amount,
+    follows_on,
+    random_bits,
+)
 from evstore.schema import (
-    MAX_INT,
     ConsumerAllocations,
     Inventory,
     _shown_int,
@@ -1645,15 +1654,7 @@ class AllocationStore:
             # (as a consumer's rows are checked when a command or allocations() loads them: an
             # amount evstore never writes is a damaged row, not a holding to sum)
             for rc, amount in resources.items():
-                if type(amount) is not int or not 1 <= amount <= MAX_INT:
-                    raise err.ProjectionCorrupt(
-                        f"The projection rows of consumer {consumer} hold an allocation of "
-                        f"{shown(amount, 40)} {rc} on provider {uuid}, which evstore never writes: the "
-                        "projection is damaged (`evstore rebuild` refolds it from the log), or the log "
-                        "holds it (imported from another writer; `evstore audit` names the event)",
-                        consumer=consumer,
-                        provider=uuid,
-                    )
+                check_held_amount(consumer, uuid, rc, amount)
         return sorted_holdings(found)
 
     async def usages(

@@ -368,3 +368,24 @@ async def test_a_damaged_time_on_the_last_event_does_not_spread_to_new_events(
     assert event.position == head + 1 and event.recorded_at.year >= 2020
     report = await store.audit()
     assert {f.positions[0] for f in report.integrity if "envelope" in f.message} == {head}
+
+
+async def test_postgresql_usages_refuses_a_damaged_amount_as_allocations_does(pg_url: str) -> None:
+    """Finding (stop 41, helper D): on PostgreSQL ``usages(project)`` sums the allocation rows, and
+    summed one damaged to -5 (which ``allocations(consumer)`` and every command on the consumer
+    refuse, ``evstore.projection.corrupt``) into the project's total: ``{'VCPU': -3}`` for a
+    project holding 4 - what a quota check reads. Now it refuses it the same way, naming the
+    consumer and the provider. (SQLite's ``usages`` reads its own counters, not these rows.)"""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=16)
+        damaged = new_uuid()
+        for consumer in (damaged, new_uuid()):
+            await allocate(store, consumer, {rp: {"VCPU": 2}}, project_id="p")
+        await store.backend.tamper("UPDATE p_allocations SET used = -5 WHERE consumer = ?", (damaged,))
+        for consumer_type in (None, "all", "INSTANCE"):
+            with pytest.raises(ProjectionCorrupt) as caught:
+                await store.usages("p", consumer_type=consumer_type)
+            assert caught.value.details == {"consumer": damaged, "provider": rp}
+            assert "rebuild" in caught.value.message
+        await store.rebuild()
+        assert (await store.usages("p")).usages == {"VCPU": 4}

@@ -114,6 +114,7 @@ from evstore.log import (
     Receipt,
     SchemaRepair,
     carried,
+    check_held_amount,
     follows_on,
     store_keyword_hint,
 )
@@ -3466,14 +3467,16 @@ async def _q_project_usages(
     conn: Any, project_id: str, user_id: str | None, consumer_type: str | None
 ) -> list[UsageGroup]:
     rows = await conn.fetch(
-        "SELECT c.consumer_type, c.uuid, a.rc, a.used FROM p_allocations a "
+        "SELECT c.consumer_type, c.uuid, a.rc, a.used, a.provider FROM p_allocations a "
         "JOIN p_consumers c ON c.uuid = a.consumer WHERE c.project_id = $1 "
         "AND ($2::text IS NULL OR c.user_id = $2) AND ($3::text IS NULL OR c.consumer_type = $3)",
         project_id,
         user_id,
         consumer_type,
     )
-    return groups_from_rows(tuple(r) for r in rows)
+    for _, consumer, rc, used, provider in rows:  # (a damaged row is refused, not summed)
+        check_held_amount(consumer, provider, rc, used)
+    return groups_from_rows((ctype, consumer, rc, used) for ctype, consumer, rc, used, _ in rows)
 
 
 async def _q_providers(conn: Any) -> list[tuple[str, str]]:
