@@ -509,9 +509,24 @@ def _beyond_head(position: int, head: int, field: str, cursor: bool = False) -> 
     )
 
 
+def _zone_failure(value: datetime) -> str | None:
+    """Why ``value``'s time zone cannot say its offset from UTC (a caller's ``tzinfo`` whose
+    ``utcoffset`` raises, or returns what Python refuses), or None when it can."""
+    try:
+        value.utcoffset()
+    except Exception as exc:  # (a caller's tzinfo: whatever it raises is its own bug, told as such)
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
 def _given(value: object) -> str:
     """What a caller gave where a position or a time belongs, for the message refusing it: a date
     or time in ISO form (its repr was cut at 60 characters, inside the tzinfo)."""
+    if isinstance(value, datetime) and (failed := _zone_failure(value)) is not None:
+        return (
+            f"a datetime {value.replace(tzinfo=None).isoformat()} whose time zone "
+            f"({type(value.tzinfo).__name__}) failed to give its offset from UTC ({failed})"
+        )
     if isinstance(value, datetime) and value.utcoffset() is None:
         return f"a naive datetime {value.isoformat()}"
     if isinstance(value, date):
@@ -525,6 +540,8 @@ def _given(value: object) -> str:
 def _time_hint(value: object) -> str:
     """What to do instead with a value refused as a time: a date has no time of day, and a
     naive datetime no zone."""
+    if isinstance(value, datetime) and _zone_failure(value) is not None:
+        return ""  # (_given said what failed)
     if isinstance(value, datetime):
         return " (no time zone: e.g. .replace(tzinfo=UTC) if it is UTC)"
     if isinstance(value, date):
@@ -538,7 +555,7 @@ def _time_hint(value: object) -> str:
 def _point(value: object, what: str, field: str) -> int | datetime:
     """A position-or-time argument (``diff``'s ``a`` and ``b``, ``position_of``): an integer
     position or a timezone-aware datetime; anything else refused in one wording naming both."""
-    if isinstance(value, datetime) and value.utcoffset() is not None:
+    if isinstance(value, datetime) and _zone_failure(value) is None and value.utcoffset() is not None:
         return value
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_POSITION:
         return value
@@ -565,7 +582,7 @@ def _contiguous(after: int, batch: list[_Positioned]) -> list[_Positioned]:
 
 def _aware_time(value: object, what: str = "at") -> datetime:
     """A time argument: a timezone-aware datetime, refused in one wording everywhere otherwise."""
-    if isinstance(value, datetime) and value.utcoffset() is not None:
+    if isinstance(value, datetime) and _zone_failure(value) is None and value.utcoffset() is not None:
         return value
     got = _given(value)
     hint = " (a string: datetime.fromisoformat(text))" if isinstance(value, str) else _time_hint(value)
