@@ -13,7 +13,7 @@ import uuid as _uuid
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import os_resource_classes
 from pydantic import (
@@ -278,7 +278,46 @@ def pydantic_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-class Inventory(BaseModel):
+class _RefusesAsInvalidInput(BaseModel):
+    """A value type whose pydantic constructors - ``model_validate``, ``model_validate_json`` and
+    ``model_validate_strings``, how a mapping or JSON read from a file becomes one - refuse a bad
+    value as a call of the type does (``_refused``): a typed evstore error with a stable code, also a
+    ValueError, not pydantic's ValidationError."""
+
+    @classmethod
+    def _refused(cls, exc: ValidationError) -> InvalidInput:
+        raise NotImplementedError
+
+    @classmethod
+    def _refusal(cls, exc: ValidationError) -> InvalidInput:
+        # (pydantic runs the type's own __init__, whose refusal it wraps: that one, as it was)
+        errors = exc.errors()
+        made = errors[0].get("ctx", {}).get("error") if len(errors) == 1 else None
+        return made if isinstance(made, InvalidInput) else cls._refused(exc)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **options: Any) -> Self:
+        try:
+            return super().model_validate(obj, **options)
+        except ValidationError as exc:
+            raise cls._refusal(exc) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **options: Any) -> Self:
+        try:
+            return super().model_validate_json(json_data, **options)
+        except ValidationError as exc:
+            raise cls._refusal(exc) from None
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, **options: Any) -> Self:
+        try:
+            return super().model_validate_strings(obj, **options)
+        except ValidationError as exc:
+            raise cls._refusal(exc) from None
+
+
+class Inventory(_RefusesAsInvalidInput):
     """The inventory of one resource class on one provider (Placement's fields and defaults)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -312,9 +351,11 @@ class Inventory(BaseModel):
             try:
                 super().__init__(**data)
             except ValidationError as exc:
-                raise InvalidInventoryValue(
-                    f"Invalid inventory: {pydantic_message(exc)}", **pydantic_where(exc)
-                ) from None
+                raise self._refused(exc) from None
+
+    @classmethod
+    def _refused(cls, exc: ValidationError) -> InvalidInput:
+        return InvalidInventoryValue(f"Invalid inventory: {pydantic_message(exc)}", **pydantic_where(exc))
 
     @field_validator("allocation_ratio", mode="before")
     @classmethod
@@ -394,7 +435,7 @@ def make_inventory(**fields: Any) -> Inventory:
     return inventory
 
 
-class ConsumerAllocations(BaseModel):
+class ConsumerAllocations(_RefusesAsInvalidInput):
     """One consumer's part of a ``write_allocations`` command (Placement's POST /allocations entry).
 
     ``consumer_generation=None`` means "I expect this consumer not to exist".
@@ -449,9 +490,11 @@ class ConsumerAllocations(BaseModel):
             try:
                 super().__init__(**data)
             except ValidationError as exc:
-                raise InvalidInput(
-                    f"Invalid consumer allocations: {pydantic_message(exc)}", **pydantic_where(exc)
-                ) from None
+                raise self._refused(exc) from None
+
+    @classmethod
+    def _refused(cls, exc: ValidationError) -> InvalidInput:
+        return InvalidInput(f"Invalid consumer allocations: {pydantic_message(exc)}", **pydantic_where(exc))
 
     @field_validator("project_id", "user_id")
     @classmethod

@@ -84,25 +84,55 @@ async def test_a_malformed_argument_is_refused_as_such_by_a_closed_store(store_u
     assert refused.value.details["field"] == field
 
 
-# --- findings outside helper A's files (strict xfail) -------------------------------------------
+# --- the value types' pydantic constructors (helper A's finding in schema.py, fixed by the lead) ----
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="evstore/schema.py (and events.Metadata): the value types refuse bad values with "
-    "InvalidInput when called (Inventory(...)), but their pydantic classmethods model_validate / "
-    "model_validate_json - public API of a pydantic model, the way a dict or JSON read from a "
-    "config becomes an Inventory - raise pydantic's ValidationError: no .code, no details['field']",
-)
+INVENTORY_CODE, INPUT_CODE = "evstore.inventory.invalid", "evstore.invalid_input"
+
+
 @pytest.mark.parametrize(
-    "build",
+    ("build", "code", "field"),
     [
-        lambda: Inventory.model_validate({"total": 0}),
-        lambda: Inventory.model_validate_json('{"total": "eight"}'),
-        lambda: ConsumerAllocations.model_validate({"allocations": {}, "project_id": "p"}),
+        (lambda: Inventory.model_validate({"total": 0}), INVENTORY_CODE, "total"),
+        (lambda: Inventory.model_validate_json('{"total": "eight"}'), INVENTORY_CODE, "total"),
+        (lambda: Inventory.model_validate_strings({"total": "8"}), INVENTORY_CODE, "total"),  # (strict)
+        (
+            lambda: ConsumerAllocations.model_validate({"allocations": {}, "project_id": "p"}),
+            INPUT_CODE,
+            "user_id",
+        ),
+        (
+            lambda: ConsumerAllocations.model_validate_json('{"allocations": {"x": {}}}'),
+            INPUT_CODE,
+            "allocations",
+        ),
     ],
-    ids=["Inventory.model_validate", "Inventory.model_validate_json", "ConsumerAllocations.model_validate"],
+    ids=[
+        "Inventory.model_validate",
+        "Inventory.model_validate_json",
+        "Inventory.model_validate_strings",
+        "ConsumerAllocations.model_validate",
+        "ConsumerAllocations.model_validate_json",
+    ],
 )
-def test_the_value_types_classmethods_refuse_as_invalid_input(build: Callable[[], object]) -> None:
-    with pytest.raises(InvalidInput):
+def test_the_value_types_classmethods_refuse_as_invalid_input(
+    build: Callable[[], object], code: str, field: str
+) -> None:
+    with pytest.raises(InvalidInput) as refused:
         build()
+    assert (
+        refused.value.code == code
+    )  # (the code a call of the type gives: Inventory(total=0)'s is the first)
+    assert refused.value.details["field"] == field
+    assert "Value error, Invalid" not in str(
+        refused.value
+    )  # (not pydantic's wrapping of the type's own refusal)
+
+
+def test_the_value_types_classmethods_still_build_what_the_call_builds() -> None:
+    assert Inventory.model_validate({"total": 8, "reserved": 1}) == Inventory(total=8, reserved=1)
+    assert Inventory.model_validate_json('{"total": 8}') == Inventory(total=8)
+    owner = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE"}
+    assert ConsumerAllocations.model_validate({"allocations": {}, **owner}) == ConsumerAllocations(
+        allocations={}, **owner
+    )
