@@ -1994,7 +1994,10 @@ class AllocationStore:
             if self._closing or not self._idle:
                 return
             if nap.done():
-                nap = asyncio.get_running_loop().create_future()
+                # (where the subscribers find it at once: the last one cancelled during the read
+                # below ends the next pause; the ended one left there, it ended nothing, and the
+                # poller paused a full poll_interval with nobody waiting)
+                nap = self._poller_nap = asyncio.get_running_loop().create_future()
             try:
                 if check_followable is not None:
                     await check_followable()
