@@ -76,6 +76,7 @@ dump and restore (which does not keep transaction ids) loses nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hashlib
@@ -1450,6 +1451,8 @@ class PostgresBackend:
         self._interrupted: set[Any] = set()
         #: the pool's acquires whose callers were cancelled, left to finish (see _acquire)
         self._orphans: set[asyncio.Task[None]] = set()
+        #: one for each connection of the pool, taken before the pool's acquire (see _acquire)
+        self._tickets = _Tickets(self.pool_size)
         #: the connections the pool has opened so far, and this count and the loop's time at the
         #: last refusal of one for want of a slot (see _acquire)
         self._opened = 0
@@ -1778,6 +1781,10 @@ class PostgresBackend:
                 interrupted.discard(gone)
             interrupted.add(conn)
             raise
+        finally:
+            # (its ticket: see _acquire; cancelled, the release goes on in asyncpg's task, back in
+            # the pool a moment later - the next ticket's holder waits for it in asyncpg's queue)
+            self._tickets.give()
 
     async def _opened_one(self, conn: Any) -> None:
         """The pool's ``init``: each connection it opens, counted (see _acquire)."""
@@ -1800,29 +1807,51 @@ class PostgresBackend:
         for ``max_connections`` or the role's ``CONNECTION LIMIT``: ``pool_size`` is more than
         it allows), the next connection the pool's holders release, for up to
         ``connect_timeout`` - as when all ``pool_size`` connections are busy - rather than
-        failing the command or read that happened to need one more."""
+        failing the command or read that happened to need one more.
+
+        A call first takes one of ``pool_size`` tickets (:class:`_Tickets`, in turn; given back
+        with the connection, see _give_back): the pool's acquire then finds a connection free (or
+        one to open), and waits in asyncpg's queue only for a moment (a release cut short that
+        finishes, the pool reopening a free one for min_pool_size). A caller cancelled while it waits for a
+        ticket leaves nothing behind; one cancelled during the acquire leaves it to finish (see
+        _shielded), which it does at once. Waiting in asyncpg's queue, each cancelled caller's
+        acquire took the next connection to come free (to give it back after its reset): live
+        callers waited behind every caller cancelled before them, under a storm of cancellations
+        (callers with timeouts) for as long as it lasted."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout
         pause = 0.005
         refused: asyncpg.exceptions.TooManyConnectionsError | None = None
-        while True:
-            try:
-                # (bounded: without a timeout, a call waited for every call ahead of it, each up
-                # to command_timeout, or for ever without one)
-                return await self._shielded(pool, max(0.001, deadline - loop.time()))
-            except asyncpg.exceptions.TooManyConnectionsError as exc:
-                self._last_refusal = (self._opened, loop.time())
-                if loop.time() + pause > deadline or self._pool is None:
+        # (bounded: without a timeout, a call waited for every call ahead of it, each up to
+        # command_timeout, or for ever without one)
+        await self._tickets.take(self.connect_timeout)
+        ticket = True  # (still this call's to give back: not handed on with a connection or an acquire)
+        try:
+            while True:
+                try:
+                    try:
+                        conn = await self._shielded(pool, max(0.001, deadline - loop.time()))
+                    except asyncio.CancelledError:
+                        ticket = False  # (the acquire left to finish gives it back: see _settle)
+                        raise
+                    ticket = False  # (with the connection: see _give_back)
+                    return conn
+                except asyncpg.exceptions.TooManyConnectionsError as exc:
+                    self._last_refusal = (self._opened, loop.time())
+                    if loop.time() + pause > deadline or self._pool is None:
+                        raise
+                    refused = exc
+                except TimeoutError:
+                    # (the wait ran out after the server refused a connection for want of a slot:
+                    # that refusal is the cause, not a server that "did not answer" - if it still is)
+                    if refused is not None and self._refusal_is_cause(pool):
+                        raise refused from None
                     raise
-                refused = exc
-            except TimeoutError:
-                # (the wait ran out after the server refused a connection for want of a slot: that
-                # refusal is the cause, not a server that "did not answer" - if it still is)
-                if refused is not None and self._refusal_is_cause(pool):
-                    raise refused from None
-                raise
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.1)
+        finally:
+            if ticket:
+                self._tickets.give()
 
     async def _shielded(self, pool: Any, within: float) -> Any:
         """``pool.acquire(timeout=within)``, which its caller's cancellation does not stop.
@@ -1843,15 +1872,18 @@ class PostgresBackend:
             raise
 
     async def _settle(self, pool: Any, attempt: asyncio.Future[Any]) -> None:
-        """Gives back the connection of an acquire whose caller was cancelled (see _shielded)."""
+        """Gives back the connection of an acquire whose caller was cancelled (see _shielded),
+        and with it the caller's ticket (see _acquire)."""
         try:
             conn = await attempt
         except asyncio.CancelledError:
+            self._tickets.give()
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # (this one's own: a shutdown's, close's)
                 raise
             return  # (no connection: nothing to give back)
         except Exception:
+            self._tickets.give()
             return
         with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
             await self._give_back(pool, conn, max(self.connect_timeout, self.command_timeout or 0))
@@ -3137,6 +3169,43 @@ def _end_after(ended: asyncio.Future[None], before: set[asyncio.Future[None]]) -
             ended.set_result(None)
         return
     pending[0].add_done_callback(lambda _: _end_after(ended, before))
+
+
+class _Tickets:
+    """``count`` tickets, handed in turn (first come, first served) to the callers waiting for
+    one: one for each connection of a pool, taken before its acquire (see PostgresBackend._acquire).
+    A caller cancelled or timed out while it waits leaves nothing behind (one handed a ticket as
+    it was cancelled passes it on)."""
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def take(self, within: float) -> None:
+        """A ticket; ``TimeoutError`` when none came within ``within`` seconds."""
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(within):
+                await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give()  # (handed one as it was cancelled or timed out: pass it on)
+            else:
+                with contextlib.suppress(ValueError):  # (give() may have taken it off already)
+                    self._waiters.remove(fut)
+            raise
+
+    def give(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # (the ticket passes straight to it)
+                return
+        self._free += 1
 
 
 class _OldestFirst:
