@@ -1827,13 +1827,24 @@ def diff(
                           _positions(u.positions))  # fmt: skip
         out.print(usage)
         consumers = Table(title="consumers")
-        for col in ("consumer", "change", "type", "before", "after", "events"):
+        # (a migration's instance, as --json's on_behalf_of names it: a column only when one is there)
+        instances = any(c.on_behalf_of for c in result.consumers)
+        for col in (
+            "consumer",
+            "change",
+            "type",
+            *(["instance"] if instances else []),
+            "before",
+            "after",
+            "events",
+        ):
             consumers.add_column(col, no_wrap=col == "consumer")
         for c in result.consumers:
             consumers.add_row(
                 c.consumer,
                 c.change,
                 c.consumer_type or "-",
+                *([c.on_behalf_of or "-"] if instances else []),
                 safe(fmt_allocs(c.before, names)),
                 safe(fmt_allocs(c.after, names)),
                 _positions(c.positions),

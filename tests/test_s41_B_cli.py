@@ -1,0 +1,55 @@
+"""The README's command line as a newcomer and an acceptance tester use it (stop 41, helper B):
+what it documents of each command's output, checked against what the command prints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from evstore import open_store
+from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_cli_support import evstore
+
+
+def _run(*args: str, code: int = 0) -> str:
+    done = evstore(*args)
+    assert done.returncode == code, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+def _json(*args: str, code: int = 0) -> Any:
+    return json.loads(_run(*args, "--json", code=code))
+
+
+async def _migration_of_a_deleted_instance(db: Path) -> dict[str, str]:
+    """An instance moved to a migration, then deleted (its delete releases what the migration
+    held): the uuids, and the delete's position."""
+    async with open_store(f"sqlite:///{db}") as store:
+        src = await make_provider(store, "src", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(store, instance, {src: {"VCPU": 2}})
+        await store.start_migration(instance, migration)
+        deleted = (await store.delete_consumer(instance)).position
+    return {"instance": instance, "migration": migration, "deleted": str(deleted)}
+
+
+def test_diff_names_a_migrations_instance_in_its_table_as_in_its_json(tmp_path: Path) -> None:
+    """README: ``evstore diff`` lists each consumer "with their positions, its type and, for a
+    migration, its instance (``on_behalf_of``, in ``evstore diff --json`` too ...)". The JSON
+    named it; the table had no place for it (consumer, change, type, before, after, events)."""
+    db = tmp_path / "c.db"
+    ids = asyncio.run(_migration_of_a_deleted_instance(db))
+    before = str(int(ids["deleted"]) - 1)
+    doc = _json("diff", before, ids["deleted"], "--db", str(db))
+    by_consumer = {c["consumer"]: c for c in doc["consumers"]}
+    assert by_consumer[ids["migration"]]["on_behalf_of"] == ids["instance"]
+    assert by_consumer[ids["instance"]]["on_behalf_of"] is None
+    table = _run("diff", before, ids["deleted"], "--db", str(db))
+    [row] = [line for line in table.splitlines() if ids["migration"] in line]
+    assert ids["instance"] in row, table
+    header = next(line for line in table.splitlines() if "consumer" in line and "change" in line)
+    assert "instance" in header, table
+    [row] = [line for line in table.splitlines() if line.startswith(f"│ {ids['instance']}")]
+    assert "released" not in row and "deleted" in row, table
