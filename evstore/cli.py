@@ -1542,7 +1542,10 @@ def state(
                     # only the provider's slice (its snapshots and history): milliseconds on a
                     # long log, where the whole state is a fold from the nearest snapshot
                     puuid = normalize_uuid(provider, "provider uuid")
-                    view = await store.state_at(position=position, provider=puuid)
+                    try:
+                        view = await store.state_at(position=position, provider=puuid)
+                    except err.ProviderNotFound as exc:
+                        raise await _no_such_provider(store, exc, puuid) from None
                 else:
                     view = await store.state_at(position=position)
             if consumer is not None:
@@ -1551,13 +1554,16 @@ def state(
                     # (as history and state --provider refuse a uuid the log does not know: a
                     # mistyped uuid is an error a script can see, not "absent"; one the log
                     # names, absent at this point - not yet created, released - is absent)
-                    raise err.NotFound(f"no event in this log touches consumer {cuuid}")
+                    raise await _no_such_consumer(store, cuuid)
                 # (whether it holds a leak now, at the head: one then that is cleared since has
                 # nothing left to clear)
                 leaked_now = (await store.allocations(cuuid)).leaked
             if provider is not None:
                 puuid = normalize_uuid(provider, "provider uuid")
-                on_it = await view.provider_allocations(puuid)
+                try:
+                    on_it = await view.provider_allocations(puuid)
+                except err.ProviderNotFound as exc:
+                    raise await _no_such_provider(store, exc, puuid) from None
                 provider_leaks = await _leaks_among(store, view, on_it, sliced=point is not None)
             position = view.position
             when: str | None = None
@@ -1746,6 +1752,26 @@ async def _migrations_among(store: AllocationStore, consumers: Iterable[str], po
 async def _consumer_in_log(store: AllocationStore, consumer: str) -> bool:
     """Whether any event of the log touches the consumer ``consumer`` (its history is not empty)."""
     return bool(await store.backend.read_entities([f"consumer:{consumer}"], 0, 1))
+
+
+async def _no_such_consumer(store: AllocationStore, consumer: str) -> err.NotFound:
+    """The refusal of a uuid no event names as a consumer; one the log names as a provider's -
+    pasted from a usage table - says so (it is named on every line of its history)."""
+    message = f"no event in this log touches consumer {consumer}"
+    if await store.backend.read_entities([f"provider:{consumer}"], 0, 1):
+        message += f": it is a resource provider's uuid (`evstore state --provider {consumer}` shows it)"
+    return err.NotFound(message, consumer=consumer)
+
+
+async def _no_such_provider(
+    store: AllocationStore, exc: err.ProviderNotFound, provider: str
+) -> err.ProviderNotFound:
+    """``exc`` (``state --provider`` of a uuid that is no provider there), saying so when the
+    uuid is a consumer's."""
+    if not await _consumer_in_log(store, provider):
+        return exc
+    told = f"{exc.message}: it is a consumer's uuid (`evstore state --consumer {provider}` shows it)"
+    return err.ProviderNotFound(told, **exc.details)
 
 
 def _only(state: State, provider: str) -> State:
@@ -2066,7 +2092,7 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
             receipt = await command(key, metadata={"actor": CLI_ACTOR})
         except (err.NotFound, err.ConsumerDeleted) as exc:
             if not await _consumer_in_log(store, key):
-                raise err.NotFound(f"no event in this log touches consumer {key}", consumer=key) from None
+                raise await _no_such_consumer(store, key) from None
             # (a release is refused only for a consumer that held nothing when it was decided:
             # what it holds by now, another writer's since, is no reason to fail)
             if migration and (now := await store.allocations(key)).allocations:

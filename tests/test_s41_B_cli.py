@@ -53,3 +53,32 @@ def test_diff_names_a_migrations_instance_in_its_table_as_in_its_json(tmp_path: 
     assert "instance" in header, table
     [row] = [line for line in table.splitlines() if line.startswith(f"│ {ids['instance']}")]
     assert "released" not in row and "deleted" in row, table
+
+
+def test_a_providers_uuid_given_for_a_consumer_is_said_to_be_a_providers(tmp_path: Path) -> None:
+    """The usage tables list providers' uuids; pasted into ``release``, ``confirm-migration`` or
+    ``state --consumer`` one was refused "no event in this log touches consumer X" - of a uuid
+    the log names on every line of its history - and a consumer's given to ``state --provider``
+    "No resource provider ... found". Each still refuses (the same code and exit status), and says
+    what the uuid is instead."""
+    db = tmp_path / "c.db"
+    ids = asyncio.run(_migration_of_a_deleted_instance(db))
+    src = next(iter(_json("state", "--db", str(db))["providers"]))["provider"]
+    for args in (["release", src], ["confirm-migration", src], ["state", "--consumer", src]):
+        done = evstore(*args, "--db", str(db))
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert done.stderr.startswith(
+            f"error: evstore.not_found: no event in this log touches consumer {src}"
+        )
+        assert "is a resource provider's uuid" in done.stderr, (args, done.stderr)
+    for at in ([], ["--at", "2"]):
+        done = evstore("state", "--provider", ids["instance"], *at, "--db", str(db))
+        assert done.returncode == 1, (at, done.stdout, done.stderr)
+        assert done.stderr.startswith("error: placement.resource_provider.not_found: No resource provider"), (
+            at
+        )
+        assert "is a consumer's uuid" in done.stderr, (at, done.stderr)
+    stranger = new_uuid()
+    for args in (["release", stranger], ["state", "--consumer", stranger], ["state", "--provider", stranger]):
+        done = evstore(*args, "--db", str(db))
+        assert done.returncode == 1 and "uuid" not in done.stderr.split(stranger, 1)[1], (args, done.stderr)
