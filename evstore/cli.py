@@ -2101,10 +2101,11 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
                 if now.leaked and now.deleted:
                     told = f"{exc.message}; it holds a leak: {clear_leak(key, True)}"
                     raise type(exc)(told, **exc.details) from None
-                raise
+                raise await _its_migrations_said(store, exc, key) from None
             instance = await _instance_of(store, key) if migration else None
             if migration and instance is None:
-                raise  # (not a migration: an instance's uuid given by mistake is not "nothing")
+                # (not a migration: an instance's uuid given by mistake is not "nothing")
+                raise await _its_migrations_said(store, exc, key) from None
             nothing = exc
         released: dict[str, dict[str, int]] = {}
         position: int | None = None
@@ -2155,15 +2156,38 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
     return EXIT_OK
 
 
-async def _leaking_migrations(store: AllocationStore, instance: str) -> list[str]:
-    """The migrations started for ``instance`` (its history names them) that hold a leak now."""
+async def _migrations_of(store: AllocationStore, instance: str) -> list[str]:
+    """The migrations started for ``instance`` (its history names them), oldest first."""
     from evstore import events as ev
 
     started: dict[str, None] = {}
     async for recorded in store.history(instance):
         if isinstance(event := recorded.event, ev.MigrationStarted) and event.instance == instance:
             started.setdefault(event.migration, None)
-    return [m for m in started if (await store.allocations(m)).leaked]
+    return list(started)
+
+
+async def _leaking_migrations(store: AllocationStore, instance: str) -> list[str]:
+    """The migrations started for ``instance`` that hold a leak now."""
+    return [m for m in await _migrations_of(store, instance) if (await store.allocations(m)).leaked]
+
+
+async def _its_migrations_said(
+    store: AllocationStore, exc: err.EvstoreError, consumer: str
+) -> err.EvstoreError:
+    """``exc``, the refusal of ``confirm-migration CONSUMER`` for a consumer that is no migration,
+    naming the command to run when ``consumer`` is an instance whose migrations hold allocations
+    for it now (the instance's uuid given where its migration's belongs)."""
+    holding = []
+    for m in await _migrations_of(store, consumer):
+        view = await store.allocations(m)
+        if view.allocations and view.on_behalf_of == consumer:
+            holding.append(m)
+    if not holding:
+        return exc
+    commands = " or ".join(f"`evstore confirm-migration {m}`" for m in holding)
+    told = f"{exc.message}; {consumer} is an instance: its migration holds allocations for it, {commands}"
+    return type(exc)(told, **exc.details)
 
 
 async def _instance_of(store: AllocationStore, consumer: str) -> str | None:

@@ -11,6 +11,7 @@ from typing import Any
 from evstore import open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
+from tests.test_s38_a_leak_tools import _left_holding
 
 
 def _run(*args: str, code: int = 0) -> str:
@@ -82,3 +83,48 @@ def test_a_providers_uuid_given_for_a_consumer_is_said_to_be_a_providers(tmp_pat
     for args in (["release", stranger], ["state", "--consumer", stranger], ["state", "--provider", stranger]):
         done = evstore(*args, "--db", str(db))
         assert done.returncode == 1 and "uuid" not in done.stderr.split(stranger, 1)[1], (args, done.stderr)
+
+
+async def _instance_mid_migration(db: Path) -> dict[str, str]:
+    """An instance moved to a migration (on src) and given its new allocations (on dst): the
+    migration in flight, as a compute host would confirm it."""
+    async with open_store(f"sqlite:///{db}") as store:
+        src, dst = await make_provider(store, "src", VCPU=8), await make_provider(store, "dst", VCPU=8)
+        instance, migration = new_uuid(), new_uuid()
+        await allocate(store, instance, {src: {"VCPU": 2}})
+        await store.start_migration(instance, migration)
+        await allocate(store, instance, {dst: {"VCPU": 2}})
+    return {"instance": instance, "migration": migration}
+
+
+def test_confirm_migration_given_the_instance_names_its_migration_in_flight(tmp_path: Path) -> None:
+    """``confirm-migration INSTANCE`` (the instance's uuid where the migration's belongs) is
+    refused as the API refuses it, ``evstore.not_found`` - "holds no allocations for a migration
+    in progress" of an instance whose migration is in progress - and now says which uuid to give.
+    Nothing is written; the migration's own uuid then confirms it."""
+    db = tmp_path / "c.db"
+    ids = asyncio.run(_instance_mid_migration(db))
+    head = _json("state", "--db", str(db))["head"]
+    done = evstore("confirm-migration", ids["instance"], "--db", str(db))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.startswith("error: evstore.not_found: "), done.stderr
+    assert f"`evstore confirm-migration {ids['migration']}`" in done.stderr, done.stderr
+    assert _json("state", "--db", str(db))["head"] == head
+    confirmed = _json("confirm-migration", ids["migration"], "--db", str(db))
+    assert (confirmed["instance"], confirmed["position"]) == (ids["instance"], head + 1)
+    done = evstore("confirm-migration", ids["instance"], "--db", str(db))  # (none in flight now)
+    assert done.returncode == 1 and "evstore confirm-migration" not in done.stderr, done.stderr
+
+
+def test_confirm_migration_given_a_deleted_instance_names_its_migration_holding_a_leak(
+    tmp_path: Path,
+) -> None:
+    """An older writer's delete of an instance left its migration holding (a leak, which
+    ``confirm-migration MIGRATION`` clears): ``confirm-migration INSTANCE`` is refused as the API
+    refuses it, ``evstore.consumer.deleted``, and names the command that clears it."""
+    db = tmp_path / "old.db"
+    ids = asyncio.run(_left_holding(tmp_path, f"sqlite:///{db}"))
+    done = evstore("confirm-migration", ids["instance"], "--db", str(db))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.startswith("error: evstore.consumer.deleted: "), done.stderr
+    assert f"`evstore confirm-migration {ids['migration']}`" in done.stderr, done.stderr
