@@ -2435,9 +2435,12 @@ def export(
                     bar.update(task, completed=head or 1)
                 if not in_place:
                     sink_path.replace(final)
-            except BaseException:
+            except BaseException as exc:
                 if not in_place:
                     sink_path.unlink(missing_ok=True)  # (a failed export must not leave a disk full)
+                if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError):
+                    # (which file it could not write: the error alone named none, "[Errno 28] ...")
+                    fail("evstore.io", f"cannot write the export to {output}: {exc.strerror or exc}")
                 raise
         # (what was written: the export reads its own head, after the one above, and writers
         # may have appended in between)

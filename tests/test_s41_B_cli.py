@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from evstore import open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
@@ -128,3 +130,14 @@ def test_confirm_migration_given_a_deleted_instance_names_its_migration_holding_
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stderr.startswith("error: evstore.consumer.deleted: "), done.stderr
     assert f"`evstore confirm-migration {ids['migration']}`" in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_export_that_cannot_be_written_names_the_file(tmp_path: Path) -> None:
+    """``export -o FILE`` that fails writing said only "[Errno 28] No space left on device"
+    (or "[Errno 22] Invalid argument"), not what it failed to write: it names the file."""
+    db = tmp_path / "c.db"
+    asyncio.run(_migration_of_a_deleted_instance(db))
+    done = evstore("export", "--db", str(db), "-o", "/dev/full")
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr == "error: evstore.io: cannot write the export to /dev/full: No space left on device\n"
