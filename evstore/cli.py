@@ -1976,17 +1976,28 @@ async def _following(store: Any, after: int, follow: bool, file: os.stat_result 
             except err.StorageError as exc:
                 if exc.details.get("sqlstate") in GONE_SQLSTATES:
                     raise err.NotFound(
-                        f"The store's tables are gone ({exc.message.splitlines()[0][:200]}): it was "
+                        f"The store's tables are gone ({first_line(exc.message, 200)}): it was "
                         "dropped while tail followed it"
                     ) from None
                 if not follow or isinstance(exc, fatal):
                     raise
-                why = exc.message.splitlines()[0][:200]
+                why = first_line(exc.message, 200)
                 note(f"reading the log failed ({exc.code}: {why}); trying again")
                 await asyncio.sleep(1)
     finally:
         if watch is not None:
             watch.cancel()
+
+
+def first_line(text: str, limit: int) -> str:
+    """The first line of ``text`` in at most ``limit`` characters: cut at a word, with an
+    ellipsis, when it is longer (a note of a failed read, one line)."""
+    lines = text.splitlines()
+    line = lines[0] if lines else ""
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" :,;") + "…"
 
 
 def _sqlite_file(url: str) -> str | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from evstore import open_store
+from evstore import cli, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import evstore
 from tests.test_s38_a_leak_tools import _left_holding
@@ -141,3 +141,20 @@ def test_export_that_cannot_be_written_names_the_file(tmp_path: Path) -> None:
     done = evstore("export", "--db", str(db), "-o", "/dev/full")
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stderr == "error: evstore.io: cannot write the export to /dev/full: No space left on device\n"
+
+
+def test_tail_says_why_a_read_failed_without_cutting_a_word_in_two() -> None:
+    """``tail`` noted a failed read (then tried again) with the error's first 200 characters,
+    cut mid-word with nothing to say so: "... while this store had it open: SQLite would go on
+    writing to the file it opened, which the pat); trying again". It ends at a word, with an
+    ellipsis, and a first line that fits is kept whole."""
+    message = (
+        "The database file /tmp/pytest-of-root/pytest-451/test_tail_says_why_a_read_fail0/c.db was "
+        "deleted or moved while this store had it open: SQLite would go on writing to the file it "
+        "opened, which the path no longer names, so nothing was committed.\nsecond line"
+    )
+    why = cli.first_line(message, 200)
+    assert len(why) <= 200 and why.endswith("which the…"), why
+    assert message.startswith(why.removesuffix("…"))
+    assert cli.first_line("short\nsecond", 200) == "short"
+    assert cli.first_line("x" * 300, 200) == "x" * 199 + "…"  # (no space to cut at)
