@@ -604,7 +604,15 @@ def demo(
         async with open_store(target, upgrade=False) as store:
             if await store.head() != 0:
                 shown_url = shown(target)
-                raise err.InvalidInput(f"the demo needs an empty store and {shown_url} already has events")
+                # (a SQLite file the demo wrote was replaced above: this is a PostgreSQL schema's)
+                hint = (
+                    ""
+                    if target.startswith("sqlite:")
+                    else (": give it a schema without events (another ?search_path=, or database)")
+                )
+                raise err.InvalidInput(
+                    f"the demo needs an empty store and {shown_url} already has events{hint}"
+                )
             report = await run_demo(store, seed=seed, nodes=nodes, instances=instances)
             state = await store.backend.load_state()
             audit = await store.audit()

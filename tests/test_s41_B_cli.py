@@ -158,3 +158,18 @@ def test_tail_says_why_a_read_failed_without_cutting_a_word_in_two() -> None:
     assert message.startswith(why.removesuffix("…"))
     assert cli.first_line("short\nsecond", 200) == "short"
     assert cli.first_line("x" * 300, 200) == "x" * 199 + "…"  # (no space to cut at)
+
+
+def test_a_demo_refused_for_a_postgresql_schema_with_events_says_what_to_do(pg_url: str) -> None:
+    """On PostgreSQL the demo needs a schema without events (on SQLite it replaces its own file):
+    a second demo - or one whose first run was interrupted - was refused saying only that the
+    store "already has events". Still refused, nothing written, it says what to give instead."""
+    _run("demo", "--instances", "2", "--nodes", "2", "--url", pg_url)
+    head = _json("stats", "--url", pg_url)["head"]
+    done = evstore("demo", "--instances", "2", "--nodes", "2", "--url", pg_url)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.startswith("error: evstore.invalid_input: the demo needs an empty store"), done.stderr
+    assert done.stderr.rstrip().endswith(
+        "give it a schema without events (another ?search_path=, or database)"
+    )
+    assert _json("stats", "--url", pg_url)["head"] == head
