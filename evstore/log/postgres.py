@@ -78,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import functools
 import hashlib
 import heapq
@@ -858,7 +859,7 @@ def _connect_hint(exc: BaseException) -> str:
             "~/.pgpass - and that the server's pg_hba.conf lets that user connect to that database "
             "from this host)"
         )
-    if isinstance(exc, ConnectionRefusedError):
+    if isinstance(exc, ConnectionRefusedError) or _all_refused(exc):
         return " (nothing listens there: check the host and the port in the URL, and that the server is up)"
     if isinstance(exc, FileNotFoundError):
         return (
@@ -868,6 +869,15 @@ def _connect_hint(exc: BaseException) -> str:
     if isinstance(exc, socket.gaierror):
         return " (the host name does not resolve: check the host in the URL, and this host's DNS)"
     return ""
+
+
+def _all_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is asyncio's plain ``OSError("Multiple exceptions: ...")`` for a host name
+    with more than one address (``localhost``: ``::1`` and ``127.0.0.1``) refused at each."""
+    text = str(exc) if type(exc) is OSError else ""
+    return text.startswith("Multiple exceptions: ") and text.count("[Errno ") == text.count(
+        f"[Errno {errno.ECONNREFUSED}]"
+    )
 
 
 def _misread_password(url: str, safe_url: str) -> str:
