@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from evstore import StorageError, open_store
+from tests.conftest import allocate, make_provider, new_uuid
 
 
 async def test_a_host_whose_every_address_refuses_says_nothing_listens(
@@ -39,3 +40,32 @@ async def test_a_host_whose_every_address_refuses_says_nothing_listens(
             pass
     assert "Multiple exceptions" in caught.value.message
     assert "check the host and the port" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        "2099-01-01T05:00:00.000000+05:00",  # (an offset other than UTC's: sorts by its local time)
+        "2099-01-01 00:00:00.000000+00:00",  # (a space for the T)
+        "2099-01-01T00:00:00+00:00",  # (no microseconds)
+        "0001-01-01T00:00:00.000000+05:00",  # (before year 1 in UTC: no OverflowError from the check)
+    ],
+)
+async def test_a_last_time_not_in_evstores_form_does_not_spread_to_new_events(
+    sqlite_url: str, damaged: str
+) -> None:
+    """Review (stop 41, helper E): helper D's fix keeps the writer from taking over a last
+    ``recorded_at`` that is no time, but took over one that is a time in a form evstore never
+    writes (an offset other than +00:00, a space for the T, no microseconds: a row edited by
+    hand). Every event appended after it copied that text - recorded in the year 2099, and not
+    importable (an import refuses a time not in evstore's form, the hash covering the text). Now
+    only a time in evstore's own form is taken over."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        head = await store.head()
+        await store.backend.tamper("UPDATE events SET recorded_at = ? WHERE position = ?", (damaged, head))
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        [event] = await store.read(after=head)
+        assert event.position == head + 1 and event.recorded_at.year < 2099
+        lines = [line async for line in store.export()]
+    assert damaged not in "".join(lines[-1:])  # (the new event's line: recorded at the clock)

@@ -404,13 +404,16 @@ def _read_tail(conn: sqlite3.Connection) -> _Tail:
 def _time_or_nothing(text: Any) -> str:
     """The last event's time as the writer takes it over (times never go backwards: each new event
     is recorded at the later of the clock and it, compared as text): "" for a row whose time is no
-    time (damaged by hand: "yesterday" sorts after any "2026-..."), which every event appended
-    after it then copied - accepted, and unreadable. The damaged row stays for the audit."""
+    time in evstore's form (damaged by hand: "yesterday" sorts after any "2026-..."), which every
+    event appended after it then copied - accepted, and unreadable or not importable. The damaged
+    row stays for the audit."""
     if isinstance(text, str):
         try:
-            if datetime.fromisoformat(text).tzinfo is not None:
+            # (in evstore's own form only: a time written otherwise - another offset, no
+            # microseconds - was edited by hand too, and its text would be copied as it is)
+            if datetime.fromisoformat(text).astimezone(UTC).isoformat(timespec="microseconds") == text:
                 return text
-        except ValueError:
+        except (ValueError, OverflowError):
             pass
     return ""
 
