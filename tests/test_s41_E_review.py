@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from evstore import StorageError, open_store
+from evstore import AllocationStore, StorageError, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -69,3 +69,55 @@ async def test_a_last_time_not_in_evstores_form_does_not_spread_to_new_events(
         assert event.position == head + 1 and event.recorded_at.year < 2099
         lines = [line async for line in store.export()]
     assert damaged not in "".join(lines[-1:])  # (the new event's line: recorded at the clock)
+
+
+@pytest.mark.parametrize(
+    "receipt",
+    [
+        '{"positions": [999999], "consumer_generations": {}, "provider_generations": {}}',
+        '{"positions": [0], "consumer_generations": {}, "provider_generations": {}}',
+        '{"positions": [-5], "consumer_generations": {}, "provider_generations": {}}',
+        '{"positions": [9223372036854775808], "consumer_generations": {}, "provider_generations": {}}',
+        # (the stored receipt with one generation more, below 0: its positions as they are)
+        '"consumer_generations":{"c":-1,',
+        '"provider_generations":{"p":-1,',
+    ],
+)
+async def test_a_receipt_naming_no_event_is_damaged_too(store: AllocationStore, receipt: str) -> None:
+    """Review (stop 41, helper E): helper D's check of a stored idempotency receipt took any
+    integer as a position or a generation. A receipt damaged to name a position past the head, 0,
+    or below (a hand edit, a restore of the idempotency table from another store) was answered on
+    SQLite as the key's receipt (``positions=(999999,)``, ``replayed=True``); on PostgreSQL, which
+    stores the events' seqs there, as "The command was committed, but reading its positions
+    failed ...; retry with the same idempotency key" with ``outcome_unknown=True`` - and each such
+    retry failed the same way. Now both say the receipt is damaged, as for one that is no JSON."""
+    rp = await make_provider(store, VCPU=8)
+    c = new_uuid()
+
+    async def claim() -> object:
+        return await store.set_allocations(
+            c,
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            idempotency_key="key-1",
+        )
+
+    await claim()
+    head = await store.head()
+    if receipt.startswith("{"):
+        await store.backend.tamper("UPDATE idempotency SET receipt = ? WHERE key = ?", (receipt, "key-1"))
+    else:
+        was = receipt.split("{")[0] + "{"
+        await store.backend.tamper(
+            "UPDATE idempotency SET receipt = replace(receipt, ?, ?) WHERE key = ?", (was, receipt, "key-1")
+        )
+    with pytest.raises(StorageError) as caught:
+        await claim()
+    assert caught.value.details["reason"] == "damaged", caught.value.message
+    assert caught.value.details["idempotency_key"] == "key-1"
+    assert caught.value.details["outcome_unknown"] is False
+    assert await store.head() == head
+    await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # (the store goes on)

@@ -133,31 +133,43 @@ class Receipt:
         )
 
     @classmethod
-    def stored(cls, key: str, text: Any) -> Receipt:
+    def stored(cls, key: str, text: Any, last: int = MAX_POSITION) -> Receipt:
         """The receipt an idempotency key recorded, read back for a retry; a row that is not one
         evstore writes (edited by hand, a bad restore) is a ``StorageError`` saying so, with
-        ``details["reason"] == "damaged"`` - not the decoder's exception from inside."""
+        ``details["reason"] == "damaged"`` - not the decoder's exception from inside. ``last``:
+        the largest position it may name (the head, where positions are stored; a backend that
+        stores other numbers checks them itself, see :meth:`damaged`)."""
         try:
             receipt = cls.from_json(text)
-            ints = (*receipt.positions, *receipt.provider_generations.values())
-            if not all(type(n) is int for n in ints) or not isinstance(receipt.consumer_generations, dict):
+            generations = receipt.consumer_generations
+            if not isinstance(generations, dict) or not isinstance(receipt.provider_generations, dict):
                 raise ValueError("not a receipt of positions and generations")
-            if not all(g is None or type(g) is int for g in receipt.consumer_generations.values()):
-                raise ValueError("a consumer generation that is not an integer")
+            if not all(type(p) is int and 1 <= p <= last for p in receipt.positions):
+                raise ValueError(f"positions {shown(list(receipt.positions), 60)} name no events of the log")
+            if not all(type(g) is int and g >= 0 for g in receipt.provider_generations.values()):
+                raise ValueError("a provider generation that is not a count")
+            if not all(g is None or (type(g) is int and g >= 0) for g in generations.values()):
+                raise ValueError("a consumer generation that is not a count")
             return receipt
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise StorageError(
-                f"The receipt stored for idempotency key {shown(key, 80)} cannot be read ({first[:120]}): "
-                "its row in the idempotency table was damaged (edited by hand, a bad restore). The command "
-                "that key names was committed before (its events carry the key in their metadata: "
-                "`evstore history` of its consumer or provider shows them), and nothing was written now; "
-                "so do not run it again under another key without checking what it did. Restore the "
-                "store from a backup, or delete that row to let the key be used again",
-                idempotency_key=key,
-                reason="damaged",
-                outcome_unknown=False,
-            ) from None
+            raise cls.damaged(key, first) from None
+
+    @staticmethod
+    def damaged(key: str, why: str) -> StorageError:
+        """The error for the stored receipt of idempotency key ``key`` that is not one evstore
+        writes (``why``)."""
+        return StorageError(
+            f"The receipt stored for idempotency key {shown(key, 80)} cannot be read ({why[:120]}): "
+            "its row in the idempotency table was damaged (edited by hand, a bad restore). The command "
+            "that key names was committed before (its events carry the key in their metadata: "
+            "`evstore history` of its consumer or provider shows them), and nothing was written now; "
+            "so do not run it again under another key without checking what it did. Restore the "
+            "store from a backup, or delete that row to let the key be used again",
+            idempotency_key=key,
+            reason="damaged",
+            outcome_unknown=False,
+        )
 
 
 Outcome = Receipt | EvstoreError

@@ -2334,7 +2334,12 @@ class PostgresBackend:
                         idempotency_key=key,
                     )
                 replayed = Receipt.stored(key, row["receipt"])
-                return replayed, list(replayed.positions)  # stored as seqs
+                seqs = list(replayed.positions)  # (stored as seqs: each must be an event's)
+                if seqs and await conn.fetchval(
+                    "SELECT count(*) FROM events WHERE seq = ANY($1::bigint[])", seqs
+                ) != len(set(seqs)):
+                    raise Receipt.damaged(key, f"seqs {shown(seqs, 60)} name no events of the log")
+                return replayed, seqs
         # A command naming only consumers (a release, a revert, a migration's start) learns of its
         # providers and migrations by loading: each found beyond its locks cost one more load (and
         # a try-lock when its key sorts below a held one). What its consumers were loaded with

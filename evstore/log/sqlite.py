@@ -940,7 +940,7 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
                 raise err.IdempotencyConflict(
                     f"Idempotency key {key!r} was already used for a different command", idempotency_key=key
                 )
-            return Receipt.stored(key, row[1])
+            return Receipt.stored(key, row[1], tail.position)
     n = job.needs
     try:
         state = cache.load(conn, job.command, n)
