@@ -352,9 +352,9 @@ def user_counters_from_json(project: str, user: str, text: Any) -> UserCounters:
         found: UserCounters = {}
         for entry in entries:
             ctype, count, amounts = entry
-            if not (isinstance(ctype, str) and type(count) is int):
+            if not (isinstance(ctype, str) and type(count) is int and count >= 0):
                 raise ValueError(f"a counter {shown(entry, 80)}")
-            if not isinstance(amounts, dict) or not all(type(v) is int for v in amounts.values()):
+            if not isinstance(amounts, dict) or not all(type(v) is int and v >= 0 for v in amounts.values()):
                 raise ValueError(f"usages {shown(amounts, 80)} are not a mapping of amounts")
             found[ctype] = (count, amounts)
         return found

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from evstore import AllocationStore, StorageError, open_store
+from evstore import AllocationStore, ProjectionCorrupt, StorageError, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -121,3 +121,21 @@ async def test_a_receipt_naming_no_event_is_damaged_too(store: AllocationStore, 
     assert caught.value.details["outcome_unknown"] is False
     assert await store.head() == head
     await allocate(store, new_uuid(), {rp: {"VCPU": 1}})  # (the store goes on)
+
+
+async def test_sqlite_project_usage_counters_below_zero_are_refused(sqlite_url: str) -> None:
+    """Review (stop 41, helper E): helper D made PostgreSQL's ``usages(project)`` refuse an
+    allocation row damaged below zero instead of summing it; SQLite's reads its per-user counters,
+    and answered a counter damaged to ``-3`` (or a consumer count of ``-1``) as the project's usage.
+    Now they are ``evstore.projection.corrupt`` naming the project and user, as counters that are
+    no mapping of amounts are."""
+    async with open_store(sqlite_url) as store:
+        rp = await make_provider(store, VCPU=4)
+        await allocate(store, new_uuid(), {rp: {"VCPU": 4}}, project_id="p")
+        for counters in ('[["INSTANCE", 1, {"VCPU": -3}]]', '[["INSTANCE", -1, {"VCPU": 4}]]'):
+            await store.backend.tamper(
+                "UPDATE p_usages SET counters = ? WHERE project_id = ?", (counters, "p")
+            )
+            with pytest.raises(ProjectionCorrupt) as caught:
+                await store.usages("p")
+            assert caught.value.details["project_id"] == "p"
