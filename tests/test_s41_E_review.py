@@ -139,3 +139,19 @@ async def test_sqlite_project_usage_counters_below_zero_are_refused(sqlite_url: 
             with pytest.raises(ProjectionCorrupt) as caught:
                 await store.usages("p")
             assert caught.value.details["project_id"] == "p"
+
+
+def test_a_host_refused_at_one_address_and_unreachable_at_another_says_nothing_listens() -> None:
+    """Review (stop 41, helper E): ``localhost`` where IPv6 is off fails at ``::1`` with "Cannot
+    assign requested address" and is refused at ``127.0.0.1``: asyncio's "Multiple exceptions"
+    error then holds two different errnos, and the hint is as due as when both refuse."""
+    from evstore.log.postgres import _connect_hint
+
+    mixed = OSError(
+        "Multiple exceptions: [Errno 99] Cannot assign requested address, "
+        "[Errno 111] Connect call failed ('127.0.0.1', 5432)"
+    )
+    assert "check the host and the port" in _connect_hint(mixed)
+    assert (
+        _connect_hint(OSError("Multiple exceptions: [Errno 101] Network is unreachable, [Errno 113] x")) == ""
+    )
