@@ -342,9 +342,10 @@ def user_counters_json(counters: UserCounters) -> str:
     return _counts_json([[t, n, amounts] for t, (n, amounts) in sorted(counters.items())])
 
 
-def user_counters_from_json(project: str, user: str, text: Any) -> UserCounters:
+def user_counters_from_json(project: str, user: str, text: Any, answered: bool = False) -> UserCounters:
     """A (project, user)'s counters from its row; :class:`ProjectionCorrupt` for what evstore
-    never writes."""
+    never writes - with ``answered`` (a query's answer: ``usages``) also for counts below zero,
+    sums of holdings that never are; the audit's load takes them, to compare with the fold."""
     try:
         entries = json.loads(text)
         if not isinstance(entries, list):
@@ -352,10 +353,12 @@ def user_counters_from_json(project: str, user: str, text: Any) -> UserCounters:
         found: UserCounters = {}
         for entry in entries:
             ctype, count, amounts = entry
-            if not (isinstance(ctype, str) and type(count) is int and count >= 0):
+            if not (isinstance(ctype, str) and type(count) is int):
                 raise ValueError(f"a counter {shown(entry, 80)}")
-            if not isinstance(amounts, dict) or not all(type(v) is int and v >= 0 for v in amounts.values()):
+            if not isinstance(amounts, dict) or not all(type(v) is int for v in amounts.values()):
                 raise ValueError(f"usages {shown(amounts, 80)} are not a mapping of amounts")
+            if answered and (count < 0 or any(v < 0 for v in amounts.values())):
+                raise ValueError(f"a counter below zero {shown(entry, 80)}")
             found[ctype] = (count, amounts)
         return found
     except (ValueError, TypeError, RecursionError) as exc:

@@ -139,6 +139,11 @@ async def test_sqlite_project_usage_counters_below_zero_are_refused(sqlite_url: 
             with pytest.raises(ProjectionCorrupt) as caught:
                 await store.usages("p")
             assert caught.value.details["project_id"] == "p"
+            # (the audit still compares such a counter with the fold, as it did: what it holds, what
+            # the replay gives - not "cannot be read")
+            [finding] = (await store.audit()).findings
+            assert finding.details.get("consumer_type") == "INSTANCE", finding.message
+            assert "replay gives 1 holding {'VCPU': 4}" in finding.message
 
 
 def test_a_host_refused_at_one_address_and_unreachable_at_another_says_nothing_listens() -> None:

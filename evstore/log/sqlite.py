@@ -3559,7 +3559,9 @@ def _q_project_usages(
         params.append(user_id)
     groups: list[UsageGroup] = []
     for user, text in conn.execute(sql, params).fetchall():
-        for ctype, (count, amounts) in persisted.user_counters_from_json(project_id, user, text).items():
+        for ctype, (count, amounts) in persisted.user_counters_from_json(
+            project_id, user, text, answered=True
+        ).items():
             if consumer_type is None or ctype == consumer_type:
                 groups.append((ctype or None, count, amounts))
     return groups
