@@ -57,7 +57,9 @@ class SnapshotStore(Protocol):
 
     A snapshot's tombstone segment (see :func:`encode_snapshot`) is saved with it, in the same
     transaction (``tombstones``), and is loaded by :meth:`load_tombstones`, checked as a snapshot
-    is: against the hash of the event at its position."""
+    is: against the hash of the event at its position. :meth:`snapshot_headers` reads only the
+    first line of each snapshot (its header, which names its chain): whether a chain is whole is
+    known from the headers and the segments, without reading the snapshots whole."""
 
     async def read_raw(self, after: int, limit: int) -> list[Any]: ...
     async def read_payloads(self, after: int, limit: int) -> list[Any]: ...
@@ -71,8 +73,9 @@ class SnapshotStore(Protocol):
         tombstones: str | None = None,
     ) -> bool | None: ...
     async def load_tombstones(self, at_most: int, fmt: int) -> list[tuple[int, str]]: ...
+    async def snapshot_headers(self, at_most: int, fmt: int) -> list[tuple[int, str]]: ...
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None: ...
-    async def snapshot_positions(self, usable_in: int | None = None) -> list[int]: ...
+    async def snapshot_positions(self) -> list[int]: ...
     async def drop_snapshots(self) -> None: ...
 
 
@@ -85,6 +88,7 @@ def supports_snapshots(backend: object) -> bool:
             "snapshot_positions",
             "drop_snapshots",
             "load_tombstones",
+            "snapshot_headers",
         )
     )
 
@@ -645,28 +649,31 @@ async def _save(
         encoded.extend(shared, position)
 
 
-async def _whole(backend: SnapshotStore, positions: list[int]) -> frozenset[int]:
-    """Those of ``positions`` (snapshots whose event is unchanged) whose chain of tombstone
-    segments is whole: take_snapshots saves the others again, as missing. (Until this review it
-    counted a snapshot whose chain broke - another interval's fold saved its own segment where the
-    chain ran, a rebuild dropped it under a fold - as taken, and left it unusable.) Reads each
-    snapshot (only its header parsed) and each segment once: 11 ms for 25 snapshots of a
-    7,500-event log, where the positions alone took 0.2 ms (a header-only read would spare it)."""
+async def _whole(backend: SnapshotStore, at_most: int) -> frozenset[int]:
+    """The positions of the snapshots at or before ``at_most`` (whose event is unchanged) whose
+    chain of tombstone segments is whole: take_snapshots saves the others again, as missing.
+    (Until stop 40's review it counted a snapshot whose chain broke - another interval's fold
+    saved its own segment where the chain ran, a rebuild dropped it under a fold - as taken, and
+    left it unusable.) Reads each snapshot's header and each segment once. (Until stop 41 it read
+    each snapshot whole: for the 30 snapshots of a 309,699-event log, 0.05-0.08 s against 0.01-0.03 s
+    now on SQLite, 0.29 s against 0.05-0.07 s on PostgreSQL, most of what is left the segments.)"""
+    headers = await backend.snapshot_headers(at_most, SNAPSHOT_FORMAT)
     whole: set[int] = set()
-    segments: dict[int, str] | None = None
-    links: dict[int, tuple[str, int, Any] | None] = {}
-    for position in positions:
-        found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
-        if found is None or found[0] != position:
-            continue
-        through = _tombstones_through(found[1])
-        if not isinstance(through, dict):
+    chained: list[tuple[int, dict[str, Any]]] = []
+    for position, header in headers:
+        through = _tombstones_through(header)
+        if isinstance(through, dict):
+            chained.append((position, through))
+        else:
             whole.add(position)  # (no chain: every consumer in it; or damaged, which decoding says)
-            continue
-        if segments is None:
-            segments = dict(await backend.load_tombstones(positions[-1], SNAPSHOT_FORMAT))
-        if await asyncio.to_thread(_links_whole, through, segments, links):
-            whole.add(position)
+    if chained:
+        segments = dict(await backend.load_tombstones(chained[-1][0], SNAPSHOT_FORMAT))
+        links: dict[int, Any] = {}
+
+        def check() -> None:
+            whole.update(p for p, through in chained if _links_whole(through, segments, links))
+
+        await asyncio.to_thread(check)
     return frozenset(whole)
 
 
@@ -699,7 +706,7 @@ async def take_snapshots(
     (also before the latest snapshot: a smaller ``every`` than before fills in between); returns
     all positions."""
     at = await head()
-    taken = await _whole(backend, await backend.snapshot_positions(usable_in=SNAPSHOT_FORMAT))
+    taken = await _whole(backend, at)
     missing = next((p for p in range(every, at + 1, every) if p not in taken), None)
     if missing is not None:
         state = await fold_to(

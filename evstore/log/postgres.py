@@ -2874,21 +2874,13 @@ class PostgresBackend:
             )
         return None if row is None else (int(row[0]), str(row[1]))
 
-    async def snapshot_positions(self, usable_in: int | None = None) -> list[int]:
-        """Positions of the snapshots (``usable_in``: only those of that format whose event is
-        still the one they were taken at, as load_snapshot uses them)."""
+    async def snapshot_positions(self) -> list[int]:
+        """Positions of the snapshots (of any format; see :meth:`snapshot_headers` for those a fold
+        can use)."""
         # (not the tombstone segments, kept at minus their position: see load_tombstones)
         sql = "SELECT position FROM snapshots WHERE position > 0 ORDER BY position"
-        args: tuple[Any, ...] = ()
-        if usable_in is not None:
-            sql = (
-                "SELECT s.position FROM snapshots s JOIN events e "
-                "ON e.position = s.position AND e.hash = s.event_hash "
-                "WHERE s.format = $1 ORDER BY s.position"
-            )
-            args = (usable_in,)
         async with self._connection() as conn:
-            rows = await self._guard(conn.fetch(sql, *args), "listing snapshots")
+            rows = await self._guard(conn.fetch(sql), "listing snapshots")
         return [int(r[0]) for r in rows]
 
     async def load_tombstones(self, at_most: int, fmt: int) -> list[tuple[int, str]]:
@@ -2911,6 +2903,38 @@ class PostgresBackend:
                 "loading a snapshot's tombstones",
             )
         return [(int(r[0]), str(r[1])) for r in rows]
+
+    async def snapshot_headers(self, at_most: int, fmt: int) -> list[tuple[int, str]]:
+        """The first line (the header: see projections/snapshots.py) of each snapshot at or before
+        ``at_most`` of format ``fmt`` whose event is still the one it was taken at, as
+        ``(position, line)`` in position order: what take_snapshots' check of the chains, and a
+        question passing over snapshots whose chain broke, need of them - not the state after it.
+
+        A prefix first: substr() of a compressed text decompresses only as far as it reads, where
+        split_part() (a line of any length) decompresses all of it - 2-8 ms against 60-116 ms for
+        the 30 snapshots (37 MB) of a 309,699-event log. A header longer than the prefix (many
+        custom resource classes) is read again whole, in the same transaction."""
+        prefix = 4096  # (characters; a header is ~240)
+        where = (
+            "FROM snapshots s JOIN events e ON e.position = s.position AND e.hash = s.event_hash "
+            "WHERE s.position > 0 AND s.position <= $1::bigint AND s.format = $2"
+        )
+
+        async def read(conn: Any) -> list[tuple[int, str]]:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                sql = f"SELECT s.position, substr(s.state, 1, {prefix}) {where} ORDER BY s.position"
+                found = {int(r[0]): str(r[1]) for r in await conn.fetch(sql, at_most, fmt)}
+                longer = [p for p, text in found.items() if "\n" not in text]
+                if longer:
+                    line = "split_part(s.state, E'\\n', 1)"
+                    sql = f"SELECT s.position, {line} {where} AND s.position = ANY($3)"
+                    for r in await conn.fetch(sql, at_most, fmt, longer):
+                        found[int(r[0])] = str(r[1])
+            return [(p, text.partition("\n")[0]) for p, text in sorted(found.items())]
+
+        async with self._connection() as conn:
+            headers: list[tuple[int, str]] = await self._guard(read(conn), "reading snapshot headers")
+        return headers
 
     async def drop_snapshots(self) -> None:
         async with self._connection() as conn:

@@ -1763,21 +1763,14 @@ class SqliteBackend:
 
         return await self._on_reader(q)
 
-    async def snapshot_positions(self, usable_in: int | None = None) -> list[int]:
-        """Positions of the snapshots (``usable_in``: only those of that format whose event is
-        still the one they were taken at, as load_snapshot uses them)."""
+    async def snapshot_positions(self) -> list[int]:
+        """Positions of the snapshots (of any format; see :meth:`snapshot_headers` for those a fold
+        can use)."""
 
         def q(conn: sqlite3.Connection) -> list[int]:
-            if usable_in is None:
-                # (not the tombstone segments, kept at minus their position: see load_tombstones)
-                sql = "SELECT position FROM snapshots WHERE position > 0 ORDER BY position"
-                return [int(r[0]) for r in conn.execute(sql)]
-            sql = (
-                "SELECT s.position FROM snapshots s JOIN events e "
-                "ON e.position = s.position AND e.hash = s.event_hash "
-                "WHERE s.format = ? ORDER BY s.position"
-            )
-            return [int(r[0]) for r in conn.execute(sql, (usable_in,))]
+            # (not the tombstone segments, kept at minus their position: see load_tombstones)
+            sql = "SELECT position FROM snapshots WHERE position > 0 ORDER BY position"
+            return [int(r[0]) for r in conn.execute(sql)]
 
         return await self._on_reader(q)
 
@@ -1797,6 +1790,28 @@ class SqliteBackend:
                 (at_most, fmt),
             )
             return [(int(r[0]), str(r[1])) for r in rows]
+
+        return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
+
+    async def snapshot_headers(self, at_most: int, fmt: int) -> list[tuple[int, str]]:
+        """The first line (the header: see projections/snapshots.py) of each snapshot at or before
+        ``at_most`` of format ``fmt`` whose event is still the one it was taken at, as
+        ``(position, line)`` in position order: what take_snapshots' check of the chains, and a
+        question passing over snapshots whose chain broke, need of them - not the state after it.
+
+        Read by incremental blob I/O (a row's first page or so), where a SELECT of any part of
+        the text, substr() included, loads all of it: 0.3 ms against 12-27 ms for the 30
+        snapshots (37 MB) of a 309,699-event log."""
+
+        def q(conn: sqlite3.Connection) -> list[tuple[int, str]]:
+            rows = conn.execute(
+                "SELECT s.position FROM snapshots s JOIN events e "
+                "ON e.position = s.position AND e.hash = s.event_hash "
+                "WHERE s.position > 0 AND s.position <= ? AND s.format = ? ORDER BY s.position",
+                (at_most, fmt),
+            ).fetchall()
+            utf8 = conn.execute("PRAGMA encoding").fetchone()[0] == "UTF-8"
+            return [(int(r[0]), _first_line(conn, int(r[0]), utf8)) for r in rows]
 
         return await self._on_reader(lambda conn: _snapshot(conn, lambda: q(conn)))
 
@@ -3056,6 +3071,35 @@ def _refold_lost_projection(
         return False
     conn.execute("RELEASE refold")
     return True
+
+
+#: bytes of a time-travel snapshot's text read at a time for its first line (a header is ~240 bytes,
+#: more with many custom resource classes)
+HEADER_READ = 1024
+
+
+def _first_line(conn: sqlite3.Connection, position: int, utf8: bool) -> str:
+    """The first line of the text of the ``snapshots`` row at ``position`` (see
+    :meth:`SQLiteBackend.snapshot_headers`): read from its start by blob I/O in a UTF-8 file (the
+    bytes are the text's); in another, or when that read fails, by SQL, which loads the whole text."""
+    if utf8:
+        try:
+            with conn.blobopen("snapshots", "state", position, readonly=True) as blob:
+                head = bytearray()
+                while part := blob.read(HEADER_READ):
+                    cut = part.find(b"\n")
+                    head += part if cut < 0 else part[:cut]
+                    if cut >= 0:
+                        break
+            # (bytes that are no UTF-8: a row damaged by hand, which decoding the snapshot refuses)
+            return head.decode(errors="replace")
+        except sqlite3.Error:
+            pass  # (SQL's answer, then)
+    row = conn.execute(
+        "SELECT substr(state, 1, instr(state || char(10), char(10)) - 1) FROM snapshots WHERE position = ?",
+        (position,),
+    ).fetchone()
+    return "" if row is None else str(row[0])
 
 
 def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
