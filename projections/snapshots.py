@@ -403,7 +403,8 @@ async def load_snapshot_state(backend: SnapshotStore, at_most: int) -> State | N
     return None if not state.position else state
 
 
-#: snapshots a fold passes over, at most, for the latest one it can use (each one read whole)
+#: snapshots a fold reads whole and cannot use (a damaged row), at most, before it folds from the
+#: start instead (those whose chain broke are passed over by their header alone, as many as there are)
 PASSED_OVER = 8
 
 
@@ -415,14 +416,26 @@ async def _load(backend: SnapshotStore, at_most: int) -> tuple[State, Tombstones
     A snapshot whose chain broke is passed over for the one before it: a fold with another
     interval that saved its own segment where the chain ran (two processes with different
     ``snapshot_every``), a rebuild or drop_snapshots under a fold, breaks every later snapshot of
-    that chain, and a fold of another interval never saves them again. Until this review the fold
-    then started from position 0, for every question after such a snapshot, for good."""
+    that chain, and a fold of another interval never saves them again. Until stop 40's review the
+    fold then started from position 0, for every question after such a snapshot, for good.
+
+    The latest one is read whole and decoded, as a question's fold always did; once it cannot be
+    used, those before it are looked at by their headers (see :meth:`SnapshotStore.snapshot_headers`)
+    and their chain's links, and only one whose chain is whole is read. Until stop 41 each one was
+    read whole, at most :data:`PASSED_OVER` of them, and past that the fold started from position
+    0, saving at every multiple of its interval on the way - also over another interval's snapshots
+    there, usable, with its own segment: that broke the other interval's chain after them, whose
+    next question passed over as many, folded from 0 in its turn and broke this one's. Two
+    processes with intervals 1 and 10 re-saved 19 and 10 snapshots at every round of two questions,
+    for good. Now every snapshot a fold saves over is one it passed over, whose chain was broken for
+    every snapshot that runs through it."""
     passed: list[int] = []
     segments: dict[int, str] | None = None
-    while len(passed) < PASSED_OVER:
-        found = await backend.load_snapshot(at_most, SNAPSHOT_FORMAT)
-        if found is None:
-            break
+    headers: list[tuple[int, str]] | None = None
+    links: dict[int, Any] = {}
+    unreadable = 0
+    found = await backend.load_snapshot(at_most, SNAPSHOT_FORMAT)
+    while found is not None:
         if segments is None and _tombstones_through(found[1]) is not None:
             # (once: an earlier snapshot's chain is made of earlier segments)
             segments = dict(await backend.load_tombstones(found[0], SNAPSHOT_FORMAT))
@@ -430,7 +443,25 @@ async def _load(backend: SnapshotStore, at_most: int) -> tuple[State, Tombstones
         if decoded is not None:
             return decoded[0], decoded[1], passed
         passed.append(found[0])
-        at_most = found[0] - 1
+        unreadable += 1
+        if unreadable >= PASSED_OVER:
+            break
+        if headers is None:
+            headers = await backend.snapshot_headers(found[0] - 1, SNAPSHOT_FORMAT)
+        found = None
+        while headers and found is None:
+            position, header = headers.pop()  # (latest first)
+            if position >= passed[-1]:
+                continue
+            through = _tombstones_through(header)
+            if isinstance(through, dict):
+                if segments is None:
+                    segments = dict(await backend.load_tombstones(position, SNAPSHOT_FORMAT))
+                if not await asyncio.to_thread(_links_whole, through, segments, links):
+                    passed.append(position)
+                    continue
+            # (its chain is whole, or it has none, or its header is damaged, which decoding says)
+            found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
     return State(), Tombstones(), passed
 
 

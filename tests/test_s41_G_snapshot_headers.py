@@ -1,13 +1,20 @@
-"""Stop 41: time travel's snapshots are looked at by their headers where their state is not needed.
+"""Stop 41: time travel's snapshots are looked at by their headers where their state is not needed,
+and two intervals no longer re-save each other's snapshots for good.
 
 - take_snapshots' check of the chains (which snapshots to save again) read every snapshot whole,
   where it needs only its first line (the header, which names its chain) and the segments: now
   ``snapshot_headers`` reads that line alone (SQLite: blob I/O; PostgreSQL: a prefix).
+- A question that found more than 8 snapshots in a row whose chain broke folded from position 0,
+  saving at every multiple of its interval - also over another interval's usable snapshots, with
+  its own segment, which broke that interval's chain after them; its next question did the same
+  in turn. Now the snapshots whose chain broke are passed over by their header, and the fold
+  starts from the latest usable one: it saves over none that another snapshot's chain needs.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +28,19 @@ from projections.snapshots import SNAPSHOT_FORMAT
 from tests.test_s40_E_review import _tombstones, _unusable_snapshots
 
 
+def _count_saves(store: AllocationStore, saves: Counter[int]) -> None:
+    """Count the snapshots ``store``'s folds save, by position."""
+    backend: Any = store.backend
+    name = "save_provider_snapshots" if snapshots.supports_provider_snapshots(backend) else "save_snapshot"
+    save = getattr(backend, name)
+
+    async def counted(position: int, *args: Any, **kwargs: Any) -> Any:
+        saves[position] += 1
+        return await save(position, *args, **kwargs)
+
+    setattr(backend, name, counted)
+
+
 def _count_whole_reads(store: AllocationStore, reads: list[int]) -> None:
     backend: Any = store.backend
     load = backend.load_snapshot
@@ -31,6 +51,65 @@ def _count_whole_reads(store: AllocationStore, reads: list[int]) -> None:
         return found
 
     backend.load_snapshot = counted
+
+
+async def test_two_intervals_stop_re_saving_each_others_snapshots(store_url: str) -> None:
+    """Regression: a process taking snapshots every event, another every 10, whose fold (begun
+    before the first one saved) replaced the first one's segments at 10, 20 and 30: the first
+    one's snapshots 11-19, 21-29, 31 and 32 are then unusable. A question of the first one at 19
+    passed over 8 of them, folded from 0 and saved 1-19 - 10 too, with its own segment, which broke
+    the second one's 20 and 30; the second one's question at 29 passed over 8, folded from 0 in
+    its turn and saved 10 and 20 with its own segments, breaking the first one's 11-19 again: 19
+    and 10 saves at every round of these questions, for good (this test, before the fix: rounds 2
+    and 3 saved 19 and 10). Now the first round saves again only the snapshots whose chain broke,
+    and the rounds after it save nothing."""
+    async with (
+        open_store(store_url, snapshot_every=1) as a,
+        open_store(store_url, snapshot_every=10) as b,
+    ):
+        await _tombstones(a, 15)
+        head = await a.head()
+        assert head == 32
+        await a.take_snapshots()
+        await snapshots.fold_to(b.backend, head, every=10, start_at=0)  # type: ignore[arg-type]
+        broken = await _unusable_snapshots(a)
+        assert broken == [p for p in range(11, head + 1) if p % 10]
+        saves_a: Counter[int] = Counter()
+        saves_b: Counter[int] = Counter()
+        _count_saves(a, saves_a)
+        _count_saves(b, saves_b)
+        rounds = []
+        for _ in range(3):
+            assert (await a.state_at(19)).state == await replay(a.backend.read, 19)
+            assert (await b.state_at(29)).state == await replay(b.backend.read, 29)
+            assert (await a.state_at(head)).state == await replay(a.backend.read, head)
+            rounds.append((sorted(saves_a.elements()), sorted(saves_b.elements())))
+            saves_a.clear()
+            saves_b.clear()
+        assert [(len(saved_a), len(saved_b)) for saved_a, saved_b in rounds[1:]] == [(0, 0), (0, 0)]
+        assert rounds[0] == ([*range(11, 20), 31, 32], list(range(21, 30)))
+        assert await _unusable_snapshots(a) == []
+        for p in range(head + 1):
+            want = await replay(a.backend.read, p)
+            assert (await a.state_at(p)).state == want, p
+            assert (await b.state_at(p)).state == want, p
+
+
+async def test_a_question_reads_whole_only_the_snapshots_it_decodes(store_url: str) -> None:
+    """Past snapshots whose chain broke, a question read each one whole (8 at most) to find it
+    unusable; now the latest one, then the first one before it whose chain is whole by the headers."""
+    async with (
+        open_store(store_url, snapshot_every=1) as a,
+        open_store(store_url, snapshot_every=10) as b,
+    ):
+        await _tombstones(a, 15)
+        head = await a.head()
+        await a.take_snapshots()
+        await snapshots.fold_to(b.backend, head, every=10, start_at=0)  # type: ignore[arg-type]
+        reads: list[int] = []
+        _count_whole_reads(a, reads)
+        assert (await a.state_at(19)).state == await replay(a.backend.read, 19)
+        assert reads == [19, 10]  # (19 read whole and found broken; 18-11 by their headers)
 
 
 async def test_take_snapshots_checks_the_chains_without_reading_a_snapshot_whole(
