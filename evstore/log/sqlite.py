@@ -2005,18 +2005,31 @@ class SqliteBackend:
         return await self._on_reader(q)
 
 
+def _main_file(conn: sqlite3.Connection) -> bytes | None:
+    """The path of ``conn``'s database file as SQLite keeps it (None: in memory). As bytes, which
+    sqlite3 had from os.fsencode: a path need not be UTF-8 - a Latin-1 directory name - and sqlite3
+    decoding it as text refused to. A file whose text is UTF-16 (its encoding chosen by hand before
+    evstore's first open) gives its text's bytes in UTF-16 there, so it is read as text: UTF-16
+    holds no undecodable path either."""
+    if conn.execute("PRAGMA encoding").fetchone()[0] == "UTF-8":
+        row = conn.execute(
+            "SELECT CAST(file AS BLOB) FROM pragma_database_list WHERE name = 'main'"
+        ).fetchone()
+        return bytes(row[0]) if row is not None and row[0] else None
+    row = conn.execute("SELECT file FROM pragma_database_list WHERE name = 'main'").fetchone()
+    return os.fsencode(str(row[0])) if row is not None and row[0] else None
+
+
 def _file_opened(conn: sqlite3.Connection, given: str) -> tuple[str, int, int] | None:
     """The file ``conn`` writes to, for :meth:`_WriterCache.check_file`: its path, device and
     inode (None: none, in memory). The path is ``given`` (absolute: SQLite keeps the full path,
     whatever the process's cwd becomes) when it names that file - so a symlink swapped to another
     file later is noticed - else SQLite's own name for it (a ``file:`` URI it parsed, which no
     ``os.stat`` of the given text finds)."""
-    # (as bytes, which sqlite3 had from os.fsencode: a path need not be UTF-8 - a Latin-1 directory
-    # name - and sqlite3 decoding it as text refused to)
-    row = conn.execute("SELECT CAST(file AS BLOB) FROM pragma_database_list WHERE name = 'main'").fetchone()
-    if row is None or not row[0]:
+    path = _main_file(conn)
+    if path is None:
         return None
-    name = os.fsdecode(bytes(row[0]))
+    name = os.fsdecode(path)
     opened = os.stat(name)
     try:
         found: os.stat_result | None = os.stat(given)
@@ -2050,12 +2063,12 @@ def _wal_files_opened(conn: sqlite3.Connection) -> tuple[tuple[str, int, int], .
     SQLite names them, beside the file it opened (through a symlink: beside its target). Called
     once ``conn`` has read the file in WAL mode, so it has them open: they stay the same files as
     long as a connection of this store is open (SQLite deletes them only as the last one closes)."""
-    row = conn.execute("SELECT CAST(file AS BLOB) FROM pragma_database_list WHERE name = 'main'").fetchone()
-    if row is None or not row[0] or str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+    path = _main_file(conn)
+    if path is None or str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
         return ()
     found = []
     for suffix in (b"-wal", b"-shm"):
-        name = os.fsdecode(bytes(row[0]) + suffix)
+        name = os.fsdecode(path + suffix)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             info = os.stat(name)
             found.append((name, info.st_dev, info.st_ino))
