@@ -1712,6 +1712,11 @@ class PostgresBackend:
                 raise err.StoreClosed("The store is closed") from None
             raise _storage_error(exc, "connecting", None) from None
         except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            if self._pool is None:
+                # (close() began while this waited for one of the pool's connections, all busy:
+                # what ran out is a wait for a pool that is gone, not its size - and a command
+                # waiting there was not run)
+                raise err.StoreClosed("The store is closed") from None
             if getattr(exc, "sqlstate", None) == "3D000":  # (min_pool_size=0: see open)
                 raise self._no_database(str(exc).splitlines()[0]) from None
             # (nothing was sent on it: no claim about a transaction, but for a command's)
