@@ -462,6 +462,10 @@ async def _load(backend: SnapshotStore, at_most: int) -> tuple[State, Tombstones
                     continue
             # (its chain is whole, or it has none, or its header is damaged, which decoding says)
             found = await backend.load_snapshot(position, SNAPSHOT_FORMAT)
+            if found is None:
+                # (none at or before it: dropped since the headers were read - a rebuild - and so
+                # none below it either; asking at each header left was a query for each)
+                break
     return State(), Tombstones(), passed
 
 

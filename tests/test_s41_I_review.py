@@ -10,15 +10,19 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+import structlog
 
 from evstore import errors as err
 from evstore import open_store
 from evstore.log.postgres import PostgresBackend
+from projections.replay import replay
 from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_s40_E_review import _tombstones
 
 GUARD = 10.0  # a hang guard, not a timing assertion
 
@@ -193,3 +197,38 @@ async def test_a_call_waiting_for_a_connection_when_the_store_closes_says_it_clo
         release.set()
         async with asyncio.timeout(GUARD):
             await asyncio.gather(holder, closing)
+
+
+async def test_snapshots_dropped_under_a_question_cost_it_one_more_read_not_one_per_header(
+    store_url: str,
+) -> None:
+    """A question that cannot use its latest snapshot looks at those before it by their headers
+    (stop 41, helper G); the snapshots dropped between that header read and the whole read (a
+    rebuild, drop_snapshots) left it asking the backend for the snapshot at or before each header
+    in turn, each answered "none" - one query per snapshot the headers listed. The first "none"
+    says there is none below either: it folds from the start at once, with the replay's answer."""
+    async with open_store(store_url, snapshot_every=2) as store:
+        await _tombstones(store, 10)
+        await store.take_snapshots()
+        head = await store.head()
+        backend: Any = store.backend
+        load, headers = backend.load_snapshot, backend.snapshot_headers
+        reads: list[int] = []
+
+        async def damaged_first(at_most: int, fmt: int) -> Any:
+            found = await load(at_most, fmt)
+            reads.append(at_most)
+            if len(reads) == 1 and found is not None:
+                return found[0], found[1][:-5]  # (the latest cannot be used: the headers are read)
+            return found
+
+        async def dropped_after(at_most: int, fmt: int) -> Any:
+            listed = await headers(at_most, fmt)
+            await backend.drop_snapshots()
+            return listed
+
+        backend.load_snapshot, backend.snapshot_headers = damaged_first, dropped_after
+        with structlog.testing.capture_logs():
+            view = await store.state_at(head - 1)
+        assert view.state == await replay(backend.read, head - 1)
+        assert len(reads) == 2, reads
