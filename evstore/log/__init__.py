@@ -14,6 +14,7 @@ import contextvars
 import json
 import os
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,6 +26,9 @@ from evstore.errors import CorruptEvent, EvstoreError, ProjectionCorrupt, Storag
 from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
 from evstore.schema import MAX_INT
 from projections.state import State
+
+#: a fingerprint as evstore stores it with an idempotency key (``store._fingerprints``)
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 #: the largest position (and count) a backend can store: SQLite INTEGER and PostgreSQL bigint
 MAX_POSITION = 2**63 - 1
@@ -89,9 +93,23 @@ class Job:
     #: is answered: errors' tracebacks hold the writer's frames, and those every job of a batch
     context: contextvars.Context | None = field(default=None, repr=False, compare=False)
 
-    def same_command(self, recorded: str) -> bool:
-        """Whether ``recorded``, the fingerprint stored with this job's key, is this command's."""
-        return recorded == self.fingerprint or (recorded == self.older_fingerprint != "")
+    def same_command(self, recorded: object) -> bool:
+        """Whether ``recorded``, the fingerprint stored with this job's key, is this command's.
+        One that is not in the form evstore writes (a SHA-256 hex digest: NULL, empty, cut,
+        edited by hand) is a ``StorageError`` with ``details["reason"] == "damaged"``, as a
+        damaged receipt is (:meth:`Receipt.damaged`): it names no command, so it cannot say that
+        this one is another. Only a well-formed digest that is not this command's is ``False``
+        (an ``IdempotencyConflict``: it cannot be told from another command's)."""
+        if recorded == self.fingerprint or (recorded == self.older_fingerprint != ""):
+            return True
+        if type(recorded) is not str or _FINGERPRINT.fullmatch(recorded) is None:
+            raise Receipt.damaged(
+                self.idempotency_key or "",
+                f"{'NULL' if recorded is None else shown(recorded, 76)} "
+                "is not a SHA-256 digest (64 hex digits)",
+                "fingerprint (the SHA-256 of the command it was used for)",
+            )
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +174,11 @@ class Receipt:
             raise cls.damaged(key, first) from None
 
     @staticmethod
-    def damaged(key: str, why: str) -> StorageError:
-        """The error for the stored receipt of idempotency key ``key`` that is not one evstore
-        writes (``why``)."""
+    def damaged(key: str, why: str, what: str = "receipt") -> StorageError:
+        """The error for the stored receipt of idempotency key ``key`` (or ``what`` else its row
+        holds) that is not one evstore writes (``why``)."""
         return StorageError(
-            f"The receipt stored for idempotency key {shown(key, 80)} cannot be read ({why[:120]}): "
+            f"The {what} stored for idempotency key {shown(key, 80)} cannot be read ({why[:120]}): "
             "its row in the idempotency table was damaged (edited by hand, a bad restore). The command "
             "that key names was committed before (its events carry the key in their metadata: "
             "`evstore history` of its consumer or provider shows them), and nothing was written now; "
