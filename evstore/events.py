@@ -8,6 +8,7 @@ Payloads carry everything needed to fold state, so replay never reads anything e
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -863,11 +864,53 @@ class _RefusesAsInvalidInput(_ModelMeta):
 
         def __call__(cls, /, *args: Any, **kwargs: Any) -> Any:
             try:
-                return super().__call__(*args, **kwargs)
+                built = super().__call__(*args, **kwargs)
             except ValidationError as exc:
                 raise InvalidInput(
                     f"Invalid metadata: {pydantic_message(exc)}", **pydantic_where(exc)
                 ) from None
+            _refuse_what_a_command_would(built)
+            return built
+
+
+def _refuse_what_a_command_would(built: BaseModel) -> None:
+    """Refuse the metadata a caller built as every command given it would (``store._metadata_json``,
+    as ``command_metadata`` does: the same code, message and details) - a key that is not a
+    string at any depth, NaN, a value that is not JSON, more than 64 KiB of JSON, a lone
+    surrogate, too deep -, not at the first command, far from where it was made. evstore's own
+    keys are not looked at (a command replaces them). Only for a direct call: reads of stored
+    metadata (``model_validate_json``) and the command's own check do not come here."""
+    own, bound, check = _command_check()
+    if not _plainly_sound(built, own, bound):
+        mine = {k: v for k, v in built.model_dump(exclude_none=True).items() if k not in own}
+        if mine:
+            check(mine, True)
+
+
+def _plainly_sound(built: BaseModel, own: frozenset[str], bound: int) -> bool:
+    """Whether ``built`` holds only ASCII strings (and ``None``), too short to reach ``bound``
+    bytes of JSON: most metadata (ids, an actor), nothing in which a command refuses, known
+    without its check (~4 us per Metadata built). JSON writes an ASCII character as at most 6 (a
+    control character's \\u00XX); a key's quotes, colon and comma are the 6 counted with it."""
+    size = 0
+    for values in (built.__dict__, built.__pydantic_extra__ or {}):
+        for k, v in values.items():
+            if v is None or k in own:
+                continue
+            if type(v) is not str or not (k.isascii() and v.isascii()):
+                return False
+            size += len(k) + len(v) + 6
+    return 6 * size < bound  # (the JSON: at most 1 + 6 * size bytes, its braces and commas counted)
+
+
+@functools.cache
+def _command_check() -> tuple[frozenset[str], int, Callable[[dict[str, Any], bool], str]]:
+    """evstore's own metadata keys, the most JSON a caller's metadata may take, and a command's
+    check of a caller's metadata (imported at the first use, once: evstore.store imports this
+    module)."""
+    from evstore.store import _METADATA_MAX_BYTES, _OWN_METADATA_KEYS, _metadata_json
+
+    return _OWN_METADATA_KEYS, _METADATA_MAX_BYTES, _metadata_json
 
 
 class Metadata(BaseModel, metaclass=_RefusesAsInvalidInput):
