@@ -983,6 +983,16 @@ def event_row(
     )
 
 
+def uuid_arg(value: str, what: str = "uuid") -> str:
+    """A uuid argument in the canonical form the API keeps (``normalize_uuid``: upper case, no
+    dashes, braces and ``urn:uuid:`` taken too), the whitespace around it - a pasted uuid's, a
+    spreadsheet cell's - trimmed first, as ``--at``'s is (:func:`parse_point`). The API itself
+    refuses such a string: a program passing one has a bug to see; a command line is typed."""
+    from evstore.schema import normalize_uuid
+
+    return normalize_uuid(value.strip(), what)
+
+
 def parse_point(text: str, what: str = "--at") -> int | datetime:
     """A position (``1234``) or an ISO 8601 time with a zone (``2026-01-02T03:04:05Z``). A number
     out of the positions' range (``-1``, past 2**63-1) is a usage error (exit 2), as ``tail
@@ -1412,10 +1422,8 @@ def history(
     """Every event that touched a consumer or provider, oldest first, with who asked and what changed."""
 
     async def work() -> int:
-        from evstore.schema import normalize_uuid
-
         not_empty(uuid, "the uuid", "a consumer or provider uuid")
-        key = normalize_uuid(uuid)
+        key = uuid_arg(uuid)
         target = resolve_url(db, url)
         async with open_existing(target) as store:
             names = await provider_names(store)
@@ -1524,7 +1532,6 @@ def state(
     """The state as it was at a position or time (time travel), or as it is now."""
 
     async def work() -> int:
-        from evstore.schema import normalize_uuid
         from projections.invariants import clear_leak, leak_of
         from projections.replay import StateView
         from projections.views import sorted_holdings
@@ -1549,7 +1556,7 @@ def state(
                 if provider is not None:
                     # only the provider's slice (its snapshots and history): milliseconds on a
                     # long log, where the whole state is a fold from the nearest snapshot
-                    puuid = normalize_uuid(provider, "provider uuid")
+                    puuid = uuid_arg(provider, "provider uuid")
                     try:
                         view = await store.state_at(position=position, provider=puuid)
                     except err.ProviderNotFound as exc:
@@ -1557,7 +1564,7 @@ def state(
                 else:
                     view = await store.state_at(position=position)
             if consumer is not None:
-                cuuid = normalize_uuid(consumer, "consumer uuid")
+                cuuid = uuid_arg(consumer, "consumer uuid")
                 if cuuid not in view.state.consumers and not await _consumer_in_log(store, cuuid):
                     # (as history and state --provider refuse a uuid the log does not know: a
                     # mistyped uuid is an error a script can see, not "absent"; one the log
@@ -1567,7 +1574,7 @@ def state(
                 # nothing left to clear)
                 leaked_now = (await store.allocations(cuuid)).leaked
             if provider is not None:
-                puuid = normalize_uuid(provider, "provider uuid")
+                puuid = uuid_arg(provider, "provider uuid")
                 try:
                     on_it = await view.provider_allocations(puuid)
                 except err.ProviderNotFound as exc:
@@ -1584,7 +1591,7 @@ def state(
         shown_when = when or "before the first event"  # (position 0 has no time)
         out = console()
         if provider is not None:
-            puuid = normalize_uuid(provider, "provider uuid")
+            puuid = uuid_arg(provider, "provider uuid")
             usage = await view.usage(puuid)
             holders = await view.provider_allocations(puuid)
             prov = st.providers[puuid]
@@ -1633,7 +1640,7 @@ def state(
                 )
             return EXIT_OK
         if consumer is not None:
-            cuuid = normalize_uuid(consumer, "consumer uuid")
+            cuuid = uuid_arg(consumer, "consumer uuid")
             cview = await view.allocations(cuuid)
             migrations = sorted(m.uuid for m in st.migrations_for(cuuid))
             known = st.consumers.get(cuuid)
@@ -2092,13 +2099,12 @@ async def _clear(given: str, db: str | None, url: str | None, json_out: bool, *,
     ``state --consumer``), and a consumer the log names that holds nothing has nothing to release
     (exit 0: a second run, or one after the instance's delete released it, leaves what was asked)."""
     from evstore import events as ev
-    from evstore.schema import normalize_uuid
     from projections.invariants import clear_leak
     from projections.views import sorted_holdings
 
     what = "migration" if migration else "consumer"
     not_empty(given, f"the {what}", f"a {what} uuid")
-    key = normalize_uuid(given, f"{what} uuid")
+    key = uuid_arg(given, f"{what} uuid")
     target = resolve_url(db, url)
     nothing: err.EvstoreError | None = None
     instance: str | None = None  # (a migration's: the one confirmed, or the one the log names)
