@@ -2368,6 +2368,8 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
         async with open_existing(target, upgrade=True) as store:
             upgraded_from = store.backend.upgraded_from  # (the open upgrades it, in one transaction)
             repaired = store.backend.repaired  # (or repairs a current one that lost schema objects)
+            log_lost = repaired is not None and "events" in repaired.made_again
+            lost = await store.backend.lost_tail() if log_lost else None
         if path is not None:
             from evstore.log.sqlite import SCHEMA_VERSION
         else:
@@ -2391,6 +2393,8 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
             done = []
             if repaired.made_again:
                 done.append(f"made {', '.join(repaired.made_again)} again")
+            if log_lost:
+                done.append("the log is empty: the events it held are lost")
             if repaired.dropped:
                 done.append(f"dropped {', '.join(repaired.dropped)} (indexes of an earlier version)")
             if repaired.refolded:
@@ -2402,6 +2406,29 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
             )
         else:
             console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION} already")
+        if log_lost:
+            # (the table of the log itself was gone - dropped, left out of a restore: the one made
+            # again is empty, and what it held is not in the store any more; "repaired" alone read
+            # as if all were well)
+            kept = ""
+            advice = (
+                "restore the store from a backup, or `evstore import` an export of it into a new, empty store"
+            )
+            if repaired is not None and repaired.refolded:  # (nothing recorded a lost event's position)
+                kept = "; the projection was refolded from it, and is empty too"
+            else:
+                if lost is not None:  # (as the audit's log_truncated finding says, and a rebuild refuses)
+                    upto = f" (up to position {lost.position})" if lost.position > lost.head else ""
+                    kept = f"; the projection still records what the lost events did{upto}, left as it was"
+                advice += (
+                    "; `evstore audit` shows what the projection holds, and `evstore rebuild --force` "
+                    "accepts the loss (it empties the projection)"
+                )
+            fail(
+                err.CorruptEvent.code,
+                f"the events table of {safe(shown(target))} was missing (dropped, or left out of a restore): "
+                f"the log is lost, and upgrade made an empty one{kept}: {advice}",
+            )
         return EXIT_OK
 
     run(work)

@@ -1,10 +1,14 @@
-"""Stop 41, helper J: small command-line items - a uuid argument pasted with spaces around it."""
+"""Stop 41, helper J: small command-line items - a uuid argument pasted with spaces around it, and
+``evstore upgrade`` of a store whose log table was dropped."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
+
+import pytest
 
 from evstore import open_store
 from tests.conftest import allocate, make_provider, new_uuid
@@ -61,3 +65,57 @@ def test_a_uuid_argument_pasted_with_spaces_around_it_is_taken_as_the_uuid(tmp_p
         ), done.stderr
     done = evstore("history", "  ", *where)
     assert done.returncode == 2 and done.stderr.startswith("error: evstore.usage: "), done.stderr
+
+
+def _drop_the_log(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE events")
+    conn.close()
+
+
+def test_upgrade_of_a_store_whose_events_table_was_dropped_says_the_log_is_lost(tmp_path: Path) -> None:
+    """``evstore upgrade`` made the dropped ``events`` table again, empty, and said only "repaired:
+    made events again", exit 0 - as if all were well, where every event the store held was gone. It
+    now says that the log is lost and what to do (a backup, an export), exit 1 with
+    ``evstore.log.corrupt`` (the store stays damaged: an error a script sees), and the projection,
+    which still records the lost events, is left for the audit to show."""
+    db = tmp_path / "s.db"
+    _, consumer = _small_store(db)
+    _drop_the_log(db)
+
+    done = evstore("upgrade", "--db", str(db))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "made events again" in done.stdout and "the events it held are lost" in done.stdout
+    assert done.stderr.startswith("error: evstore.log.corrupt: "), done.stderr
+    assert "the log is lost" in done.stderr and "backup" in done.stderr and "evstore import" in done.stderr
+    assert "up to position 3" in done.stderr, done.stderr  # (the allocation, position 3)
+    audit = evstore("audit", "--db", str(db))
+    assert audit.returncode == 3 and consumer in audit.stdout, audit.stdout + audit.stderr
+
+    # --json: the same keys as ever, the same refusal on stderr
+    db2 = tmp_path / "s2.db"
+    _small_store(db2)
+    _drop_the_log(db2)
+    done = evstore("upgrade", "--db", str(db2), "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert json.loads(done.stdout)["repaired"]["made_again"] == ["events"]
+    assert done.stderr.startswith("error: evstore.log.corrupt: "), done.stderr
+
+
+@pytest.mark.parametrize("lost", ["an index", "a projection table"])
+def test_upgrade_repairing_anything_but_the_log_still_exits_0(tmp_path: Path, lost: str) -> None:
+    """(the other repairs keep their one line and exit 0: the log is whole, the projection refolded)"""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    with sqlite3.connect(db) as conn:
+        if lost == "an index":
+            name = conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            ).fetchone()[0]
+            conn.execute(f"DROP INDEX {name}")
+        else:
+            conn.execute("DROP TABLE p_consumers")
+    conn.close()
+    done = evstore("upgrade", "--db", str(db))
+    assert done.returncode == 0 and "error:" not in done.stderr, done.stdout + done.stderr
+    assert "repaired: made " in done.stdout and "lost" not in done.stdout, done.stdout
