@@ -17,6 +17,7 @@ import bisect
 import codecs
 import collections
 import contextlib
+import errno
 import functools
 import io
 import json
@@ -2473,10 +2474,8 @@ def export(
             sink_path = final if in_place else final.with_name(final.name + ".partial")
             try:
                 # (in place: appending, as a shell's >> or a pipe expects; never truncating)
-                with (
-                    progress_bar() as bar,
-                    sink_path.open("a" if in_place else "w", encoding="utf-8") as sink,
-                ):
+                sink = await _open_in_place(sink_path) if in_place else sink_path.open("w", encoding="utf-8")
+                with progress_bar() as bar, sink:
                     task = bar.add_task("exporting", total=head or 1)
                     written = -1  # the header is not an event
                     async for line in store.export():
@@ -2504,6 +2503,37 @@ def export(
 
     # (SIGTERM as Ctrl-C: the half-written FILE.partial removed, exit 143)
     run(work, terminate_code=EXIT_TERMINATED)
+
+
+async def _open_in_place(path: Path) -> io.TextIOWrapper:
+    """``path`` opened for appending text, as ``open(path, "a")`` does, but a named pipe no process
+    reads yet is waited for here, at the loop's turns, not in the kernel: the open of a FIFO for
+    writing blocks until a reader opens it, and a signal's handler ran there without ending it (the
+    loop's cancellation waits for its next turn), so the first Ctrl-C or SIGTERM did nothing and
+    only a second one ended ``export -o FIFO``. Opened without blocking (a FIFO with no reader:
+    ENXIO, tried again), then made blocking again for the writes."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        fifo = False  # (the open says why)
+    if not fifo or not hasattr(os, "O_NONBLOCK"):
+        return path.open("a", encoding="utf-8")
+    while True:
+        try:
+            fd = os.open(path, flags | os.O_NONBLOCK, 0o666)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # (ENXIO: no reader yet)
+                raise
+            await asyncio.sleep(0.05)
+            continue
+        break
+    try:
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "a", encoding="utf-8")  # (closed by the caller's with)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _is_stdout(path: Path) -> bool:

@@ -1,18 +1,27 @@
-"""Stop 41, helper J: small command-line items - a uuid argument pasted with spaces around it, and
-``evstore upgrade`` of a store whose log table was dropped."""
+"""Stop 41, helper J: small command-line items - a uuid argument pasted with spaces around it,
+``evstore upgrade`` of a store whose log table was dropped, ``export -o FIFO`` with no reader."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
-from evstore import open_store
+from evstore import cli, open_store
 from tests.conftest import allocate, make_provider, new_uuid
-from tests.test_cli_support import evstore
+from tests.test_cli_support import REPO, evstore
 
 
 def _small_store(path: Path) -> tuple[str, str]:
@@ -28,7 +37,39 @@ def _small_store(path: Path) -> tuple[str, str]:
     return asyncio.run(build())
 
 
-def test_a_uuid_argument_pasted_with_spaces_around_it_is_taken_as_the_uuid(tmp_path: Path) -> None:
+@pytest.fixture
+def logging_as_it_was() -> Iterator[None]:
+    """(``cli.main`` run in this process configures structlog and the root logger to print on this
+    test's captured stderr, closed after it: put back as they were - see tests/test_s40_B_tail.py)"""
+    config, root, aiosqlite = structlog.get_config(), logging.getLogger(), logging.getLogger("aiosqlite")
+    handlers, level, aiosqlite_level = root.handlers[:], root.level, aiosqlite.level
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        aiosqlite.setLevel(aiosqlite_level)
+
+
+class _Done:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> _Done:
+    """``evstore ARGS`` run by ``cli.main`` in this process (a subprocess each costs a second)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        cli.main(list(args))
+    out = capsys.readouterr()
+    return _Done(int(done.value.code or 0), out.out, out.err)
+
+
+@pytest.mark.usefixtures("logging_as_it_was")
+def test_a_uuid_argument_pasted_with_spaces_around_it_is_taken_as_the_uuid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--at " 5"`` was trimmed, a uuid argument was not: ``history " <uuid> "`` (pasted from a
     table, a log line) was refused as malformed (exit 1). Every uuid argument now trims the
     whitespace around it, as --at does; what is inside is checked as before."""
@@ -37,10 +78,10 @@ def test_a_uuid_argument_pasted_with_spaces_around_it_is_taken_as_the_uuid(tmp_p
     where = ("--db", str(db), "--json")
     spaced_consumer, spaced_provider = f" {consumer.upper()}\t", f"\u00a0{provider} \n"
 
-    done = evstore("history", spaced_consumer, *where)
+    done = _in_process(capsys, "history", spaced_consumer, *where)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["uuid"] == consumer
-    done = evstore("history", spaced_provider, *where)
+    done = _in_process(capsys, "history", spaced_provider, *where)
     assert done.returncode == 0, done.stderr
     for option, given, at in (
         ("--consumer", spaced_consumer, ()),
@@ -48,22 +89,22 @@ def test_a_uuid_argument_pasted_with_spaces_around_it_is_taken_as_the_uuid(tmp_p
         ("--provider", spaced_provider, ()),
         ("--provider", spaced_provider, ("--at", "3")),
     ):
-        done = evstore("state", option, given, *at, *where)
+        done = _in_process(capsys, "state", option, given, *at, *where)
         assert done.returncode == 0, (option, at, done.stderr)
         assert consumer in done.stdout and provider in done.stdout, (option, at, done.stdout)
     # (a uuid the log names and that is no migration: the command's own refusal, past the parse)
-    done = evstore("confirm-migration", spaced_consumer, *where)
+    done = _in_process(capsys, "confirm-migration", spaced_consumer, *where)
     assert done.returncode == 1 and done.stderr.startswith("error: evstore.not_found: "), done.stderr
-    done = evstore("release", spaced_consumer, *where)
+    done = _in_process(capsys, "release", spaced_consumer, *where)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["consumer"] == consumer
     # what is inside the spaces is checked as before; only spaces remain a usage error
     for bad in (f" {consumer[:-1]} ", f"{consumer[:8]} {consumer[9:]}"):
-        done = evstore("history", bad, *where)
+        done = _in_process(capsys, "history", bad, *where)
         assert done.returncode == 1 and done.stderr.startswith(
             "error: evstore.invalid_input: Malformed uuid"
         ), done.stderr
-    done = evstore("history", "  ", *where)
+    done = _in_process(capsys, "history", "  ", *where)
     assert done.returncode == 2 and done.stderr.startswith("error: evstore.usage: "), done.stderr
 
 
@@ -119,3 +160,78 @@ def test_upgrade_repairing_anything_but_the_log_still_exits_0(tmp_path: Path, lo
     done = evstore("upgrade", "--db", str(db))
     assert done.returncode == 0 and "error:" not in done.stderr, done.stdout + done.stderr
     assert "repaired: made " in done.stdout and "lost" not in done.stdout, done.stdout
+
+
+def _waiting_at(process: subprocess.Popen[str], db: Path) -> None:
+    """Until ``process`` has the store ``db`` open (its signal handlers are in place by then: the
+    export then goes on to open its output)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == str(db) for fd in Path(f"/proc/{process.pid}/fd").iterdir()):
+                time.sleep(0.5)  # (on to the open of the FIFO: the signal lands there, or before)
+                return
+        time.sleep(0.05)
+    pytest.fail("the export never opened its store")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/PID/fd")
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_export_to_a_named_pipe_no_one_reads_ends_on_the_first_signal(
+    tmp_path: Path, signum: int, code: int
+) -> None:
+    """``export -o FIFO`` with no reader waited in the kernel's open of the FIFO, where the signal's
+    handler ran without ending it: the first Ctrl-C or SIGTERM did nothing, only a second one ended
+    it. The first one now ends it, 130 or 143 as README says, the FIFO left as it was. (A reader
+    that comes later still gets the whole export: test below.)"""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "evstore.cli", "export", "--db", str(db), "-o", str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        _waiting_at(process, db)
+        process.send_signal(signum)
+        try:
+            _out, err_text = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the first signal left the export waiting for a reader")
+        assert process.returncode == code, err_text
+        assert fifo.is_fifo() and not list(tmp_path.glob("pipe?*"))  # (no pipe.partial)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def test_export_to_a_named_pipe_waits_for_its_reader(tmp_path: Path) -> None:
+    """(the wait for a reader, now at the loop's turns: one that opens the FIFO late reads it all)"""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    expected = evstore("export", "--db", str(db)).stdout
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "evstore.cli", "export", "--db", str(db), "-o", str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        _waiting_at(process, db)
+        received = fifo.read_text()
+        _out, err_text = process.communicate(timeout=30)
+        assert process.returncode == 0, err_text
+        assert received == expected and len(expected.splitlines()) == 4  # (the header, 3 events)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
