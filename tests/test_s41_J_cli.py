@@ -235,3 +235,32 @@ def test_export_to_a_named_pipe_waits_for_its_reader(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PostgreSQL's schema repair (evstore/log/postgres.py, not helper J's) does not make a "
+    "dropped events table again: the open fails, evstore.storage 'relation \"events\" does not exist'",
+)
+def test_upgrade_of_a_postgresql_store_whose_events_table_was_dropped_says_the_log_is_lost(
+    pg_url: str,
+) -> None:
+    """(as on SQLite: the table made again, and the CLI's error says the log is lost)"""
+    import asyncpg
+
+    async def build_then_drop() -> None:
+        async with open_store(pg_url) as store:
+            provider = await make_provider(store, "node-1", VCPU=8)
+            await allocate(store, new_uuid(), {provider: {"VCPU": 2}})
+        conn = await asyncpg.connect(pg_url)
+        try:
+            await conn.execute("DROP TABLE events CASCADE")  # (a view of the projection reads it)
+        finally:
+            await conn.close()
+
+    asyncio.run(build_then_drop())
+    done = evstore("upgrade", "--url", pg_url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("error: evstore.log.corrupt: ") and "the log is lost" in done.stderr, (
+        done.stderr
+    )
