@@ -246,8 +246,18 @@ def redact_text(text: str, url: str) -> str:
     # (the quoted values first: replacing a password in one would keep it from being found in the URL)
     text = _QUOTED.sub(quoted, text)
     for secret in secrets:
-        text = text.replace(secret, "***")
+        if len(secret) >= _WORDLIKE_SECRET:
+            text = text.replace(secret, "***")
+        else:
+            # (a password this short is inside many words - one letter: "rejected SSL u***grade" -
+            # so it is hidden where it stands as a value, not glued to letters or digits: in the
+            # URL, after "password=", between spaces, quotes or the text's ends)
+            text = re.sub(rf"(?<![^\W_]){re.escape(secret)}(?![^\W_])", "***", text)
     return text
+
+
+#: a password at least this long is hidden wherever its text appears, inside a word too
+_WORDLIKE_SECRET = 4
 
 
 def redact_url(url: str) -> str:
