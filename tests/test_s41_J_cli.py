@@ -237,15 +237,12 @@ def test_export_to_a_named_pipe_waits_for_its_reader(tmp_path: Path) -> None:
             process.communicate()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PostgreSQL's schema repair (evstore/log/postgres.py, not helper J's) does not make a "
-    "dropped events table again: the open fails, evstore.storage 'relation \"events\" does not exist'",
-)
 def test_upgrade_of_a_postgresql_store_whose_events_table_was_dropped_says_the_log_is_lost(
     pg_url: str,
 ) -> None:
-    """(as on SQLite: the table made again, and the CLI's error says the log is lost)"""
+    """(as on SQLite, the CLI's error says the log is lost; PostgreSQL's open refuses the store,
+    which it said 'relation "events" does not exist' for: fixed by the lead after helper J's
+    strict xfail)"""
     import asyncpg
 
     async def build_then_drop() -> None:

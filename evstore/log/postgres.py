@@ -1568,6 +1568,20 @@ class PostgresBackend:
             f"Malformed PostgreSQL URL {self.safe_url}: {text}{self._url_note}", url=self.safe_url
         )
 
+    def _log_lost(self) -> err.CorruptEvent:
+        """The refusal of a store whose ``events`` table is gone (dropped by hand - with CASCADE,
+        since the projection's view reads it -, or left out of a restore): what it held is lost,
+        and no repair can make it again (an empty table would have commands decide against a
+        projection of events no longer there; SQLite makes it again, and its commands then refuse)."""
+        return err.CorruptEvent(
+            f"The store at {self.safe_url} has no events table (dropped by hand, or left out of a "
+            "restore): the log is lost - every event it held - and the projection has nothing to "
+            "be checked against. Restore the schema from a backup, or `evstore import` an export "
+            "of it into a new, empty store (nothing was written)",
+            reason="log_lost",
+            url=self.safe_url,
+        )
+
     async def _repair_projection(self) -> None:
         """Re-create projection tables, indexes or the view lost from the schema (dropped by hand):
         a lost table, left missing, failed every command and query (and rebuild); made empty, it
@@ -1576,6 +1590,8 @@ class PostgresBackend:
         left to the audit (which names the row): the tables stay empty, as it then reports."""
         async with self._connection() as conn:
             try:
+                if await conn.fetchval("SELECT to_regclass('events') IS NULL"):
+                    raise self._log_lost()
                 missing, pending = await _missing_objects(conn), await _refold_pending(conn)
                 if not missing and not pending:
                     return
