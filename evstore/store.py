@@ -110,7 +110,53 @@ AllocationsByConsumer: TypeAlias = (
 _command_metadata: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "evstore_command_metadata", default=None
 )
-log = structlog.get_logger("evstore")
+
+
+def _log_failed(event: object) -> None:
+    """A log line the host's structlog configuration failed to emit (a processor that raised, a
+    closed sink): reported on stderr, as the standard library's ``Handler.handleError`` reports
+    a handler's failure (and, as it, not when ``logging.raiseExceptions`` is off). Never raised: a
+    command's outcome is its receipt or its refusal, whatever becomes of the line about it (a
+    committed command answered with the logging's exception is retried, and doubled, by a caller
+    that sees it fail; a line failing on the writer would leave its batch's other callers waiting)."""
+    if not logging.raiseExceptions:
+        return
+    try:
+        print(
+            f"--- evstore: log line {event!r} not emitted: the application's structlog configuration"
+            " raised (fix its processors or logger factory; the call it describes was not affected) ---",
+            file=sys.stderr,
+        )
+        traceback.print_exc(file=sys.stderr)
+    except Exception:  # (no stderr, or one that fails too: nothing more to do)
+        pass
+
+
+class _Guarded:
+    """A structlog logger whose lines cannot fail the call that logs them (see :func:`_log_failed`)."""
+
+    __slots__ = ("_logger",)
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
+        try:
+            getattr(self._logger, level)(event, **kw)
+        except Exception:
+            _log_failed(event)
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._emit("debug", event, kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._emit("info", event, kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._emit("warning", event, kw)
+
+
+log = _Guarded(structlog.get_logger("evstore"))
 
 
 class _BoundOnce:
@@ -124,23 +170,34 @@ class _BoundOnce:
         self._name = name
         self._config: dict[str, Any] | None = None
         self._bound: Any = None
+        self._guarded = _Guarded(None)
 
-    def get(self) -> Any:
+    def _current(self) -> Any:
         config = structlog.get_config()
         seen = self._config
         if seen is None or any(config[k] is not seen.get(k) for k in config):
-            self._bound = structlog.get_logger(self._name).bind()
+            # (the bound logger's lazy proxy binds each line anew, so its factory's failure is the line's)
+            try:
+                self._bound = structlog.get_logger(self._name).bind()
+            except Exception:
+                self._bound = structlog.get_logger(self._name)
+            self._guarded = _Guarded(self._bound)
             self._config = config
         return self._bound
 
-    def for_info(self) -> Any:
+    def get(self) -> _Guarded:
+        """The logger, its lines guarded (:class:`_Guarded`: a failing configuration fails no call)."""
+        self._current()
+        return self._guarded
+
+    def for_info(self) -> _Guarded | None:
         """:meth:`get`, or None when the logger says it drops info lines (the line need not be built).
 
         Asked at each use, not once per configuration: a ``structlog.stdlib`` logger answers from
         the standard library logger's level, which a host changes without reconfiguring structlog
         (``setLevel``, ``dictConfig``), and a line dropped once must come back when it is raised."""
-        bound = self.get()
-        return bound if _info_enabled(bound) else None
+        bound = self._current()
+        return self._guarded if _info_enabled(bound) else None
 
 
 def _info_enabled(bound: Any) -> bool:
