@@ -127,7 +127,8 @@ def _log_failed(event: object) -> None:
             " raised (fix its processors or logger factory; the call it describes was not affected) ---",
             file=sys.stderr,
         )
-        traceback.print_exc(file=sys.stderr)
+        # (without its context: raised while a refusal was handled, it would print that refusal's chain)
+        traceback.print_exception(sys.exception(), chain=False, file=sys.stderr)
     except Exception:  # (no stderr, or one that fails too: nothing more to do)
         pass
 
