@@ -293,7 +293,69 @@ def _logs_rejections(
     return wrap
 
 
-@contextlib.contextmanager
+class _MetadataScope:
+    """What :func:`command_metadata` answers: a context manager (``with`` and ``async with``) and a
+    decorator. Decorating an ``async def`` (a request handler) sets the metadata for each call's
+    run - each await of it -, not for the making of its coroutine, which ends before it runs (as
+    ``contextlib.contextmanager``'s decorator did: the metadata was silently dropped)."""
+
+    __slots__ = ("_given", "_tokens")
+
+    def __init__(self, given: dict[str, Any]) -> None:
+        self._given = given
+        self._tokens: list[contextvars.Token[dict[str, Any] | None]] = []
+
+    def _set(self) -> contextvars.Token[dict[str, Any] | None]:
+        current = dict(_command_metadata.get() or {})
+        current.update(self._given)
+        # (refused where it was given rather than by each command in it: evstore's own keys are
+        # replaced by each command, so whatever was given for them does not matter)
+        _metadata_json({k: v for k, v in current.items() if k not in _OWN_METADATA_KEYS}, True)
+        return _command_metadata.set(current)
+
+    def __enter__(self) -> None:
+        self._tokens.append(self._set())
+
+    def __exit__(self, *exc_info: object) -> None:
+        _command_metadata.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.__exit__()
+
+    def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
+        if inspect.iscoroutinefunction(func):
+            run = func
+
+            @functools.wraps(func)
+            async def scoped_run(*args: Any, **kwargs: Any) -> Any:
+                token = self._set()
+                try:
+                    return await run(*args, **kwargs)
+                finally:
+                    _command_metadata.reset(token)
+
+            return scoped_run  # type: ignore[return-value]
+        if inspect.isasyncgenfunction(func) or inspect.isgeneratorfunction(func):
+            raise err.InvalidInput(
+                "command_metadata(...) cannot decorate a generator: use `with command_metadata(...):`"
+                " inside it, around the commands",
+                field="command_metadata",
+            )
+
+        @functools.wraps(func)
+        def scoped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            token = self._set()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                _command_metadata.reset(token)
+
+        return scoped
+
+
 def command_metadata(
     *,
     request_id: str | None = None,
@@ -301,11 +363,12 @@ def command_metadata(
     causation_id: str | None = None,
     actor: str | None = None,
     **metadata: Any,
-) -> Iterator[None]:
+) -> _MetadataScope:
     """Attach metadata (``request_id``, ``correlation_id``, ``causation_id``, ``actor``, and any
     other JSON value under a key of the caller's) to every command issued in this context (it
     follows the current task and its children); ``None`` leaves a key as the enclosing context
-    set it.
+    set it. ``with command_metadata(...):``, ``async with``, or a decorator - of an ``async def``
+    too: the metadata is set for each call's run.
 
     ``command``, ``command_id`` and ``idempotency_key`` are written by evstore for each command;
     values given for them here or in ``metadata=`` are replaced."""
@@ -315,16 +378,9 @@ def command_metadata(
         "causation_id": causation_id,
         "actor": actor,
     }
-    current = dict(_command_metadata.get() or {})
-    current.update({k: v for k, v in {**named, **metadata}.items() if v is not None})
-    # refused here, where it was given, rather than by each command in it (evstore's own keys are
-    # replaced by each command, so whatever was given for them does not matter)
-    _metadata_json({k: v for k, v in current.items() if k not in _OWN_METADATA_KEYS}, True)
-    token = _command_metadata.set(current)
-    try:
-        yield
-    finally:
-        _command_metadata.reset(token)
+    given = {k: v for k, v in {**named, **metadata}.items() if v is not None}
+    _metadata_json({k: v for k, v in given.items() if k not in _OWN_METADATA_KEYS}, True)
+    return _MetadataScope(given)
 
 
 def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, Any]:
