@@ -292,12 +292,28 @@ def check_loaded_consumer(c: ConsumerState) -> None:
                     bad = f"an allocation of {shown(amount, 40)} {rc} on provider {provider}"
                     break
     if bad is not None:
-        raise ProjectionCorrupt(
-            f"The projection rows of consumer {c.uuid} hold {bad}, which evstore never writes: the "
-            "projection is damaged (`evstore rebuild` refolds it from the log), or the log holds it "
-            "(imported from another writer; `evstore audit` names the event)",
-            consumer=c.uuid,
+        raise _never_written(c.uuid, bad)
+
+
+def check_held_amount(consumer: str, provider: str, rc: str, amount: Any) -> None:
+    """Raise :class:`ProjectionCorrupt` unless ``amount``, read from the projection row of what
+    ``consumer`` holds of ``rc`` on ``provider``, is one evstore writes, as
+    :func:`check_loaded_consumer` checks a consumer's for a command: a query summing or listing
+    it answered a damaged row as a holding (``-5``)."""
+    if type(amount) is not int or not 1 <= amount <= MAX_INT:
+        raise _never_written(
+            consumer, f"an allocation of {shown(amount, 40)} {rc} on provider {provider}", provider=provider
         )
+
+
+def _never_written(consumer: str, bad: str, **details: Any) -> ProjectionCorrupt:
+    return ProjectionCorrupt(
+        f"The projection rows of consumer {consumer} hold {bad}, which evstore never writes: the "
+        "projection is damaged (`evstore rebuild` refolds it from the log), or the log holds it "
+        "(imported from another writer; `evstore audit` names the event)",
+        consumer=consumer,
+        **details,
+    )
 
 
 def allocation_rows(c: ConsumerState) -> list[tuple[str, str, str, int]]:

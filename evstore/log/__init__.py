@@ -22,9 +22,9 @@ from operator import itemgetter
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from evstore.commands import Command, Needs
-from evstore.errors import CorruptEvent, EvstoreError, ProjectionCorrupt, StorageError, shown
+from evstore.errors import CorruptEvent, EvstoreError, StorageError, shown
 from evstore.events import GENESIS_HASH, RawEvent, RecordedEvent, event_hash
-from evstore.schema import MAX_INT
+from projections.persisted import check_held_amount
 from projections.state import State
 
 #: a fingerprint as evstore stores it with an idempotency key (``store._fingerprints``)
@@ -191,23 +191,6 @@ class Receipt:
 
 
 Outcome = Receipt | EvstoreError
-
-
-def check_held_amount(consumer: str, provider: str, rc: str, amount: Any) -> None:
-    """Raise :class:`ProjectionCorrupt` unless ``amount``, read from the projection row of what
-    ``consumer`` holds of ``rc`` on ``provider``, is one evstore writes (an integer from 1 to
-    2147483647): a query summing or listing it answered a damaged row as a holding (``-5``), where
-    ``allocations()`` and every command on the consumer refuse it
-    (``persisted.check_loaded_consumer``)."""
-    if type(amount) is not int or not 1 <= amount <= MAX_INT:
-        raise ProjectionCorrupt(
-            f"The projection rows of consumer {consumer} hold an allocation of {shown(amount, 40)} {rc} on "
-            f"provider {provider}, which evstore never writes: the projection is damaged (`evstore "
-            "rebuild` refolds it from the log), or the log holds it (imported from another writer; "
-            "`evstore audit` names the event)",
-            consumer=consumer,
-            provider=provider,
-        )
 
 
 __all__ = [
