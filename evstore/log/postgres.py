@@ -1495,6 +1495,8 @@ class PostgresBackend:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def open(self) -> None:
+        if self._tickets._closed:  # (an open again after a failed one, which closed them)
+            self._tickets = _Tickets(self.pool_size)
         try:
             self._pool = await asyncpg.create_pool(
                 self.url,
@@ -1685,6 +1687,9 @@ class PostgresBackend:
     async def close(self) -> None:
         pool, self._pool = self._pool, None
         _OPEN.discard(self)
+        # (the calls waiting for a connection are told now, not at the next release - which may
+        # be far off - or at connect_timeout)
+        self._tickets.close()
         if pool is not None:
             if self._orphans:  # (acquires left by their callers: see _acquire; each has a timeout)
                 _, left = await asyncio.wait(set(self._orphans), timeout=10)
@@ -3265,14 +3270,19 @@ class _Tickets:
     """``count`` tickets, handed in turn (first come, first served) to the callers waiting for
     one: one for each connection of a pool, taken before its acquire (see PostgresBackend._acquire).
     A caller cancelled or timed out while it waits leaves nothing behind (one handed a ticket as
-    it was cancelled passes it on)."""
+    it was cancelled passes it on). Closed (the store's close began), every waiter and every later
+    taker hears StoreClosed at once, rather than at the next release or at its timeout."""
 
     def __init__(self, count: int) -> None:
         self._free = count
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
 
     async def take(self, within: float) -> None:
-        """A ticket; ``TimeoutError`` when none came within ``within`` seconds."""
+        """A ticket; ``TimeoutError`` when none came within ``within`` seconds, StoreClosed once
+        :meth:`close` was called."""
+        if self._closed:
+            raise err.StoreClosed("The store is closed")
         if self._free > 0 and not self._waiters:
             self._free -= 1
             return
@@ -3283,7 +3293,8 @@ class _Tickets:
                 await fut
         except BaseException:
             if fut.done() and not fut.cancelled():
-                self.give()  # (handed one as it was cancelled or timed out: pass it on)
+                if fut.exception() is None:  # (not close()'s StoreClosed)
+                    self.give()  # (handed one as it was cancelled or timed out: pass it on)
             else:
                 with contextlib.suppress(ValueError):  # (give() may have taken it off already)
                     self._waiters.remove(fut)
@@ -3296,6 +3307,14 @@ class _Tickets:
                 fut.set_result(None)  # (the ticket passes straight to it)
                 return
         self._free += 1
+
+    def close(self) -> None:
+        """Tell every waiter, and every later taker, that the store is closed."""
+        self._closed = True
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(err.StoreClosed("The store is closed"))
 
 
 class _OldestFirst:
