@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from evstore import Inventory, StorageError, open_store
+from evstore import Inventory, StorageError, StoreClosed, open_store
 from evstore.log.postgres import PostgresBackend
 from tests.conftest import allocate, make_provider, new_uuid
 
@@ -111,3 +111,32 @@ async def test_tasks_cancelled_while_they_share_a_run_leave_nothing_kept(pg_url:
             done = await asyncio.gather(*waiting, return_exceptions=True)
         assert done[0] == [1] and done[2] is None
         assert (backend._seq_sharers, backend._seq_found) == ({}, {})
+
+
+async def test_a_burst_closed_midway_answers_every_caller_and_loses_no_receipt(pg_url: str) -> None:
+    """close() during a burst: every caller gets a receipt (or StoreClosed, for a command not
+    taken yet), and every receipt's event is in the log at its position."""
+    store = await open_store(pg_url, pool_size=4)
+    rp = await make_provider(store, VCPU=Inventory(total=10_000))
+    consumers = [new_uuid() for _ in range(64)]
+    calls = [
+        asyncio.ensure_future(
+            store.set_allocations(
+                c, {rp: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+            )
+        )
+        for c in consumers
+    ]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    async with asyncio.timeout(GUARD):
+        await store.close()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    receipts = {c: o for c, o in zip(consumers, outcomes, strict=True) if not isinstance(o, BaseException)}
+    assert all(isinstance(o, StoreClosed) for o in outcomes if isinstance(o, BaseException)), outcomes
+    assert receipts
+    async with open_store(pg_url) as again:
+        for consumer, receipt in receipts.items():
+            (recorded,) = await again.read(receipt.positions[0] - 1, 1)
+            assert f"consumer:{consumer}" in recorded.event.entities()
+        assert (await again.audit()).clean
