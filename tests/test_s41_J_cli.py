@@ -176,26 +176,39 @@ def _waiting_at(process: subprocess.Popen[str], db: Path) -> None:
     pytest.fail("the export never opened its store")
 
 
+@contextlib.contextmanager
+def _as_a_background_job(yes: bool) -> Iterator[None]:
+    """Inside ``with`` (around a Popen): this process ignores SIGINT, as a non-interactive shell
+    starts a background job (``.ci/run &``), so that the child inherits SIGINT ignored unless it
+    is given the default back (the ``preexec_fn`` below)."""
+    if not yes:
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/PID/fd")
 @pytest.mark.parametrize(
-    ("signum", "code"),
+    ("signum", "code", "background"),
     [
-        (signal.SIGTERM, 143),
-        # (SIGINT goes through asyncio.run's handler, which cancels the command's task: in one
-        # clean-clone CI run beside a slow campaign the export did not end within 10 s of it, which
-        # no run since reproduced - hundreds of signals at every delay, under load too; run with
-        # the slow campaigns until that is understood, so that CI does not ride on it)
-        pytest.param(
-            signal.SIGINT,
-            130,
-            marks=pytest.mark.skipif(
-                os.environ.get("EVSTORE_SLOW") != "1", reason="EVSTORE_SLOW=1: see the comment above"
-            ),
-        ),
+        (signal.SIGTERM, 143, False),
+        (signal.SIGINT, 130, False),
+        # Stop 42, helper C: the one CI run (of edaeb13) in which the first SIGINT did not end the
+        # export - no output, SIGTERM's case passing - ran the suite as a shell's background job,
+        # whose children inherit SIGINT ignored; the test then gave the child no default back, so
+        # the export never saw the signal and waited for its reader. That is reproduced at will by
+        # running edaeb13's test from `sh -c 'pytest ... & wait'`; with the ``preexec_fn`` (from
+        # a491618) it passes there too. This case keeps that condition in every run.
+        (signal.SIGINT, 130, True),
     ],
+    ids=["SIGTERM", "SIGINT", "SIGINT-from-a-background-job"],
 )
 def test_export_to_a_named_pipe_no_one_reads_ends_on_the_first_signal(
-    tmp_path: Path, signum: int, code: int
+    tmp_path: Path, signum: int, code: int, background: bool
 ) -> None:
     """``export -o FIFO`` with no reader waited in the kernel's open of the FIFO, where the signal's
     handler ran without ending it: the first Ctrl-C or SIGTERM did nothing, only a second one ended
@@ -205,16 +218,17 @@ def test_export_to_a_named_pipe_no_one_reads_ends_on_the_first_signal(
     _small_store(db)
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "evstore.cli", "export", "--db", str(db), "-o", str(fifo)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        # (a shell's background job - CI started with `&` - inherits SIGINT ignored, and Python
-        # then never raises KeyboardInterrupt: give it the terminal's default)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    with _as_a_background_job(background):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "evstore.cli", "export", "--db", str(db), "-o", str(fifo)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            # (a shell's background job - CI started with `&` - inherits SIGINT ignored, and Python
+            # then never raises KeyboardInterrupt: give it the terminal's default)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         _waiting_at(process, db)
         process.send_signal(signum)
