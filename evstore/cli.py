@@ -579,11 +579,12 @@ def demo(
     """
 
     created: list[Path] = []  # the SQLite file this demo creates: removed if it ends with no event
+    # (once the demo found its store empty and began to fill it: the options that name it, as
+    # given; and, for a store that is no file - PostgreSQL -, the events it held once stopped)
+    began: list[tuple[str, str]] = []
+    left: list[int] = []
 
     async def work() -> int:
-        from evstore.demo import COUNTS, run_demo
-        from evstore.store import open_store
-
         if db is None and url is None and not os.environ.get("EVSTORE_URL"):
             target = sqlite_url(_fresh_file(DEFAULT_DEMO_DB))
             where = f"--db {DEFAULT_DEMO_DB}"
@@ -600,6 +601,21 @@ def demo(
                 if path != ":memory:":
                     _fresh_file(Path(path))
         created.extend(_new_file(target))
+        try:
+            return await fill(target, where)
+        except asyncio.CancelledError:
+            # (stopped - Ctrl-C, SIGTERM -, the store closed: what it holds, to say so, below;
+            # a SQLite file is counted once the loop is gone, a PostgreSQL schema now)
+            if began and created == [] and not target.startswith("sqlite:"):
+                with contextlib.suppress(Exception):
+                    async with open_existing(target) as store:
+                        left.append(await store.head())
+            raise
+
+    async def fill(target: str, where: str) -> int:
+        from evstore.demo import COUNTS, run_demo
+        from evstore.store import open_store
+
         # (upgrade=False: an older store is refused as it is, not upgraded and then refused for
         # its events, closed to the older evstore processes still using it by a refused demo)
         async with open_store(target, upgrade=False) as store:
@@ -614,6 +630,7 @@ def demo(
                 raise err.InvalidInput(
                     f"the demo needs an empty store and {shown_url} already has events{hint}"
                 )
+            began.append((target, where))
             report = await run_demo(store, seed=seed, nodes=nodes, instances=instances)
             state = await store.backend.load_state()
             audit = await store.audit()
@@ -667,12 +684,50 @@ def demo(
     try:
         run(work, terminate_code=EXIT_TERMINATED)
     except typer.Exit as exc:
-        # Ended before its first event (Ctrl-C or SIGTERM in its first moments, a failure): the
-        # empty store it created would be refused by the next demo as not its own (an empty
-        # store may be anyone's), so it goes, as a refused import's does
-        if exc.exit_code in (EXIT_ERROR, 130, EXIT_TERMINATED) and created and _holds_no_events(created[0]):
-            _remove_database(created[0])
+        with signals_held():  # (a second signal waits until what the demo leaves is cleaned up)
+            # Ended before its first event (Ctrl-C or SIGTERM in its first moments, a failure): the
+            # empty store it created would be refused by the next demo as not its own (an empty
+            # store may be anyone's), so it goes, as a refused import's does
+            if (
+                exc.exit_code in (EXIT_ERROR, 130, EXIT_TERMINATED)
+                and created
+                and _holds_no_events(created[0])
+            ):
+                _remove_database(created[0])
+            elif exc.exit_code in (130, EXIT_TERMINATED):
+                how = "interrupted" if exc.exit_code == 130 else "terminated"
+                _say_what_the_demo_left(how, created, began, left)
         raise
+
+
+def _say_what_the_demo_left(
+    how: str, created: list[Path], began: list[tuple[str, str]], left: list[int]
+) -> None:
+    """The line a demo stopped after its first event ends with (Ctrl-C, SIGTERM): how many events
+    the store holds, a demo that did not finish, and how to check them or start again. (It said
+    nothing: a store of part of a demo was left where the user expected the demo's, as if it had
+    finished.) One stopped before it - its store removed, or never made - says nothing, as before."""
+    if not began:
+        return
+    target, where = began[0]
+    if target.startswith("sqlite:") and not created:  # (in memory: gone with the process)
+        return
+    count = _event_count(created[0]) if created else (left[0] if left else None)
+    if count == 0:
+        return
+    if count is None:  # (a store that could not be read again)
+        note(f"{how}: the demo did not finish; {shown(target)} may hold some of its events")
+        return
+    store = visible(str(created[0])) if created else shown(target)
+    if created:
+        command = "evstore demo" if where == f"--db {DEFAULT_DEMO_DB}" else f"evstore demo {where}"
+        again = f"the next `{command}` replaces it"
+    else:  # (PostgreSQL: a demo needs a schema without events)
+        again = "the next demo needs a store without events (another ?search_path=, or database)"
+    note(
+        f"{how} after the demo wrote {count} events: {store} holds them, a demo that did not finish "
+        f"(`evstore audit {where}` checks them; {again})"
+    )
 
 
 def _new_file(url: str) -> list[Path]:
@@ -2721,6 +2776,20 @@ def _spool(export_file: Path, spooled: list[Path]) -> Path:
         except OSError as exc:
             fail("evstore.io", f"cannot copy {export_file} to a temporary file ({name}): {exc}")
     return Path(name)
+
+
+def _event_count(path: Path) -> int | None:
+    """How many events the SQLite store at ``path`` holds (None: no such store, or unreadable)."""
+    if not path.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        try:
+            return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
 
 
 def _holds_no_events(path: Path) -> bool:

@@ -1,0 +1,166 @@
+"""Stop 42, helper C: the command line probed against README - what an interrupted ``evstore demo``
+leaves behind, and ``evstore upgrade`` run again on a store whose log was lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from evstore import cli
+from tests.test_cli_support import REPO, evstore
+
+
+@pytest.fixture
+def logging_as_it_was() -> Iterator[None]:
+    """(``cli.main`` run in this process configures structlog and the root logger to print on this
+    test's captured stderr, closed after it: put back as they were - see tests/test_s40_B_tail.py)"""
+    config, root, aiosqlite = structlog.get_config(), logging.getLogger(), logging.getLogger("aiosqlite")
+    handlers, level, aiosqlite_level = root.handlers[:], root.level, aiosqlite.level
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        aiosqlite.setLevel(aiosqlite_level)
+
+
+class _Done:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> _Done:
+    """``evstore ARGS`` run by ``cli.main`` in this process (a subprocess each costs a second)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        cli.main(list(args))
+    out = capsys.readouterr()
+    return _Done(int(done.value.code or 0), out.out, out.err)
+
+
+def _events_in(path: Path) -> int:
+    """How many events the SQLite store at ``path`` holds (read-only, beside a writer), -1 while
+    it has no events table yet."""
+    try:
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return -1
+    try:
+        return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+    except sqlite3.Error:
+        return -1
+    finally:
+        conn.close()
+
+
+def _demo(db: Path, instances: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "evstore",
+            "demo",
+            "--db",
+            str(db),
+            "--nodes",
+            "100",
+            "--instances",
+            str(instances),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        # (a shell's background job - CI started with `&` - inherits SIGINT ignored: give it the default)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _until(process: subprocess.Popen[str], ready: object, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        if callable(ready) and ready():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"the demo never {what}")
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "how"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_a_demo_stopped_after_its_first_events_says_what_it_left(
+    tmp_path: Path, signum: int, code: int, how: str
+) -> None:
+    """A demo stopped halfway (Ctrl-C, SIGTERM) ended with 130 or 143 and said nothing, leaving a
+    store of part of the demo's events where the user expected the demo's tables. It now says how
+    many events the file holds, that the demo did not finish, and that the next demo replaces the
+    file (which it does: the file is one the demo wrote)."""
+    db = tmp_path / "d.db"
+    process = _demo(db, 20_000)  # (~20 s of work: stopped as soon as it has written something)
+    try:
+        _until(process, lambda: _events_in(db) > 0, "wrote an event")
+        process.send_signal(signum)
+        _out, err_text = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == code, err_text
+    left = _events_in(db)
+    assert left > 0
+    assert err_text.startswith(f"{how} after the demo wrote {left} events"), err_text
+    assert str(db) in err_text and "did not finish" in err_text, err_text
+    assert f"evstore demo --db {db}" in err_text, err_text  # (how to start again)
+    again = evstore("demo", "--db", str(db), "--instances", "5", "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["audit"]["clean"] is True
+
+
+def test_a_postgresql_demo_interrupted_after_its_first_events_says_what_it_left(pg_url: str) -> None:
+    """(on PostgreSQL the store is counted again after the stop, and the next demo refuses a
+    schema with events: the line says so instead of offering to replace it)"""
+    import asyncpg
+
+    async def events() -> int:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            return int(await conn.fetchval("SELECT count(*) FROM events"))
+        except asyncpg.UndefinedTableError:
+            return -1
+        finally:
+            await conn.close()
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "evstore", "demo", "--url", pg_url, "--nodes", "100", "--instances", "20000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        _until(process, lambda: asyncio.run(events()) > 0, "wrote an event")
+        process.send_signal(signal.SIGINT)
+        _out, err_text = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err_text
+    done = evstore("stats", "--url", pg_url, "--json")
+    head = json.loads(done.stdout)["head"]
+    assert err_text.startswith(f"interrupted after the demo wrote {head} events: "), err_text
+    assert "did not finish" in err_text and "the next demo needs a store without events" in err_text
