@@ -2425,7 +2425,9 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
             upgraded_from = store.backend.upgraded_from  # (the open upgrades it, in one transaction)
             repaired = store.backend.repaired  # (or repairs a current one that lost schema objects)
             log_lost = repaired is not None and "events" in repaired.made_again
-            lost = await store.backend.lost_tail() if log_lost else None
+            # (also when nothing was repaired now: an upgrade run again on a store whose log was
+            # lost, or that lost its last events, said "already", exit 0, as for a sound store)
+            lost = await store.backend.lost_tail()
         if path is not None:
             from evstore.log.sqlite import SCHEMA_VERSION
         else:
@@ -2460,8 +2462,13 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
             console().print(
                 f"{safe(shown(target))}: at schema version {SCHEMA_VERSION}, repaired: {'; '.join(done)}"
             )
+        elif lost is not None:
+            console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION}; its log is damaged")
         else:
             console().print(f"{safe(shown(target))}: at schema version {SCHEMA_VERSION} already")
+        if lost is not None and not log_lost:
+            # (the audit's log_truncated, which rebuild refuses to forget: said as they say it)
+            fail(err.CorruptEvent.code, f"{shown(target)}: {lost.message()}")
         if log_lost:
             # (the table of the log itself was gone - dropped, left out of a restore: the one made
             # again is empty, and what it held is not in the store any more; "repaired" alone read

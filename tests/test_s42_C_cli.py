@@ -4,6 +4,7 @@ leaves behind, and ``evstore upgrade`` run again on a store whose log was lost."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from evstore import cli
+from evstore import cli, open_store
+from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import REPO, evstore
 
 
@@ -164,3 +166,46 @@ def test_a_postgresql_demo_interrupted_after_its_first_events_says_what_it_left(
     head = json.loads(done.stdout)["head"]
     assert err_text.startswith(f"interrupted after the demo wrote {head} events: "), err_text
     assert "did not finish" in err_text and "the next demo needs a store without events" in err_text
+
+
+def _store_that_lost_its_log(path: Path) -> None:
+    async def build() -> None:
+        async with open_store(f"sqlite:///{path}") as store:
+            provider = await make_provider(store, "node-1", VCPU=8)
+            await allocate(store, new_uuid(), {provider: {"VCPU": 2}})
+
+    asyncio.run(build())
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("DROP TABLE events")
+        conn.commit()
+
+
+@pytest.mark.usefixtures("logging_as_it_was")
+def test_upgrade_run_again_on_a_store_whose_log_was_lost_still_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first ``evstore upgrade`` of a store whose events table was dropped makes it again,
+    empty, and says that the log is lost (exit 1, stop 41). Run again - a script retrying, a user
+    checking the repair - it said "at schema version 5 already", exit 0: the store looked sound,
+    while its projection still records what the lost events did (the audit's log_truncated, which
+    a rebuild refuses). It now says so each time, ``evstore.log.corrupt``, exit 1, with what to do."""
+    db = tmp_path / "s.db"
+    _store_that_lost_its_log(db)
+    first = _in_process(capsys, "upgrade", "--db", str(db))
+    assert first.returncode == 1 and "the log is lost" in first.stderr, first.stdout + first.stderr
+
+    for args in ((), ("--json",)):
+        again = _in_process(capsys, "upgrade", "--db", str(db), *args)
+        assert again.returncode == 1, (args, again.stdout, again.stderr)
+        assert again.stderr.startswith("error: evstore.log.corrupt: "), again.stderr
+        assert "lost its last events" in again.stderr and "position 3" in again.stderr, again.stderr
+        assert "evstore rebuild --force" in again.stderr, again.stderr
+        if args:
+            assert json.loads(again.stdout)["repaired"] is None  # (nothing repaired this time)
+        else:
+            assert "already" not in again.stdout, again.stdout
+
+    # once the loss is accepted (rebuild --force empties the projection), upgrade has nothing to say
+    assert _in_process(capsys, "rebuild", "--db", str(db), "--force").returncode == 0
+    done = _in_process(capsys, "upgrade", "--db", str(db))
+    assert done.returncode == 0 and "already" in done.stdout, done.stdout + done.stderr
