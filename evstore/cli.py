@@ -742,10 +742,29 @@ def _remove_database(path: Path) -> None:
         Path(str(path) + suffix).unlink(missing_ok=True)
 
 
+def _only_reading(path: Path) -> sqlite3.Connection:
+    """A connection that reads the SQLite file at ``path`` and changes nothing. A read-only one
+    (``mode=ro``) on a file in WAL mode makes its -wal and -shm files where there were none and
+    cannot remove them, so a look at a store - the demo's at another application's file it then
+    refused, or at what a stopped demo or import left - left them beside it. Where there is no
+    -wal file, the connection is read-write instead, writing nothing (``query_only``), and
+    removes them on closing as the last connection to a file does - having nothing to copy into
+    the file (its log holds nothing). Where there is one, its writer made it, and a read-only
+    connection leaves the files, the database's included, byte for byte as they were."""
+    mode = "ro" if Path(f"{path}-wal").exists() else "rw"  # (rw: never creates the file either)
+    conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode={mode}", uri=True)
+    try:
+        conn.execute("PRAGMA query_only = ON")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def _is_demo_database(path: Path) -> bool:
     """Whether ``path`` is an evstore database every event of which the demo wrote."""
     try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        conn = _only_reading(path.resolve())
     except sqlite3.Error:
         return False
     try:
@@ -2790,7 +2809,7 @@ def _event_count(path: Path) -> int | None:
     if not path.exists():
         return None
     try:
-        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        conn = _only_reading(path)
         try:
             return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
         finally:
@@ -2805,7 +2824,7 @@ def _holds_no_events(path: Path) -> bool:
     if not path.exists():
         return False
     try:
-        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        conn = _only_reading(path)
         try:
             return int(conn.execute("SELECT count(*) FROM events").fetchone()[0]) == 0
         finally:

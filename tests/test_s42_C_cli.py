@@ -53,10 +53,13 @@ def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> _Done:
 
 
 def _events_in(path: Path) -> int:
-    """How many events the SQLite store at ``path`` holds (read-only, beside a writer), -1 while
-    it has no events table yet."""
+    """How many events the SQLite store at ``path`` holds (beside a writer), -1 while it has no
+    events table yet. (Not a read-only connection, which leaves -wal and -shm files behind.)"""
+    if not path.exists():
+        return -1
     try:
-        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5)
+        conn = sqlite3.connect(path, timeout=5)
+        conn.execute("PRAGMA query_only = ON")
     except sqlite3.Error:
         return -1
     try:
@@ -121,6 +124,10 @@ def test_a_demo_stopped_after_its_first_events_says_what_it_left(
             process.kill()
             process.communicate()
     assert process.returncode == code, err_text
+    # (the file alone, as a finished demo leaves it: the looks at it after the stop - whether it
+    # holds events - left a -wal and a -shm beside it, which a read-only connection makes and
+    # cannot remove)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.db"]
     left = _events_in(db)
     assert left > 0
     assert err_text.startswith(f"{how} after the demo wrote {left} events"), err_text
@@ -168,13 +175,17 @@ def test_a_postgresql_demo_interrupted_after_its_first_events_says_what_it_left(
     assert "did not finish" in err_text and "the next demo needs a store without events" in err_text
 
 
-def _store_that_lost_its_log(path: Path) -> None:
+def _small_store(path: Path) -> None:
     async def build() -> None:
         async with open_store(f"sqlite:///{path}") as store:
             provider = await make_provider(store, "node-1", VCPU=8)
             await allocate(store, new_uuid(), {provider: {"VCPU": 2}})
 
     asyncio.run(build())
+
+
+def _store_that_lost_its_log(path: Path) -> None:
+    _small_store(path)
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.execute("DROP TABLE events")
         conn.commit()
@@ -209,3 +220,19 @@ def test_upgrade_run_again_on_a_store_whose_log_was_lost_still_says_so(
     assert _in_process(capsys, "rebuild", "--db", str(db), "--force").returncode == 0
     done = _in_process(capsys, "upgrade", "--db", str(db))
     assert done.returncode == 0 and "already" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.usefixtures("logging_as_it_was")
+def test_a_demo_refusing_another_store_leaves_no_file_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``evstore demo --db FILE`` refuses a store it did not write (README: it replaces only its
+    own), having looked at it read-only - a look that left FILE-wal and FILE-shm beside the other
+    application's store (a read-only connection to a file in WAL mode makes them, and cannot
+    remove them). The refusal now leaves the directory as it was."""
+    db = tmp_path / "theirs.db"
+    _small_store(db)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.db"]
+    done = _in_process(capsys, "demo", "--db", str(db))
+    assert done.returncode == 1 and "is not a database the demo wrote" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.db"]
