@@ -229,3 +229,45 @@ async def test_another_store_positions_a_sharers_events_first(pg_url: str) -> No
         truth = await _true_positions(backend, seqs)
         assert done == [(p,) for p in truth]
         _nothing_kept(backend)
+
+
+# --- 23bc440: the pool's tickets under close and a second open ---------------------------------
+
+
+async def test_a_connection_held_through_a_close_gives_its_ticket_back_to_its_own_pool(pg_url: str) -> None:
+    """A read held its connection through close() (the pool's close ran out: terminated), and
+    the backend was opened again before it ended: its ticket, given back then, must not become
+    one more ticket than the new pool has connections (pool_size 1: two calls past the tickets,
+    the second waiting in asyncpg's queue, which the tickets are there to keep empty)."""
+    backend = PostgresBackend(pg_url, pool_size=1)
+    await backend.open()
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with backend._connection():
+            await release.wait()
+
+    holder = asyncio.ensure_future(hold())
+    try:
+        await _until(lambda: backend._tickets._free == 0)
+        pool = backend._pool
+        assert pool is not None
+
+        async def ran_out(self: Any) -> None:
+            raise TimeoutError  # (as asyncio.wait_for(pool.close(), 10) does, the holder still out)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(pool), "close", ran_out)
+            await backend.close()
+        await backend.open()
+        release.set()
+        async with asyncio.timeout(GUARD):
+            await asyncio.wait([holder])
+        assert await backend.head() >= 0
+        assert (backend._tickets._free, list(backend._tickets._waiters)) == (1, [])
+    finally:
+        release.set()
+        await backend.close()
+        await asyncio.wait([holder])
+        if not holder.cancelled():
+            holder.exception()

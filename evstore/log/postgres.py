@@ -1495,8 +1495,6 @@ class PostgresBackend:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def open(self) -> None:
-        if self._tickets._closed:  # (an open again after a failed one, which closed them)
-            self._tickets = _Tickets(self.pool_size)
         try:
             self._pool = await asyncpg.create_pool(
                 self.url,
@@ -1546,6 +1544,9 @@ class PostgresBackend:
             ) from None
         except ValueError as exc:
             raise self._malformed(exc) from None
+        if self._tickets.closed:  # (an open again after a failed one, which closed them)
+            self._tickets = _Tickets(self.pool_size)
+        self._tickets.pool = self._pool  # (with the pool, in one step: see _ticket_back)
         _OPEN.add(self)
         logging.getLogger("asyncpg.pool").addFilter(_floor_retry)  # (once: a filter added again is not)
         try:
@@ -1823,7 +1824,18 @@ class PostgresBackend:
         finally:
             # (its ticket: see _acquire; cancelled, the release goes on in asyncpg's task, back in
             # the pool a moment later - the next ticket's holder waits for it in asyncpg's queue)
-            self._tickets.give()
+            self._ticket_back(pool)
+
+    def _ticket_back(self, pool: Any) -> None:
+        """Give back the ticket of a call on ``pool`` (see _acquire): to the tickets of that pool.
+        One of a pool closed and replaced since - a connection held through close() (whose pool
+        close ran out: terminated), the backend then opened again - goes to no one: its tickets
+        were closed with it, and given to the new pool's it would be one more than its
+        connections (a pool of one letting two calls past, the second waiting in asyncpg's queue,
+        which the tickets keep empty)."""
+        tickets = self._tickets
+        if tickets.pool is None or tickets.pool is pool:
+            tickets.give()
 
     async def _opened_one(self, conn: Any) -> None:
         """The pool's ``init``: each connection it opens, counted (see _acquire)."""
@@ -1890,7 +1902,7 @@ class PostgresBackend:
                 pause = min(pause * 2, 0.1)
         finally:
             if ticket:
-                self._tickets.give()
+                self._ticket_back(pool)
 
     async def _shielded(self, pool: Any, within: float) -> Any:
         """``pool.acquire(timeout=within)``, which its caller's cancellation does not stop.
@@ -1916,13 +1928,13 @@ class PostgresBackend:
         try:
             conn = await attempt
         except asyncio.CancelledError:
-            self._tickets.give()
+            self._ticket_back(pool)
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # (this one's own: a shutdown's, close's)
                 raise
             return  # (no connection: nothing to give back)
         except Exception:
-            self._tickets.give()
+            self._ticket_back(pool)
             return
         with contextlib.suppress(OSError, asyncpg.InterfaceError, asyncpg.PostgresError):
             await self._give_back(pool, conn, max(self.connect_timeout, self.command_timeout or 0))
@@ -3276,12 +3288,14 @@ class _Tickets:
     def __init__(self, count: int) -> None:
         self._free = count
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._closed = False
+        self.closed = False
+        #: the pool these tickets are for (None until the backend's open made it)
+        self.pool: Any = None
 
     async def take(self, within: float) -> None:
         """A ticket; ``TimeoutError`` when none came within ``within`` seconds, StoreClosed once
         :meth:`close` was called."""
-        if self._closed:
+        if self.closed:
             raise err.StoreClosed("The store is closed")
         if self._free > 0 and not self._waiters:
             self._free -= 1
@@ -3310,7 +3324,7 @@ class _Tickets:
 
     def close(self) -> None:
         """Tell every waiter, and every later taker, that the store is closed."""
-        self._closed = True
+        self.closed = True
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
