@@ -277,3 +277,33 @@ async def test_a_connection_held_through_a_close_gives_its_ticket_back_to_its_ow
         await asyncio.wait([holder])
         if not holder.cancelled():
             holder.exception()
+
+
+async def test_each_pool_has_its_own_tickets_also_when_opened_again_without_a_close(pg_url: str) -> None:
+    """An open over an open backend (no close between): the new pool gets its own tickets, all
+    free, and the old pool's call, ending after it, takes none from them nor adds one to them."""
+    backend = PostgresBackend(pg_url, pool_size=1)
+    await backend.open()
+    old = backend._pool
+    assert old is not None
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with backend._connection():
+            await release.wait()
+
+    holder = asyncio.ensure_future(hold())
+    try:
+        await _until(lambda: backend._tickets._free == 0)
+        await backend.open()
+        assert (backend._tickets._free, backend._tickets.pool) == (1, backend._pool)
+        release.set()
+        async with asyncio.timeout(GUARD):
+            await holder
+        assert await backend.head() >= 0
+        assert (backend._tickets._free, list(backend._tickets._waiters)) == (1, [])
+    finally:
+        release.set()
+        await backend.close()
+        old.terminate()
+        await asyncio.wait([holder])

@@ -1544,7 +1544,8 @@ class PostgresBackend:
             ) from None
         except ValueError as exc:
             raise self._malformed(exc) from None
-        if self._tickets.closed:  # (an open again after a failed one, which closed them)
+        if self._tickets.closed or self._tickets.pool is not None:
+            # (an open again after a failed one, which closed them: each pool has its own)
             self._tickets = _Tickets(self.pool_size)
         self._tickets.pool = self._pool  # (with the pool, in one step: see _ticket_back)
         _OPEN.add(self)
