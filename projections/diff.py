@@ -160,8 +160,12 @@ def _classify(
 
 
 def _labels(c: ConsumerState) -> tuple[Any, ...]:
-    """What a consumer is besides its allocations (a rewrite for another project is a change)."""
-    return (c.generation, c.project_id, c.user_id, c.consumer_type, c.on_behalf_of, c.deleted)
+    """What a consumer is besides its allocations (a rewrite for another project is a change).
+    Not its generation: a write of exactly what it held moves only that, and leaves the consumer
+    as it was - not listed, as README says, where it was called ``changed`` with equal ``before``
+    and ``after`` (and one released and written again the same, back at its old generation, was
+    already left out)."""
+    return (c.project_id, c.user_id, c.consumer_type, c.on_behalf_of, c.deleted)
 
 
 async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_size: int = 5000) -> Diff:

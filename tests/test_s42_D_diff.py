@@ -1,0 +1,66 @@
+"""diff(a, b) of a consumer whose allocations were rewritten to exactly what it held (stop 42, helper D)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from evstore import AllocationStore, open_store
+from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_cli_support import evstore
+
+
+async def test_a_rewrite_to_the_same_allocations_is_no_change(store: AllocationStore) -> None:
+    """Regression: a write of exactly what a consumer held (only its generation moves) was listed
+    as ``changed`` with equal ``before`` and ``after``, and no usage delta, though README says a
+    consumer left as it was is not listed - as one released and written again the same already
+    was. A span that changes it and changes it back compares its two ends alike."""
+    p, q = await make_provider(store, "p", VCPU=8), await make_provider(store, "q", VCPU=8)
+    c, other = new_uuid(), new_uuid()
+    await allocate(store, c, {p: {"VCPU": 2}, q: {"VCPU": 1}})
+    start = await store.head()
+    await allocate(store, c, {q: {"VCPU": 1}, p: {"VCPU": 2}}, generation=1)  # (another order)
+    await allocate(store, other, {p: {"VCPU": 1}})
+    d = await store.diff(start, await store.head())
+    assert d.consumer(c) is None
+    assert [(x.consumer, x.change) for x in d.consumers] == [(other, "created")]
+    assert [(u.provider, u.delta) for u in d.usage] == [(p, 1)]
+    middle = await store.head()
+    await allocate(store, c, {p: {"VCPU": 3}}, generation=2)
+    there = await store.head()
+    await allocate(store, c, {p: {"VCPU": 2}, q: {"VCPU": 1}}, generation=3)  # (back)
+    assert (await store.diff(middle, await store.head())).consumers == []
+    change = (await store.diff(middle, there)).consumer(c)
+    assert change is not None and change.change == "changed" and change.positions == (there,)
+    # what it is besides its allocations still counts (the project's usage moved)
+    start = await store.head()
+    await store.release(c)
+    await allocate(store, c, {p: {"VCPU": 2}, q: {"VCPU": 1}}, project_id="project-B")
+    moved = (await store.diff(start, await store.head())).consumer(c)
+    assert moved is not None and moved.change == "changed" and moved.before == moved.after
+
+
+def test_the_command_line_leaves_an_identical_rewrite_out_of_both_outputs(tmp_path: Path) -> None:
+    import asyncio
+
+    db = tmp_path / "s.db"
+    c = new_uuid()
+
+    async def fill() -> tuple[int, int]:
+        async with open_store(f"sqlite:///{db}") as store:
+            p = await make_provider(store, "node-1", VCPU=8)
+            await allocate(store, c, {p: {"VCPU": 2}})
+            start = await store.head()
+            await allocate(store, c, {p: {"VCPU": 2}}, generation=1)
+            return start, await store.head()
+
+    a, b = asyncio.run(fill())
+    done = evstore("diff", str(a), str(b), "--db", str(db), "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["consumers"] == [] and out["usage"] == []
+    assert out["events_by_type"] == {"AllocationsReplaced": 1}
+    text = evstore("diff", str(a), str(b), "--db", str(db))
+    assert text.returncode == 0, text.stderr
+    assert c not in text.stdout and "changed" not in text.stdout
+    assert "1 event (AllocationsReplaced 1)" in text.stdout
