@@ -33,6 +33,9 @@ Allocs = dict[str, dict[str, int]]
 ChangeKind = Literal["created", "changed", "released", "deleted", "transient", "leaked"]
 CHANGE_KINDS: tuple[str, ...] = get_args(ChangeKind)
 ReadRaw = Callable[[int, int], Awaitable[list[Any]]]
+#: (providers deleted in between that exist at the end, those an event in between created, and
+#: those one deleted with the name each had then)
+Providers = tuple[set[str], set[str], dict[str, str | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +95,16 @@ class Diff:
     to_position: int
     usage: list[UsageDelta] = field(default_factory=list)
     consumers: list[ConsumerChange] = field(default_factory=list)
+    #: the providers absent at ``a`` and present at ``b``, or that an event in between created
+    #: (and deleted): one created and deleted again in between is in both lists, as one deleted
+    #: and created again is
     providers_created: list[str] = field(default_factory=list)
     providers_deleted: list[str] = field(default_factory=list)
     events_by_type: dict[str, int] = field(default_factory=dict)
     #: the name of every provider the diff names (usage, consumers' allocations, created or
-    #: deleted) as it was at ``b``, or at ``a`` for one gone by then: what the usage deltas say,
-    #: not what the provider is called today (it may have been renamed or deleted since)
+    #: deleted) as it was at ``b``, or at ``a`` for one gone by then (or, for one created and
+    #: deleted again in between, when it was deleted): what the usage deltas say, not what the
+    #: provider is called today (it may have been renamed or deleted since)
     provider_names: dict[str, str] = field(default_factory=dict)
 
     def of_change(self, kind: ChangeKind) -> list[ConsumerChange]:
@@ -190,6 +197,10 @@ async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_
     #: (provider, class) -> the events that changed what some consumer holds of it (see _moved)
     moved: dict[tuple[str, str], list[int]] = {}
     recreated: set[str] = set()  # providers deleted in between that exist at the end
+    #: the providers an event in between created or deleted (one created and deleted again is in
+    #: both lists, as one deleted and created again is), and the name each deleted one had then
+    created: set[str] = set()
+    deleted: dict[str, str | None] = {}
     counts: dict[str, int] = {}
     after = start.position
     turns = Turns()
@@ -206,6 +217,12 @@ async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_
             named = event.entities()
             # (a consumer's allocations are replaced, never changed in place: kept by reference)
             held = {k[9:]: _allocations(state, k[9:]) for k in named if k.startswith("consumer:")}
+            if raw.type == "ProviderDeleted":  # (its name before the event forgets it)
+                gone = state.providers.get(event.provider)  # type: ignore[attr-defined]
+                deleted[event.provider] = gone.name if gone is not None else None  # type: ignore[attr-defined]
+                gone = None  # (no reference to the state's objects outlives the fold: see _note)
+            elif raw.type == "ProviderCreated":
+                created.add(event.provider)  # type: ignore[attr-defined]
             changed = evolve_noting_providers(state, event, raw.position)
             counts[raw.type] = counts.get(raw.type, 0) + 1
             for entity in named:
@@ -219,7 +236,9 @@ async def _diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_
             after = raw.position
     recreated &= state.providers.keys()
     state.position = max(state.position, to_position)  # (a hole at to_position: the state there)
-    return await asyncio.to_thread(_described, before, state, touched, seen, moved, recreated, counts)
+    return await asyncio.to_thread(
+        _described, before, state, touched, seen, moved, (recreated, created, deleted), counts
+    )
 
 
 def _note(seen: dict[str, tuple[str | None, str | None]], state: State, entity: str) -> None:
@@ -239,14 +258,14 @@ def _described(
     touched: dict[str, list[int]],
     seen: dict[str, tuple[str | None, str | None]],
     moved: dict[tuple[str, str], list[int]],
-    recreated: set[str],
+    providers: Providers,
     counts: dict[str, int],
 ) -> Diff:
     """:func:`_describe`, then both whole states emptied (see :func:`dismantle`): the diff holds
     copies of what it shows, and freed on the event loop at its return, the two states stalled
     it (60 ms and more on a 200k-event store). ``state`` is the caller's start, folded on."""
     try:
-        return _describe(before, state, touched, seen, moved, recreated, counts)
+        return _describe(before, state, touched, seen, moved, providers, counts)
     finally:
         dismantle(before, state)
 
@@ -305,16 +324,23 @@ def _describe(
     touched: dict[str, list[int]],
     seen: dict[str, tuple[str | None, str | None]],
     moved: dict[tuple[str, str], list[int]],
-    recreated: set[str],
+    providers: Providers,
     counts: dict[str, int],
 ) -> Diff:
     """What changed from ``before`` to ``state`` (whole-state work: run on a thread)."""
+    recreated, created, deleted = providers
     result = Diff(before.position, state.position, events_by_type=counts)
+    # (created and deleted again in between: in neither state, yet in both lists)
+    for uuid in sorted((created | deleted.keys()) - before.providers.keys() - state.providers.keys()):
+        if uuid in created:
+            result.providers_created.append(uuid)
+        if uuid in deleted:
+            result.providers_deleted.append(uuid)
     for uuid in sorted(before.providers.keys() | state.providers.keys()):
         old, new = before.providers.get(uuid), state.providers.get(uuid)
-        if old is None or (new is not None and uuid in recreated):
+        if old is None or uuid in created or (new is not None and uuid in recreated):
             result.providers_created.append(uuid)
-        if new is None or (old is not None and uuid in recreated):
+        if new is None or uuid in deleted:
             result.providers_deleted.append(uuid)  # (deleted, and created again in between)
         known_provider = new if new is not None else old
         name = known_provider.name if known_provider is not None else uuid
@@ -369,8 +395,12 @@ def _describe(
     named = {*result.providers_created, *result.providers_deleted, *(u.provider for u in result.usage)}
     for change in result.consumers:
         named.update(change.before, change.after)
+    result.providers_created.sort()
+    result.providers_deleted.sort()
     for uuid in sorted(named):
         known_provider = state.providers.get(uuid) or before.providers.get(uuid)
         if known_provider is not None:
             result.provider_names[uuid] = known_provider.name
+        elif (gone_name := deleted.get(uuid)) is not None:
+            result.provider_names[uuid] = gone_name
     return result

@@ -64,3 +64,54 @@ def test_the_command_line_leaves_an_identical_rewrite_out_of_both_outputs(tmp_pa
     assert text.returncode == 0, text.stderr
     assert c not in text.stdout and "changed" not in text.stdout
     assert "1 event (AllocationsReplaced 1)" in text.stdout
+
+
+async def test_a_provider_created_and_deleted_in_between_is_in_both_lists(store: AllocationStore) -> None:
+    """Regression: a provider created and deleted again inside the span was in neither list - the
+    header counted a ProviderCreated and a ProviderDeleted that no line named - where one deleted
+    and created again was in both. Each list is the providers its events created or deleted, by
+    the name they had then (it is no longer in the store to be named)."""
+    keep = await make_provider(store, "keep")
+    start = await store.head()
+    gone = new_uuid()
+    await store.create_provider(gone, "short-lived")
+    await store.rename_provider(gone, "short-lived-renamed")
+    await store.delete_provider(gone)
+    d = await store.diff(start, await store.head())
+    assert d.events_by_type == {"ProviderCreated": 1, "ProviderUpdated": 1, "ProviderDeleted": 1}
+    assert (d.providers_created, d.providers_deleted) == ([gone], [gone])
+    assert d.provider_names == {gone: "short-lived-renamed"}
+    assert (await store.diff(start, start + 1)).providers_created == [gone]  # (as before)
+    assert (await store.diff(start + 1, start + 3)).providers_deleted == [gone]
+    # created, deleted and created again: in both lists, by its name at the end
+    await store.create_provider(gone, "back")
+    d = await store.diff(start, await store.head())
+    assert (d.providers_created, d.providers_deleted) == ([gone], [gone])
+    assert d.provider_names == {gone: "back"} and keep not in d.provider_names
+
+
+def test_the_command_line_names_a_provider_created_and_deleted_in_between(tmp_path: Path) -> None:
+    import asyncio
+
+    db = tmp_path / "s.db"
+    gone = new_uuid()
+
+    async def fill() -> int:
+        async with open_store(f"sqlite:///{db}") as store:
+            await make_provider(store, "node-1")
+            start = await store.head()
+            await store.create_provider(gone, "short-lived")
+            await store.delete_provider(gone)
+            return start
+
+    a = asyncio.run(fill())
+    done = evstore("diff", str(a), str(a + 2), "--db", str(db), "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert (out["providers_created"], out["providers_deleted"]) == ([gone], [gone])
+    assert out["provider_names"] == {gone: "short-lived"}
+    text = evstore("diff", str(a), str(a + 2), "--db", str(db))
+    assert text.returncode == 0, text.stderr
+    flat = text.stdout.replace("\n", "")
+    assert f"providers created (1): short-lived ({gone})" in flat
+    assert f"providers deleted (1): short-lived ({gone})" in flat
