@@ -69,6 +69,15 @@ def row_line(row: Any) -> str:
         ) from None
 
 
+_TOO_DEEP = "is JSON nested too deeply to read"
+
+
+def _kind(value: object) -> str:
+    """What a line that is no text is, for a message: ``bytes``, ``a list``..."""
+    name = type(value).__name__
+    return name if isinstance(value, bytes | bytearray) else f"a {name}"
+
+
 def _corrupt(message: str, line: int, **details: Any) -> CorruptEvent:
     return CorruptEvent(f"line {line}: {message}", line=line, **details)
 
@@ -79,6 +88,8 @@ def parse_header(text: str) -> ExportHeader:
         raw = json.loads(text)
     except ValueError:
         raise _corrupt("not an evstore export (the first line is not JSON)", 1, reason="header") from None
+    except RecursionError:  # (see parse_row)
+        raise _corrupt(f"not an evstore export (the first line {_TOO_DEEP})", 1, reason="header") from None
     if not isinstance(raw, dict) or raw.get("format") != EXPORT_FORMAT:
         raise _corrupt(f"not an evstore export (no {EXPORT_FORMAT!r} header)", 1, reason="header")
     version = raw.get("version")
@@ -111,9 +122,16 @@ def parse_row(text: str, line: int) -> ExportRow:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("not an object")
+        missing = next((name for name in ROW_FIELDS if name not in raw), None)
+        if missing is not None:  # (a second header, a row cut by hand: named by what it lacks)
+            raise ValueError(f"it has no {missing!r} field")
         values = [raw[name] for name in ROW_FIELDS]
-    except (ValueError, KeyError) as exc:
+    except ValueError as exc:
         raise _corrupt(f"not an event row ({exc})", line, reason="undecodable") from None
+    except RecursionError:
+        # (JSON nested deeper than Python's recursion limit, which no row is: a damaged or hostile
+        # file's fault, not a bug of evstore's - it escaped the import as a bare RecursionError)
+        raise _corrupt(f"not an event row (it {_TOO_DEEP})", line, reason="undecodable") from None
     position, event_id, etype, version, data, metadata, recorded_at, digest = values
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (position, version))
     strs_ok = all(isinstance(v, str) for v in (event_id, etype, data, metadata, recorded_at, digest))
@@ -340,7 +358,11 @@ def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterat
     try:
         for line_no, text in enumerate(lines, start=1):
             if not isinstance(text, str):
-                raise InvalidInput(f"line {line_no} of the export is a {type(text).__name__}, not text")
+                raise InvalidInput(
+                    f"line {line_no} of the export is {_kind(text)}, not text: open the file in text "
+                    "mode (open(path), not open(path, 'rb')), or decode the lines",
+                    field="open_lines",
+                )
             if not text.strip():
                 continue
             if header is None:
