@@ -576,7 +576,9 @@ async def _cited(findings: list[Finding], read: ReadRows) -> list[Finding]:
                 continue
             try:
                 meta = json.loads(rows[0].metadata)
-            except ValueError:
+            except (ValueError, RecursionError):
+                # (a row damaged since - nested too deeply, which failed the whole audit with a
+                # bare RecursionError, included - is reported by the checked pass: no citation)
                 continue
             if isinstance(meta, dict):
                 cited = {k: meta[k] for k in ("request_id", "actor") if isinstance(meta.get(k), str)}
