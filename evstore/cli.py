@@ -1132,7 +1132,8 @@ async def provider_names_at(store: Any, position: int, head: int) -> Names | Non
                 if at <= head and kind in NAMED_BY:
                     touched.add(json.loads(data)["provider"])
             after = rows[-1][0]
-    except (err.CorruptEvent, ValueError, KeyError, TypeError):  # (a payload that cannot be read)
+    # (a payload that cannot be read: no JSON, not an object, no provider, nested too deeply)
+    except (err.CorruptEvent, ValueError, KeyError, TypeError, RecursionError):
         return None
     for provider in touched:
         try:
