@@ -1967,6 +1967,10 @@ def diff(
                 _positions(c.positions),
             )
         out.print(consumers)
+        for c in result.consumers:  # (what else moved: why equal allocations are "changed")
+            if c.labels_changed:
+                moved = ", ".join(f"{k} {v[0] or '-'} → {v[1] or '-'}" for k, v in c.labels_changed.items())
+                out.print(f"consumer {c.consumer}: {safe(moved)}")
         for now in still_leaked:
             out.print(f"consumer {now.consumer} still holds a leak: {clear_leak(now.consumer, now.deleted)}")
         return EXIT_OK

@@ -76,6 +76,10 @@ class ConsumerChange:
     positions: tuple[int, ...]
     consumer_type: str | None = None
     on_behalf_of: str | None = None
+    #: for one present at both ends, what it is besides its allocations that differs between
+    #: them - ``project``, ``user``, ``consumer_type``, ``on_behalf_of`` -, each as
+    #: ``(before, after)``: why a consumer holding the same allocations is ``changed``
+    labels_changed: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +89,7 @@ class ConsumerChange:
             "on_behalf_of": self.on_behalf_of,
             "before": self.before,
             "after": self.after,
+            "labels_changed": {k: list(v) for k, v in self.labels_changed.items()},
             "positions": list(self.positions),
         }
 
@@ -173,6 +178,22 @@ def _labels(c: ConsumerState) -> tuple[Any, ...]:
     and ``after`` (and one released and written again the same, back at its old generation, was
     already left out)."""
     return (c.project_id, c.user_id, c.consumer_type, c.on_behalf_of, c.deleted)
+
+
+def _labels_changed(
+    before: ConsumerState | None, after: ConsumerState | None
+) -> dict[str, tuple[str | None, str | None]]:
+    """The labels (not the allocations, nor the generation) that differ between a consumer's two
+    ends, by the names ``ConsumerChange.to_dict`` and ``evstore diff`` give them."""
+    if before is None or after is None:
+        return {}
+    pairs = {
+        "project": (before.project_id, after.project_id),
+        "user": (before.user_id, after.user_id),
+        "consumer_type": (before.consumer_type, after.consumer_type),
+        "on_behalf_of": (before.on_behalf_of, after.on_behalf_of),
+    }
+    return {name: pair for name, pair in pairs.items() if pair[0] != pair[1]}
 
 
 async def diff_states(start: State, read_raw: ReadRaw, to_position: int, batch_size: int = 5000) -> Diff:
@@ -389,7 +410,14 @@ def _describe(
             on_behalf_of = old_c.on_behalf_of if old_c is not None else None
         result.consumers.append(
             ConsumerChange(
-                uuid, kind, _holds(old_c), _holds(new_c), tuple(positions), consumer_type, on_behalf_of
+                uuid,
+                kind,
+                _holds(old_c),
+                _holds(new_c),
+                tuple(positions),
+                consumer_type,
+                on_behalf_of,
+                _labels_changed(old_c, new_c),
             )
         )
     named = {*result.providers_created, *result.providers_deleted, *(u.provider for u in result.usage)}
