@@ -176,7 +176,12 @@ class _BoundOnce:
     def _current(self) -> Any:
         config = structlog.get_config()
         seen = self._config
-        if seen is None or any(config[k] is not seen.get(k) for k in config):
+        # (one C-level walk of the two value lists, not a generator expression: per command)
+        if (
+            seen is None
+            or len(config) != len(seen)
+            or any(map(operator.is_not, config.values(), seen.values()))
+        ):
             # (the bound logger's lazy proxy binds each line anew, so its factory's failure is the line's)
             try:
                 self._bound = structlog.get_logger(self._name).bind()

@@ -406,16 +406,29 @@ def _time_or_nothing(text: Any) -> str:
     is recorded at the later of the clock and it, compared as text): "" for a row whose time is no
     time in evstore's form (damaged by hand: "yesterday" sorts after any "2026-..."), which every
     event appended after it then copied - accepted, and unreadable or not importable. The damaged
-    row stays for the audit."""
+    row stays for the audit.
+
+    The last time a writer appended at (:func:`append_events`), or found in that form here, is
+    remembered (one entry; only texts in that form): a writer's next transaction finds the time
+    its own last one wrote, and the parse and format (~2.5 us) are a string comparison."""
     if isinstance(text, str):
+        if text == _time_in_form[0]:
+            return text
         try:
             # (in evstore's own form only: a time written otherwise - another offset, no
             # microseconds - was edited by hand too, and its text would be copied as it is)
             if datetime.fromisoformat(text).astimezone(UTC).isoformat(timespec="microseconds") == text:
+                _time_in_form[0] = text
                 return text
         except (ValueError, OverflowError):
             pass
     return ""
+
+
+#: the last text :func:`_time_or_nothing` found, or :func:`append_events` wrote, that is a time in
+#: evstore's form ("" is none: it answers "" for it either way); replaced whole, so a writer
+#: thread of another store reading it meanwhile sees one text or the other, each such a time
+_time_in_form: list[str] = [""]
 
 
 def _time_ordered_uuid() -> str:
@@ -435,6 +448,9 @@ def append_events(tail: _Tail, events: list[EventBase], meta_json: str) -> list[
     metadata as stored (``Job.metadata_json``)."""
     now = tail.now
     recorded_at = now if now > tail.recorded_at else tail.recorded_at  # never goes backwards
+    # (the clock's text, or a last time _time_or_nothing took over: in evstore's form either way,
+    # and the time the writer's next transaction finds on the last event)
+    _time_in_form[0] = recorded_at
     rows = tail.rows
     entity_rows = tail.entity_rows
     out = []
@@ -680,10 +696,11 @@ class _WriterCache:
         #: column -> value -> the touched entities whose current value it is (None is not
         #: indexed: no lookup asks for it), for the lookups of ``load`` by on_behalf_of (consumers),
         #: name and parent (providers); brought up to date only when a lookup needs it
-        #: (:meth:`_touched_with`)
-        self._by_value: dict[str, dict[str, set[str]]] = {"on_behalf_of": {}, "name": {}, "parent": {}}
+        #: (:meth:`_touched_with`; a column's entry made by its first lookup: most transactions
+        #: make none, and each makes these afresh)
+        self._by_value: dict[str, dict[str, set[str]]] = {}
         #: column -> uuid -> the value it is indexed under in ``_by_value``
-        self._indexed_as: dict[str, dict[str, str]] = {"on_behalf_of": {}, "name": {}, "parent": {}}
+        self._indexed_as: dict[str, dict[str, str]] = {}
         #: the touched entities whose value may have changed since they were last indexed: each
         #: one that a job first touches (``_take``) and each one a job's fold went through (``settle``)
         self._unindexed_consumers: list[str] = []
@@ -901,7 +918,8 @@ class _WriterCache:
             pending, current, columns = self._unindexed_providers, self.now.providers, ("name", "parent")
         if pending:
             for indexed in columns:
-                by_value, indexed_as = self._by_value[indexed], self._indexed_as[indexed]
+                by_value = self._by_value.setdefault(indexed, {})
+                indexed_as = self._indexed_as.setdefault(indexed, {})
                 for uuid in pending:
                     entity = current.get(uuid)
                     value = None if entity is None else getattr(entity, indexed)
@@ -916,8 +934,10 @@ class _WriterCache:
                         indexed_as[uuid] = value
                         by_value.setdefault(value, set()).add(uuid)
             pending.clear()
-        by_value = self._by_value[column]
-        return [uuid for value in values for uuid in by_value.get(value, ())]
+        found = self._by_value.get(column)
+        if not found:  # (nothing touched is indexed under it)
+            return []
+        return [uuid for value in values for uuid in found.get(value, ())]
 
 
 def _load_providers(conn: sqlite3.Connection, state: State, uuids: set[str]) -> None:
