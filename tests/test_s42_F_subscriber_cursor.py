@@ -1,0 +1,139 @@
+"""A live subscriber whose cursor the log goes back under.
+
+README: a position beyond the head - "a cursor from another store, from before a restore" - is
+refused by ``subscribe`` (``evstore.invalid_input``, the head in ``details["head"]``), and on
+PostgreSQL with ``synchronous_commit = off`` "events a subscriber has seen, can be lost in a server
+crash (a subscriber's cursor is then past the head and refused as such, by ``read`` too: subscribe
+again from the head)"; and "``read``, ``subscribe`` and ``history`` never skip or repeat an event".
+
+A subscriber that is *already following* when the log goes back under its cursor (SQLite: an
+older backup restored into the live file in place, as ``sqlite3 cloud.db ".restore backup.db"``
+does - same inode, so no ``file_replaced``; PostgreSQL: the last events lost, as in that crash) is
+not refused: it waits, and once the new events' positions pass its cursor it delivers those past
+it, silently skipping the new events written at the positions it had already delivered. ``read``
+of the same cursor is refused meanwhile; a new ``subscribe`` is refused too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+from pathlib import Path
+
+import pytest
+
+from evstore import AllocationStore, EvstoreError, InvalidInput, open_store
+
+FAULT = (
+    "evstore/store.py: AllocationStore._subscribe checks an after beyond the head only before its "
+    "first read (`checked`); neither it nor the poller (_until_appended / the head poll) notices the "
+    "head going back under a live subscriber's cursor, so the events appended again at the "
+    "positions it already delivered are skipped once the head passes it (a poll may never see the "
+    "head below the cursor: the new events can pass it between two polls; a subscriber that checked "
+    "the event at its cursor is still the one it delivered - its event_id or hash, as read() reads "
+    "the event at after too - would see it)"
+)
+
+
+async def _providers(store: AllocationStore, n: int) -> list[str]:
+    names = []
+    for _ in range(n):
+        name = f"rp-{uuid.uuid4().hex}"
+        await store.create_provider(str(uuid.uuid4()), name)
+        names.append(name)
+    return names
+
+
+async def _follow(store: AllocationStore, seen: list[tuple[int, str]]) -> None:
+    async for event in store.subscribe(0):
+        seen.append((event.position, event.data["name"]))
+
+
+async def _until(condition: object, task: asyncio.Task[None]) -> None:
+    async with asyncio.timeout(10):  # (against a hang only)
+        while not (task.done() or condition()):  # type: ignore[operator]
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.xfail(strict=True, reason=FAULT)
+async def test_a_live_subscriber_is_refused_when_an_older_backup_is_restored_into_the_sqlite_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "cloud.db"
+    url = f"sqlite:///{path}"
+    async with open_store(url, poll_interval=0.05) as store, open_store(url, poll_interval=0.05) as follower:
+        await _providers(store, 5)
+        backup = tmp_path / "backup.db"
+        src, dst = sqlite3.connect(path), sqlite3.connect(backup)
+        src.backup(dst)
+        src.close()
+        dst.close()
+        await _providers(store, 5)
+
+        async def restore() -> None:
+            # (sqlite3's ".restore": SQLite's backup API writing into the live file, in place)
+            src, dst = sqlite3.connect(backup), sqlite3.connect(path, timeout=10)
+            src.backup(dst)
+            src.close()
+            dst.close()
+
+        await _check_never_skips_after(store, follower, restore, already=10)
+
+
+async def _check_never_skips_after(
+    store: AllocationStore, follower: AllocationStore, lose: object, already: int
+) -> None:
+    """``already`` (10) events delivered to a live subscriber of ``follower``; ``lose()`` takes the
+    log back to its first 5; 9 new events (positions 6 to 14). The subscriber must not hand out 11
+    to 14 having skipped the new 6 to 10: it is refused, as a new subscription at 10 is."""
+    seen: list[tuple[int, str]] = []
+    task = asyncio.create_task(_follow(follower, seen))
+    try:
+        await _until(lambda: len(seen) == already, task)
+        assert [p for p, _ in seen] == list(range(1, already + 1))
+        await lose()  # type: ignore[operator]
+        assert await store.head() == 5
+        with pytest.raises(InvalidInput) as refused:  # (a new cursor at 10: refused, as README says)
+            await store.read(after=10)
+        assert refused.value.details["head"] == 5
+        again = await _providers(store, 9)  # positions 6..14
+        await _until(lambda: len(seen) >= 14, task)
+        after_loss = seen[already:]
+        if task.done():
+            exc = task.exception()
+            assert isinstance(exc, EvstoreError) and exc.code == "evstore.invalid_input", exc
+            assert exc.details.get("head", 0) >= 5
+            assert after_loss == [], "it delivered events past the loss before being refused"
+        else:
+            pytest.fail(
+                f"the subscriber went on after the log went back under its cursor: it delivered positions "
+                f"{[p for p, _ in after_loss]} and skipped the new events at 6..10 "
+                f"({[n for p, n in after_loss if n in again[:5]] or 'none of them delivered'})"
+            )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.xfail(strict=True, reason=FAULT)
+async def test_a_live_postgresql_subscriber_is_refused_when_the_log_loses_its_last_events() -> None:
+    import asyncpg
+
+    from tests.pg import fresh_database_url, server_url
+
+    url = fresh_database_url()
+    schema = dict(p.split("=", 1) for p in url.split("?", 1)[1].split("&"))["search_path"]
+    async with open_store(url, poll_interval=0.05) as store, open_store(url, poll_interval=0.05) as follower:
+        await _providers(store, 10)
+
+        async def lose() -> None:
+            # (what a crash under synchronous_commit = off does to the log: its last committed events
+            # are gone; the providers they created are other names than the new ones')
+            conn = await asyncpg.connect(server_url())
+            try:
+                await conn.execute(f'DELETE FROM "{schema}".events WHERE position > 5')
+            finally:
+                await conn.close()
+
+        await _check_never_skips_after(store, follower, lose, already=10)
