@@ -202,7 +202,10 @@ def _main(argv: list[str]) -> None:
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The JSON lines of ``path`` (a last line a killed process left half-written left out)."""
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1] if not text.endswith("\n") else text
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 async def _spawn(*args: str) -> asyncio.subprocess.Process:
@@ -226,7 +229,9 @@ async def _in_process_subscriber(store: Any, after: int, batch_size: int, seen: 
             return
 
 
-async def _campaign(url: str, tmp_path: Path) -> None:
+async def _campaign(url: str, tmp_path: Path, kill: bool = False) -> None:
+    """``kill``: one more writer process is killed (SIGKILL) mid-run: what it was told was accepted
+    is seen like the others'; what it committed unacknowledged is seen once, like any event."""
     from evstore import Inventory, Metadata, open_store
 
     async with open_store(url, poll_interval=0.05) as store:
@@ -262,6 +267,17 @@ async def _campaign(url: str, tmp_path: Path) -> None:
         writers = [
             await _spawn("writer", url, str(k), str(COMMANDS), str(out)) for k, out in enumerate(writer_outs)
         ]
+        victim_out = tmp_path / "victim.jsonl"
+        if kill:
+            victim = await _spawn("writer", url, "99", "100000", str(victim_out))
+            async with asyncio.timeout(60):
+                while not (
+                    victim_out.exists() and victim_out.read_text().count("\n") >= random.randint(3, 15)
+                ):
+                    assert victim.returncode is None
+                    await asyncio.sleep(0.005)
+            victim.kill()
+            await victim.wait()
         # a subscriber process started while the writers run, from 0: catch-up, then live
         late_out = tmp_path / "sub-late.jsonl"
         late = await _spawn("subscriber", url, "0", "4", "plain", str(late_out))
@@ -309,9 +325,9 @@ async def _campaign(url: str, tmp_path: Path) -> None:
 
     accepted: dict[str, list[int]] = {}
     rejected: set[str] = set()
-    for out in writer_outs:
+    for out in writer_outs + ([victim_out] if kill else []):
         lines = _lines(out)
-        assert len(lines) == COMMANDS, f"{out.name}: every command was answered"
+        assert len(lines) == COMMANDS or out == victim_out, f"{out.name}: every command was answered"
         for line in lines:
             if "rejected" in line:
                 rejected.add(line["rid"])
@@ -325,9 +341,14 @@ async def _campaign(url: str, tmp_path: Path) -> None:
         assert positions == list(range(positions[0], positions[-1] + 1)) if positions else True, rid
         for p in positions:
             assert by_position[p][1] == rid, f"position {p} of {rid}'s receipt holds {by_position[p]}"
-    assert {rid for _, rid in by_position.values()} - {DONE} - {r for r in accepted if accepted[r]} == {
+    unacknowledged = {rid for _, rid in by_position.values()} - {DONE} - {r for r in accepted if accepted[r]}
+    assert {r for r in unacknowledged if not r.startswith("w99-")} == {
         f"setup-{i}-{x}" for i in range(2) for x in "ab"
-    }, "the log holds no event of a command nobody was told was accepted"
+    }, "the log holds no event of a command nobody was told was accepted (but the killed writer's)"
+    # (the killed writer's commands committed unacknowledged: each whole, contiguous, once)
+    for rid in {r for r in unacknowledged if r.startswith("w99-")}:
+        at = [p for p, (_, r) in by_position.items() if r == rid]
+        assert at == list(range(at[0], at[0] + len(at))) and rid not in rejected, rid
 
     def check(name: str, after: int, seen: list[dict[str, Any]]) -> None:
         positions = [s["p"] for s in seen]
@@ -364,6 +385,22 @@ async def test_stores_writing_one_postgresql_schema_while_others_subscribe_skip_
     from tests.pg import fresh_database_url
 
     await _campaign(fresh_database_url(), tmp_path)
+
+
+async def test_a_writer_process_killed_mid_run_leaves_every_subscriber_whole_on_sqlite(
+    tmp_path: Path,
+) -> None:
+    await _campaign(f"sqlite:///{tmp_path}/shared.db", tmp_path, kill=True)
+
+
+async def test_a_writer_process_killed_mid_run_leaves_every_subscriber_whole_on_postgresql(
+    tmp_path: Path,
+) -> None:
+    """(PostgreSQL: a writer killed between its COMMIT and the sequencer leaves its events
+    unpositioned until another process's sequencer, or a subscriber's poll, positions them)"""
+    from tests.pg import fresh_database_url
+
+    await _campaign(fresh_database_url(), tmp_path, kill=True)
 
 
 if __name__ == "__main__":
