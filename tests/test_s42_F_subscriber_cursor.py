@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from evstore import AllocationStore, EvstoreError, InvalidInput, open_store
+from tests.test_s39_d_storage import _Server, own_server  # noqa: F401 (a fixture)
 
 FAULT = (
     "evstore/store.py: AllocationStore._subscribe checks an after beyond the head only before its "
@@ -137,3 +138,68 @@ async def test_a_live_postgresql_subscriber_is_refused_when_the_log_loses_its_la
                 await conn.close()
 
         await _check_never_skips_after(store, follower, lose, already=10)
+
+
+@pytest.mark.xfail(strict=True, reason=FAULT)
+async def test_a_live_postgresql_subscriber_outliving_a_crash_that_lost_asynchronous_commits_is_refused(
+    own_server: _Server,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """README's own case: ``synchronous_commit = off`` (here in the writer's URL), a server crash
+    (``pg_ctl stop -m immediate``) loses the last commits, which a subscriber had seen; the
+    subscriber outlives the outage (a transient error, retried) and must then be refused, its
+    cursor past the head - not skip the events the next commands write at those positions."""
+    import asyncpg
+
+    conn = await asyncpg.connect(own_server.url)
+    try:  # (the WAL writer flushes asynchronous commits every 10 s: the crash comes before)
+        await conn.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        await conn.execute("ALTER SYSTEM SET wal_writer_flush_after = '64MB'")
+        await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await conn.close()
+    url = own_server.url
+    async with open_store(url, connect_timeout=2) as store:
+        await _providers(store, 5)  # (flushed: synchronous commits)
+    async with open_store(url, poll_interval=0.05, connect_timeout=2) as follower:
+        seen: list[tuple[int, str]] = []
+        task = asyncio.create_task(_follow(follower, seen))
+        try:
+            async with open_store(f"{url}?synchronous_commit=off", connect_timeout=2) as fast:
+                await _providers(fast, 5)
+                await _until(lambda: len(seen) == 10, task)
+                proc = await asyncio.create_subprocess_exec(
+                    *own_server.as_user,
+                    str(own_server.bin / "pg_ctl"),
+                    "-D",
+                    str(own_server.root / "data"),
+                    "-m",
+                    "immediate",
+                    "-w",
+                    "stop",
+                    stdout=asyncio.subprocess.DEVNULL,
+                )
+                assert await proc.wait() == 0
+            await asyncio.to_thread(own_server.start)
+            async with open_store(url, connect_timeout=2) as store:
+                head = await store.head()
+                if head >= 10:
+                    pytest.skip(f"the crash lost no commit this time (head {head}): nothing to check")
+                again = await _providers(store, 14 - head)  # positions head+1..14, some at or under 10
+                now = {e.position: e.data["name"] for e in await store.read(0, 100)}
+                assert [now[p] for p in range(head + 1, 11)] == again[: 10 - head]  # (new events there)
+                assert [now[p] for p in range(head + 1, 11)] != [n for _, n in seen[head:10]]
+                async with asyncio.timeout(30):  # (the subscriber's retries pause up to 5 s)
+                    while not (task.done() or len(seen) >= 14):
+                        await asyncio.sleep(0.05)
+            if task.done():
+                exc = task.exception()
+                assert isinstance(exc, EvstoreError) and exc.code == "evstore.invalid_input", exc
+                assert seen[10:] == []
+            else:
+                pytest.fail(
+                    f"the subscriber delivered positions {[p for p, _ in seen[10:]]} after the crash, "
+                    f"skipping the new events at {head + 1}..10"
+                )
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
