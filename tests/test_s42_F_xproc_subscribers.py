@@ -31,7 +31,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
-COMMANDS = 150 if SLOW else 30  # per writer process
+COMMANDS = 150 if SLOW else 20  # per writer process
 WRITERS = 4 if SLOW else 3
 DONE = "s42F-DONE"  # the request id of the parent's last command: subscribers stop at it
 DEADLINE = 60.0  # seconds a subscriber process waits for DONE before giving up (a hang, not a timing)
