@@ -694,6 +694,23 @@ _Positioned = TypeVar("_Positioned", RecordedEvent, RawEvent)
 _position_of = operator.attrgetter("position")
 
 
+def _check_chained(raw: RawEvent, prev_hash: str) -> None:
+    """Refuse to export a row whose hash does not follow on from ``prev_hash``: it, or one before
+    it, was altered since it was written (the audit's ``hash_chain`` finding)."""
+    try:
+        sound = raw.chained_hash(prev_hash) == raw.hash
+    except (TypeError, ValueError):  # (a field stored with another type than evstore writes)
+        sound = False
+    if not sound:
+        raise err.CorruptEvent(
+            f"Cannot export: the hash chain is broken at position {raw.position} - this row, or one "
+            "before it, was altered since it was written, and an import would refuse the file (`evstore "
+            "audit` lists the damage; restore the log from a backup)",
+            position=raw.position,
+            reason="hash_chain",
+        )
+
+
 def _contiguous(after: int, batch: list[_Positioned]) -> list[_Positioned]:
     """``batch`` (events read after ``after``) if its positions follow on (see ``follows_on``)."""
     return follows_on(after, batch, _position_of)
@@ -2389,6 +2406,7 @@ class AllocationStore:
         last = await self._backend.read_raw(head - 1, 1) if head else []
         yield ExportHeader(head, head, last[0].hash if last else GENESIS_HASH).to_line()
         after = 0
+        prev_hash = GENESIS_HASH
         while after < head:
             # (a hole stops an export as it stops a read: the file would claim a log that an
             # import refuses, and a backup taken so would hide the damage)
@@ -2396,7 +2414,11 @@ class AllocationStore:
             if not batch:
                 break
             for raw in batch:
-                yield row_line(raw)
+                line = row_line(raw)
+                # (a row altered by hand likewise: the hash chain covers every field of every row)
+                _check_chained(raw, prev_hash)
+                prev_hash = raw.hash
+                yield line
             after = batch[-1].position
 
     async def import_events(
