@@ -1948,7 +1948,14 @@ class AllocationStore:
         if self._closing:  # (closed before the first iteration: not "while it followed")
             raise err.StoreClosed("The store is closed (use it inside `async with open_store(...)`)")
         outage: _Outage | None = None  # (while reads fail for a reason that may pass)
-        checked = not after  # (an after beyond the head is refused: read the head first, retried too)
+        # The event at ``after`` is read with those after it, as read() reads it: gone, the log
+        # went back under this cursor (a caller's from another store or from before a restore; or,
+        # while it follows, an older backup restored in place, or PostgreSQL's last commits lost
+        # in a crash under synchronous_commit=off), and new events written at the positions it
+        # delivered would be skipped once the head passed it again; another event there, they
+        # were: refused either way. ``delivered``: the id of the event at ``after`` it delivered.
+        delivered: str | None = None
+        checked = not after  # (a caller's after beyond the head is refused: read the head first, retried too)
         while True:
             if self._closing:
                 raise err.StoreClosed("The store was closed while this subscriber followed it")
@@ -1957,7 +1964,20 @@ class AllocationStore:
                     if after > (head := await self._backend.head()):
                         raise _beyond_head(after, head, "after", cursor=True)
                     checked = True
-                read, wakes = await self._read_for_subscriber(after, batch_size)
+                if after:
+                    try:
+                        read, wakes = await self._read_for_subscriber(
+                            after - 1, min(batch_size, MAX_POSITION - 1) + 1
+                        )
+                    except err.CorruptEvent as exc:
+                        if exc.details.get("position") != after:
+                            raise
+                        # (the event at ``after`` damaged since: this subscriber is past it)
+                        read, wakes = await self._read_for_subscriber(after, batch_size)
+                    else:
+                        read = await self._cursor_holds(after, delivered, read)
+                else:
+                    read, wakes = await self._read_for_subscriber(after, batch_size)
                 batch = _contiguous(after, read)
             except err.CorruptEvent as exc:
                 # Deliver what comes before the damaged row first (a debugging tool must show the
@@ -1988,9 +2008,36 @@ class AllocationStore:
             outage = None
             for recorded in batch:
                 yield recorded
-                after = recorded.position
+                after, delivered = recorded.position, recorded.event_id
             if len(batch) < batch_size:
                 await self._until_appended(after, wakes)
+
+    async def _cursor_holds(
+        self, after: int, delivered: str | None, read: list[RecordedEvent]
+    ) -> list[RecordedEvent]:
+        """The events after ``after`` in ``read`` (a read from ``after - 1``), once the event at
+        ``after`` is found there - the one a subscriber delivered (``delivered``, its id; None for
+        a cursor the caller gave). Refused (``InvalidInput``, the head in ``details["head"]``) when
+        the log no longer reaches ``after``, or holds another event there. (A hole at ``after``,
+        rows deleted by hand, leaves the rows as read: what follows is checked as read() checks it.)"""
+        if read and read[0].position == after:
+            if delivered is not None and read[0].event_id != delivered:
+                head = await self._backend.head()
+                raise err.InvalidInput(
+                    f"position {after}, where this subscriber had got to, now holds another event than the "
+                    f"one it delivered (the log went back under it - an older backup restored, or a "
+                    f"PostgreSQL server's last commits lost in a crash under synchronous_commit=off - and "
+                    f"was written again): the events it delivered up to {after} are not all in the log any "
+                    f"more, and the new ones at those positions were not delivered; subscribe again from "
+                    f"a position both agree on (the head is {head})",
+                    field="after",
+                    head=head,
+                    reason="cursor_rewritten",
+                )
+            return read[1:]
+        if not read and after > (head := await self._backend.head()):
+            raise _beyond_head(after, head, "after", cursor=True)
+        return read
 
     async def _read_for_subscriber(self, after: int, limit: int) -> tuple[list[RecordedEvent], int]:
         """The events after ``after`` (at most ``limit``) for a subscriber, and :attr:`_wakes` as
@@ -2156,7 +2203,9 @@ class AllocationStore:
             if outage is not None:
                 log.info("subscribe.poll_recovered", attempts=outage.attempts)
                 outage, pause = None, self._poll_interval
-            if any(after < head for after in self._idle.values()):
+            # (a head below a subscriber's cursor too: the log went back under it, which its read
+            # refuses, rather than wait until new events pass it and skip those written up to it)
+            if any(after != head for after in self._idle.values()):
                 self._wake_subscribers()
 
     def _poller_ended(self, poller: asyncio.Task[None]) -> None:

@@ -138,7 +138,7 @@ async def test_a_subscriber_that_joins_a_read_begun_before_a_commit_reads_again(
                 late.append(e.position)
 
         tasks.append(asyncio.create_task(follow_late()))
-        await until(lambda: store._reads[(start, 500)].waiters == 4)  # (it joined the read in flight)
+        await until(lambda: store._reads[(start - 1, 501)].waiters == 4)  # (it joined the read in flight)
         reads.gate.set()
         await until(lambda: all(got == [start + 1, start + 2] for got in [*seen, late]))
         for t in tasks:
@@ -156,7 +156,7 @@ async def test_a_subscriber_cancelled_while_others_share_its_read_does_not_cance
         reads = HeldReads(store, monkeypatch, after_reading=False)
         reads.gate.clear()
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
-        await until(lambda: reads.held == 1 and store._reads[(start, 500)].waiters == 10)
+        await until(lambda: reads.held == 1 and store._reads[(start - 1, 501)].waiters == 10)
         (read,) = reads_in_flight()
         cancelled = tasks[:5]  # (the first began the read)
         for t in cancelled:
@@ -165,13 +165,13 @@ async def test_a_subscriber_cancelled_while_others_share_its_read_does_not_cance
         assert not read.done()
         reads.gate.set()
         await until(lambda: all(got == [start + 1] for got in seen[5:]))
-        assert reads.calls.count((start, 500)) == 1, reads.calls
+        assert reads.calls.count((start - 1, 501)) == 1, reads.calls
         assert all(got == [] for got in seen[:5])
 
         # every subscriber waiting for a read cancelled: the read is cancelled too
         reads.gate.clear()
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
-        await until(lambda: reads.held == 1 and store._reads[(start + 1, 500)].waiters == 5)
+        await until(lambda: reads.held == 1 and store._reads[(start, 501)].waiters == 5)
         (read,) = reads_in_flight()
         for t in tasks[5:]:
             t.cancel()

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from evstore import AllocationStore, ProjectionCorrupt, StorageError, open_store
+from projections.exchange import row_line
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -67,8 +68,10 @@ async def test_a_last_time_not_in_evstores_form_does_not_spread_to_new_events(
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         [event] = await store.read(after=head)
         assert event.position == head + 1 and event.recorded_at.year < 2099
-        lines = [line async for line in store.export()]
-    assert damaged not in "".join(lines[-1:])  # (the new event's line: recorded at the clock)
+        # (the new event's row as export writes it: recorded at the clock; export itself now
+        # refuses this log, whose hash chain the hand edit broke)
+        [raw] = await store.backend.read_raw(head, 1)
+    assert raw.position == head + 1 and damaged not in row_line(raw)
 
 
 @pytest.mark.parametrize(

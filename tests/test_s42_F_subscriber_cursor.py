@@ -6,12 +6,15 @@ PostgreSQL with ``synchronous_commit = off`` "events a subscriber has seen, can 
 crash (a subscriber's cursor is then past the head and refused as such, by ``read`` too: subscribe
 again from the head)"; and "``read``, ``subscribe`` and ``history`` never skip or repeat an event".
 
-A subscriber that is *already following* when the log goes back under its cursor (SQLite: an
-older backup restored into the live file in place, as ``sqlite3 cloud.db ".restore backup.db"``
-does - same inode, so no ``file_replaced``; PostgreSQL: the last events lost, as in that crash) is
-not refused: it waits, and once the new events' positions pass its cursor it delivers those past
-it, silently skipping the new events written at the positions it had already delivered. ``read``
-of the same cursor is refused meanwhile; a new ``subscribe`` is refused too.
+Regression (stop 42, helper F's finding, fixed by the lead): a subscriber *already following*
+when the log went back under its cursor (SQLite: an older backup restored into the live file in
+place, as ``sqlite3 cloud.db ".restore backup.db"`` does - same inode, so no ``file_replaced``;
+PostgreSQL: the last events lost, as in that crash) was not refused: it waited, and once the new
+events' positions passed its cursor it delivered those past it, silently skipping the new events
+written at the positions it had already delivered (``read`` of the same cursor was refused
+meanwhile, and a new ``subscribe`` too). Now each of its reads takes the event at its cursor too
+and checks it is the one it delivered: gone, it is refused as beyond the head; another event there
+(the new ones passed it between two polls), refused as ``cursor_rewritten``.
 """
 
 from __future__ import annotations
@@ -25,16 +28,6 @@ import pytest
 
 from evstore import AllocationStore, EvstoreError, InvalidInput, open_store
 from tests.test_s39_d_storage import _Server, own_server  # noqa: F401 (a fixture)
-
-FAULT = (
-    "evstore/store.py: AllocationStore._subscribe checks an after beyond the head only before its "
-    "first read (`checked`); neither it nor the poller (_until_appended / the head poll) notices the "
-    "head going back under a live subscriber's cursor, so the events appended again at the "
-    "positions it already delivered are skipped once the head passes it (a poll may never see the "
-    "head below the cursor: the new events can pass it between two polls; a subscriber that checked "
-    "the event at its cursor is still the one it delivered - its event_id or hash, as read() reads "
-    "the event at after too - would see it)"
-)
 
 
 async def _providers(store: AllocationStore, n: int) -> list[str]:
@@ -57,7 +50,6 @@ async def _until(condition: object, task: asyncio.Task[None]) -> None:
             await asyncio.sleep(0.02)
 
 
-@pytest.mark.xfail(strict=True, reason=FAULT)
 async def test_a_live_subscriber_is_refused_when_an_older_backup_is_restored_into_the_sqlite_file(
     tmp_path: Path,
 ) -> None:
@@ -117,7 +109,6 @@ async def _check_never_skips_after(
         await asyncio.gather(task, return_exceptions=True)
 
 
-@pytest.mark.xfail(strict=True, reason=FAULT)
 async def test_a_live_postgresql_subscriber_is_refused_when_the_log_loses_its_last_events() -> None:
     import asyncpg
 
@@ -140,7 +131,6 @@ async def test_a_live_postgresql_subscriber_is_refused_when_the_log_loses_its_la
         await _check_never_skips_after(store, follower, lose, already=10)
 
 
-@pytest.mark.xfail(strict=True, reason=FAULT)
 async def test_a_live_postgresql_subscriber_outliving_a_crash_that_lost_asynchronous_commits_is_refused(
     own_server: _Server,  # noqa: F811 (the fixture imported above)
 ) -> None:
@@ -203,3 +193,42 @@ async def test_a_live_postgresql_subscriber_outliving_a_crash_that_lost_asynchro
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_live_subscriber_passed_by_new_events_at_its_positions_says_they_were_rewritten(
+    tmp_path: Path,
+) -> None:
+    """The log goes back under a live subscriber (an older backup restored in place) and new events
+    pass its cursor before it looks again (the poller's interval is long): the head is beyond its
+    cursor, so only the event at it tells - another than it delivered. Refused, ``cursor_rewritten``,
+    with nothing of the new events delivered (stop 42, the lead)."""
+    path = tmp_path / "cloud.db"
+    url = f"sqlite:///{path}"
+    async with open_store(url) as store, open_store(url, poll_interval=3) as follower:
+        await _providers(store, 5)
+        backup = tmp_path / "backup.db"
+        src, dst = sqlite3.connect(path), sqlite3.connect(backup)
+        src.backup(dst)
+        src.close()
+        dst.close()
+        await _providers(store, 5)
+        seen: list[tuple[int, str]] = []
+        task = asyncio.create_task(_follow(follower, seen))
+        try:
+            await _until(lambda: len(seen) == 10, task)
+            await asyncio.sleep(0.1)  # (it waits for the poller now)
+            src, dst = sqlite3.connect(backup), sqlite3.connect(path, timeout=10)
+            src.backup(dst)
+            src.close()
+            dst.close()
+            await _providers(store, 9)  # positions 6..14, before the poller's next look
+            assert await store.head() == 14
+            async with asyncio.timeout(10):
+                with pytest.raises(InvalidInput) as refused:
+                    await task
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert [p for p, _ in seen] == list(range(1, 11))
+    assert refused.value.details["reason"] == "cursor_rewritten" and refused.value.details["head"] == 14
+    assert "subscribe again" in refused.value.message
