@@ -238,13 +238,6 @@ def test_a_demo_refusing_another_store_leaves_no_file_beside_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.db"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="evstore/log/sqlite.py's read-only looks (_look: _holds_no_store, foreign_tables...) open "
-    "the file mode=ro, which makes -wal and -shm beside a WAL file and cannot remove them (not helper "
-    "C's file: the fix is _only_reading's in evstore/cli.py - read-write with query_only where no -wal "
-    "exists)",
-)
 @pytest.mark.usefixtures("logging_as_it_was")
 @pytest.mark.parametrize("command", [("audit",), ("import", "EXPORT")])
 def test_a_command_refusing_another_applications_file_leaves_no_file_beside_it(

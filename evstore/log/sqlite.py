@@ -2376,6 +2376,25 @@ def _stopper(stop: threading.Event) -> Callable[[], None]:
     return stopped
 
 
+def _looking_mode(path: Path) -> str:
+    """The URI mode of a look at the existing file ``path`` that changes nothing (the connection
+    also writes nothing: ``query_only``). A read-only one (``mode=ro``) on a file in WAL mode makes
+    its -wal and -shm files where there were none and cannot remove them, so a look at another
+    application's file the open then refused left them beside it. Where there is neither a -wal
+    nor a -journal file and the file and its directory are writable, the look is read-write
+    (``rw``: never creates the file), and removes them on closing as the last connection to a
+    file does, having nothing to copy into the file. Otherwise read-only as before: a -wal or
+    -journal is its writer's (or a crash's, which a read-write connection would roll back), and a
+    read-only connection leaves the files byte for byte; a file or directory without write
+    permission is opened so that no -wal or -shm need be made (evstore/cli.py's _only_reading
+    follows the same rule)."""
+    if Path(f"{path}-wal").exists() or Path(f"{path}-journal").exists():
+        return "ro"
+    if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+        return "ro"
+    return "rw"
+
+
 def _look(path: str, fn: Callable[[sqlite3.Connection], T], deadline: float, stop: threading.Event) -> T:
     """``fn`` on a read-only connection to the file at ``path`` (its connect's errors raised as
     they are), run again while another connection holds the file locked, in slices (see
@@ -2384,10 +2403,14 @@ def _look(path: str, fn: Callable[[sqlite3.Connection], T], deadline: float, sto
     answer is raised. With sqlite3's default timeout each look waited 5 s of its own, whatever
     busy_timeout said, and could not be stopped."""
     left = max(0.0, deadline - time.monotonic())
+    resolved = Path(path).resolve()
     conn = sqlite3.connect(
-        f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=min(left, BUSY_SLICE_MS / 1000)
+        f"{resolved.as_uri()}?mode={_looking_mode(resolved)}",
+        uri=True,
+        timeout=min(left, BUSY_SLICE_MS / 1000),
     )
     try:
+        conn.execute("PRAGMA query_only = ON")
         return _wait_busy(lambda: fn(conn), left, _stopper(stop))
     finally:
         conn.close()
