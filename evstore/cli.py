@@ -746,13 +746,13 @@ def _only_reading(path: Path) -> sqlite3.Connection:
     """A connection that reads the SQLite file at ``path`` and changes nothing. A read-only one
     (``mode=ro``) on a file in WAL mode makes its -wal and -shm files where there were none and
     cannot remove them, so a look at a store - the demo's at another application's file it then
-    refused, or at what a stopped demo or import left - left them beside it. Where there is no
-    -wal file, the connection is read-write instead, writing nothing (``query_only``), and
-    removes them on closing as the last connection to a file does - having nothing to copy into
-    the file (its log holds nothing). Where there is one, its writer made it, and a read-only
-    connection leaves the files, the database's included, byte for byte as they were."""
-    mode = "ro" if Path(f"{path}-wal").exists() else "rw"  # (rw: never creates the file either)
-    conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode={mode}", uri=True)
+    refused, or at what a stopped demo or import left - left them beside it. The mode is the
+    store's own looks' (:func:`evstore.log.sqlite.looking_mode`): read-write, writing nothing
+    (``query_only``), where no -wal or -journal exists and the file may be written - closing
+    removes them -, else read-only, leaving the files byte for byte as they were."""
+    from evstore.log.sqlite import looking_mode
+
+    conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode={looking_mode(path.absolute())}", uri=True)
     try:
         conn.execute("PRAGMA query_only = ON")
     except BaseException:

@@ -2376,7 +2376,7 @@ def _stopper(stop: threading.Event) -> Callable[[], None]:
     return stopped
 
 
-def _looking_mode(path: Path) -> str:
+def looking_mode(path: Path) -> str:
     """The URI mode of a look at the existing file ``path`` that changes nothing (the connection
     also writes nothing: ``query_only``). A read-only one (``mode=ro``) on a file in WAL mode makes
     its -wal and -shm files where there were none and cannot remove them, so a look at another
@@ -2405,7 +2405,7 @@ def _look(path: str, fn: Callable[[sqlite3.Connection], T], deadline: float, sto
     left = max(0.0, deadline - time.monotonic())
     resolved = Path(path).resolve()
     conn = sqlite3.connect(
-        f"{resolved.as_uri()}?mode={_looking_mode(resolved)}",
+        f"{resolved.as_uri()}?mode={looking_mode(resolved)}",
         uri=True,
         timeout=min(left, BUSY_SLICE_MS / 1000),
     )
