@@ -30,6 +30,17 @@ from evstore import AllocationStore, EvstoreError, InvalidInput, open_store
 from tests.test_s39_d_storage import _Server, own_server  # noqa: F401 (a fixture)
 
 
+def _copy(source: Path, target: Path) -> None:
+    """SQLite's backup API from ``source`` into ``target`` in place (as ``sqlite3 db ".backup"`` and
+    ``".restore"`` do: into a live file, its inode kept)."""
+    src, dst = sqlite3.connect(source), sqlite3.connect(target, timeout=10)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+
+
 async def _providers(store: AllocationStore, n: int) -> list[str]:
     names = []
     for _ in range(n):
@@ -58,18 +69,12 @@ async def test_a_live_subscriber_is_refused_when_an_older_backup_is_restored_int
     async with open_store(url, poll_interval=0.05) as store, open_store(url, poll_interval=0.05) as follower:
         await _providers(store, 5)
         backup = tmp_path / "backup.db"
-        src, dst = sqlite3.connect(path), sqlite3.connect(backup)
-        src.backup(dst)
-        src.close()
-        dst.close()
+        _copy(path, backup)
         await _providers(store, 5)
 
         async def restore() -> None:
             # (sqlite3's ".restore": SQLite's backup API writing into the live file, in place)
-            src, dst = sqlite3.connect(backup), sqlite3.connect(path, timeout=10)
-            src.backup(dst)
-            src.close()
-            dst.close()
+            _copy(backup, path)
 
         await _check_never_skips_after(store, follower, restore, already=10)
 
@@ -207,20 +212,14 @@ async def test_a_live_subscriber_passed_by_new_events_at_its_positions_says_they
     async with open_store(url) as store, open_store(url, poll_interval=3) as follower:
         await _providers(store, 5)
         backup = tmp_path / "backup.db"
-        src, dst = sqlite3.connect(path), sqlite3.connect(backup)
-        src.backup(dst)
-        src.close()
-        dst.close()
+        _copy(path, backup)
         await _providers(store, 5)
         seen: list[tuple[int, str]] = []
         task = asyncio.create_task(_follow(follower, seen))
         try:
             await _until(lambda: len(seen) == 10, task)
             await asyncio.sleep(0.1)  # (it waits for the poller now)
-            src, dst = sqlite3.connect(backup), sqlite3.connect(path, timeout=10)
-            src.backup(dst)
-            src.close()
-            dst.close()
+            _copy(backup, path)
             await _providers(store, 9)  # positions 6..14, before the poller's next look
             assert await store.head() == 14
             async with asyncio.timeout(10):
