@@ -1,0 +1,137 @@
+"""The README read top to bottom by a newcomer who believes every word (stop 43, helper A): the
+claims the earlier README tests (``test_readme_contract.py``, ``test_readme_example.py``,
+``test_cli_demo_audit.py``) leave out."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from evstore import InvalidInput, open_store
+from evstore.cli import app
+from tests.conftest import make_provider, new_uuid
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+#: options the README gives a command in its prose, away from the command's name ("`--json`:
+#: `upgraded_from`, ..." in the sentence on `evstore upgrade`; "`-vv` shows" the traceback)
+_NAMED_IN_PROSE = {
+    "upgrade": {"--json"},
+    "stats": {"--json"},
+    "release": {"--json"},
+    "confirm-migration": {"--json"},
+    "": {"-v"},
+}
+
+
+def _readme_cli_options(commands: set[str]) -> dict[str, set[str]]:
+    """Each command the README shows (in inline code and in its shell blocks) with the options it
+    gives it there; "" for ``evstore``'s own options."""
+    spans = re.findall(r"`([^`\n]+)`", README)
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        spans += block.splitlines()
+    found: dict[str, set[str]] = {}
+    for span in spans:
+        for part in re.split(r"\||;|&&| #", span):
+            shown = re.match(r"\s*(?:evstore\s+)?([a-z][a-z-]*)\b(.*)", part)
+            if shown and shown.group(1) in commands:
+                options = re.findall(r"(?<![\w-])(--[a-z][a-z-]*|-[a-z]+)\b", shown.group(2))
+                found.setdefault(shown.group(1), set()).update(options)
+            root = re.match(r"\s*evstore\s+((?:-[-a-z]+\s*)+)", part)
+            if root:
+                found.setdefault("", set()).update(root.group(1).split())
+    return found
+
+
+def test_every_command_and_option_the_readme_shows_is_one_the_cli_has() -> None:
+    """README, "Debugging a leak" and around it: `rebuild --full`, `export -o FILE`, `tail
+    [--after N]`, `snapshot [--every N]`, `state --at N --consumer C`, ... A newcomer types what the
+    README shows; each of those commands exists and takes each of those options (read from the
+    command line's own definition, not from its help text)."""
+    group = typer.main.get_command(app)
+    commands = set(group.commands)  # type: ignore[attr-defined]
+    shown = _readme_cli_options(commands)
+    for command, options in _NAMED_IN_PROSE.items():
+        shown.setdefault(command, set()).update(options)
+    # the README shows most of them: a parser that found nothing would pass vacuously
+    assert {"audit", "history", "state", "diff", "rebuild", "export", "tail", "snapshot"} <= set(shown)
+    everywhere = set().union(*shown.values())
+    assert {"--full", "--force", "-o", "--every", "--after", "--follow", "--history"} <= everywhere
+    missing = []
+    for command, options in sorted(shown.items()):
+        cli = group if command == "" else group.commands[command]  # type: ignore[attr-defined]
+        has = {"--help", "-h"} | {opt for param in cli.params for opt in (*param.opts, *param.secondary_opts)}
+        missing += [f"evstore {command} {option}".replace("  ", " ") for option in options - has]
+    assert not missing, missing
+
+
+def test_the_readmes_embedded_api_example_runs_the_same_on_postgresql(pg_url: str, tmp_path: Path) -> None:
+    """README, "SQLite or PostgreSQL?": "The behaviour is the same". The embedded-API example, given
+    a PostgreSQL URL in place of its SQLite file, prints what its comments say, as on SQLite
+    (``test_readme_example.py``): the revert after the delete refused, nothing leaked, the
+    instance's history, a clean audit."""
+    snippet = README.split("```python\n")[1].split("```")[0]
+    assert snippet.count('"sqlite:///cloud.db"') == 1
+    done = subprocess.run(
+        [sys.executable, "-c", snippet.replace('"sqlite:///cloud.db"', repr(pg_url))],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    printed = [line for line in done.stdout.splitlines() if "[info" not in line and "[warning" not in line]
+    assert printed[0].startswith("evstore.consumer.deleted Instance "), printed
+    assert "was deleted at position 5" in printed[0]
+    assert printed[1:] == [
+        "{'MEMORY_MB': 0, 'VCPU': 0}",
+        "3 AllocationsReplaced req-1",
+        "4 MigrationStarted None",
+        "5 ConsumerDeleted None",
+    ]
+    assert not (tmp_path / "cloud.db").exists()
+
+
+async def test_diff_lists_the_providers_created_and_deleted_by_uuid_and_names_them(tmp_path: Path) -> None:
+    """README, `diff(a, b)`: "the providers created and deleted in between (their uuids;
+    `provider_names` names them...)" - a reader of the former wording ("by name") looked for names
+    in ``providers_created`` and found uuids."""
+    assert "the providers created and deleted in between (their uuids; `provider_names` names them" in README
+    async with open_store(f"sqlite:///{tmp_path / 'd.db'}") as store:
+        await make_provider(store, VCPU=4)
+        start = await store.head()
+        gone = new_uuid()
+        await store.create_provider(gone, "short-lived")
+        await store.delete_provider(gone)
+        diff = await store.diff(start, await store.head())
+    assert (diff.providers_created, diff.providers_deleted) == ([gone], [gone])
+    assert diff.provider_names[gone] == "short-lived"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="stop 43 helper A: open_store's refusal of an unknown option (or of a URL key given "
+    "twice) is an InvalidInput without details['field'], where README says an InvalidInput's "
+    "details['field'] names the argument refused; the fix is in evstore/log/sqlite.py and "
+    "evstore/log/postgres.py (field=<the option>), which this helper does not own",
+)
+async def test_an_unknown_open_store_option_is_named_in_details_field(tmp_path: Path) -> None:
+    """README, "The embedded API": "an `InvalidInput`'s `details["field"]` names the argument
+    refused as the caller wrote it". A misspelt ``open_store`` keyword - what ``StoreOptions``
+    exists to catch - is refused with its name only in the message."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    with pytest.raises(InvalidInput) as refused:
+        await open_store(url, snapshot_evry=5)  # type: ignore[call-arg]
+    assert refused.value.details.get("field") == "snapshot_evry", refused.value.details
+    with pytest.raises(InvalidInput) as twice:
+        await open_store(f"{url}?busy_timeout=1&busy_timeout=2")
+    assert twice.value.details.get("field") == "busy_timeout", twice.value.details
