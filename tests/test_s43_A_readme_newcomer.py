@@ -135,3 +135,29 @@ async def test_an_unknown_open_store_option_is_named_in_details_field(tmp_path: 
     with pytest.raises(InvalidInput) as twice:
         await open_store(f"{url}?busy_timeout=1&busy_timeout=2")
     assert twice.value.details.get("field") == "busy_timeout", twice.value.details
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="stop 43 helper A: import_events refuses an open_lines that gives nothing the second time "
+    "(an open file, an iterator) as an InvalidInput without details['field'], where the same "
+    "argument refused for not being callable, or for text that is not UTF-8, has field "
+    "'open_lines' ('the export file is empty' has none either); the fix is in projections/exchange.py "
+    "(field='open_lines'), which this helper does not own",
+)
+async def test_an_open_lines_that_gives_nothing_the_second_time_is_named_in_details_field(
+    tmp_path: Path,
+) -> None:
+    """README, `import_events(lambda: lines)`: "a callable answering the lines, a file or a list: it
+    is read twice". A newcomer's ``lambda: f`` over one open file answers nothing the second time:
+    refused, nothing written, as it should be - with the argument named in the message only."""
+    async with open_store(f"sqlite:///{tmp_path / 'a.db'}") as source:
+        await make_provider(source, VCPU=4)
+        (tmp_path / "a.jsonl").write_text("".join(f"{line}\n" async for line in source.export()))
+    async with open_store(f"sqlite:///{tmp_path / 'b.db'}") as target:
+        with (tmp_path / "a.jsonl").open() as once:
+            with pytest.raises(InvalidInput) as refused:
+                await target.import_events(lambda: once)
+        assert await target.head() == 0
+    assert "second time" in str(refused.value)
+    assert refused.value.details.get("field") == "open_lines", refused.value.details
