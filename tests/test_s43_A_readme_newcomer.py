@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from evstore import InvalidInput, open_store
+from evstore import InvalidInput, Metadata, open_store
 from evstore.cli import app
 from tests.conftest import make_provider, new_uuid
 
@@ -161,3 +161,24 @@ async def test_an_open_lines_that_gives_nothing_the_second_time_is_named_in_deta
         assert await target.head() == 0
     assert "second time" in str(refused.value)
     assert refused.value.details.get("field") == "open_lines", refused.value.details
+
+
+async def test_metadatas_64_kib_are_counted_as_the_log_stores_it_ascii_escaped(tmp_path: Path) -> None:
+    """README: "at most 64 KiB of your JSON per command - evstore's own keys not counted; as stored,
+    ASCII, a non-ASCII character taking its `\\uXXXX` escape". 11,000 ``é`` are 22 KB of UTF-8 but
+    66 KB as the log stores them (``\\u00e9``, 6 bytes each): refused, where 11,000 ``e`` pass;
+    ``Metadata`` refuses what a command does, and a refused command writes nothing."""
+    assert "as stored, ASCII, a non-ASCII character taking its `\\uXXXX` escape" in README
+    wide, narrow = {"note": "\u00e9" * 11_000}, {"note": "e" * 11_000}
+    with pytest.raises(InvalidInput) as built:
+        Metadata(**wide)
+    assert built.value.details["field"] == "metadata" and "66,011 bytes of JSON" in str(built.value)
+    Metadata(**narrow)
+    async with open_store(f"sqlite:///{tmp_path / 'm.db'}") as store:
+        with pytest.raises(InvalidInput) as refused:
+            await store.create_provider(new_uuid(), "wide", metadata=wide)
+        assert refused.value.details["field"] == "metadata"
+        assert await store.head() == 0
+        receipt = await store.create_provider(new_uuid(), "narrow", metadata=narrow)
+        [event] = await store.read()
+    assert receipt.positions == (1,) and event.to_dict()["metadata"]["note"] == narrow["note"]
