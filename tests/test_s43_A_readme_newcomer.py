@@ -182,3 +182,30 @@ async def test_metadatas_64_kib_are_counted_as_the_log_stores_it_ascii_escaped(t
         receipt = await store.create_provider(new_uuid(), "narrow", metadata=narrow)
         [event] = await store.read()
     assert receipt.positions == (1,) and event.to_dict()["metadata"]["note"] == narrow["note"]
+
+
+async def test_the_read_only_mappings_nested_dicts_are_the_callers_copies(tmp_path: Path) -> None:
+    """README: `usage`, `inventories`, `allocations` and `usages` "answer read-only mappings, whose
+    nested dicts are the caller's copies": the mapping refuses an assignment; a nested dict - a
+    consumer's ``{class: amount}`` on a provider - takes one, and the store is none the wiser
+    (``test_results_are_copies.py`` scrambles every result; this is the README's sentence)."""
+    assert "answer read-only mappings, whose nested dicts are the caller's copies" in README
+    async with open_store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        rp = await make_provider(store, VCPU=8)
+        consumer = new_uuid()
+        await store.set_allocations(
+            consumer,
+            {rp: {"VCPU": 2}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        )
+        for view in (await store.usage(rp), await store.allocations(consumer), await store.usages("p")):
+            with pytest.raises(TypeError):
+                view[next(iter(view))] = 0  # type: ignore[index]
+        held = await store.allocations(consumer)
+        held[rp]["VCPU"] = 7  # the caller's copy
+        assert held == {rp: {"VCPU": 7}}
+        assert await store.allocations(consumer) == {rp: {"VCPU": 2}}
+        assert await store.usage(rp) == {"VCPU": 2}
