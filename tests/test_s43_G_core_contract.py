@@ -50,7 +50,9 @@ def test_pyproject_declares_python_the_runtime_deps_the_test_extra_and_the_conso
     for name in ("aiosqlite", "pydantic", "structlog"):
         assert name in runtime, f"runtime dependency {name} missing: {sorted(runtime)}"
     # pydantic v2: a lower bound of 2.x and nothing that admits 3
-    assert re.search(r">=\s*2(\.|$|,)", runtime["pydantic"]) and "<3" in runtime["pydantic"], runtime["pydantic"]
+    assert re.search(r">=\s*2(\.|$|,)", runtime["pydantic"]) and "<3" in runtime["pydantic"], runtime[
+        "pydantic"
+    ]
     test_extra = _names(project["optional-dependencies"]["test"])
     for name in ("pytest", "pytest-asyncio", "hypothesis", "ruff", "mypy"):
         assert name in test_extra, f"the test extra lacks {name}: {sorted(test_extra)}"
@@ -121,7 +123,9 @@ def test_ci_run_makes_a_fresh_venv_lints_type_checks_and_runs_the_readmes_test_c
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
     assert re.search(r"-m venv", script) and re.search(r"pip install [^\n]*\.\[test\]", script), script
     assert re.search(r"^ruff check\b", script, re.M), "ruff check"
-    assert re.search(r"^mypy --strict evstore projections\b", script, re.M), "mypy --strict evstore projections"
+    assert re.search(r"^mypy --strict evstore projections\b", script, re.M), (
+        "mypy --strict evstore projections"
+    )
     _, tests = _quick_start_commands()
     readme_pytest = tests.split("&&")[-1].strip()
     assert re.search(rf"^{re.escape(readme_pytest)}\s*$", script, re.M), (readme_pytest, script)
@@ -180,7 +184,9 @@ def test_store_methods_have_the_issues_names_and_keyword_names(method: str) -> N
     for name, default in defaults.get(method, {}).items():
         assert by_name[name].default == default, (method, name, by_name[name].default)
     if method == "set_allocations":
-        assert by_name["generation"].default is inspect.Parameter.empty, "generation must be given (None: absent)"
+        assert by_name["generation"].default is inspect.Parameter.empty, (
+            "generation must be given (None: absent)"
+        )
 
 
 def test_open_store_takes_a_url_and_options_and_the_errors_carry_the_issues_codes() -> None:
