@@ -321,3 +321,27 @@ def test_the_library_never_configures_logging_and_logs_each_outcome(tmp_path: Pa
     text = "\n".join(lines)
     assert "command.accepted" in text and "command.rejected" in text, text
     assert "evstore.allocation.capacity_exceeded" in text, text
+
+
+# --- point 12: `evstore demo` with its default database, then `evstore audit --db PATH [--json]` --
+
+
+def test_a_bare_evstore_demo_writes_its_default_database_in_the_working_directory(tmp_path: Path) -> None:
+    script = str(Path(sys.executable).parent / "evstore")
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [script, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+
+    demo = run("demo")
+    assert demo.returncode == 0, demo.stderr
+    assert (tmp_path / "evstore-demo.db").is_file(), sorted(p.name for p in tmp_path.iterdir())
+    assert "clean" in demo.stdout and "VCPU" in demo.stdout and "Traceback" not in demo.stderr
+    audit = run("audit", "--db", "evstore-demo.db", "--json")
+    assert audit.returncode == 0, audit.stderr
+    report = json.loads(audit.stdout)
+    assert report["clean"] is True
+    human = run("audit", "--db", "evstore-demo.db")
+    assert human.returncode == 0 and "clean" in human.stdout
