@@ -190,12 +190,6 @@ def test_without_a_server_postgresql_tests_skip_with_one_line_and_under_ci_they_
     assert ("1 failed" in last or "1 error" in last) and "skipped" not in last, last
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tests/conftest.py adds the 'postgres' param to backend_name only when "
-    "EVSTORE_TEST_POSTGRES_URL is set: without a server the PostgreSQL half of every backend-agnostic "
-    "test vanishes, with no skip line saying why (and under CI=true it neither skips nor fails)",
-)
 def test_the_postgresql_half_of_a_backend_agnostic_test_is_skipped_with_its_reason() -> None:
     """Issue 4 points 2 and 7 together: a backend-agnostic test (the ``store`` fixture) runs on both
     backends; without a server its PostgreSQL run is skipped with the one-line reason (and under CI,
