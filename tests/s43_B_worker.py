@@ -16,7 +16,9 @@ written as ``write_allocations``), reverted and confirmed, releases, deletes (ha
 an idempotency key every client shares, so keyed deletes race each other), inventory changes
 with a generation (``set_inventories``, ``set_inventory``: totals shrinking below usage,
 ``max_unit`` lowered, a class dropped) and without one
-(``delete_inventory``), and spare providers created and deleted.
+(``delete_inventory``), and spare providers created and deleted. A few commands are given a short
+deadline (``asyncio.timeout``) and a key of their own; one that times out is recorded so
+(``outcome`` "timeout") and repeated with its key, as README says a caller learns its outcome.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ SPARES = 2
 #: each command's weight in the mix
 MIX = {"claim": 26, "start": 12, "move": 5, "revert": 12, "confirm": 6, "release": 3, "delete": 6}
 MIX.update(setinv=9, setone=4, delinv=4, create=3, delprov=3)
+#: the share of the commands below given a deadline (``asyncio.timeout``) and a key of their own:
+#: one that times out is repeated with its key, which tells what became of it
+TIMED = 0.08
+TIMED_OPS = ("claim", "start", "move", "revert", "confirm", "release", "create", "delprov")
 
 
 def shared_id(seed: int, name: str) -> str:
@@ -94,11 +100,20 @@ async def client(
         op: str, args: dict[str, Any], fn: Callable[..., Awaitable[Receipt | int]], key: str | None = None
     ) -> None:
         rid = f"h-{name}-{next(counter)}"
+        deadline = None
+        if key is None and op in TIMED_OPS and rng.random() < TIMED:
+            key, deadline = f"timed-{rid}", rng.choice([0.0, 0.0002, 0.001, 0.005])
         line: dict[str, Any] = {"rid": rid, "client": name, "op": op, "args": args, "key": key}
         metadata = {"request_id": rid, "actor": name}
         line["inv"] = time.monotonic_ns()
         try:
-            answer = await fn(metadata=metadata, idempotency_key=key)
+            async with asyncio.timeout(deadline):
+                answer = await fn(metadata=metadata, idempotency_key=key)
+        except TimeoutError:  # (only with a deadline: its outcome unknown, learnt by repeating it)
+            line.update(resp=time.monotonic_ns(), outcome="timeout")
+            sink(line)
+            await run(op, args, fn, key)
+            return
         except EvstoreError as exc:
             line["resp"] = time.monotonic_ns()
             line.update(outcome="rejected", code=exc.code, message=str(exc)[:300])

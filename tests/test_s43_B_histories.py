@@ -15,11 +15,15 @@ is then checked against the history:
    with its request id and actor; every event after the set-up belongs to an accepted command;
    at most one command ran under an idempotency key, and every one under that key invoked after
    it was answered was answered its positions, ``replayed`` (keyed deletes from every client; a
-   claim under its own key, sent twice at once and then once more);
+   claim under its own key, sent twice at once and then once more; a command whose caller timed
+   out committed whole or not at all, and its repeat under its key, invoked after, was answered
+   its positions, replayed, if and only if it had committed);
 2. no rejected command left an event (nothing in the log carries its request id);
 3. real-time order: when A's answer came before B was invoked, A's positions are below B's;
 4. the log order is a legal sequential history: each accepted command, decided by this file's own
-   model of the rules against the log's prefix just before its first event, is accepted; and each
+   model of the rules against the log's prefix just before its first event, is accepted, appending
+   events of the types the model says (a move not a migration when the instance holds other
+   allocations under the generation it was sent, README's narrowing); and each
    rejection is justified - at some prefix in its window (from the last position of a command
    answered before it was invoked to the last position before the first event of a command invoked
    after its answer) the model refuses it with the same code (``ConsumerDeleted``: a tombstone of
@@ -72,7 +76,7 @@ NOOP = "(accepted, nothing appended)"
 EVENT_TYPES = {
     "claim": {"AllocationsReplaced"},
     "start": {"MigrationStarted"},
-    "move": {"MigrationStarted"},
+    "move": {"MigrationStarted", "AllocationsReplaced"},  # (which: ``Model.appends``)
     "revert": {"MigrationReverted"},
     "confirm": {"MigrationConfirmed"},
     "release": {"AllocationsReleased"},
@@ -234,6 +238,19 @@ class Model:
     def _dead_migration(self, m: str) -> bool:
         return m in self.behalf and self.behalf[m] in self.tomb
 
+    def appends(self, op: str, a: dict[str, Any]) -> list[str]:
+        """The types of the events an accepted command appends here. A move is recorded as a
+        ``MigrationStarted`` only when the instance holds exactly what is moved (README: another
+        write is a plain one, two ``AllocationsReplaced`` - or one, of the target, for an absent
+        instance); the generation it was sent can match while it does not: a consumer emptied and
+        written again starts again at generation 1."""
+        if op != "move":
+            return sorted(EVENT_TYPES[op])
+        i, m = a["instance"], a["migration"]
+        if self.alloc.get(i) == a["allocations"] and i not in self.behalf and m not in self.behalf:
+            return ["MigrationStarted"]
+        return ["AllocationsReplaced"] * (2 if self.alloc.get(i) else 1)
+
     def decide(self, op: str, a: dict[str, Any]) -> str | None:
         """The code this prefix refuses the command with; None to accept it, NOOP for a delete of a
         deleted consumer."""
@@ -318,6 +335,8 @@ class Check:
     want: str | None
     record: dict[str, Any]
     justified: bool = False
+    #: an accepted command's events' types, in the log
+    types: list[str] | None = None
 
 
 def check_history(
@@ -351,6 +370,15 @@ def check_history(
             if logged:
                 problems.append(f"{rid} {rec['op']} rejected ({rec['code']}) left events at {logged}")
             continue
+        if rec["outcome"] == "timeout":  # its caller gave up: committed whole, or not at all
+            for p in logged:
+                owner[p] = rec
+                if rows[p - 1]["type"] not in EVENT_TYPES[rec["op"]]:
+                    problems.append(f"{rid} {rec['op']}: event {p} is a {rows[p - 1]['type']}")
+            if logged:
+                rec["positions"] = logged
+                accepted.append((rec, logged))
+            continue
         if rec.get("replayed"):
             if logged:
                 problems.append(f"{rid} replayed, yet appended {logged}")
@@ -381,7 +409,12 @@ def check_history(
         # At most one command ran under a key; once it was answered, every command under that key
         # is answered its receipt (replayed) - one refused, or appending again, would be decided
         # afresh - and a command answered as replayed was answered after that one began.
-        ran = [r for r in recs if r["outcome"] == "accepted" and not r.get("replayed")]
+        ran = [
+            r
+            for r in recs
+            if (r["outcome"] == "accepted" and not r.get("replayed"))
+            or (r["outcome"] == "timeout" and r.get("positions"))
+        ]
         if len(ran) > 1:
             problems.append(f"key {key}: {len(ran)} commands ran under it: {[r['rid'] for r in ran]}")
         for r in recs:
@@ -389,17 +422,18 @@ def check_history(
                 if r.get("replayed"):
                     problems.append(f"key {key}: {r['rid']} replayed, but no command under it ran")
                 continue
-            if r is ran[0]:
+            if r is ran[0] or r["outcome"] == "timeout":
                 continue
             if r["inv"] > ran[0]["resp"] and not r.get("replayed"):
-                problems.append(
-                    f"key {key}: {r['rid']} after {ran[0]['rid']} was answered, yet decided again: {r}"
-                )
+                problems.append(f"key {key}: {r['rid']} after {ran[0]['rid']} ended, yet decided again: {r}")
             if r.get("replayed") and (r["positions"] != ran[0]["positions"] or r["resp"] < ran[0]["inv"]):
                 problems.append(f"key {key}: repeat {r['rid']} answered {r['positions']} of {ran[0]}")
 
     # 3. real-time order, and the windows of the model's checks
-    appended = sorted((rec["resp"], max(pos)) for rec, pos in accepted if pos)
+    # (a command whose caller timed out has no time of its answer: it is never "answered before")
+    appended = sorted(
+        (rec["resp"], max(pos)) for rec, pos in accepted if pos and rec["outcome"] == "accepted"
+    )
     done_at = [t for t, _ in appended]
     done_max: list[int] = []
     for _, p in appended:
@@ -428,7 +462,8 @@ def check_history(
                         f"real time: {rec['rid']} {rec['op']} at {pos} was invoked after a command "
                         f"answered at {low(rec['inv'])} had been answered"
                     )
-            checks.append(Check(min(pos) - 1, min(pos) - 1, None, rec))
+            types = [rows[p - 1]["type"] for p in pos]
+            checks.append(Check(min(pos) - 1, min(pos) - 1, None, rec, types=types))
         else:  # a delete of a deleted consumer
             checks.append(Check(low(rec["inv"]), high(rec["resp"]), NOOP, rec))
     for rec in records:
@@ -451,7 +486,8 @@ def check_history(
         for c in active:
             if c.high < k:
                 continue  # (judged below)
-            if model.decide(c.record["op"], c.record["args"]) == c.want:
+            op, args = c.record["op"], c.record["args"]
+            if model.decide(op, args) == c.want and (c.types is None or model.appends(op, args) == c.types):
                 c.justified = True
             else:
                 still.append(c)
@@ -459,7 +495,7 @@ def check_history(
     unjustified = [c for c in checks if not c.justified]
     for c in unjustified[:8]:
         rec = c.record
-        what = "accepted" if c.want is None else c.want
+        what = f"accepted, appending {c.types}," if c.want is None else c.want
         problems.append(
             f"{rec['rid']} {rec['op']} {rec['args']} {what}, which no prefix in [{c.low}, {c.high}] "
             f"justifies ({rec.get('message', '')})"
@@ -474,6 +510,8 @@ def check_history(
         "checks": len(checks),
         "unjustified": len(unjustified),
         "wide_windows": sum(c.high > c.low for c in checks),
+        "timeouts": sum(r["outcome"] == "timeout" for r in records),
+        "timeouts_committed": sum(r["outcome"] == "timeout" and bool(r.get("positions")) for r in records),
         "seed": seed,
     }
     return [f"seed {seed}: {p}" for p in problems], model, stats
