@@ -129,18 +129,45 @@ async def client(
                 line.update(positions=list(answer.positions), replayed=answer.replayed)
         sink(line)
 
+    async def read(op: str, args: dict[str, Any], fn: Callable[[], Awaitable[Any]]) -> Any:
+        """A read, recorded as a command is (``outcome`` "read", ``answer`` what it said)."""
+        line: dict[str, Any] = {"rid": f"h-{name}-{next(counter)}", "client": name, "op": op, "args": args}
+        line.update(key=None, inv=time.monotonic_ns())
+        try:
+            view = await fn()
+        except EvstoreError as exc:
+            line.update(resp=time.monotonic_ns(), outcome="read", answer={"code": exc.code})
+            sink(line)
+            raise
+        line.update(resp=time.monotonic_ns(), outcome="read")
+        if op == "read_consumer":
+            line["answer"] = {
+                "allocations": view.allocations,
+                "generation": view.generation,
+                "deleted": view.deleted,
+            }
+        elif op == "read_inventories":
+            line["answer"] = {"generation": view.generation, "inventories": view.to_dict()["inventories"]}
+        else:  # read_usage
+            line["answer"] = {"generation": view.generation, "usages": dict(view)}
+        sink(line)
+        return view
+
+    def consumer(c: str) -> Awaitable[Any]:
+        return read("read_consumer", {"consumer": c}, lambda: store.allocations(c))
+
     epoch = [0] * INSTANCES  # a slot's instance, once deleted, is followed by a new one
 
     async def step() -> None:
         k = rng.randrange(INSTANCES)
         inst = shared_id(seed, f"inst-{k}-{epoch[k]}")
-        if (await store.allocations(inst)).deleted:
+        if (await consumer(inst)).deleted:
             epoch[k] += 1
             inst = shared_id(seed, f"inst-{k}-{epoch[k]}")
         mig = shared_id(seed, f"mig-{k}-{epoch[k]}-{rng.randrange(2)}")
         op = rng.choices(list(MIX), list(MIX.values()))[0]
         if op == "claim":
-            generation = (await store.allocations(inst)).generation
+            generation = (await consumer(inst)).generation
             if rng.random() < 0.15:
                 generation = None  # blind: "I expect it absent"
             allocs: dict[str, dict[str, int]] = {
@@ -172,7 +199,7 @@ async def client(
                 op, {"instance": inst, "migration": mig}, lambda **kw: store.start_migration(inst, mig, **kw)
             )
         elif op == "move":  # Nova's move_allocations: the instance emptied into the migration
-            view = await store.allocations(inst)
+            view = await consumer(inst)
             if not view.allocations or view.project_id is None or view.user_id is None:
                 return
             held = {p: dict(r) for p, r in view.allocations.items()}
@@ -205,7 +232,9 @@ async def client(
         elif op in ("setinv", "setone"):
             p = rng.choice(providers)
             try:
-                generation = (await store.inventories(p)).generation
+                generation = (
+                    await read("read_inventories", {"provider": p}, lambda: store.inventories(p))
+                ).generation
             except EvstoreError:
                 generation = 0  # (a spare provider deleted: refused, ProviderNotFound)
             if op == "setinv":
@@ -237,7 +266,16 @@ async def client(
             p = rng.choice(spares(seed))
             await run(op, {"provider": p}, lambda **kw: store.delete_provider(p, **kw))
 
+    async def usage() -> None:
+        p = rng.choice(providers)
+        try:
+            await read("read_usage", {"provider": p}, lambda: store.usage(p))
+        except EvstoreError:
+            pass  # (recorded)
+
     for _ in range(n):
+        if rng.random() < 0.2:
+            await usage()
         await step()
         await asyncio.sleep(0)
 

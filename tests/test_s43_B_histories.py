@@ -32,6 +32,8 @@ is then checked against the history:
    ``InvalidInventory``: Placement's row-by-row check against that prefix's inventories and usage;
    ``InventoryInUse``, ``ProviderInUse``, ``ProviderNotFound``, ``DuplicateName``, ``NotFound``
    likewise); a delete that appended nothing found a tombstone there;
+   Reads too (``allocations``, ``inventories``, ``usage``, which the clients make before their
+   commands): each answer is what the model holds at some prefix of its window;
 5. each event's payload agrees with the model ("previous", "released", provider generations +1);
 6. afterwards the projection equals the model (allocations, deleted, generations, usage), the audit
    (projection against a fresh replay) is clean, and no deleted consumer - nor a migration of a
@@ -251,6 +253,25 @@ class Model:
             return ["MigrationStarted"]
         return ["AllocationsReplaced"] * (2 if self.alloc.get(i) else 1)
 
+    def observe(self, op: str, a: dict[str, Any]) -> dict[str, Any]:
+        """What a read answers here."""
+        if op == "read_consumer":
+            c = a["consumer"]
+            return {
+                "allocations": self.alloc.get(c, {}),
+                "generation": self.gen.get(c),
+                "deleted": c in self.tomb,
+            }
+        prov = self.providers.get(a["provider"])
+        if prov is None:
+            return {"code": PNF}
+        if op == "read_inventories":
+            return {"generation": prov["gen"], "inventories": prov["inv"]}
+        return {
+            "generation": prov["gen"],
+            "usages": {rc: self.usage[a["provider"], rc] for rc in prov["inv"]},
+        }
+
     def decide(self, op: str, a: dict[str, Any]) -> str | None:
         """The code this prefix refuses the command with; None to accept it, NOOP for a delete of a
         deleted consumer."""
@@ -361,6 +382,10 @@ def check_history(
     by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rec in records:
         rid, logged = rec["rid"], by_rid.get(rec["rid"], [])
+        if rec["outcome"] == "read":
+            if logged:
+                problems.append(f"{rid}: a read, yet events carry its request id: {logged}")
+            continue
         if rec["outcome"] == "crashed":
             problems.append(f"{rid} {rec['op']} raised a bare {rec['code']}: {rec['message']}")
             continue
@@ -469,6 +494,8 @@ def check_history(
     for rec in records:
         if rec["outcome"] == "rejected":
             checks.append(Check(low(rec["inv"]), high(rec["resp"]), rec["code"], rec))
+        elif rec["outcome"] == "read":
+            checks.append(Check(low(rec["inv"]), high(rec["resp"]), None, rec))
 
     # 4, 5. the model along the log, each check decided at the prefixes of its window
     checks.sort(key=lambda c: c.low)
@@ -487,15 +514,19 @@ def check_history(
             if c.high < k:
                 continue  # (judged below)
             op, args = c.record["op"], c.record["args"]
-            if model.decide(op, args) == c.want and (c.types is None or model.appends(op, args) == c.types):
+            if c.record["outcome"] == "read":
+                c.justified = model.observe(op, args) == c.record["answer"]
+            elif model.decide(op, args) == c.want and (c.types is None or model.appends(op, args) == c.types):
                 c.justified = True
-            else:
+            if not c.justified:
                 still.append(c)
         active = still
     unjustified = [c for c in checks if not c.justified]
     for c in unjustified[:8]:
         rec = c.record
         what = f"accepted, appending {c.types}," if c.want is None else c.want
+        if rec["outcome"] == "read":
+            what = f"answered {rec['answer']}"
         problems.append(
             f"{rec['rid']} {rec['op']} {rec['args']} {what}, which no prefix in [{c.low}, {c.high}] "
             f"justifies ({rec.get('message', '')})"
@@ -510,6 +541,7 @@ def check_history(
         "checks": len(checks),
         "unjustified": len(unjustified),
         "wide_windows": sum(c.high > c.low for c in checks),
+        "reads": sum(r["outcome"] == "read" for r in records),
         "timeouts": sum(r["outcome"] == "timeout" for r in records),
         "timeouts_committed": sum(r["outcome"] == "timeout" and bool(r.get("positions")) for r in records),
         "seed": seed,
@@ -645,7 +677,8 @@ async def test_processes_on_one_store(store_url: str, tmp_path: Path) -> None:
 
 def test_the_checker_finds_what_it_looks_for() -> None:
     """The checker itself: a clean made-up history passes; a lost event, a stray one, a reordering
-    against real time and an unjustified refusal each fail it."""
+    against real time, an unjustified refusal and a read of a state no prefix in its window had
+    each fail it."""
     p, c, m = "11111111-1111-4111-8111-111111111111", "c" * 8, "m" * 8
     inv = {
         "VCPU": {
@@ -703,6 +736,24 @@ def test_the_checker_finds_what_it_looks_for() -> None:
         rec("r2", "claim", {**claim, "consumer": m}, 15, 25, outcome="rejected", code=CAPACITY, message=""),
         rec("r3", "delete", {"consumer": c}, 30, 40, outcome="accepted", positions=[4], replayed=False),
         rec("r4", "claim", claim, 35, 45, outcome="rejected", code=CD, message=""),
+        rec(
+            "r5",
+            "read_usage",
+            {"provider": p},
+            21,
+            29,
+            outcome="read",
+            answer={"generation": 2, "usages": {"VCPU": 3}},
+        ),
+        rec(
+            "r6",
+            "read_consumer",
+            {"consumer": c},
+            26,
+            50,
+            outcome="read",
+            answer={"allocations": {}, "generation": None, "deleted": True},
+        ),
     ]
     assert check_history(good, rows, 2, 0)[0] == []
 
@@ -714,3 +765,7 @@ def test_the_checker_finds_what_it_looks_for() -> None:
     assert bad([good[0], good[1], {**good[2], "inv": 5, "resp": 8}, good[3]])  # answered before r1 began
     assert bad([*good[:3], {**good[3], "inv": 21, "resp": 22}])  # refused as deleted before the delete began
     assert bad([good[0], {**good[1], "inv": 0, "resp": 5}, *good[2:]])  # full before anything was claimed
+    assert bad([*good[:4], {**good[4], "inv": 41, "resp": 42}, good[5]])  # a usage the delete had ended
+    assert bad([*good[:5], {**good[5], "inv": 1, "resp": 9}])  # deleted before it was claimed
+    stale = {"allocations": {p: {"VCPU": 3}}, "generation": 1, "deleted": False}
+    assert bad([*good[:5], {**good[5], "inv": 41, "resp": 50, "answer": stale}])  # after the delete
