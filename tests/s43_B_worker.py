@@ -293,6 +293,16 @@ async def main(url: str, seed: int, proc: int, tasks: int, n: int, out_path: str
         os.close(fd)
 
 
+def history_lag_from_env() -> None:
+    """``EVSTORE_TEST_HISTORY_LAG``: index SQLite's history every that many events (so that the
+    processes' catch-ups interleave with each other's appends)."""
+    if lag := os.environ.get("EVSTORE_TEST_HISTORY_LAG"):
+        from evstore.log import sqlite
+
+        sqlite.HISTORY_LAG = int(lag)
+
+
 if __name__ == "__main__":
+    history_lag_from_env()
     a = sys.argv
     asyncio.run(main(a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), a[6]))

@@ -35,7 +35,10 @@ is then checked against the history:
    Reads too (``allocations``, ``inventories``, ``usage``, which the clients make before their
    commands): each answer is what the model holds at some prefix of its window;
 5. each event's payload agrees with the model ("previous", "released", provider generations +1);
-6. afterwards the projection equals the model (allocations, deleted, generations, usage), the audit
+6. afterwards the projection equals the model (allocations, deleted, generations, usage), each
+   consumer's and provider's ``history`` holds, in order, events naming it, every one naming it as
+   its consumer, instance, migration or provider among them (the processes' SQLite history index
+   caught up every few events, ``EVSTORE_TEST_HISTORY_LAG``), the audit
    (projection against a fresh replay) is clean, and no deleted consumer - nor a migration of a
    deleted instance - holds anything.
 
@@ -579,6 +582,23 @@ async def check_run(
         u = await store.usage(p)
         if (u.generation, dict(u)) != (prov["gen"], {rc: model.usage[p, rc] for rc in prov["inv"]}):
             problems.append(f"seed {seed}: usage({p}) {u.generation} {dict(u)}, the fold {prov}")
+    # the histories: each consumer's and provider's, increasing, of events naming it, and every
+    # event naming it as the consumer, instance, migration or provider of the event
+    naming: dict[str, set[int]] = defaultdict(set)
+    texts = {r["position"]: r["data"] for r in rows}
+    for r in rows:
+        d = json.loads(r["data"])
+        for f in ("consumer", "instance", "migration", "provider"):
+            if isinstance(d.get(f), str):
+                naming[d[f]].add(r["position"])
+        for p in d.get("provider_generations") or {}:
+            naming[p].add(r["position"])
+    for x in sorted(set(model.gen) | set(model.tomb) | set(model.providers)):
+        hist = [e.position async for e in store.history(x)]
+        if hist != sorted(set(hist)) or any(x not in texts.get(p, "") for p in hist):
+            problems.append(f"seed {seed}: history({x}) {hist}: not increasing, or events not naming it")
+        if missing := sorted(naming[x] - set(hist)):
+            problems.append(f"seed {seed}: history({x}) lacks {missing}")
     # (an inventory shrunk below its usage is allowed, and the audit reports it: the providers the
     # fold has over capacity, no more, no fewer; anything else - drift, a leak - is a problem)
     report = await store.audit()
@@ -651,6 +671,7 @@ async def test_processes_on_one_store(store_url: str, tmp_path: Path) -> None:
         setup_head = await store.head()
         outs = [tmp_path / f"h{i}.jsonl" for i in range(procs_n)]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        env["EVSTORE_TEST_HISTORY_LAG"] = str(random.Random(seed).choice([3, 7, 50]))
         procs = [
             await asyncio.create_subprocess_exec(
                 sys.executable,
