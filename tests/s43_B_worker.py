@@ -117,6 +117,10 @@ async def client(
         except EvstoreError as exc:
             line["resp"] = time.monotonic_ns()
             line.update(outcome="rejected", code=exc.code, message=str(exc)[:300])
+            if exc.code == "evstore.storage":  # (whether it may have committed)
+                line["details"] = {
+                    k: exc.details.get(k) for k in ("outcome_unknown", "committed", "transient", "sqlstate")
+                }
         except Exception as exc:  # (recorded: the checker fails on it, naming it)
             line["resp"] = time.monotonic_ns()
             line.update(outcome="crashed", code=type(exc).__name__, message=repr(exc)[:300])
@@ -137,6 +141,11 @@ async def client(
             view = await fn()
         except EvstoreError as exc:
             line.update(resp=time.monotonic_ns(), outcome="read", answer={"code": exc.code})
+            sink(line)
+            raise
+        except Exception as exc:  # (recorded: the checker fails on it, naming it)
+            line.update(resp=time.monotonic_ns(), outcome="crashed", code=type(exc).__name__)
+            line["message"] = repr(exc)[:300]
             sink(line)
             raise
         line.update(resp=time.monotonic_ns(), outcome="read")
@@ -270,13 +279,19 @@ async def client(
         p = rng.choice(providers)
         try:
             await read("read_usage", {"provider": p}, lambda: store.usage(p))
-        except EvstoreError:
+        except Exception:
             pass  # (recorded)
 
     for _ in range(n):
         if rng.random() < 0.2:
             await usage()
-        await step()
+        try:
+            await step()
+        except EvstoreError as exc:  # a read before the command failed (recorded): skip it
+            if exc.code != "evstore.storage":
+                raise
+        except Exception:  # (a read's bare error, recorded as "crashed": the checker names it)
+            pass
         await asyncio.sleep(0)
 
 

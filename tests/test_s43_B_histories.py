@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from evstore import AllocationStore, open_store
 from tests import s43_B_worker as worker
 
@@ -75,6 +77,10 @@ INV_IN_USE = "placement.inventory.inuse"
 PROV_IN_USE = "placement.resource_provider.inuse"
 DUPLICATE = "placement.duplicate_name"
 INVALID_INPUT = "evstore.invalid_input"
+STORAGE = "evstore.storage"
+#: a known bare error (asyncpg's), strict-xfailed in tests/test_s43_B_pg_read_timeouts.py: a read
+#: that runs out of PostgreSQL's command_timeout may raise it instead of evstore.storage
+KNOWN_BARE = "connection has been released back to the pool"
 NOOP = "(accepted, nothing appended)"
 
 #: the event types each accepted command appends
@@ -389,16 +395,26 @@ def check_history(
             if logged:
                 problems.append(f"{rid}: a read, yet events carry its request id: {logged}")
             continue
+        if rec["outcome"] == "crashed" and KNOWN_BARE in rec["message"]:
+            continue  # (tests/test_s43_B_pg_read_timeouts.py: counted in the stats)
         if rec["outcome"] == "crashed":
             problems.append(f"{rid} {rec['op']} raised a bare {rec['code']}: {rec['message']}")
             continue
         if rec["key"] is not None:
             by_key[rec["key"]].append(rec)
+        if rec["outcome"] == "rejected" and rec["code"] == STORAGE:
+            # a failure, not a decision: rolled back (outcome_unknown False), committed, or either
+            if rec["details"].get("outcome_unknown"):
+                if rec["details"].get("committed") and not logged:
+                    problems.append(f"{rid} {rec['op']} said committed, but appended nothing: {rec}")
+                rec["outcome"] = "unknown"
+            elif logged:
+                problems.append(f"{rid} {rec['op']} said rolled back, yet appended {logged}: {rec}")
         if rec["outcome"] == "rejected":
             if logged:
                 problems.append(f"{rid} {rec['op']} rejected ({rec['code']}) left events at {logged}")
             continue
-        if rec["outcome"] == "timeout":  # its caller gave up: committed whole, or not at all
+        if rec["outcome"] in ("timeout", "unknown"):  # committed whole, or not at all
             for p in logged:
                 owner[p] = rec
                 if rows[p - 1]["type"] not in EVENT_TYPES[rec["op"]]:
@@ -441,7 +457,7 @@ def check_history(
             r
             for r in recs
             if (r["outcome"] == "accepted" and not r.get("replayed"))
-            or (r["outcome"] == "timeout" and r.get("positions"))
+            or (r["outcome"] in ("timeout", "unknown") and r.get("positions"))
         ]
         if len(ran) > 1:
             problems.append(f"key {key}: {len(ran)} commands ran under it: {[r['rid'] for r in ran]}")
@@ -450,7 +466,7 @@ def check_history(
                 if r.get("replayed"):
                     problems.append(f"key {key}: {r['rid']} replayed, but no command under it ran")
                 continue
-            if r is ran[0] or r["outcome"] == "timeout":
+            if r is ran[0] or r["outcome"] in ("timeout", "unknown") or r.get("code") == STORAGE:
                 continue
             if r["inv"] > ran[0]["resp"] and not r.get("replayed"):
                 problems.append(f"key {key}: {r['rid']} after {ran[0]['rid']} ended, yet decided again: {r}")
@@ -495,9 +511,9 @@ def check_history(
         else:  # a delete of a deleted consumer
             checks.append(Check(low(rec["inv"]), high(rec["resp"]), NOOP, rec))
     for rec in records:
-        if rec["outcome"] == "rejected":
+        if rec["outcome"] == "rejected" and rec["code"] != STORAGE:
             checks.append(Check(low(rec["inv"]), high(rec["resp"]), rec["code"], rec))
-        elif rec["outcome"] == "read":
+        elif rec["outcome"] == "read" and rec["answer"].get("code") != STORAGE:
             checks.append(Check(low(rec["inv"]), high(rec["resp"]), None, rec))
 
     # 4, 5. the model along the log, each check decided at the prefixes of its window
@@ -546,6 +562,8 @@ def check_history(
         "wide_windows": sum(c.high > c.low for c in checks),
         "reads": sum(r["outcome"] == "read" for r in records),
         "timeouts": sum(r["outcome"] == "timeout" for r in records),
+        "storage_unknown": sum(r["outcome"] == "unknown" for r in records),
+        "known_bare": sorted(r["op"] for r in records if r["outcome"] == "crashed"),
         "timeouts_committed": sum(r["outcome"] == "timeout" and bool(r.get("positions")) for r in records),
         "seed": seed,
     }
@@ -564,7 +582,7 @@ async def _rows(store: AllocationStore) -> list[dict[str, Any]]:
 
 
 async def check_run(
-    store: AllocationStore, records: list[dict[str, Any]], setup_head: int, seed: int
+    store: AllocationStore, records: list[dict[str, Any]], setup_head: int, seed: int, both: bool = True
 ) -> dict[str, Any]:
     """Every property of the module's docstring; answers the counts."""
     rows = await _rows(store)
@@ -613,7 +631,7 @@ async def check_run(
     if others or reported != over:
         problems.append(f"seed {seed}: audit {report.findings}; the fold has {over} over capacity")
     assert not problems, "\n".join(problems[:20])
-    assert stats["accepted"] and stats["rejected"], stats
+    assert not both or (stats["accepted"] and stats["rejected"]), stats
     return stats
 
 
@@ -693,6 +711,28 @@ async def test_processes_on_one_store(store_url: str, tmp_path: Path) -> None:
         assert codes == [0] * procs_n, f"seed {seed}: workers exited {codes}"
         records = [json.loads(line) for out in outs for line in out.read_text().splitlines()]
         stats = await check_run(store, records, setup_head, seed)
+    print(stats)
+
+
+@pytest.mark.parametrize("options", ["lock_timeout=3ms", "command_timeout=0.05"])
+async def test_postgres_under_tight_timeouts(pg_url: str, tmp_path: Path, options: str) -> None:
+    """PostgreSQL with a lock_timeout or command_timeout so short that commands fail as
+    ``evstore.storage``: one said rolled back (``outcome_unknown`` False) left no event, one said
+    committed appended its events, one of unknown outcome committed whole or not at all; the
+    rest of the history checks as without them. (A read's bare asyncpg ``InterfaceError`` under
+    command_timeout is tests/test_s43_B_pg_read_timeouts.py's finding: left out here, counted.)"""
+    seed = _seed()
+    tasks, n = _sizes((6, 25), (12, 150))
+    records: list[dict[str, Any]] = []
+    url = f"{pg_url}&{options}"
+    async with open_store(pg_url) as setup:
+        await worker.set_up(setup, seed)
+        setup_head = await setup.head()
+    async with open_store(url) as store:
+        await asyncio.gather(*(worker.client(store, seed, f"t{t}", n, records.append) for t in range(tasks)))
+    async with open_store(pg_url) as store:
+        # (on a loaded machine every command may run out of the timeout: nothing accepted)
+        stats = await check_run(store, records, setup_head, seed, both=False)
     print(stats)
 
 
