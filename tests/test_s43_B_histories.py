@@ -552,7 +552,7 @@ def check_history(
         )
     problems += model.problems[:10]
     stats = {
-        "commands": len(records),
+        "commands": sum(r["outcome"] != "read" for r in records),
         "accepted": len(accepted),
         "rejected": sum(r["outcome"] == "rejected" for r in records),
         "events": head - setup_head,
