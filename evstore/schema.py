@@ -548,13 +548,19 @@ def validate_int_option(value: object, name: str, least: int, most: int = 1_000_
 
 
 def validate_seconds_option(value: object, name: str, most: float = 86_400) -> float:
-    """A duration store option in seconds, above 0 (nan and inf refused)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= most:
+    """A duration store option in seconds, from a millisecond (nan and inf refused). Less is no
+    duration a poll, a connection or a statement can keep: ``poll_interval=1e-320`` polled the head
+    of the log in a busy loop, a ``connect_timeout`` of 1e-9 timed every connection out at once."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _LEAST_SECONDS <= value <= most:
         raise InvalidInput(
-            f"{name} must be a number of seconds above 0 and at most {most:g}, got {shown(value, 40)}",
+            f"{name} must be a number of seconds from {_LEAST_SECONDS:g} to {most:g}, got {shown(value, 40)}",
             field=name,
         )
     return float(value)
+
+
+#: the shortest duration a store option (``poll_interval``, ``connect_timeout``, ``command_timeout``) takes
+_LEAST_SECONDS = 0.001
 
 
 def validate_flag_option(value: object, name: str) -> bool:
