@@ -30,6 +30,7 @@ import warnings
 import weakref
 from collections.abc import (
     AsyncGenerator,
+    Awaitable,
     Callable,
     Coroutine,
     Generator,
@@ -39,7 +40,7 @@ from collections.abc import (
 )
 from dataclasses import asdict
 from datetime import UTC, date, datetime, timedelta
-from typing import Any, Concatenate, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack
+from typing import Any, Concatenate, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack, cast
 
 import structlog
 from pydantic import BaseModel, ValidationError
@@ -331,8 +332,15 @@ class _MetadataScope:
         self.__exit__()
 
     def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
-        if inspect.iscoroutinefunction(func):
-            run = func
+        if not callable(func):
+            raise err.InvalidInput(
+                f"command_metadata(...) decorates a function, got {shown(func, 60)}: use "
+                "`with command_metadata(...):` around the commands",
+                field="command_metadata",
+            )
+        call = _call_of(func)
+        if inspect.iscoroutinefunction(call):
+            run = cast("Callable[..., Awaitable[Any]]", func)
 
             @functools.wraps(func)
             async def scoped_run(*args: Any, **kwargs: Any) -> Any:
@@ -343,7 +351,7 @@ class _MetadataScope:
                     _command_metadata.reset(token)
 
             return scoped_run  # type: ignore[return-value]
-        if inspect.isasyncgenfunction(func) or inspect.isgeneratorfunction(func):
+        if inspect.isasyncgenfunction(call) or inspect.isgeneratorfunction(call):
             raise err.InvalidInput(
                 "command_metadata(...) cannot decorate a generator: use `with command_metadata(...):`"
                 " inside it, around the commands",
@@ -354,11 +362,34 @@ class _MetadataScope:
         def scoped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             token = self._set()
             try:
-                return func(*args, **kwargs)
+                made = func(*args, **kwargs)
             finally:
                 _command_metadata.reset(token)
+            if inspect.iscoroutine(made):  # (a plain function answering a coroutine: its run)
+                return self._around(made)  # type: ignore[return-value]
+            return made
 
         return scoped
+
+    async def _around(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """``coroutine`` run with the metadata set (one a plain function made, which the caller
+        awaits after the function's own call has ended)."""
+        token = self._set()
+        try:
+            return await coroutine
+        finally:
+            _command_metadata.reset(token)
+
+
+def _call_of(func: Callable[..., Any]) -> Callable[..., Any]:
+    """What calling ``func`` runs, to tell an ``async def`` from a plain function: through
+    ``functools.partial``, and an object's ``__call__`` (a handler class with ``async def
+    __call__``, which ``inspect.iscoroutinefunction`` calls plain: its metadata was dropped)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    if isinstance(func, type) or inspect.isroutine(func):
+        return func
+    return getattr(type(func), "__call__", func)  # noqa: B004 (the method itself, not a test of callable)
 
 
 def command_metadata(
