@@ -2752,12 +2752,14 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
     await it for an open store the caller closes (as ``aiosqlite.connect`` and asyncpg's pools
     allow). A plain ``with`` is a typed error that says so."""
 
-    __slots__ = ("_options", "_store", "_url")
+    __slots__ = ("_entered", "_options", "_store", "_url")
 
     def __init__(self, url: str, options: StoreOptions) -> None:
         self._url = url
         self._options: dict[str, Any] = dict(options)
         self._store: AllocationStore | None = None
+        #: an ``async with`` of this opener has begun and not ended (its store may still be opening)
+        self._entered = False
 
     async def _open(self) -> AllocationStore:
         options = dict(self._options)
@@ -2778,16 +2780,25 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         return await store.open()
 
     async def __aenter__(self) -> AllocationStore:
-        if self._store is not None:  # (a second store would be lost: only one __aexit__ to close it)
+        # (a second store would be lost: only one __aexit__ to close it. Noted before the open's
+        # first await: another task entering while this one opens was let in, and the first block
+        # to end closed the other's store under it, its own never closed)
+        if self._entered:
             raise err.InvalidInput(
                 "this open_store(...) is in use by an `async with` that has not ended: call open_store "
                 "again for another store"
             )
-        self._store = await self._open()
+        self._entered = True
+        try:
+            self._store = await self._open()
+        except BaseException:
+            self._entered = False
+            raise
         return self._store
 
     async def __aexit__(self, *exc: object) -> None:
         store, self._store = self._store, None
+        self._entered = False
         if store is not None:
             await store.close()
 
