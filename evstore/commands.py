@@ -406,8 +406,8 @@ def _check_and_plan(state: State, changes: list[_Change], written: bool = False)
     missing = [p for p in named if not class_set & state.providers[p].inventories.keys()]
     if missing:
         raise err.InvalidInventory(
-            f"Unable to allocate inventory: Inventory for '{', '.join(classes)}' on resource provider "
-            f"'{', '.join(missing)}' invalid.",
+            f"Unable to allocate inventory: Inventory for '{_listed(classes, 'resource_classes')}' on "
+            f"resource provider '{_listed(missing, 'providers')}' invalid.",
             providers=missing,
             resource_classes=classes,
         )
@@ -807,6 +807,20 @@ def _refuse_inventory(provider: str, rc: str, inv: Inventory, what: str, single:
     )
 
 
+#: the most names a refusal's message lists (Placement's wording joins them all: 10,000 classes
+#: or providers made a message, and its ``command.rejected`` log line, of 170-370 KB)
+_MOST_LISTED = 20
+
+
+def _listed(names: list[str], key: str) -> str:
+    """``names`` joined as Placement's messages join them, the first ``_MOST_LISTED`` of a longer
+    list followed by how many more, and the ``details`` key that holds them all."""
+    if len(names) <= _MOST_LISTED:
+        return ", ".join(names)
+    more = len(names) - _MOST_LISTED
+    return f'{", ".join(names[:_MOST_LISTED])}, ... and {more} more (all in details["{key}"])'
+
+
 def _set_inventories(
     state: State,
     provider: str,
@@ -828,7 +842,7 @@ def _set_inventories(
     _check_inventories(state, provider, checked, changed is not None)
     removed_in_use = sorted(rc for rc in prov.inventories if rc not in inventories and prov.usages.get(rc))
     if removed_in_use:
-        named = ", ".join(sorted(removed_in_use, key=placement_class_order))
+        named = _listed(sorted(removed_in_use, key=placement_class_order), "resource_classes")
         raise err.InventoryInUse(  # (Placement's PUT .../inventories detail)
             f"update conflict: Inventory for '{named}' on resource provider '{provider}' in use.",
             provider=provider,
