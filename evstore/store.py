@@ -504,6 +504,30 @@ def _metadata_fault(value: Any, keys: list[str], text: bool) -> tuple[list[str],
     return None
 
 
+def _not_json(value: Any, keys: list[str]) -> tuple[list[str], Any] | None:
+    """The first value inside ``value`` (metadata, its keys already found to be strings) that the
+    JSON encoder refuses, with the keys down to it (list items by their index). None: there is none."""
+    if value is None or isinstance(value, str | bool):
+        return None
+    if isinstance(value, int | float):
+        try:
+            _METADATA_ENCODER.encode(value)  # (NaN and Infinity; an int past str()'s digit limit)
+        except ValueError:
+            return keys, value
+        return None
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return keys, value
+    for key, item in items:
+        if (found := _not_json(item, [*keys, str(key)])) is not None:
+            return found
+    return None
+
+
 def _is_text(value: Any) -> bool:
     """Whether ``value`` is not a string holding a lone surrogate (see :func:`_metadata_fault`)."""
     if not isinstance(value, str):
@@ -557,9 +581,17 @@ def _metadata_json(meta: dict[str, Any], check: bool, own_keys: bool = False) ->
     except RecursionError:
         raise err.InvalidInput(_METADATA_TOO_DEEP, field="metadata") from None
     except (TypeError, ValueError):
+        try:
+            found = _not_json(meta, [])
+        except RecursionError:
+            found = None
+        keys, value = found if found is not None else ([], None)
+        said = (
+            f": {'.'.join(keys)} is {shown(value, 60)} ({type(value).__name__})" if found is not None else ""
+        )
         raise err.InvalidInput(
             "metadata values must be JSON-serialisable (strings, numbers other than NaN and Infinity, "
-            "booleans, null, lists and mappings)",
+            f"integers within Python's int-to-text digit limit, booleans, null, lists and dicts){said}",
             field="metadata",
         ) from None
     if check:
