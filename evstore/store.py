@@ -1040,12 +1040,10 @@ class AllocationStore:
                                         consumer_type="INSTANCE", generation=None)
     """
 
-    #: time travel snapshots the folded state every this many events (``open_store(snapshot_every=)``)
-    snapshot_every: int = 10_000
-
     def __init__(self, backend: Backend, *, max_batch: int = 256, poll_interval: float = 0.2) -> None:
         validate_int_option(max_batch, "max_batch", 1, 100_000)
         validate_seconds_option(poll_interval, "poll_interval", 3600)
+        self._snapshot_every = 10_000
         self._impl = backend
         #: the URL as messages show it, passwords hidden: worked out now, since ``__del__`` needs it
         #: where it may not work it out (at the interpreter's exit nothing can be imported, and
@@ -1154,6 +1152,18 @@ class AllocationStore:
                 "futures and connections belong to that loop): open one store per event loop, or run "
                 "the call on the store's loop, e.g. with asyncio.run_coroutine_threadsafe"
             )
+
+    @property
+    def snapshot_every(self) -> int:
+        """Time travel snapshots the folded state every this many events (``open_store(snapshot_every=)``,
+        10,000); settable on an open store, checked as the option is: 1 to 2**63-1."""
+        return self._snapshot_every
+
+    @snapshot_every.setter
+    def snapshot_every(self, value: int) -> None:
+        # (a plain attribute took anything: 1.5 failed a later state_at as a storage error, None
+        # and "10" as a bare TypeError)
+        self._snapshot_every = validate_int_option(value, "snapshot_every", 1, MAX_POSITION)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -2808,7 +2818,7 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         if snapshot_every is not None:
             # (a snapshot is taken at each position that is a multiple of it: one beyond the
             # largest position the log holds, 2**63-1, would mean "never")
-            store.snapshot_every = validate_int_option(snapshot_every, "snapshot_every", 1, MAX_POSITION)
+            store.snapshot_every = snapshot_every
         return await store.open()
 
     async def __aenter__(self) -> AllocationStore:

@@ -12,6 +12,7 @@ import math
 import pytest
 
 from evstore import InvalidInput, open_store
+from tests.conftest import new_uuid
 
 ABSURD = [
     1e-320,
@@ -67,3 +68,23 @@ async def test_postgres_timeouts_in_the_url_are_checked_alike(name: str) -> None
         async with open_store(f"postgresql://u@127.0.0.1:1/x?{name}=1e-320"):
             pass
     _is_refusal_of(caught, name)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, None, "10", 2**63])
+async def test_setting_snapshot_every_on_an_open_store_is_checked_as_the_option_is(
+    value: object, sqlite_url: str
+) -> None:
+    """``store.snapshot_every`` is a plain attribute the suite and services set on an open store
+    (time travel reads it): 1.5 failed a later ``state_at`` as a storage error ("datatype
+    mismatch"), None and "10" as a bare TypeError, 0 and -1 as a message about an "interval". It is
+    now refused where it is set, as ``open_store(snapshot_every=)`` refuses it, and left as it was."""
+    async with open_store(sqlite_url, snapshot_every=7) as store:
+        with pytest.raises(InvalidInput) as caught:
+            store.snapshot_every = value  # type: ignore[assignment]
+        assert caught.value.details["field"] == "snapshot_every" and "snapshot_every" in caught.value.message
+        assert store.snapshot_every == 7
+        store.snapshot_every = 3  # (a sound value is taken, and used)
+        for _ in range(4):
+            await store.delete_consumer(new_uuid())
+        await store.state_at(position=4)
+        assert await store.snapshot_positions() == [3]
