@@ -2763,7 +2763,7 @@ class StoreOptions(TypedDict, total=False):
 
     #: commands per group commit (256)
     max_batch: int
-    #: seconds between a subscriber's polls for other processes' appends (0.2)
+    #: seconds between a subscriber's polls for other processes' appends (0.2; 0.001 to 3600)
     poll_interval: float
     #: events between time-travel snapshots (10,000; 1 to 2**63-1)
     snapshot_every: int
@@ -2779,9 +2779,9 @@ class StoreOptions(TypedDict, total=False):
     pool_size: int
     #: PostgreSQL: connections the pool keeps open (1)
     min_pool_size: int
-    #: PostgreSQL: seconds to connect, and to wait for another open's migration (10)
+    #: PostgreSQL: seconds to connect, and to wait for another open's migration (10; 0.001 to 86400)
     connect_timeout: float
-    #: PostgreSQL: seconds a statement may take (None: no limit, the default)
+    #: PostgreSQL: seconds a statement may take (None: no limit, the default; else 0.001 to 86400)
     command_timeout: float | None
     #: PostgreSQL: retries of a deadlock or serialization failure (10)
     max_retries: int
@@ -2861,7 +2861,7 @@ def open_store(url: str, **options: Unpack[StoreOptions]) -> StoreOpener:
     ``url``: ``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (in memory) or
     ``postgresql://user@host/db``. Options of every store (keywords only): ``max_batch`` (commands
     per group commit, 256), ``poll_interval`` (seconds between a subscriber's polls for other
-    processes' appends, 0.2), ``snapshot_every`` (events between time-travel snapshots, 10,000;
+    processes' appends, 0.2; 0.001 to 3600), ``snapshot_every`` (events between time-travel snapshots, 10,000;
     at most 2**63-1). The backend's own (keywords, or ``?k=v`` in the URL): SQLite ``synchronous``
     (FULL by default; NORMAL trades the last commits on power loss for speed), ``busy_timeout``
     (seconds, 30), ``create`` (false: refuse a file holding no store), ``upgrade`` (false: refuse
