@@ -2585,8 +2585,11 @@ class AllocationStore:
             opened = open_lines()
             answered.append(opened)
             if not isinstance(opened, Iterable) or isinstance(opened, str | bytes):
+                got = _an(type(opened).__name__)
                 raise err.InvalidInput(
-                    f"open_lines() must return the lines, got a {type(opened).__name__}", field="open_lines"
+                    f"open_lines() must return the lines (a file, a list...), got {got}"
+                    + _not_lines_hint(opened),
+                    field="open_lines",
                 )
             return opened
 
@@ -2639,6 +2642,23 @@ class AllocationStore:
             line, position = found
             raise duplicate_id(event_id, position, line) from None
         return imported
+
+
+def _an(name: str) -> str:
+    """``name`` after its indefinite article: "an int", "a coroutine"."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _not_lines_hint(opened: object) -> str:
+    """What to give ``import_events`` instead of ``opened``, which is no iterable of lines."""
+    if inspect.isawaitable(opened) or hasattr(opened, "__aiter__"):
+        return (
+            ": the lines are read synchronously (twice, on a thread), so give a plain function answering "
+            "a file or a list, not an async one - e.g. lambda: open(path)"
+        )
+    if isinstance(opened, str | bytes):
+        return ": that is one text, not its lines - answer text.splitlines(), or open(path)"
+    return ""
 
 
 def _close_answered(answered: list[object]) -> None:
