@@ -299,17 +299,23 @@ def _logs_rejections(
     return wrap
 
 
+#: the ``command_metadata`` blocks entered in this context (this task), innermost last, each with
+#: the token of what it set: per task, where one scope object can be entered by several at once
+_metadata_scopes: contextvars.ContextVar[
+    tuple[tuple[_MetadataScope, contextvars.Token[dict[str, Any] | None]], ...]
+] = contextvars.ContextVar("evstore_metadata_scopes", default=())
+
+
 class _MetadataScope:
     """What :func:`command_metadata` answers: a context manager (``with`` and ``async with``) and a
     decorator. Decorating an ``async def`` (a request handler) sets the metadata for each call's
     run - each await of it -, not for the making of its coroutine, which ends before it runs (as
     ``contextlib.contextmanager``'s decorator did: the metadata was silently dropped)."""
 
-    __slots__ = ("_given", "_tokens")
+    __slots__ = ("_given",)
 
     def __init__(self, given: dict[str, Any]) -> None:
         self._given = given
-        self._tokens: list[contextvars.Token[dict[str, Any] | None]] = []
 
     def _set(self) -> contextvars.Token[dict[str, Any] | None]:
         current = dict(_command_metadata.get() or {})
@@ -320,10 +326,32 @@ class _MetadataScope:
         return _command_metadata.set(current)
 
     def __enter__(self) -> None:
-        self._tokens.append(self._set())
+        token = self._set()
+        _metadata_scopes.set((*_metadata_scopes.get(), (self, token)))
 
     def __exit__(self, *exc_info: object) -> None:
-        _command_metadata.reset(self._tokens.pop())
+        # (this task's innermost entry of this scope: the tokens were kept on the object, shared
+        # by every task entering it - a module-level scope -, and the first of two overlapping
+        # blocks to end reset the other task's token: a bare ValueError, its metadata left set)
+        entered = _metadata_scopes.get()
+        for n in range(len(entered) - 1, -1, -1):
+            if entered[n][0] is self:
+                break
+        else:
+            raise err.InvalidInput(
+                "this command_metadata(...) block was not entered in this task: enter and leave it in "
+                "the same task (`with` / `async with` around the commands)",
+                field="command_metadata",
+            )
+        _metadata_scopes.set(entered[:n] + entered[n + 1 :])
+        try:
+            _command_metadata.reset(entered[n][1])
+        except ValueError:  # (entered in this task's parent, whose context this one copied)
+            raise err.InvalidInput(
+                "this command_metadata(...) block was entered in another task (this one's parent): "
+                "enter and leave it in the same task",
+                field="command_metadata",
+            ) from None
 
     async def __aenter__(self) -> None:
         self.__enter__()
