@@ -125,8 +125,16 @@ def validate_amount(
     amount: object, resource_class: str, field: str = "amount", path: Sequence[str] | None = None
 ) -> int:
     if isinstance(amount, bool) or not isinstance(amount, int):
+        # (an integer of another library - numpy.int64, whose repr may be "2" - said to be one:
+        # "must be an integer, got 2" read as nonsense)
+        kind = type(amount)
+        other = (
+            ""
+            if kind in (float, str) or not hasattr(kind, "__index__")
+            else f" ({kind.__module__}.{kind.__qualname__}, not int: give int(value))"
+        )
         raise InvalidInput(
-            f"Amount of {resource_class} must be an integer, got {shown(amount, 80)}",
+            f"Amount of {resource_class} must be an integer, got {shown(amount, 80)}{other}",
             resource_class=resource_class,
             **where(field, path),
         )

@@ -8,7 +8,7 @@ full list is (``details``, which still holds every one); up to 20 it reads as Pl
 
 from __future__ import annotations
 
-from evstore import AllocationStore, InvalidInventory, Inventory, InventoryInUse
+from evstore import AllocationStore, InvalidInput, InvalidInventory, Inventory, InventoryInUse
 from tests.conftest import make_provider, new_uuid
 
 MANY = 60
@@ -86,3 +86,35 @@ async def test_an_allocation_over_many_providers_without_the_class_is_a_short_me
         assert providers[0] in exc.message and providers[-1] not in exc.message
         assert f"and {MANY - 20} more" in exc.message and 'details["providers"]' in exc.message
     assert await store.head() == head
+
+
+class _LibraryInt:
+    """An integer of another library, as numpy's ``int64`` is: ``__index__``, a repr like an int's,
+    and no subclass of ``int``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return str(self.value)
+
+
+async def test_an_integer_of_another_library_is_refused_naming_its_type(store: AllocationStore) -> None:
+    """It was refused as "Amount of VCPU must be an integer, got 2", which reads as nonsense."""
+    rp = await make_provider(store, VCPU=8)
+    try:
+        await store.set_allocations(
+            new_uuid(),
+            {rp: {"VCPU": _LibraryInt(2)}},
+            project_id="p",
+            user_id="u",
+            consumer_type="I",
+            generation=None,
+        )
+        raise AssertionError("a non-int amount was accepted")
+    except InvalidInput as exc:
+        assert exc.details["path"] == ["allocations", rp, "VCPU"]
+        assert "_LibraryInt, not int" in exc.message and "int(value)" in exc.message
