@@ -455,8 +455,9 @@ def _metadata_dict(metadata: Mapping[str, Any] | Metadata | None) -> dict[str, A
     elif metadata is not None:
         if not isinstance(metadata, Mapping):
             raise err.InvalidInput("metadata must be a mapping or evstore.Metadata", field="metadata")
-        if not all(isinstance(k, str) for k in metadata):
-            raise err.InvalidInput("metadata keys must be strings", field="metadata")
+        for key in metadata:
+            if not isinstance(key, str):
+                raise _metadata_fault_error(([], key, "key"))
         merged.update({k: v for k, v in metadata.items() if v is not None})
     return merged
 
@@ -620,7 +621,7 @@ def _metadata_json(meta: dict[str, Any], check: bool, own_keys: bool = False) ->
         raise err.InvalidInput(
             "metadata values must be JSON-serialisable (strings, numbers other than NaN and Infinity, "
             f"integers within Python's int-to-text digit limit, booleans, null, lists and dicts){said}",
-            field="metadata",
+            **where("metadata", ["metadata", *keys]),
         ) from None
     if check:
         # (the text is ASCII - JSON escapes the rest - so its length is its size in bytes)

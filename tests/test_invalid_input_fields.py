@@ -84,21 +84,21 @@ def _rows(
             lambda: s.create_resource_class("CUSTOM_A", metadata={1: "x"}),
             INVALID,
             "metadata",
-            None,
+            ["metadata", "1"],
         ),  # type: ignore[dict-item]
         (
             "crc metadata json",
             lambda: s.create_resource_class("CUSTOM_A", metadata={"x": object()}),
             INVALID,
             "metadata",
-            None,
+            ["metadata", "x"],
         ),
         (
             "crc metadata nan",
             lambda: s.create_resource_class("CUSTOM_A", metadata={"x": float("nan")}),
             INVALID,
             "metadata",
-            None,
+            ["metadata", "x"],
         ),
         # create_provider
         ("cp uuid", lambda: s.create_provider("nope", "n"), INVALID, "uuid", None),

@@ -5,10 +5,8 @@ digits, a mapping that is not a dict) was refused as "metadata values must be JS
 without naming it or where it was. The message now names the place (the keys down to it) and the
 type found, on ``metadata=`` and ``command_metadata`` alike, nothing written.
 
-Left (strict xfail): ``details["path"]``, which the README promises for a problem inside an
-argument and a non-string key below the top has, is still absent for these and for a non-string
-key at the top; tests/test_invalid_input_fields.py (not this helper's) pins it absent (``None``)
-for "crc metadata key/json/nan", so adding it needs those rows changed with it."""
+``details["path"]`` (README: for a problem inside an argument) names the place for these too, and
+for a key that is no string at the top (the lead, after helper D's strict xfails)."""
 
 from __future__ import annotations
 
@@ -50,20 +48,12 @@ async def test_a_value_json_cannot_hold_is_named_with_where_it_is(
     assert await store.head() == head
 
 
-_PATH_PINNED = (
-    'details["path"] of refused metadata values and top-level keys: tests/test_invalid_input_fields.py '
-    "pins it None (rows 'crc metadata key/json/nan'); needs that file changed with store.py"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_PATH_PINNED)
 async def test_a_value_json_cannot_hold_has_its_path_in_details(store: AllocationStore) -> None:
     with pytest.raises(InvalidInput) as caught:
         await store.delete_consumer(new_uuid(), metadata={"x": {"y": [1, uuid.UUID(int=1)]}})
     assert caught.value.details.get("path") == ["metadata", "x", "y", "1"]
 
 
-@pytest.mark.xfail(strict=True, reason=_PATH_PINNED)
 async def test_a_top_level_key_that_is_no_string_has_its_path(store: AllocationStore) -> None:
     head = await store.head()
     with pytest.raises(InvalidInput, match="metadata keys must be strings") as caught:
