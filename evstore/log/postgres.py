@@ -916,13 +916,30 @@ def redact(url: str) -> str:
     return err.redact_url(url)
 
 
-async def _init_connection(conn: Any) -> None:
+def _literal(text: str) -> str:
+    """``text`` as a SQL string literal, whatever ``standard_conforming_strings`` says."""
+    return "E'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+async def _init_connection(conn: Any, search_path: str | None = None) -> str | None:
     """Every new connection: evstore's transactions run at READ COMMITTED, whatever the role, the
     database or the URL make the default. Its locking is built for it (a command locks, then reads
     what the last holder committed; a snapshot taken before the lock would be stale), and at
     REPEATABLE READ or SERIALIZABLE its reads (audit, rebuild, the head) failed with
-    serialization errors it does not retry."""
-    await conn.execute("SET default_transaction_isolation = 'read committed'")
+    serialization errors it does not retry.
+
+    ``search_path``: the store's, as its first connection found it (None: this is the first; its
+    search_path is answered). A URL without one takes the role's or the database's default at
+    each connect: changed by a DBA (``ALTER ROLE ... SET search_path``) while the store is open,
+    the connections opened after it - a reconnect after a restart or a terminated session -
+    resolved every unqualified name in another schema: read another store, wrote to it under
+    this one's locks. One round trip for each later connection."""
+    isolation = "SET default_transaction_isolation = 'read committed'"
+    if search_path is None:
+        await conn.execute(isolation)
+        return str(await conn.fetchval("SELECT current_setting('search_path')"))
+    await conn.execute(f"{isolation}; SELECT set_config('search_path', {_literal(search_path)}, false)")
+    return search_path
 
 
 async def _reset_connection(conn: Any, unsynced: set[int]) -> None:
@@ -1488,6 +1505,8 @@ class PostgresBackend:
         #: (seq -> position) while more than its runner wait for them
         self._seq_sharers: dict[int, int] = {}
         self._seq_found: dict[int, dict[int, int | None]] = {}
+        #: the search_path the store's first connection had, each later one's (see _init_connection)
+        self._search_path: str | None = None
         #: test hooks: awaited with the connection just before COMMIT / after it, before sequencing
         self._before_commit: TestHook | None = None
         self._after_commit: TestHook | None = None
@@ -1840,7 +1859,7 @@ class PostgresBackend:
 
     async def _opened_one(self, conn: Any) -> None:
         """The pool's ``init``: each connection it opens, counted (see _acquire)."""
-        await _init_connection(conn)
+        self._search_path = await _init_connection(conn, self._search_path)
         self._opened += 1
 
     def _refusal_is_cause(self, pool: Any) -> bool:
