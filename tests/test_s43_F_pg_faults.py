@@ -9,20 +9,25 @@ goes on without being reopened."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import random
+import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
-from evstore import ProviderNotFound, StorageError, open_store
+from evstore import AllocationStore, ProviderNotFound, Receipt, StorageError, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 
 #: seconds of each campaign (EVSTORE_SLOW=1: longer)
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
-CAMPAIGN = 20.0 if SLOW else 1.5
+CAMPAIGN = 20.0 if SLOW else 1.0
 
 
 def _schema(url: str) -> str:
@@ -96,3 +101,195 @@ async def test_a_store_keeps_its_schema_when_the_roles_search_path_changes(
         assert (await store.audit()).clean
     async with open_store(_as(other_url, name)) as other:
         assert await other.head() == their_head
+
+
+class _Burst:
+    """16 tasks claiming with idempotency keys, and a subscriber that follows (subscribing again
+    ``after=`` the last position it delivered when it ends with an error, as README says); then
+    the checks every fault here ends with."""
+
+    def __init__(self, store: AllocationStore, providers: list[str]) -> None:
+        self.store, self.providers = store, providers
+        self.asks: dict[str, tuple[str, str]] = {}
+        self.ended: dict[str, tuple[str, list[int]]] = {}
+        self.failures: Counter[tuple[str | None, str | None]] = Counter()
+        self.seen: list[int] = []
+        self.stop = asyncio.Event()
+        self._keys = iter(range(10**9))
+
+    async def claim(self, key: str) -> Receipt:
+        consumer, rp = self.asks[key]
+        return await self.store.set_allocations(
+            consumer,
+            {rp: {"VCPU": 1}},
+            project_id="p",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+            idempotency_key=key,
+        )
+
+    async def _client(self, n: int) -> None:
+        while not self.stop.is_set():
+            key = f"k{next(self._keys)}"
+            self.asks[key] = (str(uuid.uuid4()), self.providers[n % len(self.providers)])
+            try:
+                self.ended[key] = ("ok", list((await self.claim(key)).positions))
+            except StorageError as exc:
+                unknown = exc.details.get("outcome_unknown")
+                assert unknown in (True, False), (exc.details, exc.message)  # (keyed: always said)
+                self.ended[key] = ("unknown" if unknown else "clean", [])
+                self.failures[(exc.details.get("sqlstate"), exc.details.get("reason"))] += 1
+                await asyncio.sleep(0.02)
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                async for event in self.store.subscribe(after=self.seen[-1] if self.seen else 0):
+                    self.seen.append(event.position)
+            except StorageError:
+                await asyncio.sleep(0.05)
+
+    async def run(self, fault: Any) -> None:
+        """Run the burst while ``fault()`` (a coroutine function) does its worst."""
+        follower = asyncio.create_task(self._follow())
+        clients = [asyncio.create_task(self._client(n)) for n in range(16)]
+        try:
+            await fault()
+        finally:
+            self.stop.set()
+            await asyncio.wait_for(asyncio.gather(*clients), 30)
+        try:
+            head = await self.store.head()
+            async with asyncio.timeout(10):
+                while not self.seen or self.seen[-1] < head:
+                    await asyncio.sleep(0.02)
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+
+    async def check(self) -> None:
+        """The log holds exactly the accepted commands (those of unknown outcome either way; a
+        retry with the key answers which), the subscriber saw each event once, in order, the
+        audit is clean, and the same store takes commands."""
+        head = await self.store.head()
+        events = await self.store.read(0, head + 10)
+        assert [e.position for e in events] == list(range(1, head + 1))
+        assert self.seen == list(range(1, head + 1))
+        by_key: dict[str, list[int]] = {}
+        for e in events:
+            if e.metadata.idempotency_key is not None:
+                by_key.setdefault(e.metadata.idempotency_key, []).append(e.position)
+        for key, (outcome, positions) in self.ended.items():
+            if outcome == "ok":
+                assert by_key[key] == positions, key
+            elif outcome == "clean":
+                assert key not in by_key, f"{key} failed, rolled back, but is in the log"
+            else:
+                receipt = await self.claim(key)
+                assert receipt.replayed == (key in by_key), (key, receipt)
+        assert sum(1 for v in self.ended.values() if v[0] == "ok") > 0
+        assert (await self.store.audit(history=True)).clean
+        self.asks["after"] = (str(uuid.uuid4()), self.providers[0])
+        assert not (await self.claim("after")).replayed
+
+
+@pytest.mark.parametrize("end", ["pg_terminate_backend", "pg_cancel_backend"])
+async def test_sessions_ended_or_cancelled_by_an_admin_under_a_burst_lose_nothing(
+    pg_url: str, end: str
+) -> None:
+    """An admin's ``pg_terminate_backend`` / ``pg_cancel_backend`` of the store's busy sessions
+    at random moments (a second connection finds them by the store's application_name) while
+    16 tasks run commands and a subscriber follows."""
+    app = f"evt_s43f_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(pg_url)
+    try:
+        async with open_store(f"{pg_url}&application_name={app}", pool_size=8) as store:
+            providers = [await make_provider(store, f"n{i}", VCPU=10**9) for i in range(4)]
+            burst = _Burst(store, providers)
+
+            async def fault() -> None:
+                loop = asyncio.get_running_loop()
+                until = loop.time() + CAMPAIGN
+                while loop.time() < until:
+                    await asyncio.sleep(random.uniform(0, 0.1))
+                    pids = await admin.fetch(
+                        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND state <> 'idle'",
+                        app,
+                    )
+                    if pids:
+                        await admin.execute(f"SELECT {end}($1)", random.choice(pids)[0])
+
+            await burst.run(fault)
+            await burst.check()
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "sqlstate", "reason"),
+    [
+        ("statement_timeout = '2ms'", "57014", None),
+        ("lock_timeout = '1ms'", None, None),  # (one process's commands seldom wait for locks)
+        ("idle_in_transaction_session_timeout = '1ms'", None, None),
+        ("default_transaction_read_only = on", "25006", "read_only"),
+    ],
+)
+async def test_a_dba_setting_on_the_role_under_a_burst_fails_commands_cleanly_and_passes(
+    pg_url: str,
+    role: tuple[str, asyncpg.Connection],
+    setting: str,
+    sqlstate: str | None,
+    reason: str | None,
+) -> None:
+    """``ALTER ROLE ... SET`` while the store runs (its sessions ended, so the pool's new ones
+    take the setting): the commands it stops fail as ``evstore.storage`` saying they were
+    rolled back (``idle_in_transaction_session_timeout``: the server ends the session between a
+    command's statements); once the DBA resets it, the same store goes on."""
+    name, admin = role
+    async with open_store(_as(pg_url, name), pool_size=8) as store:
+        providers = [await make_provider(store, f"n{i}", VCPU=10**9) for i in range(4)]
+        burst = _Burst(store, providers)
+
+        async def fault() -> None:
+            await admin.execute(f"ALTER ROLE {name} SET {setting}")
+            await _end_sessions(admin, name)
+            await asyncio.sleep(CAMPAIGN)
+            await admin.execute(f"ALTER ROLE {name} RESET ALL")
+            await _end_sessions(admin, name)
+            await asyncio.sleep(0.3)
+
+        await burst.run(fault)
+        await burst.check()
+        if sqlstate is not None:
+            assert any(s == sqlstate and r == reason for s, r in burst.failures), burst.failures
+
+
+@pytest.mark.parametrize(
+    "table", ["events", "p_providers", "idempotency", "p_classes"] if SLOW else ["events", "p_providers"]
+)
+async def test_a_table_locked_by_another_session_holds_commands_back_then_they_go_on(
+    pg_url: str, table: str
+) -> None:
+    """``LOCK TABLE ... IN ACCESS EXCLUSIVE MODE`` by another session for a second and a half
+    under a burst: with ``command_timeout`` the commands it holds past it fail, rolled back; the
+    others wait, and all go on once it is released."""
+    async with open_store(pg_url, pool_size=8, command_timeout=0.5) as store:
+        providers = [await make_provider(store, f"n{i}", VCPU=10**9) for i in range(4)]
+        burst = _Burst(store, providers)
+        admin = await asyncpg.connect(pg_url)
+        try:
+
+            async def fault() -> None:
+                await asyncio.sleep(0.2)
+                async with admin.transaction():
+                    await admin.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+                    await asyncio.sleep(1.5)
+                await asyncio.sleep(0.3)
+
+            await burst.run(fault)
+        finally:
+            await admin.close()
+        await burst.check()
+        assert set(burst.failures) <= {(None, None)}, burst.failures  # (timeouts of the client's)
