@@ -24,6 +24,7 @@ import pytest
 
 from evstore import AllocationStore, ProviderNotFound, Receipt, StorageError, open_store
 from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_s39_d_storage import _Server, own_server  # noqa: F401 (a fixture)
 
 #: seconds of each campaign (EVSTORE_SLOW=1: longer)
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
@@ -293,3 +294,24 @@ async def test_a_table_locked_by_another_session_holds_commands_back_then_they_g
             await admin.close()
         await burst.check()
         assert set(burst.failures) <= {(None, None)}, burst.failures  # (timeouts of the client's)
+
+
+@pytest.mark.skipif(not SLOW, reason="a server of its own, restarted: EVSTORE_SLOW=1")
+async def test_a_server_restart_under_a_burst_with_a_subscriber_following(
+    own_server: _Server,  # noqa: F811 (the fixture)
+) -> None:
+    """A crash and recovery of the server (``pg_ctl stop -m immediate``, then start) while 16
+    tasks run commands and a subscriber follows: as above, and the subscriber, subscribing
+    again after the last position it delivered, sees each event once (tests/test_s39_d_storage.py
+    restarts without a subscriber)."""
+    async with open_store(own_server.url, pool_size=8, connect_timeout=2) as store:
+        providers = [await make_provider(store, f"n{i}", VCPU=10**9) for i in range(4)]
+        burst = _Burst(store, providers)
+
+        async def fault() -> None:
+            await asyncio.sleep(0.3)
+            await own_server.restart("immediate")
+            await asyncio.sleep(CAMPAIGN)
+
+        await burst.run(fault)
+        await burst.check()
