@@ -315,3 +315,20 @@ async def test_a_server_restart_under_a_burst_with_a_subscriber_following(
 
         await burst.run(fault)
         await burst.check()
+
+
+def test_a_connection_broken_under_asyncpgs_state_machine_says_what_ended_it() -> None:
+    """Regression: a session the server ended while asyncpg had it between two of its states
+    (seen under pg_terminate_backend, a restart, idle_in_transaction_session_timeout) came back
+    as "Lost the connection to PostgreSQL while running a command: cannot switch to state 12;
+    another operation (2) is in progress" - asyncpg's internals, with nothing of what happened
+    nor what to do."""
+    from evstore.log import postgres
+
+    internal = asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress")
+    for committing in (False, True, None):
+        failed = postgres._storage_error(internal, "running a command", committing)
+        assert failed.details["transient"] is True
+        assert failed.message.startswith("Lost the connection to PostgreSQL while running a command: ")
+        assert "ended" in failed.message and "pg_terminate_backend" in failed.message, failed.message
+        assert "cannot switch to state 12" in failed.message  # (asyncpg's words kept, for a report)

@@ -1295,6 +1295,14 @@ def _storage_error(
         # (asyncpg's own timeouts: an OSError on Python 3.11, but no connection was lost - the
         # caller's setting ran out, and that is what a person has to know)
         lead = f"PostgreSQL did not answer within {timeout} while {doing}"
+    elif isinstance(exc, asyncpg.InternalClientError):
+        # (asyncpg's state machine on a connection that broke under it: its words alone say
+        # nothing of what happened)
+        lead = (
+            f"Lost the connection to PostgreSQL while {doing}: the session ended under it - the "
+            "server ended it (a restart, pg_terminate_backend, idle_in_transaction_session_timeout) "
+            f"or the network cut it (asyncpg: {text})"
+        )
     elif _is_connection_error(exc):
         lead = f"Lost the connection to PostgreSQL while {doing}: {text}"
     elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
