@@ -758,6 +758,7 @@ class _WriterCache:
                 "the file that was opened)",
                 sqlite_error="file_replaced",
                 path=path,
+                outcome_unknown=False,
             )
         # The -wal file holds the commits not yet copied into the database file, and the -shm
         # file the locks of every connection writing it: with either deleted or replaced, another
@@ -778,6 +779,7 @@ class _WriterCache:
                     "again",
                     sqlite_error="file_replaced",
                     path=path,
+                    outcome_unknown=False,
                 )
 
     def flush(self, conn: sqlite3.Connection) -> None:
@@ -2074,6 +2076,7 @@ def _look_up(name: str, what: str, path: str) -> os.stat_result | None:
             "(retry once the path can be looked up)",
             sqlite_error="file_replaced",
             path=path,
+            outcome_unknown=False,
         ) from None
 
 
@@ -2312,6 +2315,7 @@ def _busy_error(timeout: float, exc: sqlite3.OperationalError) -> err.StorageErr
         f"The database stayed locked by another connection for longer than busy_timeout "
         f"({timeout:g} s): {exc}; retry, or open the store with a longer busy_timeout",
         sqlite_error="busy",
+        outcome_unknown=False,  # (in WAL mode a write waits for the lock at BEGIN, never at COMMIT)
     )
 
 
