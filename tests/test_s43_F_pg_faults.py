@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from evstore import AllocationStore, ProviderNotFound, Receipt, StorageError, open_store
+from evstore import AllocationStore, Inventory, ProviderNotFound, Receipt, StorageError, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_s39_d_storage import _Server, own_server  # noqa: F401 (a fixture)
 
@@ -332,3 +332,57 @@ def test_a_connection_broken_under_asyncpgs_state_machine_says_what_ended_it() -
         assert failed.message.startswith("Lost the connection to PostgreSQL while running a command: ")
         assert "ended" in failed.message and "pg_terminate_backend" in failed.message, failed.message
         assert "cannot switch to state 12" in failed.message  # (asyncpg's words kept, for a report)
+
+
+async def test_two_stores_in_two_schemas_of_one_database_stay_apart(pg_url: str) -> None:
+    """Two stores of one process in two schemas of the same database - one whose name needs
+    quoting (``?search_path=%22...%22``) - with the same provider, consumer and idempotency key
+    in each, their sessions ended by an admin midway: each reads and writes its own, and keeps
+    to it after reconnecting."""
+    from urllib.parse import quote
+
+    quoted = f"S43F-Quoted {uuid.uuid4().hex[:6]}"
+    admin = await asyncpg.connect(pg_url)
+    await admin.execute(f'CREATE SCHEMA "{quoted}"')
+    try:
+        other_url = pg_url.replace(
+            f"search_path={_schema(pg_url)}", f"search_path={quote(chr(34) + quoted + chr(34))}"
+        )
+        rp, consumer = new_uuid(), new_uuid()
+        app = f"evt_s43f_{uuid.uuid4().hex[:8]}"  # (the admin ends these stores' sessions only)
+        async with (
+            open_store(f"{pg_url}&application_name={app}") as one,
+            open_store(f"{other_url}&application_name={app}") as two,
+        ):
+            for n, store in ((1, one), (2, two)):
+                await store.create_provider(rp, f"rp{n}")
+                await store.set_inventories(rp, {"VCPU": Inventory(total=10 * n)}, generation=0)
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", app
+            )
+            for n, store in ((1, one), (2, two)):
+                for _ in range(3):  # (the first may meet a session the admin ended)
+                    try:
+                        receipt = await store.set_allocations(
+                            consumer,
+                            {rp: {"VCPU": n}},
+                            project_id="p",
+                            user_id="u",
+                            consumer_type="INSTANCE",
+                            generation=None,
+                            idempotency_key="same key",
+                        )
+                        break
+                    except StorageError as exc:
+                        assert exc.details.get("transient") is True, exc.details
+                assert not receipt.replayed
+            for n, store in ((1, one), (2, two)):
+                assert (await store.usage(rp))["VCPU"] == n
+                assert (await store.inventories(rp))["VCPU"].total == 10 * n
+                assert (await store.provider(rp)).name == f"rp{n}"
+                assert await store.head() == 3
+                assert (await store.audit(history=True)).clean
+        assert await admin.fetchval(f'SELECT count(*) FROM "{quoted}".events') == 3
+    finally:
+        await admin.execute(f'DROP SCHEMA "{quoted}" CASCADE')
+        await admin.close()
