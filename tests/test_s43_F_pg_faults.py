@@ -115,6 +115,8 @@ class _Burst:
         self.ended: dict[str, tuple[str, list[int]]] = {}
         self.failures: Counter[tuple[str | None, str | None]] = Counter()
         self.seen: list[int] = []
+        #: the errors the subscriber ended with (a connection lost is retried inside it: none)
+        self.sub_errors: list[StorageError] = []
         self.stop = asyncio.Event()
         self._keys = iter(range(10**9))
 
@@ -148,7 +150,8 @@ class _Burst:
             try:
                 async for event in self.store.subscribe(after=self.seen[-1] if self.seen else 0):
                     self.seen.append(event.position)
-            except StorageError:
+            except StorageError as exc:
+                self.sub_errors.append(exc)
                 await asyncio.sleep(0.05)
 
     async def run(self, fault: Any) -> None:
@@ -224,6 +227,8 @@ async def test_sessions_ended_or_cancelled_by_an_admin_under_a_burst_lose_nothin
 
             await burst.run(fault)
             await burst.check()
+            if end == "pg_terminate_backend":  # (a cancelled read is an answer of the server: it ends)
+                assert not burst.sub_errors, burst.sub_errors
     finally:
         await admin.close()
 
@@ -315,6 +320,7 @@ async def test_a_server_restart_under_a_burst_with_a_subscriber_following(
 
         await burst.run(fault)
         await burst.check()
+        assert not burst.sub_errors, burst.sub_errors  # (an outage that passes: followed through)
 
 
 def test_a_connection_broken_under_asyncpgs_state_machine_says_what_ended_it() -> None:
