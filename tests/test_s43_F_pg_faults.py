@@ -22,7 +22,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from evstore import AllocationStore, Inventory, ProviderNotFound, Receipt, StorageError, open_store
+from evstore import (
+    AllocationStore,
+    EvstoreError,
+    Inventory,
+    ProviderNotFound,
+    Receipt,
+    StorageError,
+    open_store,
+)
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_s39_d_storage import _Server, own_server  # noqa: F401 (a fixture)
 
@@ -392,3 +400,27 @@ async def test_two_stores_in_two_schemas_of_one_database_stay_apart(pg_url: str)
     finally:
         await admin.execute(f'DROP SCHEMA "{quoted}" CASCADE')
         await admin.close()
+
+
+async def test_an_open_tried_again_after_the_dba_fixed_the_roles_search_path_finds_the_store(
+    pg_url: str, role: tuple[str, asyncpg.Connection]
+) -> None:
+    """Regression (of the search_path kept since the first connection): an open that failed -
+    the role's search_path named a schema without the store, ``create=False`` - and was tried
+    again on the same store object once the DBA fixed it kept the search_path the failed open
+    had found, and failed again."""
+    from evstore.store import make_backend
+
+    name, admin = role
+    async with open_store(_as(pg_url, name)) as store:
+        await make_provider(store, "ours", VCPU=10)
+    await admin.execute(f"ALTER ROLE {name} SET search_path = 'pg_catalog'")
+    store = AllocationStore(make_backend(_as(pg_url, name, search_path=False), create=False))
+    with pytest.raises(EvstoreError):
+        await store.open()
+    await admin.execute(f"ALTER ROLE {name} SET search_path = '{_schema(pg_url)}'")
+    await store.open()
+    try:
+        assert await store.head() == 2
+    finally:
+        await store.close()

@@ -1522,6 +1522,7 @@ class PostgresBackend:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def open(self) -> None:
+        self._search_path = None  # (an open again after a failed one finds it anew)
         try:
             self._pool = await asyncpg.create_pool(
                 self.url,
