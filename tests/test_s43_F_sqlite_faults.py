@@ -88,11 +88,12 @@ async def test_a_command_refused_busy_or_for_a_file_replaced_says_nothing_was_co
         assert (await store.audit(history=True)).clean
 
 
-@pytest.mark.parametrize("fault", ["wal_deleted", "directory_renamed"])
+@pytest.mark.parametrize("fault", ["wal_deleted", "directory_renamed", "locked_past_busy_timeout"])
 async def test_an_operators_hand_under_a_burst_loses_and_doubles_nothing(tmp_path: Path, fault: str) -> None:
     """16 tasks run commands and a subscriber follows while an operator deletes the -wal (the
-    store refuses every command after, until it is reopened) or renames the store's directory
-    for a while (refused while it is away, taken again once it is back): what was acknowledged
+    store refuses every command after, until it is reopened), renames the store's directory
+    for a while (refused while it is away, taken again once it is back), or another process
+    holds the write lock (``BEGIN EXCLUSIVE``) past ``busy_timeout``: what was acknowledged
     is in the log once reopened, what failed is not, the subscriber saw the log in order, each
     event once, and the audit is clean."""
     directory = tmp_path / "store"
@@ -102,7 +103,7 @@ async def test_an_operators_hand_under_a_burst_loses_and_doubles_nothing(tmp_pat
     failures: Counter[tuple[object, object]] = Counter()
     seen: list[int] = []
     stop = asyncio.Event()
-    async with open_store(f"sqlite:///{path}") as store:
+    async with open_store(f"sqlite:///{path}", busy_timeout=0.2) as store:
         providers = [await make_provider(store, f"n{i}", VCPU=10**9) for i in range(4)]
 
         async def client(n: int) -> None:
@@ -128,6 +129,16 @@ async def test_an_operators_hand_under_a_burst_loses_and_doubles_nothing(tmp_pat
         if fault == "wal_deleted":
             os.unlink(f"{path}-wal")
             await asyncio.sleep(0.3)
+        elif fault == "locked_past_busy_timeout":
+            holder = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], isolation_level=None); "
+                "c.execute('BEGIN EXCLUSIVE'); time.sleep(0.8); c.execute('COMMIT')",
+                str(path),
+            )
+            assert await asyncio.wait_for(holder.wait(), 30) == 0
+            await asyncio.sleep(0.3)
         else:
             away = tmp_path / "away"
             directory.rename(away)
@@ -137,7 +148,7 @@ async def test_an_operators_hand_under_a_burst_loses_and_doubles_nothing(tmp_pat
         stop.set()
         await asyncio.wait_for(asyncio.gather(*clients), 30)
     await asyncio.wait_for(follower, 10)
-    assert set(failures) == {("file_replaced", False)}, failures
+    assert set(failures) == {("busy" if fault.startswith("locked") else "file_replaced", False)}, failures
     async with open_store(f"sqlite:///{path}") as store:
         events = await store.read(0, 10**6)
         assert [e.position for e in events] == list(range(1, len(events) + 1))
