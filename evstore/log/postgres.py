@@ -1816,7 +1816,10 @@ class PostgresBackend:
                 # connection waits for that cancellation, up to command_timeout again: where the
                 # server does not answer (a partition), every failure took twice the timeout.
                 # Closed instead (the server rolls back what it held; the pool connects anew).
-                conn.terminate()
+                # (asyncpg may have closed it already - a connection lost as it timed out is
+                # detached from its pool proxy, whose terminate() then raises InterfaceError)
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    conn.terminate()
             elif _maybe_unsynced(exc):
                 # (perhaps between a prepare's answer and its Bind/Execute/Sync: _reset_connection;
                 # not for a connection closed above, which no reset would take off the set)
@@ -2565,7 +2568,8 @@ class PostgresBackend:
                     found = list(await conn.fetchval("SELECT evstore_positions($1)", want))
         except DB_ERRORS as exc:
             if _timed_out(exc):
-                conn.terminate()  # (as _connection does: releasing it would wait for the cancel)
+                with contextlib.suppress(asyncpg.InterfaceError):  # (closed already: see _connection)
+                    conn.terminate()  # (as _connection does: releasing it would wait for the cancel)
             return None
         positions = [p for p in found if p is not None]
         return tuple(positions) if len(positions) == len(want) else None
