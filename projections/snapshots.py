@@ -564,8 +564,17 @@ async def fold_entity_to(
     kind, _, uuid = entity.partition(":")
     if kind == "provider" and supports_provider_snapshots(backend):
         found = await backend.load_provider_snapshot(uuid, position, SNAPSHOT_FORMAT)  # type: ignore[attr-defined]
+
+        def decode(text: str) -> State:
+            # (the digest covers the text, not the row's key: a row filed under another
+            # provider - its key altered, or copied - is another provider's slice)
+            sliced = decode_provider_slice(text)
+            if list(sliced.providers) != [uuid]:
+                raise ValueError(f"it is the slice of provider {', '.join(sliced.providers)}")
+            return sliced
+
         if found is not None:
-            sliced = _decoded(decode_provider_slice, found, entity)
+            sliced = _decoded(decode, found, entity)
             if sliced is not None:
                 state = sliced
     after = state.position
