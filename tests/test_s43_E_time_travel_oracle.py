@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from evstore import AllocationStore, EvstoreError, InvalidInput, Inventory, open_store
-from evstore.events import GENESIS_HASH, ConsumerDeleted, MigrationReverted, event_hash
+from evstore.events import GENESIS_HASH, AllocationsReplaced, ConsumerDeleted, MigrationReverted, event_hash
 from tests.conftest import BACKENDS
 
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
@@ -429,7 +429,8 @@ def legacy_lines(
 ) -> tuple[list[str], dict[str, tuple[int, int]], list[tuple[str, str]]]:
     """The export ``lines`` re-timed so that ``tie`` events share each ``recorded_at`` (the hash
     chain made again), plus what a legacy (Placement-style) writer appends: a revert giving a
-    deleted consumer allocations, and a delete of an instance that leaves its migration holding.
+    deleted consumer allocations, a delete of an instance that leaves its migration holding, and
+    a write to another deleted consumer.
     The leaks they make, each consumer's (allocated at, tombstone) positions sorted, and the
     commands that clear them."""
     rows = [json.loads(line) for line in lines[1:]]
@@ -464,6 +465,14 @@ def legacy_lines(
         )  # fmt: skip
         leaks[instance] = (final[instance]["deleted_at"], append(revert))
         clear.append(("release", instance))
+    if len(deleted) > 1 and states[-1]["providers"]:  # (a Placement-style PUT to a deleted one)
+        consumer = deleted[1]
+        write = AllocationsReplaced(
+            consumer=consumer, allocations={max(states[-1]["providers"]): {"DISK_GB": 2}},
+            project_id="p1", user_id="u", consumer_type="INSTANCE", generation=1,
+        )  # fmt: skip
+        leaks[consumer] = (final[consumer]["deleted_at"], append(write))
+        clear.append(("release", consumer))
     start, prev = datetime(2026, 1, 1, tzinfo=UTC), GENESIS_HASH
     for row in rows:
         row["recorded_at"] = (start + timedelta(seconds=(row["position"] - 1) // tie)).isoformat(
@@ -517,7 +526,7 @@ def _url(backend: str, tmp: Path, name: str) -> str:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(
-    max_examples=60 if SLOW else 4,
+    max_examples=60 if SLOW else 3,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
