@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from evstore import AllocationStore, EvstoreError, InvalidInput, Inventory, open_store
@@ -504,6 +504,16 @@ async def scenario(urls: tuple[str, str], program: list[tuple[Any, ...]], every:
         found = {f.details["consumer"]: f.positions for f in report.findings if f.kind == "leak"}
         assert [f for f in report.findings if f.kind not in ("leak", "over_capacity")] == []
         assert found == leaks
+        for finding in (f for f in report.findings if f.kind == "leak"):
+            consumer = finding.details["consumer"]
+            method = dict((c, m) for m, c in clear)[consumer]
+            legacy = leaks[consumer][1]  # (the legacy row: the allocation, or the instance's delete)
+            what = "allocated" if method == "release" else "deleted"
+            assert finding.details[f"{what}_at"] == legacy, finding.details
+            cited = finding.details["requests"][what]
+            assert cited == {"request_id": f"req-legacy-{legacy - 1}", "actor": "legacy"}, finding.details
+            command = "release" if method == "release" else "confirm-migration"
+            assert f"`evstore {command} {consumer}`" in finding.message, finding.message
         head = await copy.head()
         for method, consumer in clear:
             await getattr(copy, method)(consumer)
@@ -530,6 +540,12 @@ def _url(backend: str, tmp: Path, name: str) -> str:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+@example(  # (all three legacy leaks: two deleted consumers, an instance mid-migration)
+    program=[("claim", 0, 0, 1), ("delete", 0), ("claim", 1, 0, 2), ("snapshots",), ("delete", 1),
+             ("claim", 2, 1, 1), ("migrate", 2, 3), ("rename", 0, 1), ("claim2", 4, 2, 2, 1)],
+    every=2,
+    tie=3,
+)  # fmt: skip
 @given(
     program=st.lists(OPS, min_size=8, max_size=40 if SLOW else 18),
     every=st.integers(1, 6),
