@@ -404,6 +404,19 @@ async def check_diff(
     gone = {r.data["provider"] for r in rows[a:b] if r.type == "ProviderDeleted"}
     assert set(d.providers_created) == made | (after["providers"].keys() - before["providers"].keys()), (a, b)
     assert set(d.providers_deleted) == gone | (before["providers"].keys() - after["providers"].keys()), (a, b)
+    named = {u.provider for u in d.usage} | set(d.providers_created) | set(d.providers_deleted)
+    named |= {rp for ch in d.consumers for rp in (*ch.before, *ch.after)}
+    assert set(d.provider_names) >= named, (a, b)
+    for rp, name in d.provider_names.items():  # (at b; at a for one gone by then; else when deleted)
+        if rp in after["providers"]:
+            assert name == after["providers"][rp]["name"], (a, b, rp)
+        elif rp in before["providers"]:
+            assert name == before["providers"][rp]["name"], (a, b, rp)
+        else:
+            last = max(
+                r.position for r in rows[a:b] if r.type == "ProviderDeleted" and r.data["provider"] == rp
+            )
+            assert name == states[last - 1]["providers"][rp]["name"], (a, b, rp)
     if a == b:
         assert (d.usage, d.consumers, d.providers_created, d.providers_deleted) == ([], [], [], [])
 
