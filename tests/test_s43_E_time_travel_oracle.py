@@ -355,6 +355,14 @@ async def check_diff(
             if old.get(rc, 0) != new.get(rc, 0):
                 want_usage[(rp, rc)] = (old.get(rc, 0), new.get(rc, 0))
     assert {(u.provider, u.resource_class): (u.before, u.after) for u in d.usage} == want_usage, (a, b)
+    for u in d.usage:  # (the events that changed what some consumer holds of that class there)
+
+        def holdings(state: dict[str, Any], rp: str = u.provider, rc: str = u.resource_class) -> Any:
+            held = {c: x["allocs"].get(rp, {}).get(rc, 0) for c, x in state["consumers"].items()}
+            return {c: n for c, n in held.items() if n}
+
+        moved = [p for p in range(a + 1, b + 1) if holdings(states[p - 1]) != holdings(states[p])]
+        assert list(u.positions) == moved, (a, b, u)
     touched = {c for r in rows[a:b] for c in entities_of(r, states)}
 
     def seen(state: dict[str, Any], c: str) -> Any:
@@ -382,6 +390,8 @@ async def check_diff(
             )  # fmt: skip
             assert ch is not None and ch.change == kind, (a, b, c, was, now, ch)
         if ch is not None:
+            events = [r.position for r in rows[a:b] if c in entities_of(r, states)]
+            assert list(ch.positions) == events, (a, b, c, ch)
             had = before["consumers"].get(c, {"allocs": {}})["allocs"]
             held = after["consumers"].get(c, {"allocs": {}})["allocs"]
             assert (ch.before, ch.after) == (had, held), (a, b, c)
