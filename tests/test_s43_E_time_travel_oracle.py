@@ -524,6 +524,8 @@ async def scenario(urls: tuple[str, str], program: list[tuple[Any, ...]], every:
     lines, leaks, clear = legacy_lines(lines, states, tie)
     async with open_store(urls[1], snapshot_every=every + 1) as copy:
         await copy.import_events(lambda: lines)
+        exported = [json.loads(line) async for line in copy.export()]
+        assert exported[1:] == [json.loads(line) for line in lines[1:]]  # (every row as imported)
         await copy.take_snapshots()
         states = await check_log(copy, every_diff=False)
         report = await copy.audit(history=True)
