@@ -22,7 +22,6 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
-import pytest
 
 from evstore import EvstoreError, Inventory, StorageError, open_store
 from tests.conftest import make_provider, new_uuid

@@ -815,12 +815,15 @@ def _options_in_url(url: str, safe_url: str) -> tuple[str, dict[str, Any]]:
     names = [k for k, _ in pairs]
     twice = sorted({k for k in names if names.count(k) > 1})
     if twice:
-        raise err.InvalidInput(f"The PostgreSQL URL {safe_url} sets {', '.join(twice)} more than once")
+        raise err.InvalidInput(
+            f"The PostgreSQL URL {safe_url} sets {', '.join(twice)} more than once", field=twice[0]
+        )
     keywords = [k for k in names if k in STORE_KEYWORDS]
     if keywords:
         raise err.InvalidInput(
             f"Unknown PostgreSQL store option(s) {', '.join(keywords)} in {safe_url}"
-            + store_keyword_hint(keywords)
+            + store_keyword_hint(keywords),
+            field=keywords[0],
         )
     ours = {k: v for k, v in pairs if k in OPTIONS}
     if not ours:
@@ -1435,7 +1438,8 @@ class PostgresBackend:
         if unknown:
             raise err.InvalidInput(
                 f"Unknown PostgreSQL store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
-                + store_keyword_hint(unknown)
+                + store_keyword_hint(unknown),
+                field=unknown[0],
             )
         self.safe_url = redact(url)
         #: added to the errors the URL may be the cause of (see _misread_password)

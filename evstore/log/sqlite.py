@@ -1108,7 +1108,9 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     options = dict(pairs)
     if len(options) < len(pairs):
         twice = sorted({k for k, _ in pairs if [n for n, _ in pairs].count(k) > 1})
-        raise err.InvalidInput(f"The SQLite URL {url!r} sets {', '.join(twice)} more than once")
+        raise err.InvalidInput(
+            f"The SQLite URL {url!r} sets {', '.join(twice)} more than once", field=twice[0]
+        )
     if rest in ("", "/", "/:memory:"):
         return ":memory:", options
     if not rest.startswith("/"):
@@ -1178,7 +1180,8 @@ class SqliteBackend:
         if unknown:
             raise err.InvalidInput(
                 f"Unknown SQLite store option(s) {', '.join(unknown)}; known: {', '.join(OPTIONS)}"
-                + store_keyword_hint(unknown)
+                + store_keyword_hint(unknown),
+                field=unknown[0],
             )
         # (the URL's values are checked also where a keyword overrides them: `--url
         # 'sqlite:///x.db?create=maybe'` opened, the CLI's create=False winning unchecked)
