@@ -286,6 +286,18 @@ class StateView:
         #: ``provider:<u>`` / ``consumer:<u>`` when only that entity's slice was folded
         self.scope = scope
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to a view of the same scope folding to an equal state, and - a whole store's
+        view - to that ``State`` itself (README: ``state_at(p)`` equals a naive replay to ``p``,
+        ``await store.replay(p)``)."""
+        if isinstance(other, StateView):
+            return self.scope == other.scope and self.state == other.state
+        if isinstance(other, State):
+            return self.scope is None and self.state == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # (compared by value, and the state it holds changes)
+
     def __repr__(self) -> str:
         if self.scope is not None:
             return f"StateView(position={self.position}, scope={self.scope!r})"

@@ -4,9 +4,8 @@ The README's guarantees say "``state_at(p)`` (with snapshots) equals a naive rep
 a check written from that - ``await store.state_at(position=p) == await store.replay(p)`` -
 fails: ``state_at`` answers a ``StateView`` (projections/replay.py), which has no ``__eq__``, so
 it equals nothing but itself - not the replay, not another ``state_at`` of the same position -
-though its ``.state`` equals the replay. Left for the owner of projections/replay.py (a
-``StateView.__eq__`` comparing ``.state`` - with a ``State``, or a whole-store ``StateView`` -,
-and ``__hash__ = None``), strict xfail until then."""
+though its ``.state`` equals the replay. (Fixed by the lead: ``StateView.__eq__`` compares
+``.state`` - with a ``State``, or a view of the same scope - and ``__hash__`` is None.)"""
 
 from __future__ import annotations
 
@@ -16,9 +15,6 @@ from evstore import AllocationStore
 from tests.conftest import make_provider, new_uuid
 
 
-@pytest.mark.xfail(
-    strict=True, reason="StateView has no __eq__: state_at(p) != replay(p) (projections/replay.py)"
-)
 async def test_state_at_equals_a_replay_to_the_same_position(store: AllocationStore) -> None:
     store.snapshot_every = 2
     rp = await make_provider(store, VCPU=10)
@@ -29,4 +25,9 @@ async def test_state_at_equals_a_replay_to_the_same_position(store: AllocationSt
     view = await store.state_at(position=4)
     replayed = await store.replay(4)
     assert view.state == replayed  # (what holds today)
-    assert view == replayed and view == await store.state_at(position=4)
+    assert view == replayed and view == await store.state_at(position=4) and replayed == view
+    assert view != await store.state_at(position=3)
+    sliced = await store.state_at(position=4, provider=rp)
+    assert sliced != replayed and sliced == await store.state_at(position=4, provider=rp)
+    with pytest.raises(TypeError):
+        hash(view)
