@@ -384,9 +384,10 @@ def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterat
             raise InvalidInput(
                 "open_lines() gave no lines the second time it was called: it is called twice (to "
                 "validate, then to import) and must return the export's lines anew each time (e.g. "
-                "`lambda: open(path)`, not an open file or a generator): nothing was imported"
+                "`lambda: open(path)`, not an open file or a generator): nothing was imported",
+                field="open_lines",
             )
-        raise InvalidInput("the export file is empty")
+        raise InvalidInput("the export file is empty", field="open_lines")
     if check.ends_at is not None and check.prev_hash != check.ends_at:
         raise _corrupt(
             "the file changed while it was imported (its hash chain ends elsewhere than when it was "

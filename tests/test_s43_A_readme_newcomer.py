@@ -144,23 +144,16 @@ async def test_an_unknown_open_store_option_on_postgresql_is_named_in_details_fi
     assert keyword.value.details.get("field") == "snapshot_every", keyword.value.details
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stop 43 helper A: import_events refuses an open_lines that gives nothing the second time "
-    "(an open file, an iterator) as an InvalidInput without details['field'], where the same "
-    "argument refused for not being callable, or for text that is not UTF-8, has field "
-    "'open_lines' ('the export file is empty' has none either); the fix is in projections/exchange.py "
-    "(field='open_lines'), which this helper does not own",
-)
 async def test_an_open_lines_that_gives_nothing_the_second_time_is_named_in_details_field(
     tmp_path: Path,
 ) -> None:
     """README, `import_events(lambda: lines)`: "a callable answering the lines, a file or a list: it
     is read twice". A newcomer's ``lambda: f`` over one open file answers nothing the second time:
-    refused, nothing written, as it should be - with the argument named in the message only."""
+    refused, nothing written, with the argument named in ``details["field"]`` as its other refusals
+    have it (it was in the message only); an empty export likewise."""
     async with open_store(f"sqlite:///{tmp_path / 'a.db'}") as source:
         await make_provider(source, VCPU=4)
-        (tmp_path / "a.jsonl").write_text("".join(f"{line}\n" async for line in source.export()))
+        (tmp_path / "a.jsonl").write_text("".join([f"{line}\n" async for line in source.export()]))
     async with open_store(f"sqlite:///{tmp_path / 'b.db'}") as target:
         with (tmp_path / "a.jsonl").open() as once:
             with pytest.raises(InvalidInput) as refused:
@@ -168,6 +161,10 @@ async def test_an_open_lines_that_gives_nothing_the_second_time_is_named_in_deta
         assert await target.head() == 0
     assert "second time" in str(refused.value)
     assert refused.value.details.get("field") == "open_lines", refused.value.details
+    async with open_store(f"sqlite:///{tmp_path / 'c.db'}") as target:
+        with pytest.raises(InvalidInput, match="the export file is empty") as empty:
+            await target.import_events(lambda: [])
+    assert empty.value.details.get("field") == "open_lines", empty.value.details
 
 
 async def test_metadatas_64_kib_are_counted_as_the_log_stores_it_ascii_escaped(tmp_path: Path) -> None:
