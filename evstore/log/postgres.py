@@ -2407,7 +2407,8 @@ class PostgresBackend:
             if row is not None:
                 if not job.same_command(row["fingerprint"]):
                     return err.IdempotencyConflict(
-                        f"Idempotency key {key!r} was already used for a different command",
+                        f"Idempotency key {key!r} was already used for a different command (a retry repeats "
+                        "its command exactly; give a new command a new key)",
                         idempotency_key=key,
                     )
                 replayed = Receipt.stored(key, row["receipt"])

@@ -960,7 +960,9 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
         if row is not None:
             if not job.same_command(row[0]):
                 raise err.IdempotencyConflict(
-                    f"Idempotency key {key!r} was already used for a different command", idempotency_key=key
+                    f"Idempotency key {key!r} was already used for a different command (a retry repeats "
+                    "its command exactly; give a new command a new key)",
+                    idempotency_key=key,
                 )
             return Receipt.stored(key, row[1], tail.position)
     n = job.needs
