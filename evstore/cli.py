@@ -2513,7 +2513,7 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
                 )
             fail(
                 err.CorruptEvent.code,
-                f"the events table of {safe(shown(target))} was missing (dropped, or left out of a restore): "
+                f"the events table of {shown(target)} was missing (dropped, or left out of a restore): "
                 f"the log is lost, and upgrade made an empty one{kept}: {advice}",
             )
         return EXIT_OK
