@@ -9,6 +9,7 @@ package's ``__init__`` imports only the errors: its other names load on first us
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -17,13 +18,31 @@ EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run the ``evstore`` command line (``argv``: the arguments, default ``sys.argv[1:]``)."""
+    """Run the ``evstore`` command line (``argv``: the arguments, default ``sys.argv[1:]``), and
+    end the process with its exit status: once that is decided, Ctrl-C is ignored (see below)."""
     try:
-        from evstore.cli import main as cli_main
+        try:
+            from evstore.cli import main as cli_main
 
-        cli_main(argv)
+            cli_main(argv)
+        finally:
+            _decided()
     except KeyboardInterrupt:  # (during the import: once it runs, the CLI catches its own)
+        _decided()
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _decided() -> None:
+    """The command has ended, its status decided (its work done and its output flushed, or not):
+    from here a Ctrl-C can stop nothing, and is ignored until the process ends. Taken, it raised
+    KeyboardInterrupt where the exit was passing - this frame, or Python joining its threads as it
+    ends - which printed a traceback and ended the process by SIGINT (or "Exception ignored" and
+    the command's status). The command's own status is the true one then: an import that
+    committed, 0, not 130, which says it was stopped and left the store as it was."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # (not the main thread: nothing raises KeyboardInterrupt there)
+        pass
 
 
 if __name__ == "__main__":

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import signal
 import sqlite3
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +20,7 @@ import structlog
 
 from evstore import cli, open_store
 from tests.conftest import allocate, make_provider, new_uuid
+from tests.test_cli_support import REPO
 
 
 @pytest.fixture
@@ -46,13 +52,17 @@ def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> _Done:
     return _Done(int(done.value.code or 0), out.out, out.err)
 
 
-def _store_that_lost_its_log(path: Path) -> None:
+def _small_store(path: Path) -> None:
     async def build() -> None:
         async with open_store(f"sqlite:///{path}") as store:
             provider = await make_provider(store, "node-1", VCPU=8)
             await allocate(store, new_uuid(), {provider: {"VCPU": 2}})
 
     asyncio.run(build())
+
+
+def _store_that_lost_its_log(path: Path) -> None:
+    _small_store(path)
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.execute("DROP TABLE events")
         conn.commit()
@@ -76,3 +86,71 @@ def test_upgrades_log_is_lost_error_names_the_store_as_every_error_line_does(
     assert "the log is lost" in done.stderr, done.stderr
     assert f"the events table of sqlite:///{db} was missing" in done.stderr, done.stderr
     assert "\\[" not in done.stderr, done.stderr
+
+
+#: a child running the ``evstore`` script as pip writes it, which sends itself SIGINT at WHERE:
+#: "leaving" - as the command's SystemExit leaves the entry point's frame (its work done, its
+#: output written), "handling" - at the first line the entry point runs while that SystemExit passes
+#: through it, "shutdown" - as Python, ending, joins its threads (threading._shutdown)
+_CTRL_C_AT_THE_END = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+
+    WHERE = sys.argv[1]
+
+    def ctrl_c():
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name != "main" or not frame.f_code.co_filename.endswith("__main__.py"):
+            return None
+        state = {"exiting": False}
+
+        def local(frame, event, arg):
+            if event == "exception" and issubclass(arg[0], SystemExit):
+                state["exiting"] = True
+            elif state["exiting"] and event == ("return" if WHERE == "leaving" else "line"):
+                state["exiting"] = False
+                ctrl_c()
+            return local
+
+        return local
+
+    if WHERE == "shutdown":
+        original = threading._shutdown
+
+        def shutdown():
+            ctrl_c()
+            original()
+
+        threading._shutdown = shutdown
+    else:
+        sys.settrace(tracer)
+    from evstore.__main__ import main
+
+    sys.argv = ["evstore", *sys.argv[2:]]
+    sys.exit(main())
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["leaving", "handling", "shutdown"])
+def test_ctrl_c_once_a_command_has_finished_ends_it_without_a_traceback(tmp_path: Path, where: str) -> None:
+    """A Ctrl-C that comes once the command has done its work and written its output - as its
+    exit passes through the script's entry point, or while Python ends - printed a
+    ``KeyboardInterrupt`` traceback and ended the process by SIGINT (-2; "Exception ignored in
+    threading" and exit 0 while Python joined its threads), where README's Ctrl-C is exit 130 and
+    never a traceback. The script now takes no Ctrl-C once the command's status is decided: it
+    ends with that status (the command finished: an import that committed says 0, not "stopped"),
+    or 130 where the Ctrl-C came first; never by the signal, never with a traceback."""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_AT_THE_END, where, "stats", "--db", str(db), "--json"],
+        capture_output=True, text=True, timeout=60, cwd=REPO, check=False, stdin=subprocess.DEVNULL,
+        # (a shell's background job inherits SIGINT ignored: give it the terminal's default)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert done.returncode in (0, 130), (done.returncode, done.stderr)
+    assert json.loads(done.stdout)["head"] == 3, done.stdout  # (its output whole)
