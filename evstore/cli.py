@@ -674,8 +674,10 @@ def demo(
                 summary.add_row(f"rejected: {code}", str(n))
             out.print(summary)
             print_audit(out, audit, target)
-            if report.rejected_reverts and target not in ("sqlite://", "sqlite:///:memory:"):
-                # (an in-memory store is gone once the demo ends: nothing to try it on)
+            in_memory = target.startswith("sqlite:") and _sqlite_file(target) is None
+            if report.rejected_reverts and not in_memory:
+                # (an in-memory store is gone once the demo ends: nothing to try it on - whatever
+                # options its URL sets, ?busy_timeout=5 too)
                 inst, _ = report.rejected_reverts[0]
                 # (one line, however narrow the terminal, and quoted for the shell: pasted, it runs)
                 out.print(f"Try: evstore history {inst} {safe(where)}", soft_wrap=True)

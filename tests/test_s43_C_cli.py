@@ -154,3 +154,21 @@ def test_ctrl_c_once_a_command_has_finished_ends_it_without_a_traceback(tmp_path
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert done.returncode in (0, 130), (done.returncode, done.stderr)
     assert json.loads(done.stdout)["head"] == 3, done.stdout  # (its output whole)
+
+
+@pytest.mark.usefixtures("logging_as_it_was")
+@pytest.mark.parametrize("url", ["sqlite://?busy_timeout=5", "sqlite:///:memory:?busy_timeout=5"])
+def test_a_demo_in_memory_suggests_no_command_on_a_store_that_is_gone(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A demo ends with "Try: evstore history INSTANCE --url ..." on the store it wrote - except in
+    memory, gone once the demo ends (the command would say "No evstore store in sqlite://"). That
+    was decided by the URL's text, ``sqlite://`` or ``sqlite:///:memory:`` exactly, so an in-memory
+    URL with options (README: ``?k=v`` sets them) got the line, a command that cannot work."""
+    done = _in_process(capsys, "demo", "--url", url, "--instances", "3", "--nodes", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Audit of " in done.stdout and "clean" in done.stdout, done.stdout  # (the demo ran whole)
+    assert "Try: evstore" not in done.stdout, done.stdout
+    # (the same demo in a file says it: the line is there to be left out)
+    on_file = _in_process(capsys, "demo", "--db", str(tmp_path / "d.db"), "--instances", "3", "--nodes", "2")
+    assert "Try: evstore history " in on_file.stdout, on_file.stdout
