@@ -42,6 +42,7 @@ import structlog
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption
@@ -140,9 +141,43 @@ def configure_logging(verbosity: int) -> None:
 
 
 class _Console(Console):
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        for table in objects:
+            if isinstance(table, Table):
+                _never_cropped(table)
+                # (narrower than its uuids and a few characters a column, rich gave the other
+                # columns no width at all: laid out wider, the terminal wraps its lines instead)
+                if (least := _least_width(self, table)) > self.width:
+                    table.width, kwargs["soft_wrap"] = least, True  # (soft: lines not cut at the width)
+        super().print(*objects, **kwargs)
+
     def on_broken_pipe(self) -> None:
         # rich exits 1 (an error, by our exit codes) when the reader goes away; end as run() does
         _reader_gone()
+
+
+def _never_cropped(table: Table) -> None:
+    """A table narrower than its text (an 80-column terminal: ``evstore state`` of the demo's six
+    classes, ``diff``'s consumers) folds a cell's text onto more lines, where rich cut it short
+    with an ellipsis - "103/2…" for 103/256, "rel…" for released: a number or a word the operator
+    could not read, and could misread. The columns laid out never to wrap (uuids) stay so."""
+    for column in table.columns:
+        if not column.no_wrap and column.overflow == "ellipsis":
+            column.overflow = "fold"
+
+
+def _least_width(out: Console, table: Table) -> int:
+    """The width ``table`` needs to show every column: its unwrapped columns (uuids) whole, the
+    others at least 4 characters wide (folded), with its borders and padding."""
+    need = 1 + 3 * len(table.columns)
+    for column in table.columns:
+        if column.no_wrap:
+            need += max(
+                Measurement.get(out, out.options, cell).maximum for cell in [column.header, *column.cells]
+            )
+        else:
+            need += 4
+    return max(need, table.min_width or 0)
 
 
 def _reader_gone() -> NoReturn:
@@ -158,16 +193,21 @@ def console() -> Console:
 def output_width(stream: Any) -> int:
     """The width tables are laid out in: COLUMNS when it is a width; else the terminal's; else,
     piped (scripts, tests), 200 - not rich's 80, which folds uuids (36 characters). (Left to
-    rich, COLUMNS=0, which some containers and CI runners export, made it render nothing at all.)"""
+    rich, COLUMNS=0, which some containers and CI runners export, made it render nothing at all.)
+    Never below :data:`MIN_WIDTH`: 7 or fewer, rich failed to lay out ``state``'s table at all."""
     columns = os.environ.get("COLUMNS", "").strip()
     if columns.isascii() and columns.isdigit() and int(columns) > 0:
-        return int(columns)
+        return max(int(columns), MIN_WIDTH)
     try:
         if stream.isatty():
-            return os.get_terminal_size(stream.fileno()).columns or 80
+            return max(os.get_terminal_size(stream.fileno()).columns or 80, MIN_WIDTH)
     except (AttributeError, ValueError, OSError):  # (no descriptor, or not a terminal after all)
         pass
     return 200
+
+
+#: the narrowest layout of tables (a uuid, never folded, is 36 wide): the terminal wraps what is wider
+MIN_WIDTH = 40
 
 
 #: C0 and C1 control characters and DEL: never sent to the terminal as they are

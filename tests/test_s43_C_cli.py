@@ -172,3 +172,43 @@ def test_a_demo_in_memory_suggests_no_command_on_a_store_that_is_gone(
     # (the same demo in a file says it: the line is there to be left out)
     on_file = _in_process(capsys, "demo", "--db", str(tmp_path / "d.db"), "--instances", "3", "--nodes", "2")
     assert "Try: evstore history " in on_file.stdout, on_file.stdout
+
+
+def _wide_store(path: Path) -> tuple[str, str]:
+    """A store whose ``state`` table is wider than 80 columns (the demo's classes and amounts):
+    (the provider's uuid, the consumer's)."""
+    consumer = new_uuid()
+
+    async def build() -> str:
+        async with open_store(f"sqlite:///{path}") as store:
+            provider = await make_provider(
+                store, "compute-0001.example", VCPU=256, MEMORY_MB=583680, DISK_GB=3900
+            )
+            await allocate(store, consumer, {provider: {"VCPU": 103, "MEMORY_MB": 149504, "DISK_GB": 1460}})
+            return provider
+
+    return asyncio.run(build()), consumer
+
+
+@pytest.mark.usefixtures("logging_as_it_was")
+@pytest.mark.parametrize("columns", ["1", "7", "40", "80"])
+def test_tables_narrower_than_their_text_hide_none_of_it(
+    columns: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In an 80-column terminal ``evstore state`` of the README's demo showed "comp…" for its
+    providers and "103/2…" for 103/256 VCPU (rich cut each cell short with an ellipsis), ``diff``'s
+    consumers "rel…" for released; at 40 columns the state table showed only the uuids, its other
+    columns given no width at all; at 7 or fewer it ended with ``evstore.internal: AssertionError:
+    Sum of ratios must be > 0``, exit 1. A cell's text is now folded onto more lines, and a table
+    too narrow for its uuids and a few characters a column is laid out wider (the terminal wraps
+    it): nothing cut short, nothing left out."""
+    db = tmp_path / "s.db"
+    provider, consumer = _wide_store(db)
+    monkeypatch.setenv("COLUMNS", columns)
+    for args in (("state",), ("state", "--provider", provider), ("diff", "0", "3"), ("history", consumer)):
+        done = _in_process(capsys, *args, "--db", str(db))
+        assert done.returncode == 0, (args, done.stdout + done.stderr)
+        assert "…" not in done.stdout, (args, done.stdout)
+        if args == ("state",):
+            assert provider in done.stdout, done.stdout  # (a uuid whole)
+            assert "VCPU" in done.stdout, done.stdout  # (a column there, not given no width)
