@@ -218,8 +218,38 @@ def safe(text: object) -> str:
     """Text from the log or the store (names, request ids, messages) as printed in tables and
     lines: rich markup escaped, and control characters (ESC, BEL, a newline...) shown as ``\\xNN``,
     so that a stored string can neither restyle nor drive the operator's terminal, nor split a
-    ``tail`` line in two. (``--json`` output carries the strings as they are, JSON-escaped.)"""
-    return escape(visible(str(text)))
+    ``tail`` line in two. (``--json`` output carries the strings as they are, JSON-escaped.)
+    A character standard output cannot encode is escaped here too (``\\u0153`` in an ASCII or
+    Latin-1 locale), before rich lays out a table: escaped as it was written (see
+    :func:`_escape_what_cannot_be_encoded`), the cell was wider than its column was made for,
+    and the table's borders no longer lined up."""
+    return escape(_encodable(visible(str(text))))
+
+
+def _encodable(text: str) -> str:
+    """``text`` with the characters standard output's encoding has not shown as their escapes
+    (``visible``'s form); the bytes of an undecodable file name, which a ``surrogateescape``
+    stream writes back as they were, are left to it."""
+    if text.isascii():
+        return text
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+        return text
+    except (UnicodeEncodeError, LookupError):
+        pass
+    kept_bytes = getattr(sys.stdout, "errors", None) in ("surrogateescape", _ESCAPE_OR_BYTES)
+
+    def shown(ch: str) -> str:
+        if kept_bytes and "\udc80" <= ch <= "\udcff":
+            return ch
+        try:
+            ch.encode(encoding)
+            return ch
+        except (UnicodeEncodeError, LookupError):
+            return _escaped_char(ch)
+
+    return "".join(map(shown, text))
 
 
 def visible(text: str) -> str:

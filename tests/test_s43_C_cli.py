@@ -20,7 +20,7 @@ import structlog
 
 from evstore import cli, open_store
 from tests.conftest import allocate, make_provider, new_uuid
-from tests.test_cli_support import REPO
+from tests.test_cli_support import REPO, evstore
 
 
 @pytest.fixture
@@ -212,3 +212,29 @@ def test_tables_narrower_than_their_text_hide_none_of_it(
         if args == ("state",):
             assert provider in done.stdout, done.stdout  # (a uuid whole)
             assert "VCPU" in done.stdout, done.stdout  # (a column there, not given no width)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"PYTHONIOENCODING": "ascii"}, {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}],
+    ids=["ascii", "C-locale"],
+)
+def test_a_table_in_a_locale_without_its_names_characters_keeps_its_borders_in_line(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Where standard output cannot encode a stored name's characters (``LANG=C``,
+    ``PYTHONIOENCODING=ascii``), each is printed as its escape (``\\u0153``) - by the stream, after
+    rich had laid the table out for the one character, so the cell overflowed its column and the
+    row's borders stood apart from the others'. The escape is now made before the layout."""
+    db = tmp_path / "s.db"
+
+    async def build() -> None:
+        async with open_store(f"sqlite:///{db}") as store:
+            await make_provider(store, "nœud-東京-ü", VCPU=16)
+
+    asyncio.run(build())
+    done = evstore("state", "--db", str(db), env=env)
+    assert done.returncode == 0, done.stderr
+    assert "n\\u0153ud-\\u6771\\u4eac-" in done.stdout, done.stdout
+    rows = [line for line in done.stdout.splitlines() if line[:1] in ("|", "+")]
+    assert len(rows) >= 5 and len({len(row) for row in rows}) == 1, done.stdout
