@@ -1,0 +1,79 @@
+"""Stop 43, helper H: review of the session's product changes (76a8a3c..40a5aa3), the defects
+found, each a strict xfail until fixed (helper H owns no product file)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from unittest.mock import AsyncMock
+
+import pytest
+
+from evstore import InvalidInput, command_metadata, open_store
+from tests.conftest import make_provider, new_uuid
+from tests.test_s43_C_cli import _in_process, _wide_store, logging_as_it_was  # noqa: F401 (a fixture)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a191787's hint for an integer of another library also fires for bool (it has __index__): "
+    "True is told '(builtins.bool, not int: give int(value))' - int(True) is an allocation of 1",
+)
+@pytest.mark.parametrize("amount", [True, False])
+async def test_a_bool_amount_is_not_told_to_give_int_of_it(amount: bool) -> None:
+    """An amount of True is refused because a flag is no amount, not because of its type: the
+    hint added for numpy.int64 ("not int: give int(value)") is wrong for it - bool is an int
+    subclass, and int(True) == 1 turns the caller's mistake into an allocation of one."""
+    async with open_store("sqlite://") as store:
+        rp = await make_provider(store, VCPU=8)
+        with pytest.raises(InvalidInput) as refused:
+            await store.set_allocations(
+                new_uuid(),
+                {rp: {"VCPU": amount}},
+                project_id="p",
+                user_id="u",
+                consumer_type="I",
+                generation=None,
+            )
+    message = str(refused.value)
+    assert "must be an integer" in message, message
+    assert "int(value)" not in message and "builtins.bool" not in message, message
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="7cfe5a4's _call_of looks only at type(func).__call__: an AsyncMock (an async callable to "
+    "inspect.iscoroutinefunction, with a plain __call__) decorated is now a plain function",
+)
+async def test_a_decorated_async_mock_is_still_an_async_callable() -> None:
+    """What ``inspect.iscoroutinefunction`` took for an ``async def`` before it was decorated
+    (``unittest.mock.AsyncMock``, a function marked as one) stays one decorated: frameworks
+    choose how to call a handler by that test. 76a8a3c kept it (the test was on ``func``);
+    7cfe5a4 asks only what ``type(func).__call__`` is, a plain method for AsyncMock."""
+    handler = AsyncMock(return_value="done")
+    assert inspect.iscoroutinefunction(handler)
+    decorated = command_metadata(actor="svc")(handler)
+    assert await decorated() == "done"  # (it runs either way: the coroutine it answers is wrapped)
+    assert inspect.iscoroutinefunction(decorated)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="55e7aec folds number cells mid-digits: in an 80-column terminal 'state' shows "
+    "149504/583680 MEMORY_MB as '14950' / '4/583' / '680', a whole-looking number that is not the usage",
+)
+@pytest.mark.usefixtures("logging_as_it_was")
+@pytest.mark.parametrize("columns", ["40", "80"])
+def test_a_narrow_state_table_never_splits_a_number(
+    columns: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Folding replaced the ellipsis ("103/2…") with a break inside a number: the first line of
+    MEMORY_MB's cell reads '14950', which looks whole and is neither the used (149504) nor the
+    total (583680). A number (and its used/total pair, at its '/') must stay whole on a line."""
+    db = tmp_path / "s.db"
+    _wide_store(db)
+    monkeypatch.setenv("COLUMNS", columns)
+    done = _in_process(capsys, "state", "--db", str(db))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for number in ("149504", "583680", "1460", "3900", "103", "256"):
+        assert number in done.stdout, (number, done.stdout)
