@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Any
 from unittest.mock import AsyncMock
 
 import pytest
 
-from evstore import InvalidInput, command_metadata, open_store
-from tests.conftest import make_provider, new_uuid
+from evstore import InvalidInput, ProviderNotFound, command_metadata, open_store
+from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_s43_C_cli import _in_process, _wide_store, logging_as_it_was  # noqa: F401 (a fixture)
+from tests.test_s43_F_pg_faults import role  # noqa: F401 (a fixture)
 
 
 @pytest.mark.xfail(
@@ -77,3 +79,38 @@ def test_a_narrow_state_table_never_splits_a_number(
     assert done.returncode == 0, done.stdout + done.stderr
     for number in ("149504", "583680", "1460", "3900", "103", "256"):
         assert number in done.stdout, (number, done.stdout)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="c624874 pins the search_path's text, and '\"$user\", ...' (PostgreSQL's default form) is "
+    "resolved anew at every statement: a schema named after the role, created while the store is "
+    "open, takes the open store to the store in it (pin current_schemas(false) instead)",
+)
+async def test_an_open_store_keeps_its_schema_when_a_schema_named_after_its_role_appears(
+    pg_url: str,
+    role: tuple[str, Any],  # noqa: F811 (the fixture imported above)
+) -> None:
+    """README (c624874, e2ab279): without ``?search_path`` a store is in "the schema the role's
+    default search_path finds at open, kept while the store is open". With the role's search_path
+    ``"$user", <schema>`` (PostgreSQL's own default is ``"$user", public``) and no schema named
+    after the role, the store is in <schema>; once a schema named after the role appears holding
+    another store (an operator's ``evstore demo`` as the same role, after ``CREATE SCHEMA ...
+    AUTHORIZATION``), every connection of the open store - not only later ones - reads and writes
+    that other store: the pin kept the text "$user", which PostgreSQL resolves at each statement."""
+    from tests.pg import with_search_path
+    from tests.test_s43_F_pg_faults import _as, _schema
+
+    name, admin = role
+    await admin.execute(f'ALTER ROLE {name} SET search_path = "$user", "{_schema(pg_url)}"')
+    async with open_store(_as(pg_url, name, search_path=False), pool_size=2) as store:
+        ours = await make_provider(store, "ours", VCPU=10)
+        await allocate(store, new_uuid(), {ours: {"VCPU": 1}})
+        head = await store.head()
+        await admin.execute(f"CREATE SCHEMA {name} AUTHORIZATION {name}")
+        async with open_store(_as(with_search_path(pg_url, name), name)) as other:
+            theirs = await make_provider(other, "theirs", VCPU=10)
+        assert await store.head() == head
+        assert (await store.usage(ours))["VCPU"] == 1
+        with pytest.raises(ProviderNotFound):
+            await store.usage(theirs)
