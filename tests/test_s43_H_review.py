@@ -114,3 +114,20 @@ async def test_an_open_store_keeps_its_schema_when_a_schema_named_after_its_role
         assert (await store.usage(ours))["VCPU"] == 1
         with pytest.raises(ProviderNotFound):
             await store.usage(theirs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="54821d7's hint for bytes is the one for a str ('answer text.splitlines()'): followed, it "
+    "gives bytes lines, refused in turn as 'bytes, not text ... or decode the lines'",
+)
+async def test_open_lines_answering_bytes_is_told_to_decode_them() -> None:
+    """``import_events(lambda: data)`` with ``data`` the export's bytes (read with ``open(path,
+    'rb').read()``, or off the network) is told to answer ``text.splitlines()``; doing so answers
+    bytes lines, which the import refuses next ("line 1 of the export is bytes, not text"). One
+    refusal should say both: decode, then split (``data.decode().splitlines()``)."""
+    async with open_store("sqlite://") as store:
+        with pytest.raises(InvalidInput) as refused:
+            await store.import_events(lambda: b'{"format": "evstore-export"}\n')
+    assert refused.value.details.get("field") == "open_lines"
+    assert "decode" in str(refused.value), str(refused.value)
