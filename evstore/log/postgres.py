@@ -924,6 +924,12 @@ def _literal(text: str) -> str:
     return "E'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
+#: the schemas a connection's search_path finds now, quoted, as a search_path
+_SCHEMAS_FOUND = (
+    "SELECT array_to_string(ARRAY(SELECT quote_ident(s) FROM unnest(current_schemas(false)) AS s), ', ')"
+)
+
+
 async def _init_connection(conn: Any, search_path: str | None = None) -> str | None:
     """Every new connection: evstore's transactions run at READ COMMITTED, whatever the role, the
     database or the URL make the default. Its locking is built for it (a command locks, then reads
@@ -940,7 +946,12 @@ async def _init_connection(conn: Any, search_path: str | None = None) -> str | N
     isolation = "SET default_transaction_isolation = 'read committed'"
     if search_path is None:
         await conn.execute(isolation)
-        return str(await conn.fetchval("SELECT current_setting('search_path')"))
+        # (the schemas it names that exist, not its text: '"$user", public' is resolved anew at
+        # every statement - a schema named after the role, made while the store is open, would
+        # take every connection to it)
+        found = str(await conn.fetchval(_SCHEMAS_FOUND))
+        await conn.execute(f"SELECT set_config('search_path', {_literal(found)}, false)")
+        return found
     await conn.execute(f"{isolation}; SELECT set_config('search_path', {_literal(search_path)}, false)")
     return search_path
 
