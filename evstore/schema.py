@@ -8,6 +8,7 @@ canonical form the rest of the code relies on, or raise :class:`InvalidInput`.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import uuid as _uuid
 from collections.abc import Mapping, Sequence
@@ -121,6 +122,19 @@ def _shown_int(value: int) -> str:
     return str(value) if abs(value) < _SHOWN_INT_LIMIT else "an integer past 64 bits"
 
 
+def _another_int(value: object) -> bool:
+    """Whether ``value``, no ``int``, is an integer of another library (``numpy.int64``): it
+    converts to the int it shows itself as. Not a bool (``True`` shows as ``True``; ``int(True)``
+    would turn the mistake into an amount of 1), a float or a text."""
+    if isinstance(value, bool | float | str):
+        return False
+    try:
+        index = operator.index(value)  # type: ignore[arg-type]
+        return str(value) == str(index)
+    except Exception:  # (whatever another library's __index__ or __str__ raises: no hint)
+        return False
+
+
 def validate_amount(
     amount: object, resource_class: str, field: str = "amount", path: Sequence[str] | None = None
 ) -> int:
@@ -129,9 +143,9 @@ def validate_amount(
         # "must be an integer, got 2" read as nonsense)
         kind = type(amount)
         other = (
-            ""
-            if kind in (float, str) or not hasattr(kind, "__index__")
-            else f" ({kind.__module__}.{kind.__qualname__}, not int: give int(value))"
+            f" ({kind.__module__}.{kind.__qualname__}, not int: give int(value))"
+            if _another_int(amount)
+            else ""
         )
         raise InvalidInput(
             f"Amount of {resource_class} must be an integer, got {shown(amount, 80)}{other}",

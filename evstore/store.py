@@ -367,7 +367,9 @@ class _MetadataScope:
                 field="command_metadata",
             )
         call = _call_of(func)
-        if inspect.iscoroutinefunction(call):
+        # (func itself too: an AsyncMock, or an object marked as a coroutine function, whose
+        # __call__ is a plain method)
+        if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call):
             run = cast("Callable[..., Awaitable[Any]]", func)
 
             @functools.wraps(func)
@@ -2614,7 +2616,7 @@ class AllocationStore:
             opened = open_lines()
             answered.append(opened)
             if not isinstance(opened, Iterable) or isinstance(opened, str | bytes):
-                got = _an(type(opened).__name__)
+                got = "bytes" if isinstance(opened, bytes) else _an(type(opened).__name__)
                 raise err.InvalidInput(
                     f"open_lines() must return the lines (a file, a list...), got {got}"
                     + _not_lines_hint(opened),
@@ -2685,7 +2687,9 @@ def _not_lines_hint(opened: object) -> str:
             ": the lines are read synchronously (twice, on a thread), so give a plain function answering "
             "a file or a list, not an async one - e.g. lambda: open(path)"
         )
-    if isinstance(opened, str | bytes):
+    if isinstance(opened, bytes):
+        return ": that is bytes, not lines of text - answer data.decode().splitlines(), or open(path)"
+    if isinstance(opened, str):
         return ": that is one text, not its lines - answer text.splitlines(), or open(path)"
     return ""
 

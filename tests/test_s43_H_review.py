@@ -16,11 +16,6 @@ from tests.test_s43_C_cli import _in_process, _wide_store, logging_as_it_was  # 
 from tests.test_s43_F_pg_faults import role  # noqa: F401 (a fixture)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a191787's hint for an integer of another library also fires for bool (it has __index__): "
-    "True is told '(builtins.bool, not int: give int(value))' - int(True) is an allocation of 1",
-)
 @pytest.mark.parametrize("amount", [True, False])
 async def test_a_bool_amount_is_not_told_to_give_int_of_it(amount: bool) -> None:
     """An amount of True is refused because a flag is no amount, not because of its type: the
@@ -42,11 +37,6 @@ async def test_a_bool_amount_is_not_told_to_give_int_of_it(amount: bool) -> None
     assert "int(value)" not in message and "builtins.bool" not in message, message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="7cfe5a4's _call_of looks only at type(func).__call__: an AsyncMock (an async callable to "
-    "inspect.iscoroutinefunction, with a plain __call__) decorated is now a plain function",
-)
 async def test_a_decorated_async_mock_is_still_an_async_callable() -> None:
     """What ``inspect.iscoroutinefunction`` took for an ``async def`` before it was decorated
     (``unittest.mock.AsyncMock``, a function marked as one) stays one decorated: frameworks
@@ -81,12 +71,6 @@ def test_a_narrow_state_table_never_splits_a_number(
         assert number in done.stdout, (number, done.stdout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="c624874 pins the search_path's text, and '\"$user\", ...' (PostgreSQL's default form) is "
-    "resolved anew at every statement: a schema named after the role, created while the store is "
-    "open, takes the open store to the store in it (pin current_schemas(false) instead)",
-)
 async def test_an_open_store_keeps_its_schema_when_a_schema_named_after_its_role_appears(
     pg_url: str,
     role: tuple[str, Any],  # noqa: F811 (the fixture imported above)
@@ -116,11 +100,6 @@ async def test_an_open_store_keeps_its_schema_when_a_schema_named_after_its_role
             await store.usage(theirs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="54821d7's hint for bytes is the one for a str ('answer text.splitlines()'): followed, it "
-    "gives bytes lines, refused in turn as 'bytes, not text ... or decode the lines'",
-)
 async def test_open_lines_answering_bytes_is_told_to_decode_them() -> None:
     """``import_events(lambda: data)`` with ``data`` the export's bytes (read with ``open(path,
     'rb').read()``, or off the network) is told to answer ``text.splitlines()``; doing so answers
