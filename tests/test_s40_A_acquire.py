@@ -154,6 +154,9 @@ class _Connection:
     async def execute(self, *args: Any) -> None:
         pass
 
+    async def fetchval(self, *args: Any) -> str:  # (the first connection's search_path, asked)
+        return "public"
+
 
 async def test_the_pool_counts_the_connections_it_opens(pg_url: str) -> None:
     """What the refusal's rule reads: each connection the pool opens is counted."""
