@@ -140,8 +140,34 @@ def configure_logging(verbosity: int) -> None:
     )
 
 
+class StdoutFailed(OSError):
+    """Standard output could not be written (a full disk, ``> /dev/full``, an I/O error): its
+    error said only "[Errno 28] No space left on device", naming no file."""
+
+
+@contextlib.contextmanager
+def to_stdout() -> Iterator[None]:
+    """Writing standard output: a failure (other than the reader gone, which ends the command
+    quietly) is :class:`StdoutFailed`, which says what could not be written."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except StdoutFailed:
+        raise
+    except OSError as exc:
+        raise StdoutFailed(exc.errno, exc.strerror or str(exc)) from exc
+
+
 class _Console(Console):
     def print(self, *objects: Any, **kwargs: Any) -> None:
+        if self.file is sys.stdout:
+            with to_stdout():
+                self._print(*objects, **kwargs)
+        else:
+            self._print(*objects, **kwargs)
+
+    def _print(self, *objects: Any, **kwargs: Any) -> None:
         for table in objects:
             if isinstance(table, Table):
                 _never_cropped(table)
@@ -421,6 +447,8 @@ def _run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int) -> N
         raise typer.Exit(interrupt_code) from None
     except BrokenPipeError:
         _reader_gone()
+    except StdoutFailed as exc:  # (named: the error alone, "[Errno 28] ...", named no file)
+        fail("evstore.io", f"cannot write standard output: {exc.strerror}")
     except OSError as exc:
         fail("evstore.io", str(exc))
     except Exception as exc:  # a bug: still one line, the traceback only at -vv
@@ -539,7 +567,8 @@ def signals_held() -> Iterator[None]:
 
 
 def emit_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=False, default=str), flush=True)
+    with to_stdout():
+        print(json.dumps(value, indent=2, sort_keys=False, default=str), flush=True)
 
 
 def _print_version(value: bool) -> None:
@@ -1622,14 +1651,15 @@ def history(
                     # "events": [...]}; name: the provider's, as the table's title gives it,
                     # null for a consumer)
                     fields = {"url": shown(target), "uuid": key, "name": names.get(key)}
-                    sys.stdout.write("{\n")
-                    for field, value in fields.items():
-                        sys.stdout.write(f"  {json.dumps(field)}: {json.dumps(value)},\n")
-                    sys.stdout.write('  "events": [\n')
-                    spool.seek(0)
-                    shutil.copyfileobj(spool, sys.stdout)
-                    sys.stdout.write("\n  ]\n}\n")
-                    sys.stdout.flush()
+                    with to_stdout():
+                        sys.stdout.write("{\n")
+                        for field, value in fields.items():
+                            sys.stdout.write(f"  {json.dumps(field)}: {json.dumps(value)},\n")
+                        sys.stdout.write('  "events": [\n')
+                        spool.seek(0)
+                        shutil.copyfileobj(spool, sys.stdout)
+                        sys.stdout.write("\n  ]\n}\n")
+                        sys.stdout.flush()
                     return EXIT_OK
         table = events_table(f"History of {safe(names.get(key, key))}")
         for row in rows:
@@ -2092,7 +2122,8 @@ def tail(
                 if json_out:
                     doc = event_json(recorded, names, learned)
                     doc["summary"] += said  # (as history's)
-                    print(json.dumps(doc, default=str), flush=True)
+                    with to_stdout():
+                        print(json.dumps(doc, default=str), flush=True)
                 else:
                     meta = recorded.metadata  # (as history shows it: request / actor)
                     who = " / ".join(x for x in (meta.request_id, meta.actor) if x) or "-"
@@ -2624,8 +2655,10 @@ def export(
             head = await store.head()
             if output is None:
                 async for line in store.export():
-                    sys.stdout.write(line + "\n")
-                sys.stdout.flush()
+                    with to_stdout():
+                        sys.stdout.write(line + "\n")
+                with to_stdout():
+                    sys.stdout.flush()
                 return EXIT_OK
             final, in_place = _export_target(output)
             _refuse_own_database(source, final)
@@ -3002,7 +3035,8 @@ def _output_failed(exc: OSError) -> int:
     ``evstore.io``, or 141 quietly for a reader gone. (click itself ends a help piped to a reader
     gone with 1, saying nothing: left so.)"""
     if not isinstance(exc, BrokenPipeError):
-        print(f"error: evstore.io: {visible(str(exc))}", file=sys.stderr, flush=True)
+        text = f"cannot write standard output: {exc.strerror or exc}"
+        print(f"error: evstore.io: {visible(text)}", file=sys.stderr, flush=True)
     # (what stays in its buffer would fail Python's own flush at exit again)
     with contextlib.suppress(OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
