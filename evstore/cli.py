@@ -2796,6 +2796,13 @@ def import_(
     """
     try:
         target = resolve_url(db, url, must_exist=False)
+        if target.startswith("sqlite:") and _sqlite_file(target) is None:
+            # (it said "imported N events" into a store gone as the command ended: the one rule of
+            # the commands that write - the others refuse a store in memory, which holds none)
+            raise err.InvalidInput(
+                f"{shown(target)} is a store in memory, gone when the command ends: an import into it "
+                "keeps nothing; import into a database file (--db PATH) or a PostgreSQL schema"
+            )
         # (`-`: standard input, as most tools read it; the spool below copies it)
         export_file = Path("/dev/stdin") if file == "-" else given_path(file, "FILE", must_exist=True)
     except err.EvstoreError as exc:
