@@ -312,10 +312,36 @@ def note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+#: the names (its URL, password hidden, and a SQLite store's path) of the store of this command
+#: when its URL came from EVSTORE_URL: an error naming it says so (a stale export puzzled)
+_STORE_FROM_ENVIRONMENT: list[str] = []
+
+
+def _names_of(url: str) -> list[str]:
+    names = [shown(url)]
+    if url.startswith("sqlite:"):
+        from evstore.log.sqlite import parse_sqlite_url
+
+        with contextlib.suppress(Exception):  # (a malformed URL: its open says so)
+            names.append(parse_sqlite_url(url)[0])
+    return [name for name in names if name.strip()]
+
+
+def _naming_the_environment(message: str) -> str:
+    """``message`` with "(from EVSTORE_URL)" when it names a store whose URL came from there."""
+    if "EVSTORE_URL" in message:
+        return message
+    for name in _STORE_FROM_ENVIRONMENT:
+        # (the name as a whole word: not "d.db" in "old.db")
+        if re.search(rf"(?<![\w./~-]){re.escape(name)}(?![\w/-])", message):
+            return f"{message} (from EVSTORE_URL)"
+    return message
+
+
 def fail(code: str, message: str, exit_code: int = EXIT_ERROR) -> NoReturn:
     # (all of it, its control characters shown as \xNN, which keeps it one line: its first line
     # alone cut a path or URL holding a newline at it, naming another file than the one given)
-    text = message.strip() or "(no message)"
+    text = _naming_the_environment(message.strip()) or "(no message)"
     print(f"error: {code}: {visible(text)}", file=sys.stderr, flush=True)
     raise typer.Exit(exit_code)
 
@@ -355,6 +381,7 @@ def not_empty(value: str | None, option: str, what: str) -> None:
 
 def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> str:
     """The store URL from --db, --url or $EVSTORE_URL (in that order); one of them is required."""
+    _STORE_FROM_ENVIRONMENT.clear()
     if db is not None and url is not None:  # usage errors (exit 2), as click reports a bad option
         fail("evstore.usage", "give either --db or --url, not both", EXIT_USAGE)
     if db is not None:
@@ -365,9 +392,28 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
             "--url is empty: give a store URL, or leave --url out to use EVSTORE_URL",
             EXIT_USAGE,
         )
-    chosen = url or os.environ.get("EVSTORE_URL")
+    chosen = url
+    if chosen is None:
+        chosen = os.environ.get("EVSTORE_URL")
+        if chosen is not None and not chosen.strip():  # (`export EVSTORE_URL=" "`: as an empty --url)
+            fail(
+                "evstore.usage",
+                "no store given: EVSTORE_URL is empty; use --db PATH, --url URL or set EVSTORE_URL "
+                "to a store URL",
+                EXIT_USAGE,
+            )
+        if chosen:
+            _STORE_FROM_ENVIRONMENT.extend(_names_of(chosen))
     if not chosen:
         fail("evstore.usage", "no store given: use --db PATH, --url URL or set EVSTORE_URL", EXIT_USAGE)
+    if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", chosen) and "=" not in chosen and shown(chosen) == chosen:
+        # (a path where a URL belongs, `--url ./x.db`: say how to name that file; not a libpq
+        # keyword string, "host=... password=...", which the open refuses with its password hidden)
+        absolute = str(Path(chosen).expanduser().absolute())
+        raise err.InvalidInput(
+            f"Unsupported store URL {shown(chosen)!r}: a path, not a URL; use --db {shlex.quote(chosen)} "
+            f"or sqlite:///{chosen if not chosen.startswith(('/', '~')) else absolute}"
+        )
     if chosen.startswith("sqlite:"):
         from evstore.log.sqlite import parse_sqlite_url
 
@@ -2952,6 +2998,7 @@ def _holds_no_events(path: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``evstore`` script."""
+    _STORE_FROM_ENVIRONMENT.clear()
     _open_closed_streams()
     _escape_what_cannot_be_encoded()
     try:
