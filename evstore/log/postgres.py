@@ -1862,6 +1862,13 @@ class PostgresBackend:
         at every second cancellation during a release.)"""
         try:
             await pool.release(conn, timeout=reset_within)
+        except asyncpg.InternalClientError:
+            # ("PoolConnectionHolder.release() called on a free connection holder": the connection
+            # was lost - pg_terminate_backend, a restart - between asyncpg's release beginning and
+            # its task running, and the loss gave the holder back to the pool already. Nothing is
+            # left to give back; raised, it replaced the outcome of the command or read that had
+            # used the connection - a committed command told "Storage failure")
+            pass
         except asyncio.CancelledError:
             interrupted = self._interrupted
             for gone in [c for c in interrupted if _closed(c)]:  # (released since: detached)
