@@ -186,15 +186,19 @@ def _never_cropped(table: Table) -> None:
     """A table narrower than its text (an 80-column terminal: ``evstore state`` of the demo's six
     classes, ``diff``'s consumers) folds a cell's text onto more lines, where rich cut it short
     with an ellipsis - "103/2…" for 103/256, "rel…" for released: a number or a word the operator
-    could not read, and could misread. The columns laid out never to wrap (uuids) stay so."""
+    could not read, and could misread. The columns laid out never to wrap (uuids) stay so, and so
+    do the right-justified ones, numbers: folded, "149504/583680" read "14950" on its first line,
+    a whole-looking number that is neither (the table is laid out wider instead: _least_width)."""
     for column in table.columns:
-        if not column.no_wrap and column.overflow == "ellipsis":
+        if column.justify == "right":
+            column.no_wrap = True
+        elif not column.no_wrap and column.overflow == "ellipsis":
             column.overflow = "fold"
 
 
 def _least_width(out: Console, table: Table) -> int:
-    """The width ``table`` needs to show every column: its unwrapped columns (uuids) whole, the
-    others at least 4 characters wide (folded), with its borders and padding."""
+    """The width ``table`` needs to show every column: its unwrapped columns (uuids, numbers) whole,
+    the others at least 4 characters wide (folded), with its borders and padding."""
     need = 1 + 3 * len(table.columns)
     for column in table.columns:
         if column.no_wrap:

@@ -49,11 +49,6 @@ async def test_a_decorated_async_mock_is_still_an_async_callable() -> None:
     assert inspect.iscoroutinefunction(decorated)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="55e7aec folds number cells mid-digits: in an 80-column terminal 'state' shows "
-    "149504/583680 MEMORY_MB as '14950' / '4/583' / '680', a whole-looking number that is not the usage",
-)
 @pytest.mark.usefixtures("logging_as_it_was")
 @pytest.mark.parametrize("columns", ["40", "80"])
 def test_a_narrow_state_table_never_splits_a_number(
