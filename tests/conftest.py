@@ -105,6 +105,25 @@ async def allocate(
 
 
 @pytest.fixture
+def logging_as_it_was() -> Iterator[None]:
+    """(``cli.main`` run in this process configures structlog and the root logger to print on this
+    test's captured stderr, closed after it: put back as they were - see tests/test_s40_B_tail.py)"""
+    import logging
+
+    import structlog
+
+    config, root, aiosqlite = structlog.get_config(), logging.getLogger(), logging.getLogger("aiosqlite")
+    handlers, level, aiosqlite_level = root.handlers[:], root.level, aiosqlite.level
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        aiosqlite.setLevel(aiosqlite_level)
+
+
+@pytest.fixture
 def pg_url() -> str:
     """A URL to a fresh, empty PostgreSQL store (skipped without a server, a failure under CI=true)."""
     from tests.pg import fresh_database_url

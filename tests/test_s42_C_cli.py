@@ -6,36 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from evstore import cli, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_cli_support import REPO, evstore
-
-
-@pytest.fixture
-def logging_as_it_was() -> Iterator[None]:
-    """(``cli.main`` run in this process configures structlog and the root logger to print on this
-    test's captured stderr, closed after it: put back as they were - see tests/test_s40_B_tail.py)"""
-    config, root, aiosqlite = structlog.get_config(), logging.getLogger(), logging.getLogger("aiosqlite")
-    handlers, level, aiosqlite_level = root.handlers[:], root.level, aiosqlite.level
-    try:
-        yield
-    finally:
-        structlog.configure(**config)
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        aiosqlite.setLevel(aiosqlite_level)
 
 
 class _Done:

@@ -12,7 +12,7 @@ import pytest
 
 from evstore import InvalidInput, ProviderNotFound, command_metadata, open_store
 from tests.conftest import allocate, make_provider, new_uuid
-from tests.test_s43_C_cli import _in_process, _wide_store, logging_as_it_was  # noqa: F401 (a fixture)
+from tests.test_s43_C_cli import _in_process, _wide_store
 from tests.test_s43_F_pg_faults import role  # noqa: F401 (a fixture)
 
 

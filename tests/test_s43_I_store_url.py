@@ -4,30 +4,12 @@ EVSTORE_URL, a blank EVSTORE_URL, a path given as --url (see each test)."""
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from evstore import cli, open_store
 from tests.conftest import allocate, make_provider, new_uuid
-
-
-@pytest.fixture
-def logging_as_it_was() -> Iterator[None]:
-    """(``cli.main`` run in this process configures structlog and the root logger to print on this
-    test's captured stderr, closed after it: put back as they were - see tests/test_s40_B_tail.py)"""
-    config, root, aiosqlite = structlog.get_config(), logging.getLogger(), logging.getLogger("aiosqlite")
-    handlers, level, aiosqlite_level = root.handlers[:], root.level, aiosqlite.level
-    try:
-        yield
-    finally:
-        structlog.configure(**config)
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        aiosqlite.setLevel(aiosqlite_level)
 
 
 def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
