@@ -107,7 +107,8 @@ def validate_resource_class_name(
     if not isinstance(name, str) or not RC_PATTERN.fullmatch(name) or len(name) > 255:
         raise InvalidInput(
             f"Invalid resource class {shown(name, 80)}: it must match ^[A-Z0-9_]+$ (at most 255 characters)",
-            resource_class=repr(name)[:100],
+            # (as every other refusal has it: the name as given, not its repr in quotes)
+            resource_class=name[:100] if isinstance(name, str) else repr(name)[:100],
             **where(field, path),
         )
     return name

@@ -64,3 +64,19 @@ async def test_a_release_racing_the_loss_of_its_connection_keeps_the_commands_ou
         assert (await store.allocations(consumer)).allocations == {rp: {"VCPU": 2}}
         assert (await store.usage(rp)).usages["VCPU"] == 2
         assert (await store.audit()).clean
+
+
+async def test_a_malformed_class_name_is_in_details_as_given(store: AllocationStore) -> None:
+    """details["resource_class"] of a malformed name is the name as given (helper A: it was its
+    repr in quotes, "'vcpu'", where every other refusal has the plain name); one that is no text
+    keeps its repr. InvalidInventoryValue, which set_inventories raises, is importable from evstore."""
+    import evstore
+    from evstore import InvalidInput, InvalidInventoryValue
+
+    rp = await make_provider(store, VCPU=8)
+    with pytest.raises(InvalidInput) as refused:
+        await store.set_allocations(
+            new_uuid(), {rp: {"vcpu": 1}}, project_id="p", user_id="u", consumer_type="I", generation=None
+        )
+    assert refused.value.details["resource_class"] == "vcpu"
+    assert "InvalidInventoryValue" in evstore.__all__ and issubclass(InvalidInventoryValue, InvalidInput)
