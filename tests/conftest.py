@@ -107,7 +107,7 @@ async def allocate(
 @pytest.fixture
 def logging_as_it_was() -> Iterator[None]:
     """(``cli.main`` run in this process configures structlog and the root logger to print on this
-    test's captured stderr, closed after it: put back as they were - see tests/test_s40_B_tail.py)"""
+    test's captured stderr, closed after it: put back as they were - tests/test_s40_B_tail.py says why)"""
     import logging
 
     import structlog

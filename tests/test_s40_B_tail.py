@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from evstore import cli
 from evstore.log.sqlite import SqliteBackend
@@ -21,22 +18,10 @@ from tests.test_cli_support import demo_db
 from tests.test_s38_a_leak_tools import _imported, _left_holding, _revert_to_deleted, _target
 from tests.test_s39_a_cli import _fresh_like, _moved_after_delete
 
-
-@pytest.fixture(autouse=True)
-def _logging_as_it_was() -> Iterator[None]:
-    """``cli.main`` configures structlog (and the root logger) to print on this test's captured
-    stderr, which pytest closes after it: every later test's warning then raised "I/O operation on
-    closed file" wherever it was logged (23 tests failed after this file in a CI run, and the
-    session ended in an INTERNALERROR). Put back as it was."""
-    config, root, aiosqlite = structlog.get_config(), logging.getLogger(), logging.getLogger("aiosqlite")
-    handlers, level, aiosqlite_level = root.handlers[:], root.level, aiosqlite.level
-    try:
-        yield
-    finally:
-        structlog.configure(**config)
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        aiosqlite.setLevel(aiosqlite_level)
+# (cli.main configures structlog and the root logger to print on a test's captured stderr, which
+# pytest closes after it: every later test's warning then raised "I/O operation on closed file" -
+# 23 tests failed after this file in a CI run. tests/conftest.py's logging_as_it_was puts them back)
+pytestmark = pytest.mark.usefixtures("logging_as_it_was")
 
 
 def _tail(capsys: pytest.CaptureFixture[str], after: int, *where: str) -> list[dict[str, Any]]:
