@@ -1426,7 +1426,8 @@ class AllocationStore:
         if isinstance(outcomes, BaseException):
             exc = outcomes
             if not isinstance(exc, err.EvstoreError):  # a backend bug must not kill the writer
-                exc = err.StorageError(f"Storage failure: {exc!r}")
+                # (whether the batch committed, the backend did not say: unknown)
+                exc = err.StorageError(f"Storage failure: {exc!r}", outcome_unknown=True)
             outcomes = [exc] * len(batch)
         appended = False
         for (job, fut), outcome in zip(batch, outcomes, strict=True):

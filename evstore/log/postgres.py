@@ -1781,7 +1781,10 @@ class PostgresBackend:
             if self._pool is None or "clos" in str(exc):
                 raise err.StoreClosed("The store is closed") from None
             raise _storage_error(exc, "connecting", None) from None
-        except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InternalClientError) as exc:
+            # (InternalClientError: the server ended a connection the pool had just opened before
+            # its set-up statement ran - "cannot switch to state 15; another operation (2) is in
+            # progress" from the pool's init: a connection lost)
             if self._pool is None:
                 # (close() began while this waited for one of the pool's connections, all busy:
                 # what ran out is a wait for a pool that is gone, not its size - and a command
@@ -2280,7 +2283,8 @@ class PostgresBackend:
         except err.EvstoreError as exc:
             return exc
         except Exception as exc:  # a backend bug must not take the batch down
-            return err.StorageError(f"Storage failure: {exc!r}")
+            # (raised where the backend could not say whether the command committed: unknown)
+            return err.StorageError(f"Storage failure: {exc!r}", outcome_unknown=True)
         finally:
             self._slots.release()
 
