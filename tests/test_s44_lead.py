@@ -98,3 +98,35 @@ async def test_a_backend_bug_under_a_command_says_its_outcome_is_unknown(
     receipt = await store.set_allocations(new_uuid(), {rp: {"VCPU": 1}}, idempotency_key="k-2", **body)  # type: ignore[arg-type]
     assert receipt.positions
     assert (await store.usage(rp)).usages["VCPU"] == 1
+
+
+async def test_an_open_whose_first_connection_the_server_ends_says_so(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The open's first connections meet what a burst's did (the test above): the server ends one
+    before its set-up statement ran. The open fails as ``StorageError`` naming the store's URL and
+    the lost session, not asyncpg's bare InternalClientError; the next open works."""
+    import asyncpg
+
+    import evstore.log.postgres as pg
+
+    set_up = pg._init_connection
+    failing = {"left": 1}
+
+    async def init(conn: object, search_path: str | None = None) -> str | None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise asyncpg.InternalClientError(
+                "cannot switch to state 15; another operation (2) is in progress"
+            )
+        return await set_up(conn, search_path)
+
+    monkeypatch.setattr(pg, "_init_connection", init)
+    with pytest.raises(StorageError) as failed:
+        async with open_store(pg_url):
+            pass
+    assert failed.value.message.startswith("Cannot connect to PostgreSQL at ")
+    assert "the session ended as it was set up" in failed.value.message
+    assert "another operation (2) is in progress" in failed.value.message
+    async with open_store(pg_url) as store:
+        assert await store.head() >= 0

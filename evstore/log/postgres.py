@@ -1549,11 +1549,22 @@ class PostgresBackend:
                 reset=functools.partial(_reset_connection, unsynced=self._unsynced),
                 init=self._opened_one,
             )
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except (
+            OSError,
+            TimeoutError,
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,  # (a first connection the server ended at its set-up)
+        ) as exc:
             if isinstance(exc, ValueError):  # (ClientConfigurationError: ?sslmode=bogus, a URL's fault)
                 raise self._malformed(exc) from None
             # (a server's or resolver's text may quote what the URL held: a misread password's piece)
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
+            if isinstance(exc, asyncpg.InternalClientError):  # (its words say nothing of what happened)
+                text = (
+                    "the session ended as it was set up - the server ended it (a restart, "
+                    f"pg_terminate_backend) or the network cut it; try again (asyncpg: {text})"
+                )
             if isinstance(exc, TimeoutError) and not str(exc):  # (it said only "TimeoutError")
                 text = (
                     f"no answer within connect_timeout ({self.connect_timeout:g} s): check the host, "
@@ -1747,7 +1758,7 @@ class PostgresBackend:
             self._interrupted.clear()
             try:
                 await asyncio.wait_for(pool.close(), 10)
-            except (TimeoutError, OSError, asyncpg.InterfaceError):
+            except (TimeoutError, OSError, asyncpg.InterfaceError, asyncpg.InternalClientError):
                 pool.terminate()
 
     def abandon(self) -> None:
