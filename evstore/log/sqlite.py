@@ -604,6 +604,7 @@ def flush_history(conn: sqlite3.Connection, cache: _WriterCache) -> None:
     it find everything in the index). Skipped if another connection holds the write lock."""
     if not cache.own:
         return
+    _end_leftover(conn)
     try:  # (the writer's busy handler waits one slice, BUSY_SLICE_MS, for another's lock)
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError:
@@ -616,8 +617,7 @@ def flush_history(conn: sqlite3.Connection, cache: _WriterCache) -> None:
     except BaseException:
         cache.forget()
         cache.own = {}
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
 
 
@@ -978,7 +978,8 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
         # Nothing written yet: this job fails alone, not every job of its group commit.
         raise err.StorageError(
             f"Cannot run {type(job.command).__name__}: {shown(exc, 200)} (if the projection is damaged, "
-            "`evstore audit` says where and `evstore rebuild` refolds it from the log)"
+            "`evstore audit` says where and `evstore rebuild` refolds it from the log)",
+            outcome_unknown=False,
         ) from exc
     # From here on the job writes: nothing may reject it any more (see run_batch).
     try:
@@ -997,6 +998,28 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
     except err.EvstoreError as exc:
         raise BatchAborted(f"job failed after it started writing: {exc}") from exc
     return receipt
+
+
+class _CommitFailed(Exception):
+    """The COMMIT of a batch failed with ``error`` (not busy): whether it committed is unknown - a
+    failed write or sync of the log's last frame can leave the commit in the -wal file, which the
+    next open's recovery finds (see :func:`_commit_failed_error`)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _commit(conn: sqlite3.Connection) -> None:
+    """COMMIT a write transaction; a failure other than busy raised as :class:`_CommitFailed`."""
+    try:
+        conn.execute("COMMIT")
+    except sqlite3.OperationalError as exc:
+        if _is_busy(exc):  # (the transaction is still open, not committed: rolled back and retried whole)
+            raise
+        raise _CommitFailed(exc) from exc
+    except (sqlite3.Error, MemoryError, OSError) as exc:
+        raise _CommitFailed(exc) from exc
 
 
 class BatchAborted(RuntimeError):
@@ -1034,6 +1057,7 @@ def run_batch(
     start: int | None = None
     own_tip = cache.own_tip  # (what it was, for a batch that fails: see there)
     cache.check_file(wal_files=False)  # (and again, with its -wal and -shm, before the commit)
+    _end_leftover(conn)
     conn.execute("BEGIN IMMEDIATE")
     try:
         keep = None if wanted is None else wanted()
@@ -1065,7 +1089,7 @@ def run_batch(
                 "damaged (`evstore audit` says where; `evstore rebuild` refolds it from the log)"
             ) from None
         cache.check_file()
-        conn.execute("COMMIT")
+        _commit(conn)
         cache.head_seen = tail.position
     except BaseException:
         cache.forget()  # (it holds what was rolled back)
@@ -1077,8 +1101,7 @@ def run_batch(
             # restore replaced its events, that tip would vouch for the keys of events the log
             # no longer holds)
             cache.own_tip = own_tip if cache.own else None
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
     # A rejection's traceback holds this frame (and its callers', through ``f_back``), and the
     # outcomes hold the rejection: were this frame to keep them, the batch (its jobs, receipts,
@@ -1300,6 +1323,8 @@ class SqliteBackend:
             except asyncio.CancelledError:
                 stop.set()  # (its thread stops waiting at its next slice)
                 raise
+            except (MemoryError, OSError) as exc:  # (as the writer's connection says them, below)
+                raise _cannot_open(self.url, exc) from None
 
         if not self.memory:
             parent = self._parent_dir
@@ -1408,6 +1433,11 @@ class SqliteBackend:
             if _is_disk_full(exc):  # (an upgrade's refold, a new store's tables: found no room)
                 raise _disk_full_error(f"Cannot open {self.url}: {exc}") from None
             raise err.StorageError(f"Cannot open {self.url}: {exc}{hint}", **details) from None
+        except (MemoryError, OSError) as exc:
+            # (SQLite's SQLITE_NOMEM, which sqlite3 raises as MemoryError, at a pragma of a
+            # connection: typed, as SQLite's other errors are)
+            await self.close()
+            raise _cannot_open(self.url, exc) from None
         except asyncio.CancelledError:
             # (as in _connect: not waited for, the writer's thread may still wait for the lock,
             # until its next slice)
@@ -1440,10 +1470,18 @@ class SqliteBackend:
         finally:
             # (even if the flush is cancelled: aiosqlite's threads are not daemons, and an open
             # connection would keep the process from exiting)
-            for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
-                await conn.close()
-            self._reader = self._writer = None
-            self._cache = _WriterCache()  # (a reopened store must not trust what this one remembered)
+            try:
+                for conn in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
+                    try:
+                        await conn.close()
+                    except (sqlite3.Error, MemoryError, OSError) as exc:
+                        # (each connection closed whatever the other's close said; what they
+                        # committed stays committed - in the file, or in its -wal file, which the
+                        # next open recovers - so the close goes on: logged, as the flush's failure)
+                        log.warning("store.close_failed", url=self.url, error=shown(exc, 200))
+            finally:
+                self._reader = self._writer = None
+                self._cache = _WriterCache()  # (a reopened store must not trust what this one remembered)
 
     def abandon(self) -> None:
         self._stop.set()
@@ -1491,6 +1529,7 @@ class SqliteBackend:
             cache.check_file()
             _waits.between = between
             try:
+                _end_leftover(conn)
                 if writes and self._wal_deferred:
                     _retry_busy(lambda: self._wal_before_write(conn), self.busy_timeout)
                 return fn(conn)
@@ -1524,17 +1563,29 @@ class SqliteBackend:
         return between
 
     async def _on_reader(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return await _on_thread(self._reader, fn)
+        def read(conn: sqlite3.Connection) -> T:
+            # (a read transaction a failed COMMIT left open would show every later read the data of
+            # that moment: see _snapshot)
+            _end_leftover(conn)
+            return fn(conn)
+
+        return await _on_thread(self._reader, read)
 
     async def run_jobs(self, jobs: Sequence[Job]) -> list[Outcome]:
         cache = self._cache
         between = self._stop_when()
-        return await _on_thread(
-            self._writer,
-            lambda conn: _retry_busy(
-                lambda: self._wal_then(conn, lambda: run_batch(conn, jobs, cache)), self.busy_timeout, between
-            ),
-        )
+
+        def run(conn: sqlite3.Connection) -> list[Outcome]:
+            try:
+                return _retry_busy(
+                    lambda: self._wal_then(conn, lambda: run_batch(conn, jobs, cache)),
+                    self.busy_timeout,
+                    between,
+                )
+            except Exception as exc:
+                raise _batch_error(exc, jobs) from None
+
+        return await _on_thread(self._writer, run)
 
     #: batches one ``drain`` runs before it lets other work on the writer connection have a turn
     DRAIN_BATCHES = 8
@@ -1582,10 +1633,8 @@ class SqliteBackend:
                         self.busy_timeout,
                         self._stop_when(wanted=still),
                     )
-                except sqlite3.DatabaseError as exc:
-                    result = _storage_error(exc)
                 except Exception as exc:
-                    result = exc
+                    result = _batch_error(exc, jobs)
                 box.clear()
                 loop.call_soon_threadsafe(deliver, token, result)
                 del taken, jobs, token, result  # (not kept by this frame: see the end of run_batch)
@@ -1923,6 +1972,7 @@ class SqliteBackend:
         """
         report = None if progress is None else _on_the_loop(asyncio.get_running_loop(), progress)
         stop = threading.Event()
+        callers_rows = _callers_rows(rows)
 
         def work(conn: sqlite3.Connection) -> int:
             # (the caller's cancellation sets ``stop``, not _on_writer's own flag: it is shielded,
@@ -1938,10 +1988,12 @@ class SqliteBackend:
 
             try:
                 return _retry_busy(
-                    lambda: _import_all(conn, rows, batch_size, report, stop),
+                    lambda: _import_all(conn, callers_rows, batch_size, report, stop),
                     self.busy_timeout,
                     between,
                 )
+            except _CommitFailed as exc:
+                raise _import_commit_failed(exc.error) from None
             finally:
                 self._cache.forget()  # (the projection was written behind its back)
 
@@ -2217,6 +2269,10 @@ async def _on_thread(conn: aiosqlite.Connection | None, fn: Callable[[sqlite3.Co
         if "closed" in str(exc).lower() or "no active connection" in str(exc).lower():
             raise err.StoreClosed("The store is closed") from None
         raise
+    except (sqlite3.Error, MemoryError, OSError) as exc:
+        # (sqlite3's InterfaceError, SQLite's SQLITE_NOMEM - which sqlite3 raises as MemoryError -
+        # an OSError of the file checks: typed, as SQLite's other errors are, not left bare)
+        raise _unexpected_error(exc) from None
 
 
 def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
@@ -2232,6 +2288,117 @@ def _storage_error(exc: sqlite3.DatabaseError) -> err.StorageError:
         )
     return err.StorageError(
         f"SQLite error: {exc}{_damage_hint(exc)}", sqlite_error=type(exc).__name__, **_damage_reason(exc)
+    )
+
+
+#: what SQLite running out of memory (``SQLITE_NOMEM``, raised by sqlite3 as ``MemoryError``) means
+OUT_OF_MEMORY_HINT = (
+    "the process ran out of memory (SQLite's SQLITE_NOMEM, or Python's own): free memory - a smaller "
+    "batch_size for an import or a rebuild, fewer concurrent reads - or raise the process's memory limit, "
+    "then retry"
+)
+
+
+def _unexpected_error(exc: BaseException) -> err.StorageError:
+    """What a caller sees of a failure of the work on a connection's thread that is neither
+    SQLite's ``DatabaseError`` (see :func:`_storage_error`) nor evstore's own: sqlite3's
+    ``InterfaceError`` (a misuse of its API), ``MemoryError`` (SQLite's SQLITE_NOMEM, or Python's),
+    an ``OSError`` (the file checks: ``stat`` of the store's files) - typed, with what to do, not
+    "Storage failure: <repr>"."""
+    if isinstance(exc, sqlite3.DatabaseError):
+        return _storage_error(exc)
+    if isinstance(exc, MemoryError):
+        return err.StorageError(
+            f"Out of memory: {shown(exc, 200)} ({OUT_OF_MEMORY_HINT})",
+            sqlite_error="out_of_memory",
+            reason="out_of_memory",
+        )
+    if isinstance(exc, OSError):
+        return err.StorageError(
+            f"I/O error on the store's files: {exc} (check the disk and the files' permissions, then retry; "
+            "if it goes on, `evstore audit` says whether the store is whole)",
+            sqlite_error="os_error",
+            errno=exc.errno,
+        )
+    if isinstance(exc, sqlite3.Error):
+        return err.StorageError(
+            f"SQLite error: {exc} (sqlite3 refused a call evstore made: a bug of evstore's, or of the "
+            "sqlite3 module in use - please report it with this message; the store's file is not harmed)",
+            sqlite_error=type(exc).__name__,
+        )
+    return err.StorageError(f"Storage failure: {type(exc).__name__}: {shown(exc, 200)}")
+
+
+def _cannot_open(url: str, exc: MemoryError | OSError) -> err.StorageError:
+    """An open's failure that is not SQLite's ``sqlite3.Error`` - a ``MemoryError`` (SQLite's
+    SQLITE_NOMEM at a connection's pragmas or a look at the file), an ``OSError`` - typed, as
+    SQLite's errors are there ("Cannot open URL: ...")."""
+    failed = _unexpected_error(exc)
+    return err.StorageError(f"Cannot open {url}: {failed.message}", **failed.details)
+
+
+def _import_commit_failed(exc: BaseException) -> err.StorageError:
+    """An import whose COMMIT failed: as a command's (:func:`_commit_failed_error`), it may have
+    been committed - the store then holds the whole log, not part of it."""
+    failed = _unexpected_error(exc)
+    if failed.details.get("reason") in ("disk_full", "read_only"):
+        failed.details["outcome_unknown"] = False
+        return failed
+    return err.StorageError(
+        f"The COMMIT of the import failed: {failed.message}. It may have been committed, whole (a failed "
+        "write or sync of the -wal file can leave its commit there, for the next open to find): look at "
+        "the store's head (`evstore stats`) before importing again - a store that holds the events needs "
+        "no second import",
+        **{**failed.details, "outcome_unknown": True},
+    )
+
+
+def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception:
+    """What each caller of a batch that failed whole hears: evstore's own errors as they are (a
+    busy lock, the store closed, a file replaced, a damaged projection: each says what became of
+    the command); SQLite's and the other failures of storage typed (:func:`_unexpected_error`),
+    saying whether the command may have committed - ``outcome_unknown`` True only when its COMMIT
+    failed (:class:`_CommitFailed`), False when it failed before: the batch was rolled back. Any
+    other exception is a bug, left to the store, which says its outcome is unknown."""
+    if isinstance(exc, err.EvstoreError) or not isinstance(
+        exc, (sqlite3.Error, MemoryError, OSError, BatchAborted, _CommitFailed)
+    ):
+        return exc
+    if isinstance(exc, _CommitFailed):
+        return _commit_failed_error(exc.error, jobs)
+    if isinstance(exc, BatchAborted):
+        failed = err.StorageError(
+            f"A command of this group commit failed after it began writing ({exc}): the whole group was "
+            "rolled back, nothing of it was written; retry it (if it goes on, `evstore audit` says whether "
+            "the store is damaged, and `evstore rebuild` refolds its projection)"
+        )
+    else:
+        failed = _unexpected_error(exc)
+    failed.details.setdefault("outcome_unknown", False)  # (it failed before its COMMIT: rolled back)
+    return failed
+
+
+def _commit_failed_error(exc: BaseException, jobs: Sequence[Job]) -> err.StorageError:
+    """The error of a batch whose COMMIT failed: SQLite's answer said nothing of it was written for
+    a full disk (``disk_full``) and a file it may not write (``read_only``) - they fail before the
+    frame that commits is written - but for any other failure (``disk I/O error``: a write or an
+    ``fsync`` of the -wal file that failed; a lost file; out of memory) the commit frame may be in
+    the -wal file, where the next open's recovery finds it: ``outcome_unknown`` True."""
+    failed = _unexpected_error(exc)
+    if failed.details.get("reason") in ("disk_full", "read_only"):
+        failed.details["outcome_unknown"] = False
+        return failed
+    keyed = all(job.idempotency_key is not None for job in jobs)
+    what = (
+        "retry it with the same idempotency_key, which answers the original receipt if it was"
+        if keyed
+        else "it had no idempotency_key: look at the log (`evstore tail`, `store.history`) before running "
+        "it again"
+    )
+    return err.StorageError(
+        f"The COMMIT of this command failed: {failed.message}. It may have been committed (a failed write or "
+        f"sync of the -wal file can leave its commit there, for the next open to find): {what}",
+        **{**failed.details, "outcome_unknown": True},
     )
 
 
@@ -3053,8 +3220,25 @@ def _refuse_no_store(conn: sqlite3.Connection, path: str) -> None:
 def _rollback(conn: sqlite3.Connection) -> None:
     """Roll back the transaction a failure interrupted, if it is still open: SQLite rolls it back
     itself on some errors (a full disk, for one), and a ROLLBACK then failed with 'cannot
-    rollback - no transaction is active', which the caller read instead of what went wrong."""
+    rollback - no transaction is active', which the caller read instead of what went wrong. A
+    ROLLBACK that fails itself (a disk I/O error) is logged, not raised: the caller hears what
+    went wrong first, and the transaction it left open - nothing of it acknowledged - is rolled
+    back by the connection's next work (:func:`_end_leftover`)."""
     if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except (sqlite3.Error, MemoryError, OSError) as exc:
+            log.warning("sqlite.rollback_failed", error=shown(exc, 200), still_open=conn.in_transaction)
+
+
+def _end_leftover(conn: sqlite3.Connection) -> None:
+    """Before a connection's next work: roll back a transaction a failed ROLLBACK left open (see
+    :func:`_rollback`; nothing of it was acknowledged). Left open, every later BEGIN failed with
+    "cannot start a transaction within a transaction", a read saw the data of that moment for
+    ever, and a write outside a BEGIN joined it. A ROLLBACK that fails again raises: the work is
+    not run, and the next tries again."""
+    if conn.in_transaction:
+        log.warning("sqlite.leftover_transaction", action="rolled back")
         conn.execute("ROLLBACK")
 
 
@@ -3173,9 +3357,18 @@ def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
         return fn()
     conn.execute("BEGIN")
     try:
-        return fn()
-    finally:
-        conn.execute("COMMIT")
+        found = fn()
+    except BaseException:
+        _rollback(conn)
+        raise
+    try:
+        conn.execute("COMMIT")  # (a read's: it commits nothing)
+    except BaseException:
+        # (left open, the read transaction would hold this connection at this moment: every later
+        # read on it would see these data, and no checkpoint could pass them)
+        _rollback(conn)
+        raise
+    return found
 
 
 def load_all(conn: sqlite3.Connection) -> State:
@@ -3211,6 +3404,23 @@ def _load_all(conn: sqlite3.Connection) -> State:
             counters[(project, user, ctype)] = counter
     state.custom_classes = {r[0] for r in conn.execute("SELECT name FROM p_classes")}
     return state
+
+
+def _callers_rows(rows: Iterator[RawEvent]) -> Iterator[RawEvent]:
+    """An import's ``rows``, which read the caller's file on the writer's thread: what reading it
+    raises, other than evstore's own refusals of its lines (an ``OSError`` of the caller's file,
+    say), is the caller's, raised as it was (:class:`CallbackFailed`) - not taken for a failure of
+    the store's own files."""
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except err.EvstoreError:
+            raise
+        except Exception as exc:
+            raise CallbackFailed(exc) from exc
+        yield row
 
 
 class _ImportStopped(Exception):
@@ -3258,7 +3468,7 @@ def _import_all(
             _replace_projection(conn, state)
             conn.execute("UPDATE meta SET value = ? WHERE key = 'history_through'", (str(expected - 1),))
         check()
-        conn.execute("COMMIT")
+        _commit(conn)
         return expected - 1
     except BaseException:
         _rollback(conn)
