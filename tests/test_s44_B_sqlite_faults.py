@@ -60,8 +60,11 @@ OTHER_FAULTS = ["interface", "no_memory", "os_error"]
 
 
 class _Rule:
-    def __init__(self, pattern: str, fault: str, after: bool) -> None:
+    def __init__(self, pattern: str, fault: str, after: bool, rolls_back: bool = False) -> None:
         self.pattern, self.fault, self.after, self.left = re.compile(pattern), fault, after, 1
+        #: the statement's failure rolls the transaction back, as SQLite does on some errors
+        #: (SQLITE_FULL, SQLITE_IOERR, SQLITE_NOMEM...)
+        self.rolls_back = rolls_back
 
 
 class Faulty:
@@ -73,14 +76,16 @@ class Faulty:
         self.rules: list[_Rule] = []
         self.hits: list[str] = []
 
-    def fail(self, pattern: str, fault: str, after: bool = False) -> None:
-        self.rules.append(_Rule(pattern, fault, after))
+    def fail(self, pattern: str, fault: str, after: bool = False, rolls_back: bool = False) -> None:
+        self.rules.append(_Rule(pattern, fault, after, rolls_back))
 
     def _check(self, sql: str, after: bool) -> None:
         for rule in self.rules:
             if rule.left and rule.after == after and rule.pattern.search(sql):
                 rule.left -= 1
                 self.hits.append(sql)
+                if rule.rolls_back and self._real.in_transaction:
+                    self._real.execute("ROLLBACK")
                 raise FAULTS[rule.fault]()
 
     def execute(self, sql: str, *args: Any) -> Any:
@@ -483,4 +488,51 @@ async def test_an_import_whose_commit_fails_says_it_may_have_been_committed(
         else:
             assert await store.head() == 0
             await store.import_events(lambda: lines)
+        assert (await store.audit(history=True)).clean
+
+
+async def test_a_batch_whose_transaction_sqlite_rolled_back_writes_nothing_outside_it(tmp_path: Path) -> None:
+    """Regression: SQLite rolls a transaction back itself on some errors (SQLITE_NOMEM among them,
+    which sqlite3 raises as MemoryError). One met while a job of a group commit loaded its slice
+    failed that job alone ("Cannot run ...: MemoryError()"), and the batch went on without a
+    transaction: each later statement - the other jobs' idempotency rows, the events, the
+    projection - committed on its own, and the COMMIT then failed, "cannot commit - no transaction
+    is active": half a batch in the store, its callers told it failed. Now the batch stops there,
+    rolled back whole, every caller told nothing was written."""
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        rp = await make_provider(store, VCPU=100)
+        head = await store.head()
+        writer, _ = await _wrap(store)
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        entered, release = threading.Event(), threading.Event()
+        real_execute = writer.execute
+
+        def pausing(sql: str, *args: Any) -> Any:
+            if sql == "SELECT 'pause'":
+                entered.set()
+                release.wait(10)
+            return real_execute(sql, *args)
+
+        writer.execute = pausing  # type: ignore[method-assign]
+        # (the writer held by other work while five commands queue: they are then one batch)
+        holding = asyncio.ensure_future(backend.tamper("SELECT 'pause'"))
+        assert await asyncio.to_thread(entered.wait, 10)
+        consumers = [new_uuid() for _ in range(5)]
+        claims = [asyncio.ensure_future(_claim(store, rp, consumer)) for consumer in consumers]
+        for _ in range(100):
+            await asyncio.sleep(0)
+        writer.fail("FROM p_usages", "no_memory", rolls_back=True)
+        release.set()
+        await holding
+        results = await asyncio.gather(*claims, return_exceptions=True)
+        assert writer.hits, "the fault was not injected"
+        for result in results:
+            failed = _typed(result)
+            assert failed.details["outcome_unknown"] is False, failed.details
+        assert await store.head() == head
+        for consumer in consumers:
+            assert not (await store.allocations(consumer)).allocations
+            retried = await _claim(store, rp, consumer)  # (no idempotency row was left behind)
+            assert not retried.replayed
         assert (await store.audit(history=True)).clean

@@ -972,7 +972,9 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
         # (read now, so that a damaged counter row fails this job alone, not its whole batch
         # when the write-back meets it: see run_batch)
         _load_usage_counters(conn, _counters_touched(state, events), cache.usage_counters)
-    except (err.EvstoreError, sqlite3.Error):
+    except (err.EvstoreError, sqlite3.Error, MemoryError, OSError):
+        # (SQLite's own failures - SQLITE_NOMEM is a MemoryError - fail the batch: SQLite may have
+        # rolled its transaction back, see run_batch)
         raise
     except Exception as exc:
         # Nothing written yet: this job fails alone, not every job of its group commit.
@@ -1075,12 +1077,22 @@ def run_batch(
                 outcomes.append(_process(conn, tail, job, cache))
             except err.EvstoreError as exc:
                 outcomes.append(exc)
+            if not conn.in_transaction:
+                # SQLite rolls a transaction back itself on some errors (SQLITE_FULL, SQLITE_IOERR,
+                # SQLITE_NOMEM, ...): the next statements would each commit on their own - the
+                # jobs after this one, half a batch - so the batch stops here, rolled back whole.
+                raise BatchAborted(
+                    f"SQLite rolled the transaction back under {type(job.command).__name__} "
+                    f"({shown(outcomes[-1], 200)})"
+                )
         if keep is not None and len(jobs) < len(keep):
             ran, not_run = iter(outcomes), _not_run()
             outcomes = [next(ran) if kept else not_run for kept in keep]
         insert_appended(conn, tail)
         if tail.position > start:
             index_history(conn, cache, tail)
+        if not conn.in_transaction:  # (as above: nothing written outside the batch's transaction)
+            raise BatchAborted("SQLite rolled the transaction back while the batch wrote")
         try:
             cache.flush(conn)
         except sqlite3.IntegrityError as exc:
@@ -2368,9 +2380,9 @@ def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception:
         return _commit_failed_error(exc.error, jobs)
     if isinstance(exc, BatchAborted):
         failed = err.StorageError(
-            f"A command of this group commit failed after it began writing ({exc}): the whole group was "
-            "rolled back, nothing of it was written; retry it (if it goes on, `evstore audit` says whether "
-            "the store is damaged, and `evstore rebuild` refolds its projection)"
+            f"This command's group commit was rolled back whole, nothing of it written: {exc}; retry it (if "
+            "it goes on, `evstore audit` says whether the store is damaged, and `evstore rebuild` refolds "
+            "its projection)"
         )
     else:
         failed = _unexpected_error(exc)
