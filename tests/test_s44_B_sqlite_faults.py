@@ -75,6 +75,8 @@ class Faulty:
         self._real = real
         self.rules: list[_Rule] = []
         self.hits: list[str] = []
+        #: the writes run outside a transaction (each committing on its own)
+        self.outside: list[str] = []
 
     def fail(self, pattern: str, fault: str, after: bool = False, rolls_back: bool = False) -> None:
         self.rules.append(_Rule(pattern, fault, after, rolls_back))
@@ -88,14 +90,24 @@ class Faulty:
                     self._real.execute("ROLLBACK")
                 raise FAULTS[rule.fault]()
 
+    def _writes(self, sql: str) -> None:
+        if not self._real.in_transaction and sql.lstrip().split(" ", 1)[0].upper() in (
+            "INSERT",
+            "DELETE",
+            "UPDATE",
+        ):
+            self.outside.append(sql)
+
     def execute(self, sql: str, *args: Any) -> Any:
         self._check(sql, False)
+        self._writes(sql)
         cursor = self._real.execute(sql, *args)
         self._check(sql, True)
         return cursor
 
     def executemany(self, sql: str, *args: Any) -> Any:
         self._check(sql, False)
+        self._writes(sql)
         cursor = self._real.executemany(sql, *args)
         self._check(sql, True)
         return cursor
@@ -527,6 +539,7 @@ async def test_a_batch_whose_transaction_sqlite_rolled_back_writes_nothing_outsi
         await holding
         results = await asyncio.gather(*claims, return_exceptions=True)
         assert writer.hits, "the fault was not injected"
+        assert not writer.outside, writer.outside
         for result in results:
             failed = _typed(result)
             assert failed.details["outcome_unknown"] is False, failed.details
@@ -536,3 +549,27 @@ async def test_a_batch_whose_transaction_sqlite_rolled_back_writes_nothing_outsi
             retried = await _claim(store, rp, consumer)  # (no idempotency row was left behind)
             assert not retried.replayed
         assert (await store.audit(history=True)).clean
+
+
+async def test_a_rebuild_whose_transaction_sqlite_rolled_back_says_why_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Regression: a rebuild that met a read error of the projection took it for an unreadable row
+    and rewrote the tables whole - also when the error was one on which SQLite rolls the
+    transaction back itself (a disk I/O error): the rewrite then ran outside any transaction, each
+    statement committing on its own, and the caller heard "cannot commit - no transaction is
+    active" instead of the disk I/O error. Now that error, and nothing written."""
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        rp = await make_provider(store, VCPU=100)
+        await _claim(store, rp)
+        head = await store.head()
+        writer, _ = await _wrap(store)
+        writer.fail(r"FROM p_consumers ORDER BY", "disk_io", rolls_back=True)
+        with pytest.raises(StorageError) as caught:
+            await store.rebuild()
+        failed = _typed(caught.value)
+        assert writer.hits, "the fault was not injected"
+        assert "disk I/O error" in failed.message, failed.message
+        assert not writer.outside, writer.outside
+        await store.rebuild()
+        await _goes_on(store, rp, head)

@@ -3703,7 +3703,9 @@ def _sync_projection(conn: sqlite3.Connection, state: State) -> bool:
     except _TooDifferent:
         return False
     except (sqlite3.OperationalError, sqlite3.DataError) as exc:
-        if "locked" in str(exc) or "busy" in str(exc):
+        if "locked" in str(exc) or "busy" in str(exc) or not conn.in_transaction:
+            # (busy; or SQLite rolled the transaction back itself - a disk I/O error, no memory -
+            # and a rewrite now would go outside it, each statement committing on its own)
             raise
         return False  # a row that cannot be read back (e.g. text that is not UTF-8): rewrite all
     for table, columns, key, deletes, writes in plan:
