@@ -12,10 +12,11 @@ The faults are injected by a proxy around each of the store's sqlite3 connection
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,41 @@ async def _claim(store: AllocationStore, rp: str, consumer: str | None = None, k
         generation=None,
         idempotency_key=consumer if keyed else None,
     )
+
+
+@contextlib.asynccontextmanager
+async def _held(store: AllocationStore, writer: Faulty) -> AsyncIterator[None]:
+    """The writer's thread held by other work (a statement that waits) until the block ends: the
+    commands queued meanwhile are then run as one batch."""
+    backend = store.backend
+    assert isinstance(backend, SqliteBackend)
+    entered, release = threading.Event(), threading.Event()
+    real_execute = writer.execute
+
+    def pausing(sql: str, *args: Any) -> Any:
+        if sql == "SELECT 'pause'":
+            entered.set()
+            release.wait(10)
+        return real_execute(sql, *args)
+
+    writer.execute = pausing  # type: ignore[method-assign]
+    holding = asyncio.ensure_future(backend.tamper("SELECT 'pause'"))
+    assert await asyncio.to_thread(entered.wait, 10)
+    try:
+        yield
+    finally:
+        release.set()
+        await holding
+        writer.execute = real_execute  # type: ignore[method-assign]
+
+
+async def _queued(store: AllocationStore, n: int) -> None:
+    """Until ``n`` commands wait in the store's queue (bounded)."""
+    for _ in range(1000):
+        if len(store._queue) >= n:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{len(store._queue)} commands queued, not {n}")
 
 
 def _typed(exc: BaseException) -> StorageError:
@@ -515,28 +551,11 @@ async def test_a_batch_whose_transaction_sqlite_rolled_back_writes_nothing_outsi
         rp = await make_provider(store, VCPU=100)
         head = await store.head()
         writer, _ = await _wrap(store)
-        backend = store.backend
-        assert isinstance(backend, SqliteBackend)
-        entered, release = threading.Event(), threading.Event()
-        real_execute = writer.execute
-
-        def pausing(sql: str, *args: Any) -> Any:
-            if sql == "SELECT 'pause'":
-                entered.set()
-                release.wait(10)
-            return real_execute(sql, *args)
-
-        writer.execute = pausing  # type: ignore[method-assign]
-        # (the writer held by other work while five commands queue: they are then one batch)
-        holding = asyncio.ensure_future(backend.tamper("SELECT 'pause'"))
-        assert await asyncio.to_thread(entered.wait, 10)
         consumers = [new_uuid() for _ in range(5)]
-        claims = [asyncio.ensure_future(_claim(store, rp, consumer)) for consumer in consumers]
-        for _ in range(100):
-            await asyncio.sleep(0)
-        writer.fail("FROM p_usages", "no_memory", rolls_back=True)
-        release.set()
-        await holding
+        async with _held(store, writer):  # (five commands queue meanwhile: they are then one batch)
+            claims = [asyncio.ensure_future(_claim(store, rp, consumer)) for consumer in consumers]
+            await _queued(store, 5)
+            writer.fail("FROM p_usages", "no_memory", rolls_back=True)
         results = await asyncio.gather(*claims, return_exceptions=True)
         assert writer.hits, "the fault was not injected"
         assert not writer.outside, writer.outside
@@ -573,3 +592,21 @@ async def test_a_rebuild_whose_transaction_sqlite_rolled_back_says_why_and_write
         assert not writer.outside, writer.outside
         await store.rebuild()
         await _goes_on(store, rp, head)
+
+
+async def test_a_failed_commit_of_a_batch_of_keyed_and_unkeyed_commands_tells_each_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """One error answers every caller of a group commit whose COMMIT failed: with keyed and unkeyed
+    commands in it, it says what each kind does (the keyed were told to look at the log)."""
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        rp = await make_provider(store, VCPU=100)
+        writer, _ = await _wrap(store)
+        async with _held(store, writer):
+            claims = [asyncio.ensure_future(_claim(store, rp, keyed=keyed)) for keyed in (True, False)]
+            await _queued(store, 2)
+            writer.fail("^COMMIT", "disk_io")
+        for result in await asyncio.gather(*claims, return_exceptions=True):
+            failed = _typed(result)
+            assert failed.details["outcome_unknown"] is True
+            assert "same idempotency_key" in failed.message and "look at the log" in failed.message

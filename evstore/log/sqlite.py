@@ -2400,12 +2400,15 @@ def _commit_failed_error(exc: BaseException, jobs: Sequence[Job]) -> err.Storage
     if failed.details.get("reason") in ("disk_full", "read_only"):
         failed.details["outcome_unknown"] = False
         return failed
-    keyed = all(job.idempotency_key is not None for job in jobs)
+    keys = {job.idempotency_key is not None for job in jobs}  # (one error for every caller of the batch)
+    retry = "retry it with the same idempotency_key, which answers the original receipt if it was"
+    look = "look at the log (`evstore tail`, `store.history`) before running it again"
     what = (
-        "retry it with the same idempotency_key, which answers the original receipt if it was"
-        if keyed
-        else "it had no idempotency_key: look at the log (`evstore tail`, `store.history`) before running "
-        "it again"
+        retry
+        if keys == {True}
+        else f"it had no idempotency_key: {look}"
+        if keys == {False}
+        else f"{retry}; one without an idempotency_key: {look}"
     )
     return err.StorageError(
         f"The COMMIT of this command failed: {failed.message}. It may have been committed (a failed write or "
