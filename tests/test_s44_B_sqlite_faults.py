@@ -610,3 +610,67 @@ async def test_a_failed_commit_of_a_batch_of_keyed_and_unkeyed_commands_tells_ea
             failed = _typed(result)
             assert failed.details["outcome_unknown"] is True
             assert "same idempotency_key" in failed.message and "look at the log" in failed.message
+
+
+#: a process that fills its store past a file size limit (RLIMIT_FSIZE: a write past it fails with
+#: EFBIG, SQLite's "disk I/O error" when it meets the -wal's append at COMMIT), then lifts the limit
+#: and retries the command that failed, with its key; prints what it saw as one JSON line
+_FILE_SIZE_LIMIT_SCRIPT = """
+import asyncio, json, os, resource, signal, sys, uuid
+from evstore import StorageError, open_store
+
+async def main(path):
+    async with open_store(f"sqlite:///{path}") as store:
+        rp = str(uuid.uuid4())
+        await store.create_provider(rp, "rp")
+        await store.set_inventories(rp, {"VCPU": {"total": 10**6}}, generation=0)
+        body = dict(project_id="p", user_id="u", consumer_type="INSTANCE", generation=None)
+        limit = max(os.path.getsize(path), os.path.getsize(path + "-wal")) + 64 * 1024
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        for _ in range(10000):
+            consumer = str(uuid.uuid4())
+            try:
+                await store.set_allocations(consumer, {rp: {"VCPU": 1}}, idempotency_key=consumer, **body)
+            except StorageError as exc:
+                failed = exc
+                break
+        head = await store.head()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        retried = await store.set_allocations(consumer, {rp: {"VCPU": 1}}, idempotency_key=consumer, **body)
+        print(json.dumps({"details": failed.details, "message": failed.message, "head": head,
+                          "replayed": retried.replayed, "position": retried.position,
+                          "clean": (await store.audit(history=True)).clean}))
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_a_real_write_error_at_commit_says_the_outcome_is_unknown(tmp_path: Path) -> None:
+    """The first test's fault, not injected: a file size limit makes the -wal's append at COMMIT
+    fail, "disk I/O error" (a failing disk says the same). The caller hears ``outcome_unknown``
+    True (it said nothing of it before); the retry with the same key goes through - this write
+    failed before its commit frame, so it runs now - and the store is whole."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", _FILE_SIZE_LIMIT_SCRIPT, str(tmp_path / "s.db")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    if seen["details"].get("reason") == "disk_full":  # (a file system may say so instead: nothing committed)
+        assert seen["details"]["outcome_unknown"] is False
+    else:
+        assert seen["details"]["outcome_unknown"] is True, seen
+        assert "disk I/O error" in seen["message"] and "same idempotency_key" in seen["message"]
+    assert seen["replayed"] is False and seen["position"] == seen["head"] + 1
+    assert seen["clean"]
