@@ -2338,7 +2338,7 @@ def _unexpected_error(exc: BaseException) -> err.StorageError:
             "sqlite3 module in use - please report it with this message; the store's file is not harmed)",
             sqlite_error=type(exc).__name__,
         )
-    return err.StorageError(f"Storage failure: {type(exc).__name__}: {shown(exc, 200)}")
+    return err.StorageError(f"SQLite backend failure: {type(exc).__name__}: {shown(exc, 200)}")
 
 
 def _cannot_open(url: str, exc: MemoryError | OSError) -> err.StorageError:
