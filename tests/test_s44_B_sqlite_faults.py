@@ -674,3 +674,50 @@ async def test_a_real_write_error_at_commit_says_the_outcome_is_unknown(tmp_path
         assert "disk I/O error" in seen["message"] and "same idempotency_key" in seen["message"]
     assert seen["replayed"] is False and seen["position"] == seen["head"] + 1
     assert seen["clean"]
+
+
+class _Recording(Faulty):
+    """A proxy that records the statements run on it (none fails)."""
+
+    def __init__(self, real: sqlite3.Connection) -> None:
+        super().__init__(real)
+        self.statements: list[str] = []
+
+    def _check(self, sql: str, after: bool) -> None:
+        if not after and sql not in self.statements:
+            self.statements.append(sql)
+
+
+@pytest.mark.parametrize("fault", ["disk_io", "no_memory", "interface"])
+async def test_every_statement_of_a_command_fails_cleanly(tmp_path: Path, fault: str) -> None:
+    """The sweep behind the tests above: each statement a keyed command runs on the writer (recorded
+    from a real one), failing in turn. The caller hears a typed StorageError that says
+    ``outcome_unknown`` - True for the COMMIT, False before it -, nothing of the command is in the
+    store, the audit is clean, and the next command goes through."""
+    async with open_store(f"sqlite:///{tmp_path}/r.db") as store:
+        rp = await make_provider(store, VCPU=100)
+        await _claim(store, rp)
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend) and backend._writer is not None
+        await backend.settle()
+        recording = _Recording(backend._writer._connection)  # type: ignore[arg-type]
+        backend._writer._connection = recording  # type: ignore[assignment]
+        await _claim(store, rp)
+        await backend.settle()
+        statements = list(recording.statements)  # (not the close's)
+    assert "COMMIT" in statements and len(statements) >= 8, statements
+    for n, sql in enumerate(statements):  # (each in a store as the recorded one was)
+        async with open_store(f"sqlite:///{tmp_path}/s{n}.db") as store:
+            rp = await make_provider(store, VCPU=100)
+            await _claim(store, rp)
+            head = await store.head()
+            writer, _ = await _wrap(store)
+            writer.fail(f"^{re.escape(sql)}$", fault)
+            with pytest.raises(StorageError) as caught:
+                await _claim(store, rp)
+            failed = _typed(caught.value)
+            assert writer.hits == [sql]
+            assert failed.details["outcome_unknown"] is (sql == "COMMIT"), (sql, failed.details)
+            assert not writer.outside, (sql, writer.outside)
+            assert await store.head() == head, sql
+            await _goes_on(store, rp, head)
