@@ -688,12 +688,18 @@ class _Recording(Faulty):
             self.statements.append(sql)
 
 
-@pytest.mark.parametrize("fault", ["disk_io", "no_memory", "interface"])
-async def test_every_statement_of_a_command_fails_cleanly(tmp_path: Path, fault: str) -> None:
+@pytest.mark.parametrize(
+    ("fault", "rolls_back"),
+    [("disk_io", False), ("no_memory", False), ("interface", False), ("no_memory", True)],
+)
+async def test_every_statement_of_a_command_fails_cleanly(
+    tmp_path: Path, fault: str, rolls_back: bool
+) -> None:
     """The sweep behind the tests above: each statement a keyed command runs on the writer (recorded
     from a real one), failing in turn. The caller hears a typed StorageError that says
     ``outcome_unknown`` - True for the COMMIT, False before it -, nothing of the command is in the
-    store, the audit is clean, and the next command goes through."""
+    store, the audit is clean, and the next command goes through. ``rolls_back``: the failure
+    rolls the transaction back too, as SQLite does on some errors."""
     async with open_store(f"sqlite:///{tmp_path}/r.db") as store:
         rp = await make_provider(store, VCPU=100)
         await _claim(store, rp)
@@ -712,7 +718,7 @@ async def test_every_statement_of_a_command_fails_cleanly(tmp_path: Path, fault:
             await _claim(store, rp)
             head = await store.head()
             writer, _ = await _wrap(store)
-            writer.fail(f"^{re.escape(sql)}$", fault)
+            writer.fail(f"^{re.escape(sql)}$", fault, rolls_back=rolls_back)
             with pytest.raises(StorageError) as caught:
                 await _claim(store, rp)
             failed = _typed(caught.value)
