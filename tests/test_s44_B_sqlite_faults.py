@@ -727,3 +727,25 @@ async def test_every_statement_of_a_command_fails_cleanly(
             assert not writer.outside, (sql, writer.outside)
             assert await store.head() == head, sql
             await _goes_on(store, rp, head)
+
+
+async def test_a_command_refused_for_a_damaged_projection_says_nothing_was_written(tmp_path: Path) -> None:
+    """Regression: a batch that fails whole on an error of evstore's own before its COMMIT - here
+    a projection holding a row the store did not expect (``evstore.projection.corrupt``) - said
+    nothing of ``outcome_unknown``, unlike SQLite's errors at the same place. Now False: the batch
+    was rolled back."""
+    from evstore import ProjectionCorrupt
+
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        rp = await make_provider(store, VCPU=100)
+        head = await store.head()
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        consumer = new_uuid()
+        await backend.tamper("INSERT INTO p_allocations VALUES (?,?,?)", (consumer, rp, '{"VCPU": 1}'))
+        with pytest.raises(ProjectionCorrupt) as caught:
+            await _claim(store, rp, consumer)
+        assert caught.value.details["outcome_unknown"] is False, caught.value.details
+        assert await store.head() == head
+        await backend.tamper("DELETE FROM p_allocations WHERE consumer = ?", (consumer,))
+        await _goes_on(store, rp, head)

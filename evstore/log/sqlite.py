@@ -2372,6 +2372,11 @@ def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception:
     saying whether the command may have committed - ``outcome_unknown`` True only when its COMMIT
     failed (:class:`_CommitFailed`), False when it failed before: the batch was rolled back. Any
     other exception is a bug, left to the store, which says its outcome is unknown."""
+    if isinstance(exc, err.StorageError):
+        # (raised before the COMMIT - a COMMIT's failure comes as _CommitFailed - so rolled back:
+        # a damaged projection, a log that lost its tail, a file that would not switch to WAL)
+        exc.details.setdefault("outcome_unknown", False)
+        return exc
     if isinstance(exc, err.EvstoreError) or not isinstance(
         exc, (sqlite3.Error, MemoryError, OSError, BatchAborted, _CommitFailed)
     ):
