@@ -463,9 +463,21 @@ async def test_an_import_that_fails_gives_a_typed_error_and_leaves_the_store_emp
         assert (await store.audit(history=True)).clean
 
 
-async def test_an_import_whose_own_file_fails_raises_that_error_as_it_was(tmp_path: Path) -> None:
-    """A guard of the fix above: an OSError of the caller's file, read on the writer's thread by
-    the import pass, is the caller's - raised as it was, not taken for the store's files."""
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(5, "Input/output error (the caller's file)"),
+        ValueError("I/O operation on closed file (the caller's file)"),
+    ],
+    ids=["os_error", "closed_file"],
+)
+async def test_an_import_whose_own_file_fails_raises_that_error_as_it_was(
+    tmp_path: Path, error: Exception
+) -> None:
+    """An error of the caller's file, read on the writer's thread by the import pass, is the
+    caller's - raised as it was: an OSError not taken for the store's files (a guard of the fix
+    above), and - a regression - a ValueError saying "closed" (a file the caller closed) no
+    longer taken for the store closed (``StoreClosed`` "The store is closed", before)."""
     async with open_store(f"sqlite:///{tmp_path}/a.db") as source:
         rp = await make_provider(source, VCPU=100)
         await _claim(source, rp)
@@ -476,13 +488,15 @@ async def test_an_import_whose_own_file_fails_raises_that_error_as_it_was(tmp_pa
         passes.append(1)
         for n, line in enumerate(lines):
             if len(passes) == 2 and n == 2:
-                raise OSError(5, "Input/output error (the caller's file)")
+                raise error
             yield line
 
     async with open_store(f"sqlite:///{tmp_path}/b.db") as store:
-        with pytest.raises(OSError, match="the caller's file"):
+        with pytest.raises(type(error), match="the caller's file"):
             await store.import_events(open_lines)
         assert await store.head() == 0
+        await store.import_events(lambda: lines)  # (the store was not closed: it imports)
+        assert await store.head() == 3
 
 
 @pytest.mark.parametrize("option", ["create", "upgrade"])
