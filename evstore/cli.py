@@ -2158,9 +2158,14 @@ def tail(
             out = console()
             file = await _file_of(store)  # (before "following": what the file must stay)
             if follow:
-                note(f"following {shown(store.url)} after position {start} (Ctrl-C to stop)")
+                # (--limit: it stops after that many events, wherever the head is by then)
+                count = "" if limit is None else f" for {limit} event{'s' if limit != 1 else ''}"
+                note(f"following {shown(store.url)} after position {start}{count} (Ctrl-C to stop)")
             else:
-                note(f"events of {shown(store.url)} after position {start} up to {head}")
+                # (positions are gap-free: --limit N ends it at start + N when the head is past that)
+                end = head if limit is None else min(head, start + limit)
+                also = f" (--limit {limit}; the head is {head})" if end < head else ""
+                note(f"events of {shown(store.url)} after position {start} up to {end}{also}")
             seen = 0
             if not follow and start >= head:
                 return EXIT_OK

@@ -90,3 +90,23 @@ def test_the_program_still_ignores_ctrl_c_once_decided() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO, check=False
     )
     assert done.stdout.strip().splitlines()[-1] == "True", done.stdout + done.stderr
+
+
+# --- (a) tail --limit N --no-follow says where it stops ---------------------------------------------
+
+
+def test_tail_limit_no_follow_says_where_it_stops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tail --limit 2 --no-follow`` printed "after position 1 up to <head>" on stderr, though it
+    stops after 2 events: it now says the position it stops at, and the head apart."""
+    db = tmp_path / "s.db"
+    _small_store(db, allocations=5)  # (head 7: the provider, its inventory, 5 allocations)
+    args = ("--after", "1", "--limit", "2", "--no-follow", "--json")
+    done = _in_process(capsys, "tail", "--db", str(db), *args)
+    assert done.returncode == 0, done.stderr
+    assert [line.split('"position": ')[1].split(",")[0] for line in done.stdout.splitlines()] == ["2", "3"]
+    assert "after position 1 up to 3 (--limit 2; the head is 7)" in done.stderr, done.stderr
+    # (a limit past the head: up to the head, as without one)
+    done = _in_process(capsys, "tail", "--db", str(db), "--after", "5", "--limit", "9", "--no-follow")
+    assert done.returncode == 0, done.stderr
+    assert "after position 5 up to 7\n" in done.stderr, done.stderr
+    assert len(done.stdout.splitlines()) == 2, done.stdout
