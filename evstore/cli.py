@@ -410,6 +410,9 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
             _STORE_FROM_ENVIRONMENT.extend(_names_of(chosen))
     if not chosen:
         fail("evstore.usage", "no store given: use --db PATH, --url URL or set EVSTORE_URL", EXIT_USAGE)
+    first = None if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", chosen) else _LIBPQ_FIRST_KEYWORD.match(chosen)
+    if first and first.group(1) in LIBPQ_KEYWORDS:  # (`--url "host=db dbname=x"`, as psql takes it)
+        raise err.InvalidInput(_not_a_url(chosen))
     if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", chosen) and "=" not in chosen and shown(chosen) == chosen:
         # (a path where a URL belongs, `--url ./x.db`: say how to name that file; not a libpq
         # keyword string, "host=... password=...", which the open refuses with its password hidden)
@@ -427,6 +430,89 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
         if must_exist and path != ":memory:" and not Path(path).exists():
             raise err.NotFound(f"no database at {path}")
     return chosen
+
+
+#: the keywords of libpq's "keyword=value" connection strings (PostgreSQL 17's list)
+LIBPQ_KEYWORDS = frozenset(
+    """host hostaddr port dbname user password passfile require_auth channel_binding connect_timeout
+    client_encoding options application_name fallback_application_name keepalives keepalives_idle
+    keepalives_interval keepalives_count tcp_user_timeout replication gssencmode sslmode sslnegotiation
+    requiressl sslcompression sslcert sslkey sslpassword sslcertmode sslrootcert sslcrl sslcrldir sslsni
+    requirepeer ssl_min_protocol_version ssl_max_protocol_version krbsrvname gsslib gssdelegation
+    service target_session_attrs load_balance_hosts""".split()
+)
+
+#: a store "URL" that starts as a libpq keyword string does: ``host=...``, ``dbname = ...``
+_LIBPQ_FIRST_KEYWORD = re.compile(r"\s*([A-Za-z_]+)\s*=")
+
+#: one ``keyword = value`` of a libpq keyword string: the value single-quoted (``\'`` and ``\\``
+#: escaped in it) or a run without spaces (a backslash escaping the character after it)
+_LIBPQ_PAIR = re.compile(r"\s*([A-Za-z_]+)\s*=\s*(?:'((?:[^'\\]|\\.)*)'|((?:[^\s'\\]|\\.)*))(?=\s|$)", re.S)
+
+
+def _libpq_pairs(text: str) -> dict[str, str] | None:
+    """The keywords and values of libpq's keyword/value connection string ``text`` (None: it is not
+    one libpq would read - a quote left open, a keyword it does not know, one given twice)."""
+    pairs: dict[str, str] = {}
+    at = 0
+    while text[at:].strip():
+        found = _LIBPQ_PAIR.match(text, at)
+        if found is None:
+            return None
+        keyword = found.group(1)
+        if keyword not in LIBPQ_KEYWORDS or keyword in pairs:
+            return None
+        quoted, bare = found.group(2), found.group(3)
+        pairs[keyword] = re.sub(r"\\(.)", r"\1", quoted if quoted is not None else bare, flags=re.S)
+        at = found.end()
+    return pairs or None
+
+
+def libpq_as_url(text: str) -> str | None:
+    """The ``postgresql://`` URL that names the connection of libpq's keyword/value string ``text``,
+    its password shown as ``***`` (None: ``text`` is not a string libpq would read). user, password,
+    a single host (not a socket directory: those go in the query, as ``?host=``), port and dbname
+    take their places in the URL; the other keywords are its query, which asyncpg reads as libpq
+    does (``sslmode``, ``connect_timeout``, ``service``...)."""
+    from urllib.parse import quote, urlencode
+
+    pairs = _libpq_pairs(text)
+    if pairs is None:
+        return None
+    user, password = pairs.pop("user", None), pairs.pop("password", None)
+    host, port, dbname = pairs.get("host"), pairs.get("port"), pairs.pop("dbname", None)
+    netloc = ""
+    if host and "/" not in host and "," not in host:
+        del pairs["host"]
+        netloc = f"[{host}]" if ":" in host else quote(host, safe=".-_~%")
+        if port and port.isdigit():
+            netloc += f":{pairs.pop('port')}"
+    if user is not None or password is not None:
+        who = quote(user or "", safe="")
+        netloc = f"{who}{':***' if password is not None else ''}@{netloc}"
+    path = f"/{quote(dbname, safe='')}" if dbname else ""
+    query = f"?{urlencode(pairs, safe='/,')}" if pairs else ""
+    return f"postgresql://{netloc}{path}{query}"
+
+
+def _not_a_url(text: str) -> str:
+    """What to say of a libpq keyword/value string given where evstore takes a store URL (the
+    string itself is not quoted: its password, in whatever quoting, is not repeated)."""
+    first = _LIBPQ_FIRST_KEYWORD.match(text)
+    keyword = first.group(1) if first else "keyword"
+    message = (
+        f"Unsupported store URL (a libpq keyword/value connection string, {keyword}=...): evstore "
+        "takes a URL, postgresql://USER:PASSWORD@HOST:PORT/DBNAME for PostgreSQL (or sqlite:///PATH, "
+        "or --db PATH)"
+    )
+    built = libpq_as_url(text)
+    if built is None:
+        return (
+            f"{message}; this one cannot be written as one: a keyword libpq does not know, one given "
+            "twice, or a quote left open"
+        )
+    hint = " (put your password in place of ***, %-encoded)" if ":***@" in built else ""
+    return f"{message}; this one as a URL: {built}{hint}"
 
 
 @contextlib.asynccontextmanager

@@ -110,3 +110,51 @@ def test_tail_limit_no_follow_says_where_it_stops(tmp_path: Path, capsys: pytest
     assert done.returncode == 0, done.stderr
     assert "after position 5 up to 7\n" in done.stderr, done.stderr
     assert len(done.stdout.splitlines()) == 2, done.stdout
+
+
+# --- (b) a libpq keyword/value string given as --url ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "as_url"),
+    [
+        (
+            "host=127.0.0.1 port=5432 user=evstore dbname=evstore_test",
+            "postgresql://evstore@127.0.0.1:5432/evstore_test",
+        ),
+        (
+            "host = db.example dbname = 'my db' sslmode=require",
+            "postgresql://db.example/my%20db?sslmode=require",
+        ),
+        ("host=/var/run/postgresql user=bob dbname=x", "postgresql://bob@/x?host=/var/run/postgresql"),
+        ("host=::1 user=a@b password='s3cr\\'t pw' dbname=d", "postgresql://a%40b:***@[::1]/d"),
+    ],
+)
+def test_a_libpq_keyword_string_as_url_is_answered_with_the_url_form(
+    given: str, as_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--url "host=localhost dbname=x"`` (libpq's keyword/value form, as psql takes it) got
+    "Unsupported store URL ...: use sqlite:///path.db or postgresql://...". It now says evstore
+    takes a URL and writes this one as a URL - its password as ***, never repeated."""
+    done = _in_process(capsys, "stats", "--url", given)
+    assert done.returncode == 1, done
+    assert done.stderr.startswith("error: evstore.invalid_input: "), done.stderr
+    assert "libpq keyword/value connection string" in done.stderr, done.stderr
+    assert "): evstore takes a URL, postgresql://" in done.stderr, done.stderr
+    assert f"this one as a URL: {as_url}" in done.stderr, done.stderr
+    assert "s3cr" not in done.stderr and done.stdout == "", done
+
+
+def test_a_libpq_string_that_cannot_be_a_url_still_says_what_evstore_takes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyword libpq does not know, or a quote left open: no URL is built, the rest is said; the
+    same from EVSTORE_URL."""
+    for given in ("dbname=x frobnicate=1", "host=h password='open secret"):
+        done = _in_process(capsys, "audit", "--url", given)
+        assert done.returncode == 1, done
+        assert "): evstore takes a URL, postgresql://" in done.stderr, done.stderr
+        assert "cannot be written as one" in done.stderr and "secret" not in done.stderr, done.stderr
+    monkeypatch.setenv("EVSTORE_URL", "host=h dbname=x")
+    done = _in_process(capsys, "audit")
+    assert done.returncode == 1 and "this one as a URL: postgresql://h/x" in done.stderr, done.stderr
