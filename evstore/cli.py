@@ -2986,13 +2986,16 @@ def import_(
         # (upgrade=False: an older store - one with events, which the import refuses - is refused
         # as it is, not upgraded first; `evstore upgrade` upgrades one to import into)
         async with open_store(target, upgrade=False) as store:
+            # (the bar's total: the events the header promises - read from the file, or from the
+            # copy of piped input, never from the pipe a second time; the import checks it)
+            total = await asyncio.to_thread(_promised_events, source)
             with progress_bar() as bar:
                 tasks: dict[str, Any] = {}
 
                 def on_progress(phase: str, done: int) -> None:
                     if phase not in tasks:
                         tasks[phase] = bar.add_task(
-                            "validating" if phase == "validate" else "importing", total=None
+                            "validating" if phase == "validate" else "importing", total=total
                         )
                     bar.update(tasks[phase], completed=done)
 
@@ -3060,6 +3063,20 @@ def _spool(export_file: Path, spooled: list[Path]) -> Path:
         except OSError as exc:
             fail("evstore.io", f"cannot copy {export_file} to a temporary file ({name}): {exc}")
     return Path(name)
+
+
+def _promised_events(path: Path) -> int | None:
+    """How many events the export at ``path`` says it holds, in its header line - its first, as
+    :func:`projections.exchange.parse_header` reads it (None: no such header, unreadable; the
+    import says why). Counting its lines would read the whole file a third time."""
+    from projections.exchange import parse_header
+
+    try:
+        with path.open(encoding="utf-8") as stream:
+            first = stream.readline(1 << 16)
+        return parse_header(first).events
+    except (OSError, ValueError, err.EvstoreError):
+        return None
 
 
 def _event_count(path: Path) -> int | None:

@@ -158,3 +158,92 @@ def test_a_libpq_string_that_cannot_be_a_url_still_says_what_evstore_takes(
     monkeypatch.setenv("EVSTORE_URL", "host=h dbname=x")
     done = _in_process(capsys, "audit")
     assert done.returncode == 1 and "this one as a URL: postgresql://h/x" in done.stderr, done.stderr
+
+
+# --- (c) import's progress bar has a total ----------------------------------------------------------
+
+
+def _export_of(tmp_path: Path, allocations: int) -> Path:
+    db = tmp_path / "from.db"
+    _small_store(db, allocations=allocations)
+    dump = tmp_path / "log.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "evstore", "export", "--db", str(db), "-o", str(dump)],
+        capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return dump
+
+
+def test_import_progress_has_the_headers_total(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``evstore import``'s bar counted against "?" (rich's unknown total): each phase's task now
+    has the events the export's header promises as its total (the import checks that promise)."""
+    dump = _export_of(tmp_path, allocations=5)
+    totals: list[tuple[str, float | None]] = []
+    real = cli.progress_bar
+
+    def recording() -> object:
+        bar = real()
+        add_task = bar.add_task
+
+        def add(description: str, total: float | None = None, **kwargs: object) -> object:
+            totals.append((description, total))
+            return add_task(description, total=total, **kwargs)  # type: ignore[arg-type]
+
+        bar.add_task = add  # type: ignore[method-assign,assignment]
+        return bar
+
+    monkeypatch.setattr(cli, "progress_bar", recording)
+    done = _in_process(capsys, "import", str(dump), "--db", str(tmp_path / "to.db"))
+    assert done.returncode == 0, done.stderr
+    assert totals == [("validating", 7), ("importing", 7)], totals
+    # (a file that is no export: no total, and the import's own refusal)
+    totals.clear()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "something else"}\n')
+    done = _in_process(capsys, "import", str(bad), "--db", str(tmp_path / "to2.db"))
+    assert done.returncode == 1 and "not an evstore export" in done.stderr, done.stderr
+    assert all(total is None for _, total in totals), totals
+
+
+def test_import_from_a_pipe_shows_the_total_on_a_terminal(tmp_path: Path) -> None:
+    """Piped input (copied to a temporary file first) gets its total from the copy: the pipe is
+    read once. On a terminal the bar shows ``7/7``, where it showed ``7/?``."""
+    import os
+    import pty
+    import select
+
+    dump = _export_of(tmp_path, allocations=5)
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in ("EVSTORE_URL", "NO_COLOR", "TERM")}
+    env.update(COLUMNS="120", TERM="xterm-256color")
+    with dump.open("rb") as piped_from:
+        cat = subprocess.Popen(["cat"], stdin=piped_from, stdout=subprocess.PIPE)
+        assert cat.stdout is not None
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "evstore", "import", "-", "--db", str(tmp_path / "to.db")],
+            stdin=cat.stdout, stdout=slave, stderr=slave, cwd=REPO, env=env,
+        )  # fmt: skip
+        cat.stdout.close()
+    os.close(slave)
+    shown = b""
+    try:
+        while select.select([master], [], [], 60)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # (the terminal's other end closed: the command ended)
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert proc.wait(timeout=60) == 0, shown
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+        cat.wait(timeout=10)
+    text = shown.decode("utf-8", "replace")
+    assert "7/7" in text and "/?" not in text, text[-2000:]
+    assert "imported 7 events" in text, text[-2000:]
