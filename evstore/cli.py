@@ -412,7 +412,7 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
         fail("evstore.usage", "no store given: use --db PATH, --url URL or set EVSTORE_URL", EXIT_USAGE)
     first = None if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", chosen) else _LIBPQ_FIRST_KEYWORD.match(chosen)
     if first and first.group(1) in LIBPQ_KEYWORDS:  # (`--url "host=db dbname=x"`, as psql takes it)
-        raise err.InvalidInput(_not_a_url(chosen))
+        raise err.InvalidInput(_not_a_url(chosen, from_environment=url is None))
     if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", chosen) and "=" not in chosen and shown(chosen) == chosen:
         # (a path where a URL belongs, `--url ./x.db`: say how to name that file; not a libpq
         # keyword string, "host=... password=...", which the open refuses with its password hidden)
@@ -495,13 +495,14 @@ def libpq_as_url(text: str) -> str | None:
     return f"postgresql://{netloc}{path}{query}"
 
 
-def _not_a_url(text: str) -> str:
+def _not_a_url(text: str, *, from_environment: bool = False) -> str:
     """What to say of a libpq keyword/value string given where evstore takes a store URL (the
     string itself is not quoted: its password, in whatever quoting, is not repeated)."""
     first = _LIBPQ_FIRST_KEYWORD.match(text)
     keyword = first.group(1) if first else "keyword"
     message = (
-        f"Unsupported store URL (a libpq keyword/value connection string, {keyword}=...): evstore "
+        f"Unsupported store URL{' (from EVSTORE_URL)' if from_environment else ''} (a libpq keyword/value "
+        f"connection string, {keyword}=...): evstore "
         "takes a URL, postgresql://USER:PASSWORD@HOST:PORT/DBNAME for PostgreSQL (or sqlite:///PATH, "
         "or --db PATH)"
     )

@@ -158,6 +158,7 @@ def test_a_libpq_string_that_cannot_be_a_url_still_says_what_evstore_takes(
     monkeypatch.setenv("EVSTORE_URL", "host=h dbname=x")
     done = _in_process(capsys, "audit")
     assert done.returncode == 1 and "this one as a URL: postgresql://h/x" in done.stderr, done.stderr
+    assert done.stderr.startswith("error: evstore.invalid_input: Unsupported store URL (from EVSTORE_URL) ")
 
 
 # --- (c) import's progress bar has a total ----------------------------------------------------------
