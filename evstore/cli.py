@@ -2594,6 +2594,9 @@ def rebuild(
         target = resolve_url(db, url)
         async with open_existing(target, upgrade=True) as store:
             head = await store.head()
+            # (the rebuild drops the time-travel snapshots: say how many, which `snapshot` took
+            # ahead of the questions, perhaps - or state and diff saved on their way)
+            snapshots = len(await store.snapshot_positions())
             with progress_bar() as bar:
                 task = bar.add_task("rebuilding", total=head or 1)
                 folded = await store.rebuild(
@@ -2601,9 +2604,15 @@ def rebuild(
                 )
                 bar.update(task, completed=head or 1)
         if json_out:
-            emit_json({"url": shown(target), "events": folded, "head": head})
+            emit_json({"url": shown(target), "events": folded, "head": head, "snapshots_dropped": snapshots})
         else:
-            console().print(f"rebuilt the projection from {folded} events (head {head})")
+            dropped = (
+                f"; dropped its {snapshots} time-travel snapshot{'s' if snapshots != 1 else ''} "
+                "(`evstore snapshot` takes them again)"
+                if snapshots
+                else ""
+            )
+            console().print(f"rebuilt the projection from {folded} events (head {head}){dropped}")
         return EXIT_OK
 
     run(work)

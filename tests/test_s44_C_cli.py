@@ -5,6 +5,7 @@ in-process ``evstore.__main__.main()`` - and what probing the CLI with README in
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -248,3 +249,29 @@ def test_import_from_a_pipe_shows_the_total_on_a_terminal(tmp_path: Path) -> Non
     text = shown.decode("utf-8", "replace")
     assert "7/7" in text and "/?" not in text, text[-2000:]
     assert "imported 7 events" in text, text[-2000:]
+
+
+# --- what probing found -----------------------------------------------------------------------------
+
+
+def test_rebuild_says_it_dropped_the_snapshots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rebuild`` drops the time-travel snapshots (its --help says so), and said only "rebuilt the
+    projection from N events": the snapshots an operator took ahead of the questions with
+    ``evstore snapshot`` were gone without a word. It now says how many it dropped (``--json``:
+    ``snapshots_dropped``), and how to take them again."""
+    db = tmp_path / "s.db"
+    _small_store(db, allocations=5)
+    done = _in_process(capsys, "snapshot", "--db", str(db), "--every", "3", "--json")
+    assert done.returncode == 0 and '"snapshot_positions": [\n    3,\n    6\n  ]' in done.stdout, done
+    done = _in_process(capsys, "rebuild", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    said = "rebuilt the projection from 7 events (head 7); dropped its 2 time-travel snapshots"
+    assert said in done.stdout and "`evstore snapshot` takes them again" in done.stdout, done.stdout
+    done = _in_process(capsys, "rebuild", "--db", str(db), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "url": f"sqlite:///{db}",
+        "events": 7,
+        "head": 7,
+        "snapshots_dropped": 0,
+    }
