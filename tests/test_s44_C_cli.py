@@ -275,3 +275,19 @@ def test_rebuild_says_it_dropped_the_snapshots(tmp_path: Path, capsys: pytest.Ca
         "head": 7,
         "snapshots_dropped": 0,
     }
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="evstore/errors.py (not this helper's): redact_url's keyword pattern takes a quoted "
+    "password as '[^']*', ending at libpq's escaped quote \\' - the rest of the password is shown",
+)
+def test_a_libpq_password_with_an_escaped_quote_is_hidden_whole() -> None:
+    """README: "Passwords never appear in error messages". ``open_store`` given a libpq keyword
+    string whose quoted password holds ``\\'`` (libpq's escape for a quote in it) answered
+    "Unsupported store URL \\"host=h password=***cdSECRET ef' ...\\"": the part after the quote shown.
+    (The command line no longer quotes such a string: its message writes the URL form itself.)"""
+    from evstore import errors as err
+
+    shown = err.redact_url("host=h password='ab\\'cdSECRET ef' dbname=x")
+    assert "SECRET" not in shown, shown
