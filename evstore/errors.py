@@ -172,7 +172,11 @@ class WrongEventLoop(EvstoreError):
 
 #: a URL's userinfo password: everything from the user's ":" to the last "@" (group 2)
 _USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):(.*)@")
-_KEYWORD_PASSWORD = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)('[^']*'|[^&\s]*)")
+#: (libpq escapes a quote or a backslash in a quoted value, a space in a bare one, with a backslash:
+#: the value goes on past them; a quote never closed hides the rest of the text)
+_KEYWORD_PASSWORD = re.compile(
+    r"(?i)\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^&\s\\]|\\.?)*)"
+)
 
 
 #: a value a parser's message quotes, as Python's repr writes it: in single quotes, or in double

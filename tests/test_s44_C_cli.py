@@ -277,12 +277,6 @@ def test_rebuild_says_it_dropped_the_snapshots(tmp_path: Path, capsys: pytest.Ca
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="evstore/errors.py (not this helper's): redact_url's keyword pattern takes a quoted "
-    "password as '[^']*' and a bare one as [^&\\s]*, ending at libpq's escaped quote or space "
-    "(\\' and \\<space>) - the rest of the password is shown",
-)
 def test_a_libpq_password_with_an_escaped_quote_is_hidden_whole() -> None:
     """README: "Passwords never appear in error messages". ``open_store`` given a libpq keyword
     string whose quoted password holds ``\\'`` (libpq's escape for a quote in it) answered
