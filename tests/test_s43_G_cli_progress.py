@@ -61,7 +61,7 @@ def test_rebuild_export_and_import_show_a_progress_bar_on_a_terminal_and_none_pi
         code, shown = _on_a_terminal(*args)
         assert code == 0, (args, shown[-2000:])
         assert "\u2501" in shown, (args, "no bar", shown[-2000:])  # rich's bar
-        # (import counts against "?": it does not take the total from the export's header)
+        # (import counts against the events the export's header promises: stop 44)
         assert f"{head}/" in shown, (args, "the bar does not reach the head", shown[-2000:])
         assert "Traceback" not in shown
     piped = evstore("rebuild", "--db", str(db))
