@@ -1789,45 +1789,18 @@ class PostgresBackend:
         except asyncpg.exceptions.InterfaceError as exc:
             if isinstance(exc, ValueError):  # (min_pool_size=0: see open)
                 raise self._malformed(exc) from None
-            if self._pool is None or "clos" in str(exc):
+            if self._pool is None or str(exc).startswith(("pool is closed", "pool is closing")):
                 raise err.StoreClosed("The store is closed") from None
-            raise _storage_error(exc, "connecting", None) from None
+            # Any other: a connection the pool had just opened was lost before its set-up
+            # statement ran ("connection is closed" from the pool's init: the server ended it, or
+            # the network cut it) - a lost connection, as its InternalClientError below, not a
+            # closed store (a subscriber ended for good on it, a command heard "closed")
+            raise self._not_connected(pool, exc, command) from None
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InternalClientError) as exc:
             # (InternalClientError: the server ended a connection the pool had just opened before
             # its set-up statement ran - "cannot switch to state 15; another operation (2) is in
             # progress" from the pool's init: a connection lost)
-            if self._pool is None:
-                # (close() began while this waited for one of the pool's connections, all busy:
-                # what ran out is a wait for a pool that is gone, not its size - and a command
-                # waiting there was not run)
-                raise err.StoreClosed("The store is closed") from None
-            if getattr(exc, "sqlstate", None) == "3D000":  # (min_pool_size=0: see open)
-                raise self._no_database(str(exc).splitlines()[0]) from None
-            # (nothing was sent on it: no claim about a transaction, but for a command's)
-            failed = _storage_error(
-                exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
-            )
-            busy = pool.get_size() >= self.pool_size and not pool.get_idle_size()
-            if isinstance(exc, TimeoutError) and busy:
-                failed = err.StorageError(
-                    f"No connection of the pool came free within {self._timeout_named('connect_timeout')}: "
-                    f"all {self.pool_size} were busy with other calls (raise pool_size, or set "
-                    "command_timeout so that no call holds one for long)",
-                    **failed.details,
-                )
-            elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
-                failed = err.StorageError(
-                    f"{failed.message}; waited {self._timeout_named('connect_timeout')} for one of "
-                    f"the pool's own connections (pool_size {self.pool_size}) to come free",
-                    **failed.details,
-                )
-            if self._url_note and not isinstance(exc, TimeoutError):  # (min_pool_size=0: see open)
-                failed = err.StorageError(f"{failed.message}{self._url_note}", **failed.details)
-            if command:
-                failed = err.StorageError(
-                    f"{failed.message}; the command was not run", **failed.details, outcome_unknown=False
-                )
-            raise failed from None
+            raise self._not_connected(pool, exc, command) from None
         except ValueError as exc:  # (min_pool_size=0: the URL is first parsed here; see _malformed)
             raise self._malformed(exc) from None
         if self._pool is None:
@@ -1861,6 +1834,42 @@ class PostgresBackend:
                 # timeout otherwise, what was left of connect_timeout - ~1 ms after retries near
                 # its end - and closes a connection whose reset ran out)
                 await self._give_back(pool, conn, max(self.connect_timeout, self.command_timeout or 0))
+
+    def _not_connected(self, pool: Any, exc: BaseException, command: bool) -> err.EvstoreError:
+        """What a call that got no connection of ``pool`` (:meth:`_connection`) is told, for the
+        acquire's error ``exc``."""
+        if self._pool is None:
+            # (close() began while this waited for one of the pool's connections, all busy:
+            # what ran out is a wait for a pool that is gone, not its size - and a command
+            # waiting there was not run)
+            return err.StoreClosed("The store is closed")
+        if getattr(exc, "sqlstate", None) == "3D000":  # (min_pool_size=0: see open)
+            return self._no_database(str(exc).splitlines()[0])
+        # (nothing was sent on it: no claim about a transaction, but for a command's)
+        failed = _storage_error(
+            exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
+        )
+        busy = pool.get_size() >= self.pool_size and not pool.get_idle_size()
+        if isinstance(exc, TimeoutError) and busy:
+            failed = err.StorageError(
+                f"No connection of the pool came free within {self._timeout_named('connect_timeout')}: "
+                f"all {self.pool_size} were busy with other calls (raise pool_size, or set "
+                "command_timeout so that no call holds one for long)",
+                **failed.details,
+            )
+        elif isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
+            failed = err.StorageError(
+                f"{failed.message}; waited {self._timeout_named('connect_timeout')} for one of "
+                f"the pool's own connections (pool_size {self.pool_size}) to come free",
+                **failed.details,
+            )
+        if self._url_note and not isinstance(exc, TimeoutError):  # (min_pool_size=0: see open)
+            failed = err.StorageError(f"{failed.message}{self._url_note}", **failed.details)
+        if command:
+            failed = err.StorageError(
+                f"{failed.message}; the command was not run", **failed.details, outcome_unknown=False
+            )
+        return failed
 
     async def _give_back(self, pool: Any, conn: Any, reset_within: float | None) -> None:
         """``pool.release(conn)``; if that is cancelled, ``conn`` is remembered until released.

@@ -1,0 +1,100 @@
+"""Stop 44, helper A: asyncpg's errors injected at each of the PostgreSQL backend's call sites
+(the pool's acquire and its connections' set-up, a command's statements, reads, subscribers),
+deterministically by monkeypatching: every call fails as a typed evstore error that says what
+happened - a command's whether it may have committed, a read's that the connection was lost
+(``transient``) - and the store goes on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+import evstore.log.postgres as pg
+from evstore import AllocationStore, StorageError, open_store
+from tests.conftest import make_provider, new_uuid
+
+BODY: dict[str, Any] = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "generation": None}
+
+
+def _fail_set_up(monkeypatch: pytest.MonkeyPatch, error: Callable[[], BaseException]) -> dict[str, int]:
+    """The pool's next ``left`` new connections fail their set-up with ``error()`` (as asyncpg
+    raises it when the server ended the connection before its set-up statement ran)."""
+    set_up = pg._init_connection
+    failing = {"left": 0}
+
+    async def init(conn: object, search_path: str | None = None) -> str | None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise error()
+        return await set_up(conn, search_path)
+
+    monkeypatch.setattr(pg, "_init_connection", init)
+    return failing
+
+
+def _backend(store: AllocationStore) -> pg.PostgresBackend:
+    backend = store.backend
+    assert isinstance(backend, pg.PostgresBackend) and backend._pool is not None
+    return backend
+
+
+async def test_a_new_connection_closed_at_its_set_up_is_a_lost_connection_not_a_closed_store(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the sibling of the lead's InternalClientError. When asyncpg has already seen a
+    new connection go (the server ended it, the network cut it) before the pool's set-up
+    statement ran, that statement raises ``InterfaceError("connection is closed")``; the backend
+    took every InterfaceError from the acquire whose text held "clos" for the pool's "pool is
+    closed": a keyed command was told ``StoreClosed`` ("The store is closed", no
+    ``outcome_unknown``), a read too, and a subscriber - which rides out a lost connection -
+    ended for good, though the store was open. Now: a lost connection, transient; the command
+    was not run (``outcome_unknown`` False, and nothing of it was written); the subscriber goes
+    on; the store too."""
+    async with open_store(pg_url) as store:
+        backend = _backend(store)
+        rp = await make_provider(store, VCPU=8)
+        failing = _fail_set_up(monkeypatch, lambda: asyncpg.InterfaceError("connection is closed"))
+        consumer = new_uuid()
+        head = await store.head()
+
+        failing["left"] = 1
+        await backend._pool.expire_connections()  # type: ignore[union-attr] # (the next acquire opens one)
+        with pytest.raises(StorageError) as failed:
+            await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
+        assert failed.value.code == "evstore.storage"
+        assert failed.value.details["outcome_unknown"] is False
+        assert failed.value.details["transient"] is True
+        assert "Lost the connection to PostgreSQL" in failed.value.message
+        assert "the command was not run" in failed.value.message
+        assert failing["left"] == 0 and await store.head() == head
+
+        failing["left"] = 1
+        await backend._pool.expire_connections()  # type: ignore[union-attr]
+        with pytest.raises(StorageError) as read_failed:
+            await store.usage(rp)
+        assert read_failed.value.details["transient"] is True
+        assert "Lost the connection to PostgreSQL" in read_failed.value.message
+
+        # a subscriber following the store rides it out (a retry after ~0.25 s)
+        failing["left"] = 1
+        await backend._pool.expire_connections()  # type: ignore[union-attr]
+
+        async def first_two() -> list[int]:
+            got: list[int] = []
+            async for event in store.subscribe(after=0):
+                got.append(event.position)
+                if len(got) == 2:
+                    break
+            return got
+
+        assert await asyncio.wait_for(first_two(), 10) == [1, 2]
+        assert failing["left"] == 0
+
+        await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
+        assert (await store.usage(rp)).usages["VCPU"] == 2
+        assert (await store.audit()).clean
+
