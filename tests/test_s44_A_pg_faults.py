@@ -98,3 +98,35 @@ async def test_a_new_connection_closed_at_its_set_up_is_a_lost_connection_not_a_
         assert (await store.usage(rp)).usages["VCPU"] == 2
         assert (await store.audit()).clean
 
+
+async def test_a_connection_lost_as_the_store_closes_does_not_fail_the_close(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the pool's close closes each connection gracefully; one the server ended at
+    that moment fails with asyncpg's ``ConnectionDoesNotExistError`` ("connection was closed in
+    the middle of operation", a PostgresError), which the backend's close did not catch: the
+    caller's ``close()`` (and so ``async with open_store(...)``'s exit) raised it bare. A store
+    closes all the same (asyncpg terminated the pool): close() returns, the store is closed,
+    and the next open works."""
+    real_close = asyncpg.connection.Connection.close
+    lost = {"left": 1}
+
+    async def close(self: asyncpg.connection.Connection, *, timeout: float | None = None) -> None:
+        if lost["left"]:
+            lost["left"] -= 1
+            self.terminate()
+            raise asyncpg.exceptions.ConnectionDoesNotExistError(
+                "connection was closed in the middle of operation"
+            )
+        await real_close(self, timeout=timeout)
+
+    store = await open_store(pg_url)
+    rp = await make_provider(store, VCPU=8)
+    monkeypatch.setattr(asyncpg.connection.Connection, "close", close)
+    await store.close()
+    assert lost["left"] == 0
+    monkeypatch.undo()
+    async with open_store(pg_url) as again:
+        assert (await again.usage(rp)).usages == {"VCPU": 0}
+        assert (await again.audit()).clean
+

@@ -1758,7 +1758,11 @@ class PostgresBackend:
             self._interrupted.clear()
             try:
                 await asyncio.wait_for(pool.close(), 10)
-            except (TimeoutError, OSError, asyncpg.InterfaceError, asyncpg.InternalClientError):
+            except DB_ERRORS:
+                # (a connection lost as it was closed - asyncpg's ConnectionDoesNotExistError, a
+                # PostgresError, "connection was closed in the middle of operation" - reached the
+                # caller of close() bare; the pool terminated itself already: what is left to do
+                # is the same)
                 pool.terminate()
 
     def abandon(self) -> None:
