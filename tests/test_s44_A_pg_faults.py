@@ -130,3 +130,48 @@ async def test_a_connection_lost_as_the_store_closes_does_not_fail_the_close(
         assert (await again.usage(rp)).usages == {"VCPU": 0}
         assert (await again.audit()).clean
 
+
+@pytest.mark.parametrize("keyed", [True, False])
+async def test_a_command_whose_every_connection_is_lost_at_its_begin_says_it_was_not_run(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, keyed: bool
+) -> None:
+    """Regression: a command whose connection is found dead at its BEGIN (nothing of it sent)
+    is tried again on another, up to ``max_retries`` times; when every one was lost so (the
+    server ending each session as it is handed out: a restart under way, an admin's
+    pg_terminate_backend loop), the command failed "Cannot get a working connection to URL" -
+    without ``outcome_unknown`` (a caller could not tell whether to look at the store first),
+    without ``transient`` (a lost connection is, on commands too) and without the cause. It
+    says now that it was not run, why, and that the connection was lost; nothing was written,
+    and once the connections hold the same command goes through."""
+    import asyncpg.transaction
+
+    async with open_store(pg_url, max_retries=3) as store:
+        rp = await make_provider(store, VCPU=8)
+        head = await store.head()
+        real_start = asyncpg.transaction.Transaction.start
+        lost = {"count": 0}
+
+        async def start(self: Any) -> None:
+            lost["count"] += 1
+            self._connection.terminate()
+            raise asyncpg.InternalClientError(
+                "cannot switch to state 15; another operation (2) is in progress"
+            )
+
+        monkeypatch.setattr(asyncpg.transaction.Transaction, "start", start)
+        consumer = new_uuid()
+        key = "k-1" if keyed else None
+        with pytest.raises(StorageError) as failed:
+            await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key=key, **BODY)
+        assert lost["count"] == 3
+        assert failed.value.details["outcome_unknown"] is False
+        assert failed.value.details["transient"] is True
+        assert "the command was not run" in failed.value.message
+        assert "another operation (2) is in progress" in failed.value.message
+        assert "Lost the connection to PostgreSQL" in failed.value.message
+        monkeypatch.setattr(asyncpg.transaction.Transaction, "start", real_start)
+        assert await store.head() == head
+        assert not (await store.allocations(consumer))
+        await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key=key, **BODY)
+        assert (await store.usage(rp)).usages["VCPU"] == 2
+        assert (await store.audit()).clean

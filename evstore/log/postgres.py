@@ -1154,7 +1154,11 @@ class _CannotPosition(Exception):
 
 
 class _StaleConnection(Exception):
-    """A pooled connection was dead before the command sent anything."""
+    """A pooled connection was dead before the command sent anything (``lost``: asyncpg's error)."""
+
+    def __init__(self, lost: BaseException) -> None:
+        super().__init__(str(lost))
+        self.lost = lost
 
 
 class _Unpositioned(Exception):
@@ -2332,10 +2336,20 @@ class PostgresBackend:
                         f"Committed events {pending.seqs} did not get positions", seqs=pending.seqs
                     ) from None
                 await self._tombstone_positions(pending.seqs)
-            except _StaleConnection:
+            except _StaleConnection as stale:
                 attempt += 1
                 if attempt >= self.max_retries:
-                    raise err.StorageError(f"Cannot get a working connection to {self.safe_url}") from None
+                    # (each connection was lost at the command's BEGIN: nothing of it was sent -
+                    # not run, as a command that got no connection, and transient as a lost one)
+                    failed = _storage_error(
+                        stale.lost, f"beginning a command on {self.safe_url}", None, keyed=False
+                    )
+                    raise err.StorageError(
+                        f"{failed.message} (each of the {attempt} connections tried, of max_retries "
+                        f"{self.max_retries}); the command was not run",
+                        **failed.details,
+                        outcome_unknown=False,
+                    ) from None
             except asyncpg.PostgresError as exc:
                 if exc.sqlstate not in RETRYABLE_SQLSTATES:
                     raise _storage_error(exc, "running a command") from None
@@ -2410,7 +2424,7 @@ class PostgresBackend:
                         await transaction.enter_async_context(conn.transaction())
                     except DB_ERRORS as exc:
                         if _is_connection_error(exc) and not isinstance(exc, TimeoutError):
-                            raise _StaleConnection() from None  # nothing was sent: safe to retry
+                            raise _StaleConnection(exc) from None  # nothing was sent: safe to retry
                         # (a BEGIN that ran out of command_timeout is no dead connection: the
                         # server did not answer - a partition - and the pool's next one would
                         # wait as long)
