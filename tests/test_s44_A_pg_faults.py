@@ -175,3 +175,40 @@ async def test_a_command_whose_every_connection_is_lost_at_its_begin_says_it_was
         await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key=key, **BODY)
         assert (await store.usage(rp)).usages["VCPU"] == 2
         assert (await store.audit()).clean
+
+
+async def test_a_command_that_keeps_deadlocking_says_it_was_not_run(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a command the server keeps rolling back as a deadlock's victim (or for a
+    serialization failure) is tried ``max_retries`` times, then failed "Gave up after N
+    attempts: deadlock detected" without ``outcome_unknown``: each try was rolled back by the
+    server's answer, so the command was not run - said now (False), with what to do; nothing
+    was written, and the same command goes through afterwards."""
+    async with open_store(pg_url, max_retries=3) as store:
+        rp = await make_provider(store, VCPU=8)
+        head = await store.head()
+        real_fetch = asyncpg.connection.Connection.fetch
+        victims = {"count": 0}
+
+        async def fetch(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+            if "evstore_lock_load" in query:
+                victims["count"] += 1
+                await real_fetch(self, query, *args, **kwargs)  # (its locks taken: then the victim)
+                raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+            return await real_fetch(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(asyncpg.connection.Connection, "fetch", fetch)
+        consumer = new_uuid()
+        with pytest.raises(StorageError) as failed:
+            await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
+        assert victims["count"] == 3
+        assert failed.value.details["outcome_unknown"] is False
+        assert failed.value.details["sqlstate"] == "40P01"
+        assert "deadlock detected" in failed.value.message
+        assert "the command was not run" in failed.value.message
+        monkeypatch.undo()
+        assert await store.head() == head
+        await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
+        assert (await store.usage(rp)).usages["VCPU"] == 2
+        assert (await store.audit()).clean

@@ -2355,9 +2355,14 @@ class PostgresBackend:
                     raise _storage_error(exc, "running a command") from None
                 attempt += 1
                 if attempt >= self.max_retries:
+                    # (each try rolled back by the server's answer: not run)
                     raise err.StorageError(
-                        f"Gave up after {attempt} attempts: {str(exc).splitlines()[0]}",
+                        f"Gave up after {attempt} attempts (max_retries), each rolled back by "
+                        f"PostgreSQL: {str(exc).splitlines()[0]}; the command was not run (other "
+                        "sessions contended with it for the same rows and locks: retry it, or "
+                        "raise max_retries)",
                         sqlstate=exc.sqlstate,
+                        outcome_unknown=False,
                     ) from None
                 await asyncio.sleep(random.uniform(0, 0.002 * 2**attempt))
         if ended is not None and not ended.done():
