@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 import evstore.log.postgres as pg
-from evstore import AllocationStore, StorageError, open_store
+from evstore import AllocationStore, ConsumerDeleted, StorageError, open_store
 from tests.conftest import make_provider, new_uuid
 
 BODY: dict[str, Any] = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "generation": None}
@@ -34,6 +34,11 @@ def _fail_set_up(monkeypatch: pytest.MonkeyPatch, error: Callable[[], BaseExcept
 
     monkeypatch.setattr(pg, "_init_connection", init)
     return failing
+
+
+async def _count_events(backend: pg.PostgresBackend) -> int:
+    async with backend._connection() as conn:
+        return int(await conn.fetchval("SELECT count(*) FROM events"))
 
 
 def _backend(store: AllocationStore) -> pg.PostgresBackend:
@@ -211,4 +216,54 @@ async def test_a_command_that_keeps_deadlocking_says_it_was_not_run(
         assert await store.head() == head
         await store.set_allocations(consumer, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
         assert (await store.usage(rp)).usages["VCPU"] == 2
+        assert (await store.audit()).clean
+
+
+async def test_a_command_that_meets_a_tombstone_to_position_and_loses_the_connection_says_not_run(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a command that finds a consumer's tombstone committed but not positioned yet
+    (its writer died between its COMMIT and the sequencer) rolls back, positions it on another
+    connection, and tries again; a connection lost there reached the caller as the read's error
+    ("Lost the connection ... while reading events", no ``outcome_unknown``): a command's
+    storage error that did not say whether it committed. It was rolled back before: it says
+    so now (``outcome_unknown`` False, not run), and the same command goes on afterwards."""
+    async with open_store(pg_url) as store:
+        backend = _backend(store)
+        rp = await make_provider(store, VCPU=8)
+        deleted = new_uuid()
+        await store.set_allocations(deleted, {rp: {"VCPU": 1}}, **BODY)
+
+        async def died(conn: Any) -> None:
+            raise RuntimeError("the process died between its commit and the sequencing")
+
+        backend._after_commit = died
+        with pytest.raises(StorageError):
+            await store.delete_consumer(deleted)
+        backend._after_commit = None
+        events = await _count_events(backend)  # (not head(): it positions what it finds)
+
+        real_fetch = asyncpg.connection.Connection.fetch
+        lost = {"left": 1}
+
+        async def fetch(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+            if lost["left"] and query.startswith("SELECT seq FROM events WHERE seq = ANY"):
+                lost["left"] -= 1
+                self.terminate()
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return await real_fetch(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(asyncpg.connection.Connection, "fetch", fetch)
+        with pytest.raises(StorageError) as failed:
+            await store.set_allocations(deleted, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
+        assert lost["left"] == 0
+        assert failed.value.details["outcome_unknown"] is False
+        assert failed.value.details["transient"] is True
+        assert "Connection reset by peer" in failed.value.message
+        assert "the command was not run" in failed.value.message
+        monkeypatch.undo()
+        assert await _count_events(backend) == events
+        with pytest.raises(ConsumerDeleted):
+            await store.set_allocations(deleted, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
+        assert (await store.usage(rp)).usages["VCPU"] == 0
         assert (await store.audit()).clean

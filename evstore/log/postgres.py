@@ -2333,9 +2333,24 @@ class PostgresBackend:
                 positioning += 1
                 if positioning > max(self.max_retries, 3):
                     raise err.StorageError(
-                        f"Committed events {pending.seqs} did not get positions", seqs=pending.seqs
+                        f"Committed events {pending.seqs} did not get positions; the command was not run",
+                        seqs=pending.seqs,
+                        outcome_unknown=False,
                     ) from None
-                await self._tombstone_positions(pending.seqs)
+                try:
+                    await self._tombstone_positions(pending.seqs)
+                except err.StorageError as exc:
+                    # (a read's or the sequencer's error - a connection lost, say - under a
+                    # command that was rolled back first: not run, as it says; a damaged
+                    # projection's own error keeps its type and words)
+                    if type(exc) is not err.StorageError:
+                        exc.details.setdefault("outcome_unknown", False)
+                        raise
+                    raise err.StorageError(
+                        f"{exc.message} (positioning the deleted consumers' tombstones the command "
+                        "met); the command was not run",
+                        **{**exc.details, "outcome_unknown": False},
+                    ) from None
             except _StaleConnection as stale:
                 attempt += 1
                 if attempt >= self.max_retries:
