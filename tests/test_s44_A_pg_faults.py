@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 import evstore.log.postgres as pg
-from evstore import AllocationStore, ConsumerDeleted, StorageError, open_store
+from evstore import AllocationStore, CapacityExceeded, ConsumerDeleted, StorageError, open_store
 from tests.conftest import make_provider, new_uuid
 
 BODY: dict[str, Any] = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "generation": None}
@@ -266,4 +266,50 @@ async def test_a_command_that_meets_a_tombstone_to_position_and_loses_the_connec
         with pytest.raises(ConsumerDeleted):
             await store.set_allocations(deleted, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
         assert (await store.usage(rp)).usages["VCPU"] == 0
+        assert (await store.audit()).clean
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        lambda: asyncpg.InternalClientError(
+            "cannot switch to state 15; another operation (2) is in progress"
+        ),
+        lambda: asyncpg.InterfaceError("connection is closed"),
+        lambda: ConnectionResetError(104, "Connection reset by peer"),
+        lambda: TimeoutError(),
+    ],
+    ids=["internal", "interface", "reset", "timeout"],
+)
+async def test_a_refused_command_whose_rollback_loses_the_connection_is_refused(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, lost: Callable[[], BaseException]
+) -> None:
+    """Regression: a command decided against its locked slice and refused (here: more than the
+    provider's capacity) is rolled back; when the connection was lost at that ROLLBACK, the
+    caller was told "Lost the connection to PostgreSQL while running a command ... it was
+    rolled back" (transient: try again) instead of the refusal - which the same call then met,
+    or, once the store changed, not. Nothing of it was written either way (the server rolls
+    back a lost session's transaction): the refusal stands, and is what the caller hears; the
+    store goes on."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=4)
+        head = await store.head()
+        real_execute = asyncpg.connection.Connection.execute
+        left = {"count": 1}
+
+        async def execute(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+            if left["count"] and query.strip().upper().startswith("ROLLBACK"):
+                left["count"] -= 1
+                self.terminate()
+                raise lost()
+            return await real_execute(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(asyncpg.connection.Connection, "execute", execute)
+        with pytest.raises(CapacityExceeded):
+            await store.set_allocations(new_uuid(), {rp: {"VCPU": 100}}, idempotency_key="k-1", **BODY)
+        assert left["count"] == 0
+        monkeypatch.undo()
+        assert await store.head() == head
+        await store.set_allocations(new_uuid(), {rp: {"VCPU": 4}}, idempotency_key="k-2", **BODY)
+        assert (await store.usage(rp)).usages["VCPU"] == 4
         assert (await store.audit()).clean

@@ -1432,6 +1432,18 @@ class _Refused(Exception):
         self.outcome = outcome
 
 
+def _refusal_under(exc: BaseException) -> _Refused | None:
+    """The command's refusal that ``exc`` was raised while handling (its ROLLBACK failed), if any."""
+    for _ in range(10):
+        context = exc.__context__
+        if context is None:
+            return None
+        if isinstance(context, _Refused):
+            return context
+        exc = context
+    return None
+
+
 class PostgresBackend:
     """Log and projection in one PostgreSQL database (or schema), shared by many processes.
 
@@ -2460,6 +2472,15 @@ class PostgresBackend:
             except _Refused as refused:
                 return refused.outcome
             except BaseException as exc:
+                decided = _refusal_under(exc)
+                if decided is not None and isinstance(exc, DB_ERRORS):
+                    # The refusal's ROLLBACK met a lost connection (or ran out of time): nothing
+                    # was written - a refusal is decided before any write, and the server rolls
+                    # back a lost session's transaction - so the refusal stands, not a storage
+                    # error that sent its caller to try again. (Closed: no reset to wait for.)
+                    with contextlib.suppress(asyncpg.InterfaceError):
+                        conn.terminate()
+                    return decided.outcome
                 if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE_SQLSTATES:
                     raise
                 if isinstance(exc, asyncpg.PostgresError) or _is_connection_error(exc):
