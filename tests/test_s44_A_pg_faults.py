@@ -313,3 +313,48 @@ async def test_a_refused_command_whose_rollback_loses_the_connection_is_refused(
         await store.set_allocations(new_uuid(), {rp: {"VCPU": 4}}, idempotency_key="k-2", **BODY)
         assert (await store.usage(rp)).usages["VCPU"] == 4
         assert (await store.audit()).clean
+
+
+async def test_a_command_restarted_for_a_tombstone_whose_rollback_is_lost_restarts(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command that finds a deleted consumer's tombstone not positioned yet rolls back to
+    position it and starts again; when the connection was lost at that ROLLBACK, the command
+    failed as a lost connection ("it was rolled back", transient) instead of starting again as
+    it would have. It starts again now (on another connection) and is decided: here refused,
+    the consumer being deleted."""
+    async with open_store(pg_url) as store:
+        backend = _backend(store)
+        rp = await make_provider(store, VCPU=8)
+        deleted = new_uuid()
+        await store.set_allocations(deleted, {rp: {"VCPU": 1}}, **BODY)
+
+        async def died(conn: Any) -> None:
+            raise RuntimeError("the process died between its commit and the sequencing")
+
+        backend._after_commit = died
+        with pytest.raises(StorageError):
+            await store.delete_consumer(deleted)
+        backend._after_commit = None
+        events = await _count_events(backend)
+
+        real_execute = asyncpg.connection.Connection.execute
+        lost = {"left": 1}
+
+        async def execute(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+            if lost["left"] and query.strip().upper().startswith("ROLLBACK"):
+                lost["left"] -= 1
+                self.terminate()
+                raise asyncpg.InternalClientError(
+                    "cannot switch to state 15; another operation (2) is in progress"
+                )
+            return await real_execute(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(asyncpg.connection.Connection, "execute", execute)
+        with pytest.raises(ConsumerDeleted):
+            await store.set_allocations(deleted, {rp: {"VCPU": 2}}, idempotency_key="k-1", **BODY)
+        assert lost["left"] == 0
+        monkeypatch.undo()
+        assert await _count_events(backend) == events
+        assert (await store.usage(rp)).usages["VCPU"] == 0
+        assert (await store.audit()).clean

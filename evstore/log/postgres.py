@@ -1432,13 +1432,14 @@ class _Refused(Exception):
         self.outcome = outcome
 
 
-def _refusal_under(exc: BaseException) -> _Refused | None:
-    """The command's refusal that ``exc`` was raised while handling (its ROLLBACK failed), if any."""
+def _refusal_under(exc: BaseException) -> _Refused | _Relock | _Unpositioned | None:
+    """What ended the command's transaction that ``exc`` was raised while handling (its ROLLBACK
+    failed), if it was a refusal or a restart (:class:`_Relock`, :class:`_Unpositioned`)."""
     for _ in range(10):
         context = exc.__context__
         if context is None:
             return None
-        if isinstance(context, _Refused):
+        if isinstance(context, _Refused | _Relock | _Unpositioned):
             return context
         exc = context
     return None
@@ -2474,13 +2475,17 @@ class PostgresBackend:
             except BaseException as exc:
                 decided = _refusal_under(exc)
                 if decided is not None and isinstance(exc, DB_ERRORS):
-                    # The refusal's ROLLBACK met a lost connection (or ran out of time): nothing
+                    # A refusal's ROLLBACK met a lost connection (or ran out of time): nothing
                     # was written - a refusal is decided before any write, and the server rolls
                     # back a lost session's transaction - so the refusal stands, not a storage
                     # error that sent its caller to try again. (Closed: no reset to wait for.)
                     with contextlib.suppress(asyncpg.InterfaceError):
                         conn.terminate()
-                    return decided.outcome
+                    if isinstance(decided, _Refused):
+                        return decided.outcome
+                    # (a restart - locks to take in order, a tombstone to position - whose
+                    # ROLLBACK was lost: restarted as it would have been, on another connection)
+                    raise decided from None
                 if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE_SQLSTATES:
                     raise
                 if isinstance(exc, asyncpg.PostgresError) or _is_connection_error(exc):
