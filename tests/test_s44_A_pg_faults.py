@@ -358,3 +358,36 @@ async def test_a_command_restarted_for_a_tombstone_whose_rollback_is_lost_restar
         assert await _count_events(backend) == events
         assert (await store.usage(rp)).usages["VCPU"] == 0
         assert (await store.audit()).clean
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        lambda: asyncpg.InterfaceError("connection is closed"),
+        lambda: asyncpg.exceptions.ConnectionDoesNotExistError(
+            "connection was closed in the middle of operation"
+        ),
+    ],
+    ids=["interface", "does_not_exist"],
+)
+async def test_an_open_whose_first_connection_is_closed_at_its_set_up_says_what_happened(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, lost: Callable[[], BaseException]
+) -> None:
+    """The lead's open whose first connection the server ended at its set-up, when asyncpg had
+    seen it go already: its set-up statement raises ``InterfaceError("connection is closed")``
+    (or ``ConnectionDoesNotExistError`` when it went during it), and the open said only "Cannot
+    connect to PostgreSQL at URL: connection is closed" - nothing a person can act on. It says
+    what its InternalClientError sibling says: the session ended as it was set up, by the
+    server or the network; try again. The next open works."""
+    failing = _fail_set_up(monkeypatch, lost)
+    failing["left"] = 1
+    with pytest.raises(StorageError) as failed:
+        async with open_store(pg_url):
+            pass
+    assert failing["left"] == 0
+    assert failed.value.message.startswith("Cannot connect to PostgreSQL at ")
+    assert "the session ended as it was set up" in failed.value.message
+    assert "try again" in failed.value.message
+    assert "closed" in failed.value.message  # (asyncpg's words, kept)
+    async with open_store(pg_url) as store:
+        assert await store.head() == 0

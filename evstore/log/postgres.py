@@ -1577,7 +1577,10 @@ class PostgresBackend:
                 raise self._malformed(exc) from None
             # (a server's or resolver's text may quote what the URL held: a misread password's piece)
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
-            if isinstance(exc, asyncpg.InternalClientError):  # (its words say nothing of what happened)
+            if isinstance(  # (their words say nothing of what happened, or that it passes)
+                exc, asyncpg.InternalClientError | asyncpg.exceptions.ConnectionDoesNotExistError
+            ) or (isinstance(exc, asyncpg.InterfaceError) and text.startswith("connection is closed")):
+                # (InterfaceError: asyncpg had seen the connection go before its set-up statement)
                 text = (
                     "the session ended as it was set up - the server ended it (a restart, "
                     f"pg_terminate_backend) or the network cut it; try again (asyncpg: {text})"
