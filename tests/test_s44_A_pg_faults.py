@@ -58,8 +58,9 @@ async def test_a_new_connection_closed_at_its_set_up_is_a_lost_connection_not_a_
     ``outcome_unknown``), a read too, and a subscriber - which rides out a lost connection -
     ended for good, though the store was open. Now: a lost connection, transient; the command
     was not run (``outcome_unknown`` False, and nothing of it was written); the subscriber goes
-    on; the store too."""
-    async with open_store(pg_url) as store:
+    on; the store too. (``min_pool_size=0``: the pool restores no floor of connections in the
+    background after the lost one - whose set-up could meet the failure meant for a call.)"""
+    async with open_store(pg_url, min_pool_size=0) as store:
         backend = _backend(store)
         rp = await make_provider(store, VCPU=8)
         failing = _fail_set_up(monkeypatch, lambda: asyncpg.InterfaceError("connection is closed"))
