@@ -112,7 +112,7 @@ async def test_close_during_an_open_waiting_for_the_lock_returns_at_once(tmp_pat
         await asyncio.wait_for(store.close(), 20)
         assert time.monotonic() - started < 10  # (busy_timeout: 30 s)
         with pytest.raises(StoreClosed):
-            await asyncio.wait_for(opening, 5)
+            await asyncio.wait_for(opening, 10)
     finally:
         _release(holder)
 
@@ -139,7 +139,7 @@ async def test_closing_answers_the_commands_still_waited_for_and_drops_the_given
     finally:
         _release(holder)
     await asyncio.wait_for(closing, 20)
-    await asyncio.wait_for(asyncio.gather(*waited), 5)  # (each committed: no error)
+    await asyncio.wait_for(asyncio.gather(*waited), 10)  # (each committed: no error)
     assert given_up.cancelled()
     async with open_store(f"sqlite:///{path}") as store:
         assert await store.head() == 2 + 3

@@ -287,7 +287,7 @@ async def test_a_subscriber_cancelled_just_as_an_append_wakes_it_stops(store: Al
         await asyncio.sleep(0.02)  # now waiting for the next append
         store._wake_subscribers()  # the wake-up of a commit...
         task.cancel()  # ...and the cancellation, in the same iteration
-        done, _ = await asyncio.wait({task}, timeout=2)
+        done, _ = await asyncio.wait({task}, timeout=10)  # (a hang guard: it followed forever)
         assert task in done and task.cancelled(), "the subscriber went on after being cancelled"
         positions.clear()
 
@@ -758,7 +758,7 @@ async def test_a_cancelled_writer_task_fails_commands_instead_of_hanging(store_u
         writer.cancel()
         await asyncio.wait([writer])
         with pytest.raises(StoreClosed, match="writer task was cancelled"):
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(10):
                 await store.rename_provider(rp, "renamed")
     # (the async with closed it without an error)
 
@@ -793,7 +793,7 @@ async def test_close_ends_a_waiting_subscriber_at_once(sqlite_url: str) -> None:
         follower = asyncio.create_task(follow())
         await asyncio.sleep(0.2)
     with pytest.raises(StoreClosed):
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(10):
             await follower
 
 

@@ -37,9 +37,14 @@ async def test_close_while_open_runs_leaves_no_connection_open(tmp_path: Path, d
     for _ in range(delay):
         await asyncio.sleep(0)
     await asyncio.gather(opening, store.close(), return_exceptions=True)
-    await asyncio.sleep(0.2)  # (a worker thread ends just after its connection closes)
     backend = store.backend
     assert backend._writer is None and backend._reader is None, "close() left connections open"  # type: ignore[attr-defined]
+    # (a worker thread ends just after its connection closes - on a loaded machine, some time
+    # after: waited for, up to 10 s; before the fix they never ended)
+    for _ in range(200):
+        if _sqlite_workers() <= before:
+            break
+        await asyncio.sleep(0.05)
     assert _sqlite_workers() <= before, "aiosqlite worker threads outlived close()"
     with pytest.raises(StoreClosed):
         await store.head()

@@ -1205,7 +1205,7 @@ async def test_commands_go_on_while_the_fence_waits_for_a_stuck_client(pg_url: s
             await asyncio.sleep(0.5)  # (the fence is being waited for)
             assert not waiting.done()
             for _ in range(5):  # before the fix: each of these hung until the stuck client left
-                await asyncio.wait_for(allocate(store, new_uuid(), {rp: {"VCPU": 1}}), timeout=5)
+                await asyncio.wait_for(allocate(store, new_uuid(), {rp: {"VCPU": 1}}), timeout=10)
             assert not waiting.done()
             await tr.rollback()
             await asyncio.wait_for(waiting, timeout=10)
@@ -1273,7 +1273,7 @@ async def test_a_command_waiting_for_another_process_holds_back_only_its_own_ent
             )
             await asyncio.sleep(0.2)
             for _ in range(3):  # queued alongside and after it, on other consumers of the same provider
-                await asyncio.wait_for(allocate(store, free, {rp: {"VCPU": 1}}), timeout=5)
+                await asyncio.wait_for(allocate(store, free, {rp: {"VCPU": 1}}), timeout=10)
                 free = new_uuid()
             assert not blocked.done() and not after_it.done()
             await tr.rollback()
@@ -2171,9 +2171,11 @@ async def test_a_timed_out_statement_fails_after_command_timeout_not_twice_that(
     """Regression (helper-74): asyncpg cancels a statement that ran out of command_timeout, and
     releasing its connection to the pool waited for that cancellation - up to command_timeout
     again. Where the server does not answer (a partition) every command and read failed after
-    twice the timeout the caller set. The connection is closed instead."""
+    twice the timeout the caller set. The connection is closed instead. (command_timeout 1.5 s and
+    a bound of 1.9 times it: the slack a loaded 2-core CI machine needs - 1.6 s with 1 s left it
+    0.6 s - while twice the timeout still fails it.)"""
     partition = _Partition(pg_url)
-    async with partition as relayed, open_store(relayed, command_timeout=1, connect_timeout=3) as store:
+    async with partition as relayed, open_store(relayed, command_timeout=1.5, connect_timeout=3) as store:
         rp = await make_provider(store, VCPU=100)
         await asyncio.gather(*(make_provider(store, VCPU=1) for _ in range(8)), store.head(), store.usage(rp))
         head = await store.head()
@@ -2190,9 +2192,9 @@ async def test_a_timed_out_statement_fails_after_command_timeout_not_twice_that(
             with pytest.raises(StorageError) as caught:
                 await call()
             took[name] = loop.time() - started
-            assert "within command_timeout (1 s)" in caught.value.message, caught.value.message
+            assert "within command_timeout (1.5 s)" in caught.value.message, caught.value.message
         partition.heal()
-        assert max(took.values()) < 1.6, f"failed after {took} with command_timeout=1"
+        assert max(took.values()) < 1.9 * 1.5, f"failed after {took} with command_timeout=1.5"
         assert await store.head() == head and (await store.allocations(consumer)).allocations == {}
         await allocate(store, consumer, {rp: {"VCPU": 2}})  # healed: the store works again
         assert (await store.audit()).clean
