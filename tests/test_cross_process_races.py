@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from evstore import AllocationStore, Inventory, open_store
-from tests.conftest import make_provider
+from tests.conftest import campaign_seed, make_provider
 
 PROCESSES = 4
 COMMANDS_PER_TASK = int(
@@ -144,7 +144,7 @@ async def make_race_providers(store: AllocationStore) -> None:
 async def test_processes_racing_on_shared_instances_agree_with_an_outside_fold(
     store_url: str, tmp_path: Path
 ) -> None:
-    seed = random.randrange(1 << 30)
+    seed = campaign_seed("cross-process-races")
     async with open_store(store_url) as store:
         await make_race_providers(store)
         setup_head = await store.head()

@@ -29,7 +29,7 @@ import pytest
 
 from evstore import Inventory, open_store
 from evstore.log.postgres import PROJECTION_TABLES
-from tests.conftest import allocate, make_provider, new_uuid
+from tests.conftest import allocate, campaign_seed, make_provider, new_uuid
 from tests.maintenance_race_worker import OPS
 from tests.test_cross_process_races import check_against_outside_fold, make_race_providers
 
@@ -63,7 +63,7 @@ async def _no_process_left() -> AsyncIterator[None]:
             await proc.wait()
 
 
-@pytest.mark.parametrize("seed", range(4) if SLOW else [random.randrange(1 << 30)])
+@pytest.mark.parametrize("seed", range(4) if SLOW else [campaign_seed("maintenance-writers")])
 async def test_maintenance_in_every_process_while_writers_race_loses_nothing(
     store_url: str, tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -150,7 +150,7 @@ async def _as_older_store(url: str) -> None:
             await store.backend.tamper(sql)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("seed", range(3) if SLOW else [random.randrange(1 << 30)])
+@pytest.mark.parametrize("seed", range(3) if SLOW else [campaign_seed("maintenance-readers")])
 async def test_an_older_store_opened_by_writers_upgraders_and_read_only_opens_at_once(
     store_url: str, tmp_path: Path, seed: int
 ) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from evstore import AllocationStore, EvstoreError, InvalidInput, Inventory, open_store
-from tests.conftest import make_provider
+from tests.conftest import campaign_seed, make_provider
 
 SECONDS = float(
     os.environ.get("EVSTORE_S38G_SECONDS", "30" if os.environ.get("EVSTORE_SLOW") == "1" else "3")
@@ -294,7 +294,7 @@ async def _campaign(
     queues = [ctx.Queue() for _ in specs]
     stop, go = ctx.Event(), ctx.Event()
     final, ready, written = ctx.Value("q", 0), ctx.Value("i", 0), ctx.Value("i", 0)
-    seed = random.randrange(1 << 30)
+    seed = campaign_seed("read-cursor-races")
     for i, spec in enumerate(specs):
         spec.update(index=i, seed=seed + i, url=url, out=str(tmp_path / f"child{i}.json"), start=start)
     procs = [

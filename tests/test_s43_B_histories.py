@@ -63,6 +63,7 @@ import pytest
 
 from evstore import AllocationStore, open_store
 from tests import s43_B_worker as worker
+from tests.conftest import campaign_seed
 
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
 
@@ -101,7 +102,7 @@ EVENT_TYPES = {
 
 
 def _seed() -> int:
-    return int(os.environ.get("EVSTORE_S43B_SEED") or random.randrange(1 << 30))
+    return int(os.environ.get("EVSTORE_S43B_SEED") or campaign_seed("s43-histories"))
 
 
 @dataclass
