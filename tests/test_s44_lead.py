@@ -8,6 +8,28 @@ from evstore import AllocationStore, StorageError, open_store
 from tests.conftest import make_provider, new_uuid
 
 
+def _set_up_failing(monkeypatch: pytest.MonkeyPatch, times: int) -> dict[str, int]:
+    """Makes the set-up of the next ``times`` new PostgreSQL connections (``failing["left"]``,
+    which a test may raise again) fail as asyncpg does on a session the server ended under it."""
+    import asyncpg
+
+    import evstore.log.postgres as pg
+
+    set_up = pg._init_connection
+    failing = {"left": times}
+
+    async def init(conn: object, search_path: str | None = None) -> str | None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise asyncpg.InternalClientError(
+                "cannot switch to state 15; another operation (2) is in progress"
+            )
+        return await set_up(conn, search_path)
+
+    monkeypatch.setattr(pg, "_init_connection", init)
+    return failing
+
+
 async def test_a_new_connection_the_server_ends_during_its_set_up_fails_cleanly(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -19,7 +41,6 @@ async def test_a_new_connection_the_server_ends_during_its_set_up_fails_cleanly(
     "Storage failure: InternalClientError(...)", without outcome_unknown, and a read the same.
     Nothing of the command was sent: it says it was not run (outcome_unknown False), that the
     connection was lost (transient), and the next command and read go on."""
-    import asyncpg
 
     import evstore.log.postgres as pg
 
@@ -29,18 +50,7 @@ async def test_a_new_connection_the_server_ends_during_its_set_up_fails_cleanly(
         backend = store.backend
         assert isinstance(backend, pg.PostgresBackend) and backend._pool is not None
         rp = await make_provider(store, VCPU=8)
-        set_up = pg._init_connection
-        failing = {"left": 0}
-
-        async def init(conn: object, search_path: str | None = None) -> str | None:
-            if failing["left"]:
-                failing["left"] -= 1
-                raise asyncpg.InternalClientError(
-                    "cannot switch to state 15; another operation (2) is in progress"
-                )
-            return await set_up(conn, search_path)
-
-        monkeypatch.setattr(pg, "_init_connection", init)
+        failing = _set_up_failing(monkeypatch, 0)
         body = {"project_id": "p", "user_id": "u", "consumer_type": "INSTANCE", "generation": None}
         consumer = new_uuid()
         head = await store.head()
@@ -108,22 +118,8 @@ async def test_an_open_whose_first_connection_the_server_ends_says_so(
     """The open's first connections meet what a burst's did (the test above): the server ends one
     before its set-up statement ran. The open fails as ``StorageError`` naming the store's URL and
     the lost session, not asyncpg's bare InternalClientError; the next open works."""
-    import asyncpg
 
-    import evstore.log.postgres as pg
-
-    set_up = pg._init_connection
-    failing = {"left": 1}
-
-    async def init(conn: object, search_path: str | None = None) -> str | None:
-        if failing["left"]:
-            failing["left"] -= 1
-            raise asyncpg.InternalClientError(
-                "cannot switch to state 15; another operation (2) is in progress"
-            )
-        return await set_up(conn, search_path)
-
-    monkeypatch.setattr(pg, "_init_connection", init)
+    _set_up_failing(monkeypatch, 1)
     with pytest.raises(StorageError) as failed:
         async with open_store(pg_url):
             pass
