@@ -491,8 +491,10 @@ def libpq_as_url(text: str) -> str | None:
         who = quote(user or "", safe="")
         netloc = f"{who}{':***' if password is not None else ''}@{netloc}"
     path = f"/{quote(dbname, safe='')}" if dbname else ""
-    query = f"?{urlencode(pairs, safe='/,')}" if pairs else ""
-    return f"postgresql://{netloc}{path}{query}"
+    # (sslpassword, the client key's passphrase, is a secret as the password is: named, not shown)
+    secret = "sslpassword=***" if pairs.pop("sslpassword", None) is not None else ""
+    query = "&".join(part for part in (urlencode(pairs, safe="/,"), secret) if part)
+    return f"postgresql://{netloc}{path}{'?' if query else ''}{query}"
 
 
 def _not_a_url(text: str, *, from_environment: bool = False) -> str:
@@ -512,7 +514,7 @@ def _not_a_url(text: str, *, from_environment: bool = False) -> str:
             f"{message}; this one cannot be written as one: a keyword libpq does not know, one given "
             "twice, or a quote left open"
         )
-    hint = " (put your password in place of ***, %-encoded)" if ":***@" in built else ""
+    hint = " (put your password in place of ***, %-encoded)" if "***" in built else ""
     return f"{message}; this one as a URL: {built}{hint}"
 
 

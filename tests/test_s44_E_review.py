@@ -1,0 +1,22 @@
+"""Stop 44, helper E: what reviewing the stop's changes (e364e6e..) found."""
+
+from __future__ import annotations
+
+import pytest
+
+from evstore import cli
+from evstore import errors as err
+
+
+def test_a_libpq_sslpassword_is_not_repeated_in_the_url_the_refusal_suggests() -> None:
+    """README: passwords never appear in error messages. A libpq keyword string given as --url is
+    answered with the URL to give (68ea835): its ``password`` was shown as ``***``, but its
+    ``sslpassword`` (the client key's passphrase) went into that URL's query as given."""
+    given = "host=db dbname=x sslpassword=SECRETpass sslkey=/k.pem"
+    with pytest.raises(err.InvalidInput) as refused:
+        cli.resolve_url(None, given)
+    message = str(refused.value)
+    assert "SECRETpass" not in message, message
+    assert "sslpassword=***" in message, message  # (still named: the URL asyncpg needs has it)
+    assert "postgresql://db/x?" in message, message
+    assert cli.libpq_as_url("host=db sslpassword='a b'") == "postgresql://db?sslpassword=***"
