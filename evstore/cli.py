@@ -481,6 +481,10 @@ def libpq_as_url(text: str) -> str | None:
         return None
     user, password = pairs.pop("user", None), pairs.pop("password", None)
     host, port, dbname = pairs.get("host"), pairs.get("port"), pairs.pop("dbname", None)
+    if dbname is not None and ("=" in dbname or dbname.startswith(("postgresql://", "postgres://"))):
+        # (libpq reads such a dbname as a connection string of its own, which may hold a password:
+        # not one URL's database name, and not to be repeated)
+        return None
     netloc = ""
     if host and "/" not in host and "," not in host:
         del pairs["host"]

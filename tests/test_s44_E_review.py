@@ -20,3 +20,19 @@ def test_a_libpq_sslpassword_is_not_repeated_in_the_url_the_refusal_suggests() -
     assert "sslpassword=***" in message, message  # (still named: the URL asyncpg needs has it)
     assert "postgresql://db/x?" in message, message
     assert cli.libpq_as_url("host=db sslpassword='a b'") == "postgresql://db?sslpassword=***"
+
+
+@pytest.mark.parametrize(
+    "given",
+    ["host=h dbname='user=u password=SECRETpass'", "host=h dbname=postgresql://u:SECRETpass@h/db"],
+)
+def test_a_libpq_dbname_that_is_a_connection_string_is_not_repeated(given: str) -> None:
+    """libpq reads a ``dbname`` holding ``=`` or a URL as a connection string of its own (its
+    "expand_dbname"), password and all: the URL the refusal suggested put it in its path,
+    %-encoded but legible (``/user%3Du%20password%3DSECRETpass``). It is not one URL's database
+    name: the refusal says the string cannot be written as one, and repeats nothing of it."""
+    with pytest.raises(err.InvalidInput) as refused:
+        cli.resolve_url(None, given)
+    message = str(refused.value)
+    assert "SECRETpass" not in message, message
+    assert "cannot be written as one" in message, message
