@@ -173,9 +173,14 @@ class WrongEventLoop(EvstoreError):
 #: a URL's userinfo password: everything from the user's ":" to the last "@" (group 2)
 _USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):(.*)@")
 #: (libpq escapes a quote or a backslash in a quoted value, a space in a bare one, with a backslash:
-#: the value goes on past them; a quote never closed hides the rest of the text)
+#: the value goes on past them; a quote never closed hides the rest of the text). A URL query's
+#: parameter (after "?" or "&") ends at the next "&"; a keyword string's bare value does not - "&"
+#: is one of its characters (``password=ab&cd``: the password is ``ab&cd``)
+_QUERY_PASSWORD = re.compile(
+    r"(?i)(?<=[?&])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^&\s\\]|\\.?)*)"
+)
 _KEYWORD_PASSWORD = re.compile(
-    r"(?i)\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^&\s\\]|\\.?)*)"
+    r"(?i)(?<![?&])\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^\s\\]|\\.?)*)"
 )
 
 
@@ -190,7 +195,7 @@ def url_secrets(url: str) -> list[str]:
     """The passwords in a store URL (or libpq keyword string), as :func:`redact_url` finds them,
     and as a URL parser does (an "@" later in the URL widens the former)."""
     found = [m.group(2) for m in _USERINFO_PASSWORD.finditer(url)]
-    found += [m.group(2).strip("'") for m in _KEYWORD_PASSWORD.finditer(url)]
+    found += [m.group(2).strip("'") for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
     try:
         found.append(urlsplit(url).password or "")
     except ValueError:  # (no URL a parser takes: the patterns above are all there is)
@@ -202,7 +207,7 @@ def _secret_spans(url: str) -> list[tuple[int, int]]:
     """Where in ``url`` its passwords are written (as :func:`redact_url` finds them: they cover
     what a URL parser takes for the password)."""
     spans = [m.span(2) for m in _USERINFO_PASSWORD.finditer(url)]
-    spans += [m.span(2) for m in _KEYWORD_PASSWORD.finditer(url)]
+    spans += [m.span(2) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
     return [(start, end) for start, end in spans if end > start]
 
 
@@ -269,4 +274,5 @@ def redact_url(url: str) -> str:
     hidden, wherever it is written (``user:secret@``, ``?password=``, ``password=...``), also in
     text no URL parser accepts (a password with an unencoded ``/`` or ``@``). Hides more than the
     password in odd cases (up to the last ``@``), never less."""
-    return _KEYWORD_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1:***@", url))
+    hidden = _QUERY_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1:***@", url))
+    return _KEYWORD_PASSWORD.sub(r"\1***", hidden)

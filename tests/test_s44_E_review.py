@@ -36,3 +36,29 @@ def test_a_libpq_dbname_that_is_a_connection_string_is_not_repeated(given: str) 
     message = str(refused.value)
     assert "SECRETpass" not in message, message
     assert "cannot be written as one" in message, message
+
+
+def test_a_libpq_bare_password_holding_an_ampersand_is_hidden_whole() -> None:
+    """README: passwords never appear in error messages. In a libpq keyword string ``&`` is a
+    character of a bare value (``password=ab&SECRET``: that whole is the password); the redaction
+    stopped there, as it does in a URL's query, and ``open_store``'s 'Unsupported store URL'
+    showed ``password=***&SECRET``. A URL query's parameter still ends at its ``&``."""
+    assert err.redact_url("host=x password=ab&SECRETpass dbname=y") == "host=x password=*** dbname=y"
+    given = "host=x password=ab&SECRETpass dbname=y"
+    assert "SECRETpass" not in err.redact_text(f"server said: bad 'ab&SECRETpass' in {given}", given)
+    query = "postgresql://u@h/db?password=ab&sslmode=require&sslpassword=cd&x=1"
+    assert err.redact_url(query) == "postgresql://u@h/db?password=***&sslmode=require&sslpassword=***&x=1"
+
+
+def test_open_store_given_a_libpq_password_with_an_ampersand_hides_it() -> None:
+    import asyncio
+
+    from evstore.store import open_store
+
+    async def given(url: str) -> None:
+        async with open_store(url):
+            pass
+
+    with pytest.raises(err.InvalidInput) as refused:
+        asyncio.run(given("host=x password=ab&SECRETpass dbname=y"))
+    assert "SECRETpass" not in str(refused.value), str(refused.value)
