@@ -1005,11 +1005,14 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
 class _CommitFailed(Exception):
     """The COMMIT of a batch failed with ``error`` (not busy): whether it committed is unknown - a
     failed write or sync of the log's last frame can leave the commit in the -wal file, which the
-    next open's recovery finds (see :func:`_commit_failed_error`)."""
+    next open's recovery finds (see :func:`_commit_failed_error`). ``outcomes``: each job's, as
+    the batch decided them (set by :func:`run_batch`): a refused job wrote nothing, whatever
+    became of the COMMIT, so it keeps its refusal; only the accepted ones' outcome is unknown."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(error)
         self.error = error
+        self.outcomes: list[Outcome] | None = None
 
 
 def _commit(conn: sqlite3.Connection) -> None:
@@ -1076,6 +1079,11 @@ def run_batch(
             try:
                 outcomes.append(_process(conn, tail, job, cache))
             except err.EvstoreError as exc:
+                if isinstance(exc, err.StorageError):
+                    # (a damaged projection row, a damaged receipt: found before the job wrote
+                    # anything - see _process -, so nothing of it is written, as for any error
+                    # before a COMMIT)
+                    exc.details.setdefault("outcome_unknown", False)
                 outcomes.append(exc)
             if not conn.in_transaction:
                 # SQLite rolls a transaction back itself on some errors (SQLITE_FULL, SQLITE_IOERR,
@@ -1101,7 +1109,13 @@ def run_batch(
                 "damaged (`evstore audit` says where; `evstore rebuild` refolds it from the log)"
             ) from None
         cache.check_file()
-        _commit(conn)
+        try:
+            _commit(conn)
+        except _CommitFailed as failed:
+            # (each job's outcome goes with it: see _batch_error. And no longer this frame's,
+            # which the rejections' tracebacks hold: see the end of this function)
+            failed.outcomes, outcomes = outcomes, []
+            raise
         cache.head_seen = tail.position
     except BaseException:
         cache.forget()  # (it holds what was rolled back)
@@ -1595,7 +1609,10 @@ class SqliteBackend:
                     between,
                 )
             except Exception as exc:
-                raise _batch_error(exc, jobs) from None
+                failed = _batch_error(exc, jobs)
+                if isinstance(failed, list):
+                    return failed
+                raise failed from None
 
         return await _on_thread(self._writer, run)
 
@@ -2365,13 +2382,18 @@ def _import_commit_failed(exc: BaseException) -> err.StorageError:
     )
 
 
-def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception:
+def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception | list[Outcome]:
     """What each caller of a batch that failed whole hears: evstore's own errors as they are (a
     busy lock, the store closed, a file replaced, a damaged projection: each says what became of
     the command); SQLite's and the other failures of storage typed (:func:`_unexpected_error`),
     saying whether the command may have committed - ``outcome_unknown`` True only when its COMMIT
     failed (:class:`_CommitFailed`), False when it failed before: the batch was rolled back. Any
-    other exception is a bug, left to the store, which says its outcome is unknown."""
+    other exception is a bug, left to the store, which says its outcome is unknown.
+
+    A batch whose COMMIT failed answers each job its own outcome (a list): the jobs refused by
+    an invariant, or not run, wrote nothing, whatever became of the COMMIT, and keep their
+    refusal; each accepted job (a replayed receipt too: its key's row may be this batch's own)
+    hears that it may have been committed."""
     if isinstance(exc, err.StorageError):
         # (raised before the COMMIT - a COMMIT's failure comes as _CommitFailed - so rolled back:
         # a damaged projection, a log that lost its tail, a file that would not switch to WAL)
@@ -2382,7 +2404,14 @@ def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception:
     ):
         return exc
     if isinstance(exc, _CommitFailed):
-        return _commit_failed_error(exc.error, jobs)
+        outcomes, exc.outcomes = exc.outcomes, None
+        if outcomes is None or len(outcomes) != len(jobs):
+            return _commit_failed_error(exc.error, jobs)
+        accepted = [job for job, outcome in zip(jobs, outcomes, strict=True) if isinstance(outcome, Receipt)]
+        if not accepted:
+            return outcomes
+        unknown = _commit_failed_error(exc.error, accepted)
+        return [unknown if isinstance(outcome, Receipt) else outcome for outcome in outcomes]
     if isinstance(exc, BatchAborted):
         failed = err.StorageError(
             f"This command's group commit was rolled back whole, nothing of it written: {exc}; retry it (if "
