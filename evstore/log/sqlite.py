@@ -1183,11 +1183,23 @@ def _check_keyword_options(options: dict[str, Any]) -> None:
         validate_flag_option(options.get(name, False), name)
     timeout = options.get("busy_timeout", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise err.InvalidInput(
-            f"busy_timeout must be a number of seconds from 0 to 86400, got {shown(timeout, 40)}",
-            field="busy_timeout",
-        )
+        raise _bad_busy_timeout(timeout)
     _sync_mode(options.get("synchronous", "FULL"))
+
+
+def _bad_busy_timeout(given: object) -> err.InvalidInput:
+    """The refusal of a ``busy_timeout`` that is no duration SQLite can wait."""
+    return err.InvalidInput(
+        "busy_timeout must be a number of seconds: 0 (do not wait for another connection's lock) or from "
+        "0.001 (SQLite waits whole milliseconds: less would be 0, no wait) to 86400, "
+        f"got {shown(given, 40)}",
+        field="busy_timeout",
+    )
+
+
+def _busy_timeout_ok(seconds: float) -> bool:
+    """0, or a millisecond to a day (nan and inf refused: see :func:`_bad_busy_timeout`)."""
+    return seconds == 0 or 0.001 <= seconds <= 86_400
 
 
 def _sync_mode(value: object) -> str:
@@ -1209,11 +1221,8 @@ def _option_from_url(name: str, text: str) -> Any:
             seconds = float(text)
         except ValueError:
             seconds = math.nan
-        if not 0 <= seconds <= 86_400:  # (here too: a keyword may replace it, unchecked below)
-            raise err.InvalidInput(
-                f"busy_timeout must be a number of seconds from 0 to 86400, got {shown(text, 40)}",
-                field="busy_timeout",
-            )
+        if not _busy_timeout_ok(seconds):  # (here too: a keyword may replace it, unchecked below)
+            raise _bad_busy_timeout(text)
         return seconds
     if name in ("create", "upgrade"):
         return flag_option_from_url(text, name)
@@ -1246,11 +1255,8 @@ class SqliteBackend:
         self._parent_dir = os.path.dirname(os.path.abspath(path))
         self.synchronous = _sync_mode(chosen.get("synchronous", "FULL"))
         busy_timeout = float(chosen.get("busy_timeout", 30.0))
-        if not 0 <= busy_timeout <= 86_400:  # (also refuses nan and inf)
-            raise err.InvalidInput(
-                f"busy_timeout must be a number of seconds from 0 to 86400, got {shown(busy_timeout, 40)}",
-                field="busy_timeout",
-            )
+        if not _busy_timeout_ok(busy_timeout):  # (also refuses nan and inf)
+            raise _bad_busy_timeout(busy_timeout)
         self.busy_timeout_ms = int(busy_timeout * 1000)
         #: seconds: how long a transaction waits for another connection's write lock, in all
         self.busy_timeout = busy_timeout
