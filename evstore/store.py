@@ -1059,6 +1059,20 @@ async def _fold_instance_tombstone(backend: Backend, state: State, consumer: str
         state.consumers[instance] = apart.consumers[instance]
 
 
+class Rebuilt(int):
+    """What :meth:`AllocationStore.rebuild` answers: the number of events it folded (an ``int``,
+    as it always was), and ``snapshots_dropped``, the time-travel snapshots it dropped - those its
+    own transaction deleted on SQLite, also any a question answered while it folded saved on its
+    way; on PostgreSQL those there when it began."""
+
+    snapshots_dropped: int
+
+    def __new__(cls, events: int, snapshots_dropped: int) -> Rebuilt:
+        made = super().__new__(cls, events)
+        made.snapshots_dropped = snapshots_dropped
+        return made  # (shown, as str() and repr(), and written to JSON as the int it is)
+
+
 class AllocationStore:
     """Providers, inventories, consumers and their allocations, kept as an event log.
 
@@ -2356,9 +2370,10 @@ class AllocationStore:
         *,
         full: bool = False,
         force: bool = False,
-    ) -> int:
+    ) -> Rebuilt:
         """Refold the persisted projection from the log and make it equal the fold; returns the
-        events folded.
+        events folded, a :class:`Rebuilt` (an ``int``) whose ``snapshots_dropped`` says how many
+        time-travel snapshots it dropped.
 
         Refused (``CorruptEvent``, reason ``log_truncated``) when the projection records changes
         by events the log no longer holds - the audit's ``log_truncated`` finding: the log lost
@@ -2381,6 +2396,8 @@ class AllocationStore:
         _check_progress(progress, "progress(events_folded, head)")
         if not force and (lost := await self._backend.lost_tail()) is not None:
             raise err.CorruptEvent(lost.message(), **lost.details())
+        # (a backend that does not count what its rebuild dropped: those there as it begins)
+        before = len(await self.snapshot_positions())
         try:
             folded = await self._backend.rebuild(_batch(batch_size), progress, full=full)
         except OverflowError:
@@ -2391,7 +2408,9 @@ class AllocationStore:
                 "names the event",
                 reason="invalid_value",
             ) from None
-        return folded  # (the backend dropped the snapshots in the rebuild's own transaction)
+        # (the backend dropped the snapshots in the rebuild's own transaction)
+        dropped = getattr(folded, "snapshots_dropped", None)
+        return Rebuilt(folded, before if dropped is None else dropped)
 
     async def replay(self, to_position: int | None = None, *, at: datetime | None = None) -> State:
         """The state folded from the log from its first event, up to ``to_position`` or to the

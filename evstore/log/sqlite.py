@@ -3774,6 +3774,18 @@ def _repair_index_definitions(conn: sqlite3.Connection) -> None:
             conn.execute(create)
 
 
+class _Rebuilt(int):
+    """The events a rebuild folded, and the time-travel snapshots it dropped (see
+    ``AllocationStore.rebuild``)."""
+
+    snapshots_dropped: int
+
+    def __new__(cls, events: int, snapshots_dropped: int) -> _Rebuilt:
+        made = super().__new__(cls, events)
+        made.snapshots_dropped = snapshots_dropped
+        return made
+
+
 def _rebuild(
     conn: sqlite3.Connection,
     folded: State,
@@ -3812,11 +3824,15 @@ def _rebuild(
         # The time-travel snapshots go with the projection they were folded beside, in this
         # transaction: dropped in one of their own after it, a crash between the two kept the
         # snapshots of an older fold (an evstore since fixed) that the rebuild was run to forget.
+        # (counted here, what this transaction drops: not before the rebuild, when a question
+        # answered meanwhile - here or in another process - had still to save some on its way;
+        # the tombstone segments, at minus their snapshot's position, are not counted)
+        dropped = conn.execute("DELETE FROM snapshots WHERE position > 0").rowcount
         conn.execute("DELETE FROM snapshots")
         conn.execute("DELETE FROM provider_snapshots")
         count = int(conn.execute("SELECT count(*) FROM events").fetchone()[0])  # == head unless tampered
         conn.execute("COMMIT")
-        return count
+        return _Rebuilt(count, max(dropped, 0))
     except BaseException:
         _rollback(conn)
         raise
