@@ -2901,7 +2901,8 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         if self._entered:
             raise err.InvalidInput(
                 "this open_store(...) is in use by an `async with` that has not ended: call open_store "
-                "again for another store"
+                "again for another store",
+                field="open_store",
             )
         self._entered = True
         try:
@@ -2921,7 +2922,7 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
         return self._open().__await__()
 
     def __enter__(self) -> AllocationStore:
-        raise err.InvalidInput(_NOT_SYNC)
+        raise err.InvalidInput(_NOT_SYNC, field="open_store")
 
     def __exit__(self, *exc: object) -> None:  # (never entered: __enter__ raises)
         return None
