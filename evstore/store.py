@@ -1445,6 +1445,10 @@ class AllocationStore:
             outcomes = [exc] * len(batch)
         appended = False
         for (job, fut), outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, err.ProjectionCorrupt):
+                # (met reading or writing the projection inside the command's transaction, before
+                # its COMMIT, on every backend: rolled back, nothing of it written)
+                outcome.details.setdefault("outcome_unknown", False)
             if isinstance(outcome, Receipt):
                 appended = appended or bool(outcome.positions)
                 if not fut.done():

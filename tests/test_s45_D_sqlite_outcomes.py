@@ -93,3 +93,17 @@ async def test_a_job_refused_for_a_damaged_projection_row_says_nothing_was_writt
         assert await store.head() == head + 1
         with pytest.raises(StorageError):  # (still damaged: a lone command too)
             await _claim(store, rp)
+
+
+async def test_a_command_refused_for_a_damaged_projection_row_says_so_on_postgres_too(pg_url: str) -> None:
+    """The same on PostgreSQL: a ``ProjectionCorrupt`` is met reading the projection, inside the
+    command's transaction and before its COMMIT (rolled back: nothing of it written), and said no
+    ``outcome_unknown`` at all. The store now says False for every command's ``ProjectionCorrupt``."""
+    async with open_store(pg_url) as store:
+        rp = await make_provider(store, VCPU=100)
+        head = await store.head()
+        await store.backend.tamper("UPDATE p_providers SET usages = '[1]' WHERE uuid = ?", (rp,))  # type: ignore[attr-defined]
+        with pytest.raises(ProjectionCorrupt) as caught:
+            await _claim(store, rp)
+        assert caught.value.details.get("outcome_unknown") is False, caught.value.details
+        assert await store.head() == head
