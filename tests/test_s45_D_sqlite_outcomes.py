@@ -107,3 +107,29 @@ async def test_a_command_refused_for_a_damaged_projection_row_says_so_on_postgre
             await _claim(store, rp)
         assert caught.value.details.get("outcome_unknown") is False, caught.value.details
         assert await store.head() == head
+
+
+async def test_a_batch_through_run_jobs_whose_commit_failed_answers_each_job(tmp_path: Path) -> None:
+    """The backend's other path, a whole batch per ``run_jobs`` (the store's generic writer):
+    the refused job keeps its refusal, the accepted one hears outcome unknown."""
+    from evstore.commands import ConsumerWrite, WriteAllocations, needs
+    from evstore.log import Job
+
+    def job(rp: str, generation: int | None) -> Job:
+        write = ConsumerWrite(new_uuid(), {rp: {"VCPU": 1}}, "p", "u", "INSTANCE", generation)
+        command = WriteAllocations((write,))
+        return Job(command, {}, "{}", needs(command))
+
+    async with open_store(f"sqlite:///{tmp_path}/s.db") as store:
+        rp = await make_provider(store, VCPU=100)
+        head = await store.head()
+        writer, _ = await _wrap(store)
+        writer.fail("^COMMIT", "disk_io")
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        refused, accepted = await backend.run_jobs([job(rp, 3), job(rp, None)])
+        assert isinstance(refused, ConcurrentUpdate), repr(refused)
+        assert isinstance(accepted, StorageError), repr(accepted)
+        assert accepted.details["outcome_unknown"] is True, accepted.details
+        assert "look at the log" in accepted.message  # (it had no key: the advice is the accepted job's)
+        assert await store.head() == head
