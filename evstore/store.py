@@ -2882,6 +2882,7 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
 
     async def _open(self) -> AllocationStore:
         options = dict(self._options)
+        given = "snapshot_every" in options  # (None too: refused below, as every other option's)
         snapshot_every = options.pop("snapshot_every", None)
         store_options = {k: options.pop(k) for k in ("max_batch", "poll_interval") if k in options}
         module = _BACKEND_MODULES.get(str(self._url).split(":", 1)[0])
@@ -2892,7 +2893,7 @@ class StoreOpener(contextlib.AbstractAsyncContextManager[AllocationStore]):
             with contextlib.suppress(ImportError):
                 await asyncio.to_thread(importlib.import_module, module)
         store = AllocationStore(make_backend(self._url, **options), **store_options)
-        if snapshot_every is not None:
+        if given:
             # (a snapshot is taken at each position that is a multiple of it: one beyond the
             # largest position the log holds, 2**63-1, would mean "never")
             store.snapshot_every = snapshot_every
