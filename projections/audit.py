@@ -32,7 +32,14 @@ from evstore.events import (
     without_advice,
 )
 from projections.gcpause import gc_paused
-from projections.invariants import DELETED_REASON, clear_leak, find_leaks, format_amount, over_capacity
+from projections.invariants import (
+    DELETED_REASON,
+    clear_leak,
+    find_leaks,
+    format_amount,
+    impossible_event,
+    over_capacity,
+)
 from projections.persisted import project_usage_totals
 from projections.replay import Turns
 from projections.state import FOLDS, ConsumerState, State, dismantle
@@ -247,6 +254,27 @@ class _Replay:
                     {"reason": "invalid_value"},
                 )
             )
+        if (
+            self.checked
+            and row.type in _MAY_BE_IMPOSSIBLE
+            and (impossible := impossible_event(self.state, row.type, payload)) is not None
+        ):
+            # (what an import refuses, in a log an older evstore imported: the same words)
+            self.report.findings.append(
+                Finding(
+                    "integrity",
+                    f"{row.type} at position {row.position} sets what no evstore command writes: "
+                    f"{impossible.what} (rule {impossible.rule}; a damaged or imported log: every fold "
+                    "takes it as it is)",
+                    (row.position,),
+                    {
+                        "reason": "invalid_value",
+                        "rule": impossible.rule,
+                        "event_type": row.type,
+                        **impossible.details,
+                    },
+                )
+            )
         if self.checked and row.type in _NAMES_A_PROVIDER and payload.provider not in self.state.providers:
             self.report.findings.append(
                 Finding(
@@ -346,6 +374,9 @@ _ROW_TYPES = (
     ("recorded_at", str),
     ("hash", str),
 )
+
+#: event types that may set what no command writes (see projections.invariants.impossible_event)
+_MAY_BE_IMPOSSIBLE = frozenset({"InventoriesReplaced", "ProviderCreated"})
 
 #: event types whose fold needs the provider they name to exist
 _NAMES_A_PROVIDER = frozenset({"InventoriesReplaced", "ProviderUpdated"})

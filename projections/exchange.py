@@ -19,6 +19,7 @@ from typing import Any
 from evstore.errors import CorruptEvent, InvalidInput, shown
 from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event, describe_error
 from evstore.schema import CANONICAL_UUID
+from projections.invariants import impossible_event
 from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
@@ -261,6 +262,18 @@ class ChainCheck:
                     line,
                     position=row.position,
                     reason="invalid_value",
+                )
+            if (found := impossible_event(self.state, row.type, event)) is not None:
+                # (every command refuses it: a log that was valid where it was written holds none)
+                raise _corrupt(
+                    f"the {row.type} event at position {row.position} sets what no evstore command "
+                    f"writes: {found.what} (rule {found.rule}); nothing was imported",
+                    line,
+                    position=row.position,
+                    reason="invalid_value",
+                    rule=found.rule,
+                    event_type=row.type,
+                    **found.details,
                 )
             self._fold(event, row.position, line)
         self.last_time = recorded

@@ -102,3 +102,72 @@ def allocation_fits(capacity: float, used_after: int, prev_used: int | None) -> 
     if capacity >= used_after:
         return True
     return prev_used is not None and used_after <= prev_used
+
+
+@dataclass(frozen=True, slots=True)
+class Impossible:
+    """What an event sets that every command refuses to write (see :func:`impossible_event`)."""
+
+    #: a stable name of the rule broken: ``reserved_above_total``, ``min_unit_above_max_unit``,
+    #: ``own_parent``, ``parent_cycle`` (``inventory_invalid`` for another of
+    #: ``Inventory.problems``, should it name more)
+    rule: str
+    #: what is wrong, for a message (``inventory VCPU of provider P: reserved (5) is greater...``)
+    what: str
+    details: dict[str, object]
+
+
+def impossible_event(state: State, event_type: str, fields: object) -> Impossible | None:
+    """What the event (``fields``: the decoded payload, read as attributes) sets that no command
+    writes, in ``state`` as folded up to the event before it, or ``None``.
+
+    A command refuses each of these: an inventory ``Inventory.problems`` names (reserved above
+    total, min_unit above max_unit: ``InvalidInventoryValue``), a provider created as its own
+    parent, or under a parent whose own parents lead back to it (a command's parent must exist,
+    so no tree it builds has a cycle). An import refuses a log holding one (a log that was valid
+    where it was written holds none) and the audit reports it. Not here: what a command accepts
+    (a step_size that no amount between min_unit and max_unit meets; Placement accepts it too),
+    and what only the events around it make wrong (allocations on a provider absent there, a
+    parent created after its child): an older, Placement-style writer's log holds those, and
+    every fold takes them."""
+    if event_type == "InventoriesReplaced":
+        provider = getattr(fields, "provider", None)
+        for rc, inv in getattr(fields, "inventories", {}).items():
+            problems = inv.problems()
+            if not problems:
+                continue
+            if inv.reserved > inv.total:
+                rule = "reserved_above_total"
+            elif inv.min_unit > inv.max_unit:
+                rule = "min_unit_above_max_unit"
+            else:  # pragma: no cover - (Inventory.problems names no other)
+                rule = "inventory_invalid"
+            return Impossible(
+                rule,
+                f"inventory {rc} of provider {provider}: {'; '.join(problems)}",
+                {"provider": provider, "resource_class": rc},
+            )
+        return None
+    if event_type == "ProviderCreated":
+        provider, parent = getattr(fields, "provider", None), getattr(fields, "parent", None)
+        if parent is None:
+            return None
+        if parent == provider:
+            return Impossible(
+                "own_parent", f"provider {provider} is created as its own parent", {"provider": provider}
+            )
+        chain: list[str] = [str(provider), str(parent)]
+        at = state.providers.get(parent)
+        while at is not None and at.parent is not None and at.parent not in chain:
+            chain.append(at.parent)
+            at = state.providers.get(at.parent)
+        if at is not None and at.parent == provider:
+            more = " ..." if len(chain) > 10 else ""
+            return Impossible(
+                "parent_cycle",
+                f"provider {provider} is created under {parent}, whose parents lead back to it "
+                f"(a parent cycle: {' -> '.join([*chain[:10], str(provider)])}{more})",
+                {"provider": provider, "parent": parent},
+            )
+        return None
+    return None
