@@ -671,8 +671,9 @@ def usage_not_held(state: State) -> list[Finding]:
     """Providers whose usage is not the sum of the allocations held on them (SPEC: usage *is* that
     sum). Only a damaged or imported log gets there: a provider deleted while consumers held
     allocations on it and created again starts counting from nothing, so what they still hold is
-    counted nowhere, a release of it then drives the usage below zero, and commands decided
-    against that usage can put more on the provider than its capacity."""
+    counted nowhere, and commands decided against that usage can put more on the provider than
+    its capacity until it is released (the fold then keeps the count at 0, never below: see
+    ``projections.state._add_usage``)."""
     held: dict[str, dict[str, int]] = {}
     holders: dict[str, list[ConsumerState]] = {}
     providers = state.providers

@@ -204,15 +204,41 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
         used = json.loads(usages)
         if not isinstance(used, dict) or not all(type(v) is int for v in used.values()):
             raise ValueError("usages is not a mapping of amounts")
+        # A usage is a sum of allocations, none below 1: one below zero is no sum of them, and a
+        # command decided against it put more on the provider than its capacity (a full provider's
+        # usage edited to -4 took 4 more). (A stored 0 is not written, but harmless: left to the audit.)
+        if below := sorted(rc for rc, v in used.items() if v < 0):
+            raise _UsageBelowZero(
+                f"usage {', '.join(f'{rc} {used[rc]}' for rc in below)} is below zero, which no sum of "
+                "allocations is",
+                below,
+            )
         if type(generation) is not int or generation < 0:
             raise ValueError(f"generation {shown(generation, 40)} is not a count")
         return ProviderState(uuid, name, parent, root, generation, inventories_from_json(inventories), used)
+    except _UsageBelowZero as exc:
+        raise ProjectionCorrupt(
+            f"The projection row of provider {uuid} holds a {exc}: the projection is damaged "
+            "(`evstore rebuild` refolds it from the log), or the log's fold gives it (an imported "
+            "log whose provider, deleted and created again, never counted allocations released "
+            "since: `evstore audit` names them); no command is decided against it",
+            provider=uuid,
+            resource_classes=exc.classes,
+        ) from None
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise ProjectionCorrupt(
             f"The projection row of provider {uuid} cannot be read ({_first_line(exc)}): the "
             "projection is damaged; `evstore rebuild` refolds it from the log",
             provider=uuid,
         ) from None
+
+
+class _UsageBelowZero(ValueError):
+    """(A provider row's usage below zero: its own message, which names what may have caused it.)"""
+
+    def __init__(self, message: str, classes: list[str]) -> None:
+        super().__init__(message)
+        self.classes = classes
 
 
 def _first_line(exc: BaseException) -> str:

@@ -146,9 +146,14 @@ def _add_usage(providers: dict[str, ProviderState], allocs: Allocs, sign: int) -
         usages = prov.usages
         for rc, amount in resources.items():
             used = usages.get(rc, 0) + sign * amount
-            if used:
+            if used > 0:
                 usages[rc] = used
             else:
+                # (never below zero: a usage is a sum of allocations. Only a log no command wrote
+                # takes away what the provider never counted - allocations held before it was
+                # created, or created again: the audit's usage_not_held -, and a count of -1 let
+                # commands put capacity + 1 on it; 0 is again what is held there once they are
+                # released. A stored usage below zero is therefore damage: persisted refuses it.)
                 usages.pop(rc, None)
 
 
