@@ -34,6 +34,7 @@ from evstore.events import (
 from projections.gcpause import gc_paused
 from projections.invariants import (
     DELETED_REASON,
+    MAY_BE_IMPOSSIBLE,
     clear_leak,
     find_leaks,
     format_amount,
@@ -256,7 +257,7 @@ class _Replay:
             )
         if (
             self.checked
-            and row.type in _MAY_BE_IMPOSSIBLE
+            and row.type in MAY_BE_IMPOSSIBLE
             and (impossible := impossible_event(self.state, row.type, payload)) is not None
         ):
             # (what an import refuses, in a log an older evstore imported: the same words)
@@ -374,9 +375,6 @@ _ROW_TYPES = (
     ("recorded_at", str),
     ("hash", str),
 )
-
-#: event types that may set what no command writes (see projections.invariants.impossible_event)
-_MAY_BE_IMPOSSIBLE = frozenset({"InventoriesReplaced", "ProviderCreated"})
 
 #: event types whose fold needs the provider they name to exist
 _NAMES_A_PROVIDER = frozenset({"InventoriesReplaced", "ProviderUpdated"})

@@ -109,7 +109,7 @@ class Impossible:
     """What an event sets that every command refuses to write (see :func:`impossible_event`)."""
 
     #: a stable name of the rule broken: ``reserved_above_total``, ``min_unit_above_max_unit``,
-    #: ``own_parent``, ``parent_cycle`` (``inventory_invalid`` for another of
+    #: ``own_parent``, ``parent_cycle``, ``own_migration`` (``inventory_invalid`` for another of
     #: ``Inventory.problems``, should it name more)
     rule: str
     #: what is wrong, for a message (``inventory VCPU of provider P: reserved (5) is greater...``)
@@ -117,19 +117,41 @@ class Impossible:
     details: dict[str, object]
 
 
+#: event types naming a consumer and the instance it holds (or held) for: (consumer field, instance field)
+_HOLDS_FOR = {
+    "MigrationStarted": ("migration", "instance"),
+    "MigrationReverted": ("migration", "instance"),
+    "MigrationConfirmed": ("migration", "instance"),
+    "AllocationsReplaced": ("consumer", "on_behalf_of"),
+    "AllocationsReleased": ("consumer", "on_behalf_of"),
+    "ConsumerDeleted": ("consumer", "on_behalf_of"),
+}
+
+#: the event types :func:`impossible_event` looks at (the others: never anything)
+MAY_BE_IMPOSSIBLE = frozenset({"InventoriesReplaced", "ProviderCreated", *_HOLDS_FOR})
+
+
+def _own_migration(consumer: object) -> Impossible:
+    return Impossible(
+        "own_migration",
+        f"consumer {consumer} is its own migration (holds allocations on its own behalf)",
+        {"consumer": consumer},
+    )
+
+
 def impossible_event(state: State, event_type: str, fields: object) -> Impossible | None:
     """What the event (``fields``: the decoded payload, read as attributes) sets that no command
-    writes, in ``state`` as folded up to the event before it, or ``None``.
-
-    A command refuses each of these: an inventory ``Inventory.problems`` names (reserved above
-    total, min_unit above max_unit: ``InvalidInventoryValue``), a provider created as its own
-    parent, or under a parent whose own parents lead back to it (a command's parent must exist,
-    so no tree it builds has a cycle). An import refuses a log holding one (a log that was valid
-    where it was written holds none) and the audit reports it. Not here: what a command accepts
-    (a step_size that no amount between min_unit and max_unit meets; Placement accepts it too),
-    and what only the events around it make wrong (allocations on a provider absent there, a
-    parent created after its child): an older, Placement-style writer's log holds those, and
-    every fold takes them."""
+    writes, in ``state`` as folded up to the event before it, or ``None``. A command refuses
+    each of these: an inventory ``Inventory.problems`` names (reserved above total, min_unit
+    above max_unit: ``InvalidInventoryValue``), a provider created as its own parent, or under a
+    parent whose own parents lead back to it (a command's parent must exist, so no tree it
+    builds has a cycle), a consumer that is its own migration (``start_migration`` refuses an
+    instance that is its migration, and nothing else makes a consumer hold for one). An import
+    refuses a log holding one (a log that was valid where it was written holds none) and the
+    audit reports it. Not here: what a command accepts (a step_size that no amount between
+    min_unit and max_unit meets; Placement accepts it too), and what only the events around it
+    make wrong (allocations on a provider absent there, a parent created after its child): an
+    older, Placement-style writer's log holds those, and every fold takes them."""
     if event_type == "InventoriesReplaced":
         provider = getattr(fields, "provider", None)
         for rc, inv in getattr(fields, "inventories", {}).items():
@@ -147,6 +169,15 @@ def impossible_event(state: State, event_type: str, fields: object) -> Impossibl
                 f"inventory {rc} of provider {provider}: {'; '.join(problems)}",
                 {"provider": provider, "resource_class": rc},
             )
+        return None
+    if event_type in _HOLDS_FOR:
+        consumer, instance = (getattr(fields, name, None) for name in _HOLDS_FOR[event_type])
+        if instance is not None and instance == consumer:
+            return _own_migration(consumer)
+        if event_type == "ConsumerDeleted" and consumer in (
+            getattr(fields, "migrations_released", None) or ()
+        ):
+            return _own_migration(consumer)
         return None
     if event_type == "ProviderCreated":
         provider, parent = getattr(fields, "provider", None), getattr(fields, "parent", None)

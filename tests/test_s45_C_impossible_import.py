@@ -1,13 +1,14 @@
 """Stop 45, helper C: ``import`` accepted a log whose events set what no command writes - an
 inventory with reserved above total or min_unit above max_unit, a provider parented to itself or
-closing a parent cycle - and folded it: a provider of capacity -1 whose class then refuses every
-allocation, or a tree no walk up from a provider ever leaves. Every command refuses these (an
-inventory's ``InvalidInventoryValue``, create_provider's own-parent refusal, a parent that must
-exist); an import replays a log that was valid where it was written, so a log holding one was not:
-the import refuses it whole, ``evstore.log.corrupt`` with ``reason`` ``invalid_value`` (as for
-the other values no command writes) and the broken ``rule``, naming the line, the position and
-the event type, nothing written. The audit reports the same of a log that already holds one (an
-older evstore imported it)."""
+closing a parent cycle, a consumer that is its own migration - and folded it: a provider of capacity
+-1 whose class then refuses every allocation, or a tree no walk up from a provider ever leaves.
+Every command refuses these (an inventory's ``InvalidInventoryValue``, create_provider's own-parent
+refusal, a parent that must exist, start_migration's "instance and migration must be different
+consumers"); an import replays a log that was valid where it was written, so a log holding one was
+not: the import refuses it whole, ``evstore.log.corrupt`` with ``reason`` ``invalid_value`` (as for
+the other values no command writes) and the broken ``rule``, naming the line, the position and the
+event type, nothing written. The audit reports the same of a log that already holds one (an older
+evstore imported it)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,32 @@ def _created(provider: str, parent: str | None = None, root: str | None = None) 
 def _inventory(**fields: Any) -> dict[str, Any]:
     inv = {"total": 8, "reserved": 0, "min_unit": 1, "max_unit": 8, "step_size": 1, "allocation_ratio": 1.0}
     return {"provider": A, "inventories": {"VCPU": {**inv, **fields}}, "generation": 1}
+
+
+def _held(consumer: str, allocations: dict[str, dict[str, int]]) -> dict[str, Any]:
+    return {
+        "consumer": consumer,
+        "allocations": allocations,
+        "previous": {},
+        "project_id": "p",
+        "user_id": "u",
+        "consumer_type": "INSTANCE",
+        "generation": 1,
+        "provider_generations": {},
+    }
+
+
+def _moved(instance: str, migration: str) -> dict[str, Any]:
+    return {
+        "instance": instance,
+        "migration": migration,
+        "allocations": {A: {"VCPU": 2}},
+        "project_id": "p",
+        "user_id": "u",
+        "instance_consumer_type": "INSTANCE",
+        "instance_generation": 1,
+        "provider_generations": {},
+    }
 
 
 def _lines(events: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -65,6 +92,44 @@ IMPOSSIBLE: dict[str, tuple[list[tuple[str, dict[str, Any]]], int, str, str, str
         "ProviderCreated",
         "own_parent",
         "its own parent",
+    ),
+    "a self-migration": (
+        [
+            ("ProviderCreated", _created(A)),
+            ("InventoriesReplaced", _inventory()),
+            ("AllocationsReplaced", _held(C, {A: {"VCPU": 2}})),
+            ("MigrationStarted", _moved(C, C)),
+        ],
+        4,
+        "MigrationStarted",
+        "own_migration",
+        f"consumer {C} is its own migration",
+    ),
+    "a delete releasing the consumer as its own migration": (
+        [
+            ("ProviderCreated", _created(A)),
+            ("InventoriesReplaced", _inventory()),
+            ("AllocationsReplaced", _held(C, {A: {"VCPU": 2}})),
+            (
+                "ConsumerDeleted",
+                {"consumer": C, "released": {}, "migrations_released": {C: {A: {"VCPU": 2}}}},
+            ),
+        ],
+        4,
+        "ConsumerDeleted",
+        "own_migration",
+        f"consumer {C} is its own migration",
+    ),
+    "a write holding for itself": (
+        [
+            ("ProviderCreated", _created(A)),
+            ("InventoriesReplaced", _inventory()),
+            ("AllocationsReplaced", {**_held(C, {A: {"VCPU": 2}}), "on_behalf_of": C}),
+        ],
+        3,
+        "AllocationsReplaced",
+        "own_migration",
+        f"consumer {C} is its own migration",
     ),
     "a parent cycle": (
         [
