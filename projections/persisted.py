@@ -215,6 +215,8 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
             )
         if type(generation) is not int or generation < 0:
             raise ValueError(f"generation {shown(generation, 40)} is not a count")
+        if generation > MAX_GENERATION:  # (the next command's bump: an event no import takes)
+            raise ValueError(f"generation {generation} is past the largest a log holds ({MAX_GENERATION})")
         return ProviderState(uuid, name, parent, root, generation, inventories_from_json(inventories), used)
     except _UsageBelowZero as exc:
         raise ProjectionCorrupt(

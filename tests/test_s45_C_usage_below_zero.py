@@ -130,3 +130,34 @@ async def test_an_imported_log_releasing_what_a_provider_created_later_never_cou
         with pytest.raises(CapacityExceeded):  # (decided against 0, not -3)
             await allocate(store, new_uuid(), {ghost: {"VCPU": 3}})
         assert not (await store.audit()).drift
+
+
+async def test_a_provider_generation_damaged_past_the_largest_is_refused(
+    backend_name: str, store_url: str
+) -> None:
+    """(Probing the same load, stop 45: a provider row's generation edited past 2**62, the largest
+    a log may hold, was bumped by the next command into an event an import refuses - the log
+    could no longer be exported and imported - and the audit then reported every such event. It
+    is refused as a consumer's is.)"""
+    from evstore.events import MAX_GENERATION
+
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, "rp", VCPU=4)
+        head = await store.head()
+        sql = "UPDATE p_providers SET generation = ? WHERE uuid = ?"
+        if backend_name == "sqlite":
+            conn = sqlite3.connect(Path(store_url.removeprefix("sqlite:///")))
+            with conn:
+                conn.execute(sql, (MAX_GENERATION + 1, rp))
+            conn.close()
+        else:
+            await store.backend.tamper(sql, (MAX_GENERATION + 1, rp))
+        with pytest.raises(ProjectionCorrupt, match=f"generation {MAX_GENERATION + 1}") as caught:
+            await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert caught.value.details["provider"] == rp
+        with pytest.raises(ProjectionCorrupt):
+            await store.set_inventories(rp, {"VCPU": Inventory(total=5)}, generation=MAX_GENERATION + 1)
+        assert await store.head() == head
+        await store.rebuild()
+        await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
+        assert (await store.audit()).clean
