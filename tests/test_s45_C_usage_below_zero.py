@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +162,48 @@ async def test_a_provider_generation_damaged_past_the_largest_is_refused(
         await store.rebuild()
         await allocate(store, new_uuid(), {rp: {"VCPU": 1}})
         assert (await store.audit()).clean
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a time-travel snapshot an earlier evstore saved holds the usage below zero its fold gave "
+    "(an imported log releasing what a provider never counted); state_at from it answers -3 where "
+    "replay now answers 0. Needs SNAPSHOT_FORMAT bumped (6 -> 7) in projections/snapshots.py, so that "
+    "snapshots of the earlier fold are set aside and folded again (not helper C's file)",
+)
+async def test_a_snapshot_of_the_earlier_fold_is_not_answered_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import projections.snapshots
+    import projections.state
+    from tests.test_audit_findings import BUGGY_TAILS, _tail, append_row, chained
+
+    async with open_store(f"sqlite:///{tmp_path}/source.db") as source:
+        rp = await make_provider(source, "rp", VCPU=8)
+        lines = [line async for line in source.export()]
+        last = await _tail(source)
+    ghost = new_uuid()
+    for etype, data in BUGGY_TAILS["allocated before it was created, then released"](rp, new_uuid(), ghost):
+        last = chained(last, etype, data)
+        append_row(lines, last)
+
+    def earlier_add_usage(providers: Any, allocs: Any, sign: int) -> None:  # (before stop 45)
+        for provider, resources in allocs.items():
+            prov = providers.get(provider)
+            if prov is not None:
+                for rc, amount in resources.items():
+                    used = prov.usages.get(rc, 0) + sign * amount
+                    prov.usages[rc] = used
+                    if not used:
+                        del prov.usages[rc]
+
+    async with open_store(f"sqlite:///{tmp_path}/imported.db", snapshot_every=1) as store:
+        await store.import_events(lambda: iter(lines))
+        head = await store.head()
+        with monkeypatch.context() as earlier:
+            earlier.setattr(projections.state, "_add_usage", earlier_add_usage)
+            earlier.setattr(projections.snapshots, "SNAPSHOT_FORMAT", 6)  # (stop 44's)
+            await store.take_snapshots()
+            assert (await store.state_at(position=head)).state.providers[ghost].usages == {"VCPU": -3}
+        assert (await store.replay()).providers[ghost].usages == {}
+        assert (await store.state_at(position=head)).state.providers[ghost].usages == {}
