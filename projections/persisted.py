@@ -208,11 +208,7 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
         # command decided against it put more on the provider than its capacity (a full provider's
         # usage edited to -4 took 4 more). (A stored 0 is not written, but harmless: left to the audit.)
         if below := sorted(rc for rc, v in used.items() if v < 0):
-            raise _UsageBelowZero(
-                f"usage {', '.join(f'{rc} {used[rc]}' for rc in below)} is below zero, which no sum of "
-                "allocations is",
-                below,
-            )
+            raise _UsageBelowZero(", ".join(f"{rc} {used[rc]}" for rc in below), below)
         if type(generation) is not int or generation < 0:
             raise ValueError(f"generation {shown(generation, 40)} is not a count")
         if generation > MAX_GENERATION:  # (the next command's bump: an event no import takes)
@@ -220,10 +216,10 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
         return ProviderState(uuid, name, parent, root, generation, inventories_from_json(inventories), used)
     except _UsageBelowZero as exc:
         raise ProjectionCorrupt(
-            f"The projection row of provider {uuid} holds a {exc}: the projection is damaged "
-            "(`evstore rebuild` refolds it from the log), or the log's fold gives it (an imported "
-            "log whose provider, deleted and created again, never counted allocations released "
-            "since: `evstore audit` names them); no command is decided against it",
+            f"The projection row of provider {uuid} holds usage {exc}, below zero, which no sum of "
+            "allocations is: the projection is damaged (or an earlier evstore version folded an imported "
+            "log's release of allocations the provider never counted); `evstore rebuild` refolds it "
+            "from the log. No command is decided against it",
             provider=uuid,
             resource_classes=exc.classes,
         ) from None
@@ -236,7 +232,7 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
 
 
 class _UsageBelowZero(ValueError):
-    """(A provider row's usage below zero: its own message, which names what may have caused it.)"""
+    """(A provider row's usage below zero, ``str()`` the classes and amounts: its own message.)"""
 
     def __init__(self, message: str, classes: list[str]) -> None:
         super().__init__(message)
