@@ -109,8 +109,8 @@ class Impossible:
     """What an event sets that every command refuses to write (see :func:`impossible_event`)."""
 
     #: a stable name of the rule broken: ``reserved_above_total``, ``min_unit_above_max_unit``,
-    #: ``own_parent``, ``parent_cycle``, ``own_migration`` (``inventory_invalid`` for another of
-    #: ``Inventory.problems``, should it name more)
+    #: ``own_parent``, ``parent_cycle``, ``root_mismatch``, ``own_migration``
+    #: (``inventory_invalid`` for another of ``Inventory.problems``, should it name more)
     rule: str
     #: what is wrong, for a message (``inventory VCPU of provider P: reserved (5) is greater...``)
     what: str
@@ -141,17 +141,17 @@ def _own_migration(consumer: object) -> Impossible:
 
 def impossible_event(state: State, event_type: str, fields: object) -> Impossible | None:
     """What the event (``fields``: the decoded payload, read as attributes) sets that no command
-    writes, in ``state`` as folded up to the event before it, or ``None``. A command refuses
-    each of these: an inventory ``Inventory.problems`` names (reserved above total, min_unit
-    above max_unit: ``InvalidInventoryValue``), a provider created as its own parent, or under a
-    parent whose own parents lead back to it (a command's parent must exist, so no tree it
-    builds has a cycle), a consumer that is its own migration (``start_migration`` refuses an
-    instance that is its migration, and nothing else makes a consumer hold for one). An import
-    refuses a log holding one (a log that was valid where it was written holds none) and the
-    audit reports it. Not here: what a command accepts (a step_size that no amount between
-    min_unit and max_unit meets; Placement accepts it too), and what only the events around it
-    make wrong (allocations on a provider absent there, a parent created after its child): an
-    older, Placement-style writer's log holds those, and every fold takes them."""
+    writes, in ``state`` as folded up to the event before it, or ``None``. A command refuses each of
+    these: an inventory ``Inventory.problems`` names (reserved above total, min_unit above max_unit:
+    ``InvalidInventoryValue``), a provider created as its own parent, or under a parent whose own
+    parents lead back to it (a command's parent must exist, so no tree it builds has a cycle), or
+    with another root than its parent's (itself, without a parent), a consumer that is its own
+    migration (``start_migration`` refuses an instance that is its migration, and nothing else makes
+    a consumer hold for one). An import refuses a log holding one (a log that was valid where it was
+    written holds none) and the audit reports it. Not here: what a command accepts (a step_size that
+    no amount between min_unit and max_unit meets; Placement accepts it too), and what only the
+    events around it make wrong (allocations on a provider absent there, a parent created after its
+    child): an older, Placement-style writer's log holds those, and every fold takes them."""
     if event_type == "InventoriesReplaced":
         provider = getattr(fields, "provider", None)
         for rc, inv in getattr(fields, "inventories", {}).items():
@@ -181,7 +181,12 @@ def impossible_event(state: State, event_type: str, fields: object) -> Impossibl
         return None
     if event_type == "ProviderCreated":
         provider, parent = getattr(fields, "provider", None), getattr(fields, "parent", None)
+        root = getattr(fields, "root", None)
         if parent is None:
+            if root != provider:
+                return _root_mismatch(
+                    provider, f"root {root}, where a provider without a parent is its own root"
+                )
             return None
         if parent == provider:
             return Impossible(
@@ -200,5 +205,16 @@ def impossible_event(state: State, event_type: str, fields: object) -> Impossibl
                 f"(a parent cycle: {' -> '.join([*chain[:10], str(provider)])}{more})",
                 {"provider": provider, "parent": parent},
             )
+        above = state.providers.get(parent)
+        if above is not None and root != above.root:  # (a parent absent here: an older writer's order)
+            return _root_mismatch(
+                provider, f"root {root}, where its parent {parent}'s root is {above.root}", parent=parent
+            )
         return None
     return None
+
+
+def _root_mismatch(provider: object, what: str, **details: object) -> Impossible:
+    return Impossible(
+        "root_mismatch", f"provider {provider} is created with {what}", {"provider": provider, **details}
+    )

@@ -131,6 +131,24 @@ IMPOSSIBLE: dict[str, tuple[list[tuple[str, dict[str, Any]]], int, str, str, str
         "own_migration",
         f"consumer {C} is its own migration",
     ),
+    "a root that is not itself": (
+        [("ProviderCreated", _created(B)), ("ProviderCreated", _created(A, root=B))],
+        2,
+        "ProviderCreated",
+        "root_mismatch",
+        f"root {B}, where a provider without a parent is its own root",
+    ),
+    "a root that is not its parent's": (
+        [
+            ("ProviderCreated", _created(B)),
+            ("ProviderCreated", _created(C)),
+            ("ProviderCreated", _created(A, parent=B, root=C)),
+        ],
+        3,
+        "ProviderCreated",
+        "root_mismatch",
+        f"root {C}, where its parent {B}'s root is {B}",
+    ),
     "a parent cycle": (
         [
             ("ProviderCreated", _created(A, parent=B, root=B)),  # (a parent not created yet: tolerated)
