@@ -34,11 +34,10 @@ from evstore.events import (
 from projections.gcpause import gc_paused
 from projections.invariants import (
     DELETED_REASON,
-    MAY_BE_IMPOSSIBLE,
+    IMPOSSIBLE_CHECKS,
     clear_leak,
     find_leaks,
     format_amount,
-    impossible_event,
     over_capacity,
 )
 from projections.persisted import project_usage_totals
@@ -257,8 +256,8 @@ class _Replay:
             )
         if (
             self.checked
-            and row.type in MAY_BE_IMPOSSIBLE
-            and (impossible := impossible_event(self.state, row.type, payload)) is not None
+            and (check_impossible := IMPOSSIBLE_CHECKS.get(row.type)) is not None
+            and (impossible := check_impossible(self.state, payload)) is not None
         ):
             # (what an import refuses, in a log an older evstore imported: the same words)
             self.report.findings.append(
