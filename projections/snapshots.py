@@ -48,7 +48,9 @@ log = structlog.get_logger("evstore.snapshots")
 #: only in a log an older writer wrote, had moved it.
 #: 6: tombstones are shared: a whole-store snapshot leaves out those its chain of tombstone segments
 #: holds (see encode_snapshot).
-SNAPSHOT_FORMAT = 6
+#: 7: the fold keeps a provider's usage at 0 or above (stop 45): an imported log releasing what a
+#: provider never counted had taken it below zero.
+SNAPSHOT_FORMAT = 7
 DEFAULT_SNAPSHOT_EVERY = 10_000
 
 

@@ -164,13 +164,6 @@ async def test_a_provider_generation_damaged_past_the_largest_is_refused(
         assert (await store.audit()).clean
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a time-travel snapshot an earlier evstore saved holds the usage below zero its fold gave "
-    "(an imported log releasing what a provider never counted); state_at from it answers -3 where "
-    "replay now answers 0. Needs SNAPSHOT_FORMAT bumped (6 -> 7) in projections/snapshots.py, so that "
-    "snapshots of the earlier fold are set aside and folded again (not helper C's file)",
-)
 async def test_a_snapshot_of_the_earlier_fold_is_not_answered_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
