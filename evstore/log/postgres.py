@@ -775,9 +775,9 @@ PASSING_SHORTAGES = frozenset({"53000", "53200", "53300"})
 
 
 def _kept(failed: err.StorageError) -> dict[str, Any]:
-    """What an error wrapping ``failed`` keeps of its details: the SQLSTATE and the reason (a full
-    disk, too many connections), which a caller acts on."""
-    return {k: failed.details[k] for k in ("sqlstate", "reason") if k in failed.details}
+    """What an error wrapping ``failed`` keeps of its details: the SQLSTATE, the reason (a full
+    disk, too many connections) and whether it may pass (``transient``), which a caller acts on."""
+    return {k: failed.details[k] for k in ("sqlstate", "reason", "transient") if k in failed.details}
 
 
 def _resource_shortage(sqlstate: object) -> tuple[str, str] | None:
@@ -1423,6 +1423,29 @@ def _floor_retry(record: logging.LogRecord) -> bool:
     return False
 
 
+def _lost_at_set_up(exc: BaseException) -> bool:
+    """Whether a pool's acquire failed because the server ended (or the network cut) the new
+    connection the pool had opened for it, as it was being set up - asyncpg's
+    ``InternalClientError`` ("cannot switch to state 15 ..."), its ``InterfaceError`` ("connection
+    is closed"), a session that ended or was reset: another acquire opens another. Not a connect
+    refused or timed out (the next meets the same, at once or after ``connect_timeout`` again),
+    nor the server short of slots (the acquire waited for one already)."""
+    return isinstance(
+        exc,
+        asyncpg.InternalClientError
+        | asyncpg.exceptions.InterfaceError
+        | asyncpg.exceptions.ConnectionDoesNotExistError
+        | asyncpg.exceptions.AdminShutdownError
+        | ConnectionResetError,
+    )
+
+
+class _LostAtAcquire(Exception):
+    """Raised by :meth:`PostgresBackend._connection` asked to (``lost_again``), for an acquire
+    that lost its new connection as it was set up (:func:`_lost_at_set_up`): the caller asks
+    for another connection (asked again without ``lost_again``, the same loss is its error)."""
+
+
 class _Refused(Exception):
     """A command's decision was to refuse it: raised inside its transaction to roll it back, and
     its outcome returned (see PostgresBackend._attempt)."""
@@ -1577,19 +1600,35 @@ class PostgresBackend:
                 raise self._malformed(exc) from None
             # (a server's or resolver's text may quote what the URL held: a misread password's piece)
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
-            if isinstance(  # (their words say nothing of what happened, or that it passes)
+            # (InterfaceError: asyncpg had seen the connection go before its set-up statement -
+            # told by its words alone: asyncpg raises a plain InterfaceError for it, as for its
+            # other complaints, with no type of its own)
+            ended = isinstance(
                 exc, asyncpg.InternalClientError | asyncpg.exceptions.ConnectionDoesNotExistError
-            ) or (isinstance(exc, asyncpg.InterfaceError) and text.startswith("connection is closed")):
-                # (InterfaceError: asyncpg had seen the connection go before its set-up statement)
+            ) or (isinstance(exc, asyncpg.InterfaceError) and text.startswith("connection is closed"))
+            # (as a read's or a command's: a connection lost, refused or timed out, the server
+            # starting up, shutting down or short of what passes - a later open may well work)
+            transient = ended or (
+                not isinstance(exc, asyncpg.InterfaceError)
+                and _storage_error(exc, "opening", None).details.get("transient") is True
+            )
+            if ended:  # (their words say nothing of what happened, or that it passes)
                 text = (
                     "the session ended as it was set up - the server ended it (a restart, "
                     f"pg_terminate_backend) or the network cut it; try again (asyncpg: {text})"
                 )
-            if isinstance(exc, TimeoutError) and not str(exc):  # (it said only "TimeoutError")
+            elif isinstance(exc, TimeoutError) and not str(exc):  # (it said only "TimeoutError")
                 text = (
                     f"no answer within connect_timeout ({self.connect_timeout:g} s): check the host, "
                     "the port and that the server is up, or set a longer connect_timeout"
                 )
+            elif (
+                transient
+                and not _connect_hint(exc)
+                and _resource_shortage(getattr(exc, "sqlstate", None)) is None
+            ):
+                # (a reset, the server shutting down or starting up: their words do not say it passes)
+                text += " (a restart, a failover or the network: try again)"
             if getattr(exc, "sqlstate", None) == "3D000":
                 raise self._no_database(text) from None
             if getattr(exc, "sqlstate", None) == "42704" and "configuration parameter" in text:
@@ -1608,6 +1647,7 @@ class PostgresBackend:
                     url=self.safe_url,
                     sqlstate=getattr(exc, "sqlstate", None),
                     reason=shortage[0],
+                    **({"transient": True} if transient else {}),
                 ) from None
             sqlstate = getattr(exc, "sqlstate", None)
             raise err.StorageError(
@@ -1615,6 +1655,7 @@ class PostgresBackend:
                 f"{self._url_note}",
                 url=self.safe_url,
                 **({"sqlstate": sqlstate} if sqlstate else {}),
+                **({"transient": True} if transient else {}),
             ) from None
         except ValueError as exc:
             raise self._malformed(exc) from None
@@ -1627,6 +1668,15 @@ class PostgresBackend:
         try:
             await self._migrate()
             await self._repair_projection()
+        except err.StorageError as exc:
+            await self.close()
+            if exc.details.get("transient") is not True:
+                raise
+            # (the connection lost, refused or timed out as the open set the store up - a
+            # restart, a failover: as at its first connect, a later open may well work)
+            raise err.StorageError(
+                f"{exc.message}; the store did not open: try again", **exc.details
+            ) from None
         except BaseException:
             await self.close()
             raise
@@ -1802,9 +1852,11 @@ class PostgresBackend:
         return option if value is None else f"{option} ({value:g} s)"
 
     @contextlib.asynccontextmanager
-    async def _connection(self, command: bool = False) -> AsyncIterator[Any]:
+    async def _connection(self, command: bool = False, lost_again: bool = False) -> AsyncIterator[Any]:
         """A pooled connection. ``command``: it is for a command's transaction, which a failure
-        to get one leaves not run (said in the error, with ``outcome_unknown`` False)."""
+        to get one leaves not run (said in the error, with ``outcome_unknown`` False).
+        ``lost_again``: a new connection the server ended as the pool set it up (see
+        :func:`_lost_at_set_up`) raises :class:`_LostAtAcquire`, for the caller to try again."""
         pool = self._pool
         if pool is None:
             raise err.StoreClosed("The store is closed")
@@ -1813,18 +1865,25 @@ class PostgresBackend:
         except asyncpg.exceptions.InterfaceError as exc:
             if isinstance(exc, ValueError):  # (min_pool_size=0: see open)
                 raise self._malformed(exc) from None
-            if self._pool is None or str(exc).startswith(("pool is closed", "pool is closing")):
+            if str(exc).startswith(("pool is closed", "pool is closing")):
                 raise err.StoreClosed("The store is closed") from None
             # Any other: a connection the pool had just opened was lost before its set-up
             # statement ran ("connection is closed" from the pool's init: the server ended it, or
             # the network cut it) - a lost connection, as its InternalClientError below, not a
-            # closed store (a subscriber ended for good on it, a command heard "closed")
-            raise self._not_connected(pool, exc, command) from None
+            # closed store (a subscriber ended for good on it, a command heard "closed"); and
+            # close() begun meanwhile is told by _not_connected
+            failed = self._not_connected(pool, exc, command)
+            if lost_again and isinstance(failed, err.StorageError) and _lost_at_set_up(exc):
+                raise _LostAtAcquire from None
+            raise failed from None
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InternalClientError) as exc:
             # (InternalClientError: the server ended a connection the pool had just opened before
             # its set-up statement ran - "cannot switch to state 15; another operation (2) is in
             # progress" from the pool's init: a connection lost)
-            raise self._not_connected(pool, exc, command) from None
+            failed = self._not_connected(pool, exc, command)
+            if lost_again and isinstance(failed, err.StorageError) and _lost_at_set_up(exc):
+                raise _LostAtAcquire from None
+            raise failed from None
         except ValueError as exc:  # (min_pool_size=0: the URL is first parsed here; see _malformed)
             raise self._malformed(exc) from None
         if self._pool is None:
@@ -2828,17 +2887,24 @@ class PostgresBackend:
         noticed). A read is safe to repeat; failing one per such connection is noise a caller
         cannot act on. (Commands retry the same way: _StaleConnection.)"""
         for attempt in range(2):
-            async with self._connection() as conn:
-                try:
-                    return await work(conn)
-                except DB_ERRORS as exc:
-                    if attempt == 0 and _is_connection_error(exc) and not isinstance(exc, TimeoutError):
-                        # (the pool's other idle connections are likely dead too - a restart, a
-                        # failover: each is replaced at its next acquire, this one at its release)
-                        if self._pool is not None:
-                            await self._pool.expire_connections()
-                        continue
-                    raise _storage_error(exc, doing, None, self._timeout_named("command_timeout")) from None
+            try:
+                async with self._connection(lost_again=attempt == 0) as conn:
+                    try:
+                        return await work(conn)
+                    except DB_ERRORS as exc:
+                        if attempt == 0 and _is_connection_error(exc) and not isinstance(exc, TimeoutError):
+                            # (the pool's other idle connections are likely dead too - a restart, a
+                            # failover: each is replaced at its next acquire, this one at its release)
+                            if self._pool is not None:
+                                await self._pool.expire_connections()
+                            continue
+                        raise _storage_error(
+                            exc, doing, None, self._timeout_named("command_timeout")
+                        ) from None
+            except _LostAtAcquire:
+                # (a new connection the server ended as the pool set it up, nothing sent on it:
+                # as a dead pooled one above, another is asked for once; lost again, it fails)
+                continue
         raise AssertionError("unreachable")
 
     async def head(self) -> int:
