@@ -871,6 +871,12 @@ def _connect_hint(exc: BaseException) -> str:
         )
     if isinstance(exc, socket.gaierror):
         return " (the host name does not resolve: check the host in the URL, and this host's DNS)"
+    if _no_tls(exc):
+        return (
+            " (the server offers no TLS - its ssl setting is off - and the URL's sslmode asks for it: "
+            "that does not pass by itself - check sslmode, whose default, prefer, connects without "
+            "TLS where the server has none, or turn ssl on at the server)"
+        )
     return ""
 
 
@@ -932,10 +938,10 @@ _SCHEMAS_FOUND = (
 
 async def _init_connection(conn: Any, search_path: str | None = None) -> str | None:
     """Every new connection: evstore's transactions run at READ COMMITTED, whatever the role, the
-    database or the URL make the default. Its locking is built for it (a command locks, then reads
-    what the last holder committed; a snapshot taken before the lock would be stale), and at
-    REPEATABLE READ or SERIALIZABLE its reads (audit, rebuild, the head) failed with
-    serialization errors it does not retry.
+    database or the URL make the default (and its client encoding is UTF-8). Its locking is built
+    for it (a command locks, then reads what the last holder committed; a snapshot taken before
+    the lock would be stale), and at REPEATABLE READ or SERIALIZABLE its reads (audit, rebuild,
+    the head) failed with serialization errors it does not retry.
 
     ``search_path``: the store's, as its first connection found it (None: this is the first; its
     search_path is answered). A URL without one takes the role's or the database's default at
@@ -943,7 +949,10 @@ async def _init_connection(conn: Any, search_path: str | None = None) -> str | N
     the connections opened after it - a reconnect after a restart or a terminated session -
     resolved every unqualified name in another schema: read another store, wrote to it under
     this one's locks. One round trip for each later connection."""
-    isolation = "SET default_transaction_isolation = 'read committed'"
+    # (and UTF-8, whatever the URL's client_encoding says: asyncpg encodes every text argument in
+    # the session's client encoding, and a name outside it - "rack ☃" under LATIN1 - failed the
+    # command; the server tells asyncpg of the change, which encodes in UTF-8 from then on)
+    isolation = "SET default_transaction_isolation = 'read committed'; SET client_encoding = 'UTF8'"
     if search_path is None:
         await conn.execute(isolation)
         # (the schemas it names that exist, not its text: '"$user", public' is resolved anew at
@@ -1276,8 +1285,16 @@ def _refused_for_good(exc: BaseException) -> bool:
     something: the process may not use the server's socket or route (``PermissionError``: a Unix
     socket's permissions, a firewall's EPERM), or does not trust the server's certificate. Not
     transient, though an ``OSError``, unlike a refused, reset or timed out connection, a name the
-    resolver cannot answer for now, or a Unix socket that is gone (a stopped server removes it)."""
-    return isinstance(exc, PermissionError | ssl.SSLCertVerificationError)
+    resolver cannot answer for now, or a Unix socket that is gone (a stopped server removes it).
+    Nor does a server that offers no TLS where the URL's sslmode asks for it (:func:`_no_tls`)."""
+    return isinstance(exc, PermissionError | ssl.SSLCertVerificationError) or _no_tls(exc)
+
+
+def _no_tls(exc: BaseException) -> bool:
+    """asyncpg's plain ``ConnectionError`` for a server that answered the URL's ``sslmode``
+    (require, verify-ca, verify-full) that it offers no TLS (its ``ssl`` is off): known by its
+    words alone, asyncpg raising the same type for a connection lost during its TLS exchange."""
+    return type(exc) is ConnectionError and "rejected SSL upgrade" in str(exc)
 
 
 def _storage_error(
@@ -1640,6 +1657,22 @@ class PostgresBackend:
                     "a setting: check its spelling",
                     url=self.safe_url,
                 ) from None
+            setting = self._refused_setting(exc, text)
+            if setting is not None:
+                raise err.InvalidInput(
+                    f"Cannot connect to PostgreSQL at {self.safe_url}: {text}. A ?k=v in the URL that "
+                    f"is not one of evstore's options is sent to the server as a setting: check its "
+                    f"value ({setting})"
+                    + (
+                        " - a schema whose name needs quoting (capitals, spaces, hyphens) is named "
+                        "quoted, ?search_path=%22My Schema%22"
+                        if setting.lower() == "search_path"
+                        else ""
+                    ),
+                    url=self.safe_url,
+                    field=setting,
+                    sqlstate=getattr(exc, "sqlstate", None),
+                ) from None
             shortage = _resource_shortage(getattr(exc, "sqlstate", None))
             if shortage is not None:  # (too many connections, the server out of memory: says what to do)
                 raise err.StorageError(
@@ -1680,6 +1713,23 @@ class PostgresBackend:
         except BaseException:
             await self.close()
             raise
+
+    def _refused_setting(self, exc: BaseException, text: str) -> str | None:
+        """The key of the URL's query whose value the server refused at the connect (a ?k=v that
+        is not evstore's goes to it as a setting): SQLSTATE 22023 (invalid_parameter_value: not
+        a number, out of range, an unquoted schema name with a space), 55P02 (a setting only a
+        restart changes) or 42601 (a malformed ``options``) whose text names it - or ``options``,
+        whose ``-c k=v`` name settings of their own. None: not such a refusal."""
+        if getattr(exc, "sqlstate", None) not in ("22023", "55P02", "42601"):
+            return None
+        try:
+            keys = [k for k, _ in parse_qsl(urlsplit(self.url).query, keep_blank_values=True)]
+        except ValueError:
+            return None
+        named = [k for k in keys if f'"{k.lower()}"' in text.lower()]
+        if named:
+            return named[0]
+        return "options" if "options" in keys else None
 
     def _no_database(self, text: str) -> err.NotFound:
         """The server has no database of the URL's name (invalid_catalog_name): nothing there, as
@@ -2100,7 +2150,7 @@ class PostgresBackend:
             await self._give_back(pool, conn, max(self.connect_timeout, self.command_timeout or 0))
 
     async def _migrate(self) -> None:
-        found, upgrading = 0, False
+        found, upgrading, creating = 0, False, False
         async with self._connection() as conn:
             try:
                 # The schema that holds the store: the first of the search_path to hold one (the
@@ -2110,14 +2160,16 @@ class PostgresBackend:
                 schema = await conn.fetchval(STORE_SCHEMA)
                 if schema is None and not self.create:  # (nothing to open: no store there)
                     raise err.NotFound(
-                        f"No evstore store at {self.safe_url}: no schema of its search_path exists "
-                        "(check the URL's search_path)",
+                        f"No evstore store at {self.safe_url}: no schema of its search_path exists, "
+                        "or this role lacks USAGE on it (check the URL's search_path and the role's "
+                        "privileges)",
                         url=self.safe_url,
                     )
                 if schema is None:  # (as SQLite's missing directory: a place to create in, not there)
                     raise err.NotFound(
                         f"Cannot open {self.safe_url}: no schema of the search_path exists to create "
-                        "the store in (create it first: CREATE SCHEMA, or check the URL's search_path)",
+                        "the store in, or this role lacks USAGE on it (create it first: CREATE "
+                        "SCHEMA, or check the URL's search_path and the role's privileges)",
                         url=self.safe_url,
                     )
                 database = await conn.fetchval("SELECT current_database()")
@@ -2190,6 +2242,7 @@ class PostgresBackend:
                     refold = 0 < found < 5
                     if refold:
                         await self._fence_for_upgrade(conn)
+                    creating = not found  # (a new store: its tables made in the schema)
                     for version in range(found, SCHEMA_VERSION):
                         try:
                             await conn.execute(MIGRATIONS[version])
@@ -2248,6 +2301,16 @@ class PostgresBackend:
                         url=self.safe_url,
                         found=found,
                         supported=SCHEMA_VERSION,
+                    ) from None
+                if creating and isinstance(_reason(exc), asyncpg.exceptions.InsufficientPrivilegeError):
+                    # (README: the first open, which creates the store, needs CREATE on the schema)
+                    raise err.StorageError(
+                        f"Cannot create the store at {self.safe_url}: {_reason(exc)} - creating a store "
+                        "needs CREATE on the schema (GRANT CREATE ON SCHEMA ... TO the role), or open "
+                        "it once with a role that may create there, e.g. the schema's owner; nothing "
+                        "was written",
+                        url=self.safe_url,
+                        sqlstate=getattr(_reason(exc), "sqlstate", None),
                     ) from None
                 failed = _storage_error(exc, "migrating")
                 raise err.StorageError(

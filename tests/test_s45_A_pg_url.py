@@ -1,0 +1,175 @@
+"""Stop 45, helper A: the PostgreSQL store URL's server settings and the roles it opens with,
+probed as a user would: a setting the server refuses the value of is the URL's fault
+(``InvalidInput`` naming it, as SQLite's ``?busy_timeout=abc`` is), ``sslmode=require`` against a
+server without TLS does not pass by itself, a ``client_encoding`` of the URL does not make
+commands with names outside it fail, and a role that may not use or create in the schema is
+told so."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from evstore import InvalidInput, NotFound, StorageError, open_store
+from tests.conftest import make_provider, new_uuid
+
+
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [
+        ("statement_timeout=abc", "statement_timeout"),
+        ("work_mem=1", "work_mem"),
+        ("default_transaction_read_only=maybe", "default_transaction_read_only"),
+        ("TimeZone=Mars%2FOlympus", "TimeZone"),
+        ("shared_buffers=1MB", "shared_buffers"),
+        ("options=--bad", "options"),
+    ],
+)
+async def test_a_server_setting_in_the_url_with_a_value_the_server_refuses_is_invalid_input(
+    pg_url: str, setting: str, field: str
+) -> None:
+    """Regression: a ?k=v of the URL that is not evstore's goes to the server as a setting; one
+    whose value the server refused at the connect (SQLSTATE 22023 invalid_parameter_value, 55P02
+    a setting only a restart changes, 42601 a malformed ``options``) failed the open as
+    ``evstore.storage`` "Cannot connect to PostgreSQL" - a server's failure, with nothing saying it
+    came from the URL - where a misspelt name is ``InvalidInput`` and SQLite's
+    ``?busy_timeout=abc`` too. Now ``InvalidInput`` naming the key."""
+    with pytest.raises(InvalidInput) as refused:
+        async with open_store(f"{pg_url}&{setting}"):
+            pass
+    assert refused.value.code == "evstore.invalid_input"
+    assert refused.value.details["field"] == field
+    assert "sent to the server as a setting" in refused.value.message
+    assert "check its value" in refused.value.message
+
+
+async def test_an_unquoted_schema_name_with_a_space_is_invalid_input_saying_to_quote_it(pg_url: str) -> None:
+    """``?search_path=my schema`` (unquoted): the server refuses the value ("invalid value for
+    parameter"); README says a schema whose name needs quoting is named quoted in the URL - the
+    refusal says so."""
+    with pytest.raises(InvalidInput) as refused:
+        async with open_store(f"{pg_url.split('?')[0]}?search_path={quote('s45a my schema')}"):
+            pass
+    assert refused.value.details["field"] == "search_path"
+    assert "%22" in refused.value.message  # (how to quote it in a URL)
+
+
+async def _fake_server_without_tls() -> tuple[asyncio.AbstractServer, int]:
+    """A server that answers PostgreSQL's SSLRequest with 'N' (no TLS here), as a server with
+    ``ssl = off`` does."""
+
+    class NoTls(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            assert isinstance(self.transport, asyncio.Transport)
+            self.transport.write(b"N")
+
+    server = await asyncio.get_running_loop().create_server(NoTls, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_sslmode_require_against_a_server_without_tls_does_not_pass_by_itself() -> None:
+    """``sslmode=require`` where the server offers no TLS: asyncpg's ``ConnectionError`` "rejected
+    SSL upgrade" - an OSError, which the open (since it says ``transient`` for a lost connection)
+    would have called transient, "try again". It does not pass by itself: not transient, and the
+    message says to check sslmode and the server's ssl setting."""
+    server, port = await _fake_server_without_tls()
+    try:
+        with pytest.raises(StorageError) as failed:
+            async with open_store(f"postgresql://u@127.0.0.1:{port}/db?sslmode=require", connect_timeout=5):
+                pass
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert "rejected SSL upgrade" in failed.value.message
+    assert "transient" not in failed.value.details, failed.value.details
+    assert "try again" not in failed.value.message
+    assert "sslmode" in failed.value.message
+
+
+@pytest.mark.parametrize(
+    "how", ["client_encoding=LATIN1", "client_encoding=SQL_ASCII", "options=-c%20client_encoding%3DLATIN1"]
+)
+async def test_a_client_encoding_in_the_url_does_not_refuse_names_outside_it(pg_url: str, how: str) -> None:
+    """Regression: ``?client_encoding=LATIN1`` in the URL (a server setting like any other) made
+    asyncpg encode every text argument in Latin-1: a command naming a provider ``"rack ☃"`` - a
+    valid name, taken by SQLite - failed ``evstore.storage`` "invalid input for query argument ...
+    'latin-1' codec can't encode character". evstore's sessions speak UTF-8 whatever the URL says:
+    the name is stored and read back as given, the events too."""
+    async with open_store(f"{pg_url}&{how}") as store:
+        rp = await make_provider(store, "rack ☃ é 日本", VCPU=4)
+        consumer = new_uuid()
+        await store.set_allocations(
+            consumer,
+            {rp: {"VCPU": 1}},
+            project_id="projé☃",
+            user_id="u",
+            consumer_type="INSTANCE",
+            generation=None,
+        )
+        assert (await store.provider(rp)).name == "rack ☃ é 日本"
+        assert (await store.allocations(consumer)).project_id == "projé☃"
+        assert (await store.audit()).clean
+    async with open_store(pg_url) as store:  # (as another process with the default sees it)
+        assert (await store.provider(rp)).name == "rack ☃ é 日本"
+        assert (await store.audit()).clean
+
+
+async def _role(admin: asyncpg.Connection, pg_url: str, suffix: str) -> tuple[str, str]:
+    """A new login role, and ``pg_url`` with it as the user."""
+    role = f"evt_s45a_{suffix}_{os.getpid()}"
+    await admin.execute(f"DROP ROLE IF EXISTS {role}")
+    await admin.execute(f"CREATE ROLE {role} LOGIN NOSUPERUSER")
+    parts = urlsplit(pg_url)
+    return role, urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rsplit('@', 1)[-1]}"))
+
+
+async def _drop_role(admin: asyncpg.Connection, role: str) -> None:
+    await admin.execute(f"DROP OWNED BY {role}")
+    await admin.execute(f"DROP ROLE {role}")
+
+
+async def test_a_role_without_usage_on_the_urls_schema_is_told_so(pg_url: str) -> None:
+    """A role that may not use the URL's schema (no USAGE) cannot see it: the open said the schema
+    does not exist - "create it first: CREATE SCHEMA" -, which a person then finds is there. It
+    says now that the role may also lack USAGE on it."""
+    admin = await asyncpg.connect(pg_url)
+    role, url = await _role(admin, pg_url, "nousage")
+    try:
+        async with open_store(pg_url) as store:
+            await make_provider(store, VCPU=1)
+        for create in (True, False):
+            with pytest.raises(NotFound) as refused:
+                async with open_store(url, create=create):
+                    pass
+            assert "USAGE" in refused.value.message, refused.value.message
+    finally:
+        await _drop_role(admin, role)
+        await admin.close()
+
+
+async def test_a_role_without_create_on_the_schema_is_told_what_it_lacks(pg_url: str) -> None:
+    """A role with USAGE but not CREATE on an empty schema: the open that would create the store
+    failed "PostgreSQL error while migrating: permission denied for schema ...; it was rolled back"
+    (README: the first open needs CREATE on the schema). It says now that creating the store
+    needs CREATE on the schema, and how to get on (nothing was written)."""
+    schema = dict(parse_qsl(urlsplit(pg_url).query))["search_path"]
+    admin = await asyncpg.connect(pg_url)
+    role, url = await _role(admin, pg_url, "nocreate")
+    try:
+        await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        with pytest.raises(StorageError) as refused:
+            async with open_store(url):
+                pass
+        assert refused.value.details["sqlstate"] == "42501"
+        assert "CREATE on the schema" in refused.value.message, refused.value.message
+        assert await admin.fetchval("SELECT to_regclass($1)", f'"{schema}".evstore_meta') is None
+    finally:
+        await _drop_role(admin, role)
+        await admin.close()
