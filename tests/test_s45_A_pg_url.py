@@ -173,3 +173,53 @@ async def test_a_role_without_create_on_the_schema_is_told_what_it_lacks(pg_url:
     finally:
         await _drop_role(admin, role)
         await admin.close()
+
+
+@pytest.mark.parametrize("search_path", ["pg_temp", "pg_temp,{schema}"])
+@pytest.mark.parametrize("create", [True, False])
+@pytest.mark.parametrize("made", [True, False], ids=["temp_schema_made", "not_made_yet"])
+async def test_a_search_path_that_puts_the_store_in_a_temporary_schema_is_refused(
+    pg_url: str, search_path: str, create: bool, made: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``?search_path=pg_temp`` (first): the store's schema is the session's temporary one, which
+    each connection has its own of and which goes with the session - a store there would be a
+    different, vanishing one on each pooled connection. The open failed "PostgreSQL error while
+    migrating: function evstore_sequence(...) does not exist" (functions are never looked up in
+    pg_temp), or with create=False "No evstore store in schema 'pg_temp_4'". Refused now as the
+    URL's fault, naming search_path; nothing is left behind. (Whether the server process that
+    serves the session made its temporary schema before decides whether the search_path the
+    session finds names it: ``not_made_yet`` answers as one that did not.)"""
+    import evstore.log.postgres as pg
+
+    if not made:
+        monkeypatch.setattr(pg, "STORE_SCHEMA", "SELECT NULL::name")
+    schema = dict(parse_qsl(urlsplit(pg_url).query))["search_path"]
+    url = f"{pg_url.split('?')[0]}?search_path={quote(search_path.format(schema=schema))}"
+    with pytest.raises(InvalidInput) as refused:
+        async with open_store(url, create=create):
+            pass
+    assert refused.value.details["field"] == "search_path"
+    assert "temporary schema" in refused.value.message
+    admin = await asyncpg.connect(pg_url)
+    try:
+        assert await admin.fetchval(f"SELECT to_regclass('\"{schema}\".evstore_meta')") is None
+    finally:
+        await admin.close()
+
+
+async def test_a_search_path_naming_information_schema_is_refused(pg_url: str) -> None:
+    """A superuser's ``?search_path=information_schema`` made the store among PostgreSQL's own
+    views there - a schema pg_dump leaves out of every backup: the store would be missing from
+    each. Refused now, naming search_path (a role that is not a superuser was refused by the
+    server already: permission denied)."""
+    url = f"{pg_url.split('?')[0]}?search_path=information_schema"
+    with pytest.raises(InvalidInput) as refused:
+        async with open_store(url):
+            pass
+    assert refused.value.details["field"] == "search_path"
+    assert "pg_dump" in refused.value.message
+    admin = await asyncpg.connect(pg_url)
+    try:
+        assert await admin.fetchval("SELECT to_regclass('information_schema.evstore_meta')") is None
+    finally:
+        await admin.close()

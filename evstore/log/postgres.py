@@ -1122,6 +1122,13 @@ STORE_SCHEMA = (
     "ORDER BY array_position(current_schemas(false), n.nspname) LIMIT 1), current_schema())"
 )
 
+#: whether the search_path the session began with (the URL's, the role's, the database's - before
+#: _init_connection set the schemas found) names pg_temp first
+TEMP_SCHEMA_FIRST = (
+    "SELECT lower(btrim(split_part(reset_val, ',', 1), ' \"')) = 'pg_temp' "
+    "FROM pg_settings WHERE name = 'search_path'"
+)
+
 #: take every advisory lock of $1 that is free, without waiting; true if all of them were
 TRY_LOCK = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest($1::bigint[]) AS k"
 
@@ -2158,6 +2165,30 @@ class PostgresBackend:
                 # keys are made from it: processes sharing the tables share the locks, whatever
                 # the search_path each names them by.
                 schema = await conn.fetchval(STORE_SCHEMA)
+                # (pg_temp first in the search_path, and no store after it: each session has a
+                # temporary schema of its own, gone with it - each pooled connection would have
+                # made, or looked for, a store of its own. No other schema's name may start so,
+                # "pg_" being PostgreSQL's; one not made yet in this session is in no list of
+                # schemas found, but in the search_path the session began with)
+                if (schema or "").startswith("pg_temp_") or (
+                    schema is None and await conn.fetchval(TEMP_SCHEMA_FIRST)
+                ):
+                    raise err.InvalidInput(
+                        f"The search_path of {self.safe_url} puts the store in pg_temp, the "
+                        "session's temporary schema: each connection has its own, and its tables go "
+                        "when the session ends. Name the schema that holds, or is to hold, the store "
+                        "(?search_path=...) before pg_temp, or leave pg_temp out",
+                        url=self.safe_url,
+                        field="search_path",
+                    )
+                if schema == "information_schema":  # (a superuser's search_path could name it)
+                    raise err.InvalidInput(
+                        f"The search_path of {self.safe_url} puts the store in information_schema, "
+                        "PostgreSQL's own schema, which pg_dump leaves out of every backup: name a "
+                        "schema of the database's (?search_path=...)",
+                        url=self.safe_url,
+                        field="search_path",
+                    )
                 if schema is None and not self.create:  # (nothing to open: no store there)
                     raise err.NotFound(
                         f"No evstore store at {self.safe_url}: no schema of its search_path exists, "
