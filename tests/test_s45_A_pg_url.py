@@ -223,3 +223,33 @@ async def test_a_search_path_naming_information_schema_is_refused(pg_url: str) -
         assert await admin.fetchval("SELECT to_regclass('information_schema.evstore_meta')") is None
     finally:
         await admin.close()
+
+
+@pytest.mark.parametrize("case", ["login", "misspelt_option", "setting_value", "nothing_listens"])
+async def test_an_open_with_no_pool_floor_fails_its_first_connect_as_one_with_a_floor(
+    pg_url: str, case: str
+) -> None:
+    """Regression: with ``min_pool_size=0`` the pool opens no connection as it is made, and the
+    open's first connect happened at its first acquire, whose errors are those of a read: a login
+    refused said "PostgreSQL error while connecting ..." without what to check, a misspelt option
+    (``?pool_sise=3``) or a setting's bad value was ``evstore.storage`` instead of
+    ``InvalidInput``, a port where nothing listens "Lost the connection". The open fails now as
+    the same open with the default floor does: same type, same message, same details."""
+    base, query = pg_url.split("?", 1)
+    host = base.split("@", 1)[1]
+    url = {
+        "login": f"postgresql://evt_s45a_no_such_role@{host}?{query}",
+        "misspelt_option": f"{pg_url}&pool_sise=3",
+        "setting_value": f"{pg_url}&work_mem=1",
+        "nothing_listens": "postgresql://u@127.0.0.1:1/db",
+    }[case]
+    failures = []
+    for floor in ({}, {"min_pool_size": 0}):
+        with pytest.raises(Exception) as failed:
+            async with open_store(url, connect_timeout=5, **floor):  # type: ignore[arg-type]
+                pass
+        failures.append(failed.value)
+    with_floor, without = failures
+    assert type(without) is type(with_floor)
+    assert getattr(without, "message", None) == getattr(with_floor, "message", None)
+    assert getattr(without, "details", None) == getattr(with_floor, "details", None)

@@ -1603,7 +1603,7 @@ class PostgresBackend:
     async def open(self) -> None:
         self._search_path = None  # (an open again after a failed one finds it anew)
         try:
-            self._pool = await asyncpg.create_pool(
+            pool = await asyncpg.create_pool(
                 self.url,
                 min_size=self.min_pool_size,
                 max_size=self.pool_size,
@@ -1613,6 +1613,16 @@ class PostgresBackend:
                 reset=functools.partial(_reset_connection, unsynced=self._unsynced),
                 init=self._opened_one,
             )
+            if not self.min_pool_size:
+                # (a pool with no floor opened no connection: its first is made here, as one
+                # with a floor makes it, so that its failure - a login refused, a misspelt
+                # option, nothing listening - is told as an open's, not as a read's)
+                try:
+                    await pool.release(await pool.acquire(timeout=self.connect_timeout))
+                except BaseException:
+                    pool.terminate()
+                    raise
+            self._pool = pool
         except (
             OSError,
             TimeoutError,
