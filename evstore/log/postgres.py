@@ -1724,9 +1724,7 @@ class PostgresBackend:
                 raise
             # (the connection lost, refused or timed out as the open set the store up - a
             # restart, a failover: as at its first connect, a later open may well work)
-            raise err.StorageError(
-                f"{exc.message}; the store did not open: try again", **exc.details
-            ) from None
+            raise type(exc)(f"{exc.message}; the store did not open: try again", **exc.details) from None
         except BaseException:
             await self.close()
             raise
