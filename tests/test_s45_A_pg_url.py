@@ -253,3 +253,17 @@ async def test_an_open_with_no_pool_floor_fails_its_first_connect_as_one_with_a_
     assert type(without) is type(with_floor)
     assert getattr(without, "message", None) == getattr(with_floor, "message", None)
     assert getattr(without, "details", None) == getattr(with_floor, "details", None)
+
+
+async def test_target_session_attrs_no_host_matches_says_so(pg_url: str) -> None:
+    """Regression: ``?target_session_attrs=standby`` where every host of the URL is a primary:
+    asyncpg's ``TargetServerAttributeNotMatched`` (an InternalClientError) was told as a session
+    the server ended as it was set up ("a restart, pg_terminate_backend ... try again"), which
+    nothing had done. It says now that no host is what target_session_attrs asks for (transient:
+    a failover may make one so)."""
+    with pytest.raises(StorageError) as failed:
+        async with open_store(f"{pg_url}&target_session_attrs=standby", connect_timeout=5):
+            pass
+    assert "the session ended as it was set up" not in failed.value.message
+    assert "target_session_attrs" in failed.value.message
+    assert failed.value.details.get("transient") is True

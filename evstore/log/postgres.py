@@ -1637,8 +1637,10 @@ class PostgresBackend:
             # (InterfaceError: asyncpg had seen the connection go before its set-up statement -
             # told by its words alone: asyncpg raises a plain InterfaceError for it, as for its
             # other complaints, with no type of its own)
-            ended = isinstance(
-                exc, asyncpg.InternalClientError | asyncpg.exceptions.ConnectionDoesNotExistError
+            mismatched = isinstance(exc, asyncpg.exceptions.TargetServerAttributeNotMatched)
+            ended = (
+                isinstance(exc, asyncpg.InternalClientError | asyncpg.exceptions.ConnectionDoesNotExistError)
+                and not mismatched
             ) or (isinstance(exc, asyncpg.InterfaceError) and text.startswith("connection is closed"))
             # (as a read's or a command's: a connection lost, refused or timed out, the server
             # starting up, shutting down or short of what passes - a later open may well work)
@@ -1650,6 +1652,11 @@ class PostgresBackend:
                 text = (
                     "the session ended as it was set up - the server ended it (a restart, "
                     f"pg_terminate_backend) or the network cut it; try again (asyncpg: {text})"
+                )
+            elif mismatched:  # (an InternalClientError, but no session ended: none was what it asks)
+                text += (
+                    " (no host of the URL is what its target_session_attrs asks for - a primary, a "
+                    "standby, read-write: check it and the hosts; during a failover, try again)"
                 )
             elif isinstance(exc, TimeoutError) and not str(exc):  # (it said only "TimeoutError")
                 text = (
