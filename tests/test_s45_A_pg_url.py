@@ -267,3 +267,20 @@ async def test_target_session_attrs_no_host_matches_says_so(pg_url: str) -> None
     assert "the session ended as it was set up" not in failed.value.message
     assert "target_session_attrs" in failed.value.message
     assert failed.value.details.get("transient") is True
+
+
+def test_a_read_that_finds_no_host_matching_target_session_attrs_says_so() -> None:
+    """The read's (or command's) sibling: a pool connecting anew during a failover with
+    ``target_session_attrs=primary`` finds none - told "Lost the connection ...: the session
+    ended under it - the server ended it (a restart, pg_terminate_backend ...)". It says what
+    it is, still transient (the failover promotes one), a command not run."""
+    import evstore.log.postgres as pg
+
+    exc = asyncpg.exceptions.TargetServerAttributeNotMatched(
+        "None of the hosts match the target attribute requirement <SessionAttribute.primary>"
+    )
+    for committing in (None, False):
+        failed = pg._storage_error(exc, "reading the log", committing)
+        assert "the session ended under it" not in failed.message
+        assert "target_session_attrs" in failed.message
+        assert failed.details["transient"] is True

@@ -1337,6 +1337,12 @@ def _storage_error(
         # (asyncpg's own timeouts: an OSError on Python 3.11, but no connection was lost - the
         # caller's setting ran out, and that is what a person has to know)
         lead = f"PostgreSQL did not answer within {timeout} while {doing}"
+    elif isinstance(exc, asyncpg.exceptions.TargetServerAttributeNotMatched):
+        # (an InternalClientError too, but no session ended: none was what the URL asks for)
+        lead = (
+            f"No host of the URL was what its target_session_attrs asks for while {doing}: {text} "
+            "(a failover under way? else check it and the hosts)"
+        )
     elif isinstance(exc, asyncpg.InternalClientError):
         # (asyncpg's state machine on a connection that broke under it: its words alone say
         # nothing of what happened)
