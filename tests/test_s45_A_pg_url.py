@@ -284,3 +284,42 @@ def test_a_read_that_finds_no_host_matching_target_session_attrs_says_so() -> No
         assert "the session ended under it" not in failed.message
         assert "target_session_attrs" in failed.message
         assert failed.details["transient"] is True
+
+
+async def test_a_command_by_a_role_that_may_only_read_is_read_only(pg_url: str) -> None:
+    """Regression: a role with SELECT on the store's tables but no INSERT or UPDATE - the
+    PostgreSQL counterpart of a SQLite store file this process may read but not write, whose
+    command errors say ``details["reason"] == "read_only"`` - failed its commands "permission
+    denied for table events; it was rolled back" with the SQLSTATE alone. It says now
+    ``read_only`` (nothing written, ``outcome_unknown`` False) and what the role lacks; reads
+    and the audit answer."""
+    schema = dict(parse_qsl(urlsplit(pg_url).query))["search_path"]
+    admin = await asyncpg.connect(pg_url)
+    role, url = await _role(admin, pg_url, "reader")
+    try:
+        async with open_store(pg_url) as store:
+            rp = await make_provider(store, VCPU=4)
+        await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        await admin.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {role}')
+        await admin.execute(f'GRANT SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}')
+        async with open_store(url, create=False, upgrade=False) as reader:
+            head = await reader.head()
+            with pytest.raises(StorageError) as refused:
+                await reader.set_allocations(
+                    new_uuid(),
+                    {rp: {"VCPU": 1}},
+                    project_id="p",
+                    user_id="u",
+                    consumer_type="INSTANCE",
+                    generation=None,
+                )
+            assert refused.value.details["reason"] == "read_only", refused.value.details
+            assert refused.value.details["outcome_unknown"] is False
+            assert refused.value.details["sqlstate"] == "42501"
+            assert "privilege" in refused.value.message
+            assert await reader.head() == head
+            assert (await reader.usage(rp)).usages == {"VCPU": 0}
+            assert (await reader.audit()).clean
+    finally:
+        await _drop_role(admin, role)
+        await admin.close()

@@ -1378,6 +1378,12 @@ def _storage_error(
         elif sqlstate == "25006":  # (read_only_sql_transaction: as a SQLite file this process may not write)
             lead += f" ({READ_ONLY_HINT})"
             reason = {"reason": "read_only"}
+        elif sqlstate == "42501" and committing is not None:
+            # (insufficient_privilege in work that writes - a command, a rebuild, an import: a
+            # role that may read the store but not write it, as a SQLite file this process may
+            # read and not write; a read's is a privilege it lacks to read, no such reason)
+            lead += f" ({NO_WRITE_PRIVILEGE_HINT})"
+            reason = {"reason": "read_only"}
         if committing is None:
             return err.StorageError(lead, sqlstate=sqlstate, **reason)
         # the server answered with an error: the transaction is rolled back, also at COMMIT
@@ -1406,6 +1412,15 @@ READ_ONLY_HINT = (
     "this session may not write: the server is a hot standby, or default_transaction_read_only is "
     "set for the role, the database or in the store URL; run commands on the primary, with a "
     "session that may write - reads, export, audit and time travel work here"
+)
+
+
+#: what SQLSTATE 42501 (insufficient_privilege) means for work that writes: nothing was written
+NO_WRITE_PRIVILEGE_HINT = (
+    "this role may not write the store: it lacks a privilege on its tables - INSERT, UPDATE and "
+    "DELETE on the schema's tables, USAGE on its sequence, EXECUTE on evstore's functions; grant "
+    "them, or run commands as the role that owns the store - reads, export, audit and time travel "
+    "work with SELECT"
 )
 
 
