@@ -323,3 +323,44 @@ async def test_a_command_by_a_role_that_may_only_read_is_read_only(pg_url: str) 
     finally:
         await _drop_role(admin, role)
         await admin.close()
+
+
+@pytest.mark.parametrize("shadow", ["events", "p_providers", "function"])
+async def test_a_schema_before_the_stores_that_holds_a_table_of_its_names_is_refused(
+    pg_url: str, shadow: str
+) -> None:
+    """Regression: ``?search_path=app,store`` where the store lives in ``store`` and the schema
+    ``app`` before it holds another application's table named as one of evstore's (``events``,
+    ``p_providers``) or a function named as evstore's: the open found the store (the first schema
+    holding its ``evstore_meta``) and opened it, but every unqualified name resolved to ``app``'s
+    - every read failed "column "position" does not exist", and a table of a like shape would have
+    been read, and written, as the store's. Refused now at open, naming the schema and what it
+    holds in the way; nothing of either is touched."""
+    schema = dict(parse_qsl(urlsplit(pg_url).query))["search_path"]
+    app = f"{schema}_app"
+    admin = await asyncpg.connect(pg_url)
+    try:
+        async with open_store(pg_url) as store:
+            await make_provider(store, VCPU=1)
+            head = await store.head()
+        await admin.execute(f'CREATE SCHEMA "{app}"')
+        if shadow == "function":
+            await admin.execute(
+                f'CREATE FUNCTION "{app}".evstore_sequence(bigint, boolean, bigint[]) RETURNS int '
+                "LANGUAGE sql AS 'SELECT 1'"
+            )
+        else:
+            await admin.execute(f'CREATE TABLE "{app}".{shadow} (id int, note text)')
+        url = f"{pg_url.split('?')[0]}?search_path={quote(f'{app},{schema}')}"
+        with pytest.raises(InvalidInput) as refused:
+            async with open_store(url):
+                pass
+        assert refused.value.details["field"] == "search_path"
+        assert app in refused.value.message
+        assert (shadow if shadow != "function" else "evstore_sequence") in refused.value.message
+        async with open_store(pg_url) as store:  # (the store, by its own search_path, is whole)
+            assert await store.head() == head
+            assert (await store.audit()).clean
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{app}" CASCADE')
+        await admin.close()

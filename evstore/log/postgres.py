@@ -1122,6 +1122,31 @@ STORE_SCHEMA = (
     "ORDER BY array_position(current_schemas(false), n.nspname) LIMIT 1), current_schema())"
 )
 
+#: the names of the store's tables, view and sequence, as its statements name them (unqualified)
+STORE_RELATIONS = (
+    "evstore_meta",
+    "events",
+    "events_seq_seq",
+    "event_entities",
+    "idempotency",
+    "snapshots",
+    "p_consumers_resolved",
+    *PROJECTION_TABLES,
+)
+
+#: what the schemas of the session's search_path before the store's ($1) hold of evstore's
+#: names - relations ($2) and functions (evstore_*) -, by schema then name: up to 5
+SHADOWING = (
+    "WITH path AS (SELECT s.nspname, s.i "
+    "FROM unnest(current_schemas(false)) WITH ORDINALITY AS s(nspname, i)), "
+    "before AS (SELECT n.oid, p.nspname, p.i FROM path p JOIN pg_namespace n ON n.nspname = p.nspname "
+    "WHERE p.i < (SELECT min(i) FROM path WHERE nspname = $1)) "
+    "SELECT b.nspname, x.name FROM before b JOIN LATERAL ("
+    "SELECT relname::text AS name FROM pg_class WHERE relnamespace = b.oid AND relname = ANY($2::text[]) "
+    "UNION SELECT proname::text FROM pg_proc WHERE pronamespace = b.oid AND proname LIKE 'evstore\\_%'"
+    ") x ON true ORDER BY b.i, x.name LIMIT 5"
+)
+
 #: whether the search_path the session began with (the URL's, the role's, the database's - before
 #: _init_connection set the schemas found) names pg_temp first
 TEMP_SCHEMA_FIRST = (
@@ -2225,6 +2250,8 @@ class PostgresBackend:
                         url=self.safe_url,
                         field="search_path",
                     )
+                if schema is not None:
+                    await self._refuse_shadowed(conn, schema)
                 if schema is None and not self.create:  # (nothing to open: no store there)
                     raise err.NotFound(
                         f"No evstore store at {self.safe_url}: no schema of its search_path exists, "
@@ -2434,6 +2461,25 @@ class PostgresBackend:
             "audit, rebuild or import holds it exclusive, a client stuck inside a command (an "
             "older evstore's) holds it shared",
         )
+
+    async def _refuse_shadowed(self, conn: Any, schema: str) -> None:
+        """Refuse a search_path that names, before the store's ``schema``, a schema holding a
+        table, view, sequence or function of one of evstore's names (another application's
+        ``events``): every unqualified name resolves to the first schema holding it, so the store
+        would be read, and written, there - its reads failed, "column "position" does not
+        exist". One statement, at open."""
+        found = await conn.fetch(SHADOWING, schema, list(STORE_RELATIONS))
+        if found:
+            held = ", ".join(f"{r['nspname']}.{r['name']}" for r in found)
+            raise err.InvalidInput(
+                f"The search_path of {self.safe_url} names a schema before the store's ({schema!r}) "
+                f"that holds what evstore's names would resolve to instead of the store's: {held} "
+                "(another application's?). Put the store's schema first in the search_path "
+                f"(?search_path={schema}, ...), or leave that schema out; nothing was read or written",
+                url=self.safe_url,
+                field="search_path",
+                schema=schema,
+            )
 
     def _key(self, name: str) -> int:
         digest = hashlib.blake2b(f"{self._namespace}\x1f{name}".encode(), digest_size=8).digest()
