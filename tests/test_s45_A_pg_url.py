@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 import asyncpg
@@ -364,3 +365,32 @@ async def test_a_schema_before_the_stores_that_holds_a_table_of_its_names_is_ref
     finally:
         await admin.execute(f'DROP SCHEMA IF EXISTS "{app}" CASCADE')
         await admin.close()
+
+
+@pytest.mark.parametrize(
+    "tls",
+    [
+        "sslmode=verify-ca&sslrootcert=/nonexistent/s45a-root.crt",
+        "sslmode=require&sslcert=/nonexistent/s45a.crt&sslkey=/nonexistent/s45a.key",
+        "sslmode=verify-ca&sslrootcert={not_a_certificate}",
+    ],
+    ids=["no_root_cert", "no_client_cert", "not_a_certificate"],
+)
+async def test_tls_files_the_url_names_that_cannot_be_used_are_the_urls_fault(
+    pg_url: str, tls: str, tmp_path: Path
+) -> None:
+    """Regression: a URL naming a TLS file that does not exist (``sslrootcert=``, ``sslcert=``)
+    failed "[Errno 2] No such file or directory (no server socket there: check the URL's host -
+    the directory of the server's Unix socket ...)", and one that holds no certificate "[X509:
+    NO_CERTIFICATE_OR_CRL_FOUND] ... (a restart, a failover or the network: try again)", both
+    ``transient``: asyncpg reads them as it parses the URL, before any connect. They are the
+    URL's fault and do not pass by themselves - ``InvalidInput`` (as asyncpg's own refusal of a
+    missing default root certificate is), naming the TLS parameters to check."""
+    bogus = tmp_path / "not-a-certificate.crt"
+    bogus.write_text("not a certificate\n")
+    with pytest.raises(InvalidInput) as refused:
+        async with open_store(f"{pg_url}&{tls.format(not_a_certificate=bogus)}", connect_timeout=5):
+            pass
+    assert "transient" not in refused.value.details
+    assert "sslrootcert" in refused.value.message and "Unix socket" not in refused.value.message
+    assert "try again" not in refused.value.message

@@ -1319,7 +1319,22 @@ def _refused_for_good(exc: BaseException) -> bool:
     transient, though an ``OSError``, unlike a refused, reset or timed out connection, a name the
     resolver cannot answer for now, or a Unix socket that is gone (a stopped server removes it).
     Nor does a server that offers no TLS where the URL's sslmode asks for it (:func:`_no_tls`)."""
-    return isinstance(exc, PermissionError | ssl.SSLCertVerificationError) or _no_tls(exc)
+    return isinstance(exc, PermissionError | ssl.SSLCertVerificationError) or _no_tls(exc) or _tls_files(exc)
+
+
+def _tls_files(exc: BaseException) -> bool:
+    """Whether ``exc`` is an ``OSError`` asyncpg raised while parsing the URL, before any
+    connect: reading the TLS files it names (``sslrootcert``, ``sslcert``, ``sslkey``) - one
+    missing (``FileNotFoundError``, which a Unix socket gone raises too, at its connect), not
+    readable, or holding no certificate (``ssl.SSLError``). Told by where it was raised."""
+    if not isinstance(exc, OSError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_parse_connect_dsn_and_args":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _no_tls(exc: BaseException) -> bool:
@@ -1680,6 +1695,13 @@ class PostgresBackend:
                 raise self._malformed(exc) from None
             # (a server's or resolver's text may quote what the URL held: a misread password's piece)
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
+            if _tls_files(exc):  # (as asyncpg's refusal of a default root certificate missing)
+                raise err.InvalidInput(
+                    f"Cannot use the TLS files the PostgreSQL URL {self.safe_url} names: {text} (check "
+                    "its sslrootcert, sslcert and sslkey - each a readable file, in PEM form: the "
+                    "server's CA certificate, this client's certificate and key)",
+                    url=self.safe_url,
+                ) from None
             # (InterfaceError: asyncpg had seen the connection go before its set-up statement -
             # told by its words alone: asyncpg raises a plain InterfaceError for it, as for its
             # other complaints, with no type of its own)
