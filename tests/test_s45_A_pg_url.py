@@ -394,3 +394,34 @@ async def test_tls_files_the_url_names_that_cannot_be_used_are_the_urls_fault(
     assert "transient" not in refused.value.details
     assert "sslrootcert" in refused.value.message and "Unix socket" not in refused.value.message
     assert "try again" not in refused.value.message
+
+
+async def test_a_tls_handshake_that_fails_does_not_pass_by_itself() -> None:
+    """Regression of 737e234 (an open's OSError is transient, "try again"): a server that agrees to
+    TLS and then answers with something else (a proxy that speaks HTTP, a protocol the two cannot
+    agree on) fails the handshake with ``ssl.SSLError`` ("WRONG_VERSION_NUMBER"), an OSError - told
+    "(a restart, a failover or the network: try again)", transient. It does not pass by itself:
+    not transient, and the message says what to check."""
+
+    class AgreesThenHttp(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            self.transport, self.answered = transport, False
+
+        def data_received(self, data: bytes) -> None:
+            # (the SSLRequest: "S", go ahead; then, for the ClientHello, an HTTP answer)
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\n\r\n" * 4 if self.answered else b"S")
+            self.answered = True
+
+    server = await asyncio.get_running_loop().create_server(AgreesThenHttp, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(StorageError) as failed:
+            async with open_store(f"postgresql://u@127.0.0.1:{port}/db?sslmode=require", connect_timeout=5):
+                pass
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert "transient" not in failed.value.details, failed.value.details
+    assert "try again" not in failed.value.message
+    assert "TLS" in failed.value.message

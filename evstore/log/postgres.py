@@ -871,6 +871,12 @@ def _connect_hint(exc: BaseException) -> str:
         )
     if isinstance(exc, socket.gaierror):
         return " (the host name does not resolve: check the host in the URL, and this host's DNS)"
+    if _tls_refused(exc) and not _tls_files(exc):
+        return (
+            " (the TLS handshake failed: what answers there and this client cannot agree on TLS - "
+            "that does not pass by itself: check the host and port, the URL's sslmode and "
+            "ssl_min_protocol_version/ssl_max_protocol_version, and the server's ssl settings)"
+        )
     if _no_tls(exc):
         return (
             " (the server offers no TLS - its ssl setting is off - and the URL's sslmode asks for it: "
@@ -1319,7 +1325,23 @@ def _refused_for_good(exc: BaseException) -> bool:
     transient, though an ``OSError``, unlike a refused, reset or timed out connection, a name the
     resolver cannot answer for now, or a Unix socket that is gone (a stopped server removes it).
     Nor does a server that offers no TLS where the URL's sslmode asks for it (:func:`_no_tls`)."""
-    return isinstance(exc, PermissionError | ssl.SSLCertVerificationError) or _no_tls(exc) or _tls_files(exc)
+    return (
+        isinstance(exc, PermissionError | ssl.SSLCertVerificationError)
+        or _no_tls(exc)
+        or _tls_files(exc)
+        or _tls_refused(exc)
+    )
+
+
+def _tls_refused(exc: BaseException) -> bool:
+    """A TLS handshake that failed on what was said, not on a connection cut under it: the
+    server (or what answers at its address - a proxy speaking HTTP) and this client cannot agree
+    on TLS ("WRONG_VERSION_NUMBER", a protocol version or cipher the other refuses). Not an
+    ``SSLEOFError``, ``SSLZeroReturnError`` or ``SSLSyscallError``: the connection closed or cut
+    during the handshake, which a restart does."""
+    return isinstance(exc, ssl.SSLError) and not isinstance(
+        exc, ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError | ssl.SSLCertVerificationError
+    )
 
 
 def _tls_files(exc: BaseException) -> bool:
