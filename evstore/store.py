@@ -55,6 +55,7 @@ from evstore.log import (
     Job,
     Outcome,
     RawEvent,
+    Rebuilt,
     Receipt,
     check_held_amount,
     follows_on,
@@ -1057,20 +1058,6 @@ async def _fold_instance_tombstone(backend: Backend, state: State, consumer: str
     if found is not None:
         apart = evolve(State(), found.event, found.position)
         state.consumers[instance] = apart.consumers[instance]
-
-
-class Rebuilt(int):
-    """What :meth:`AllocationStore.rebuild` answers: the number of events it folded (an ``int``,
-    as it always was), and ``snapshots_dropped``, the time-travel snapshots it dropped - those its
-    own transaction deleted on SQLite, also any a question answered while it folded saved on its
-    way; on PostgreSQL those there when it began."""
-
-    snapshots_dropped: int
-
-    def __new__(cls, events: int, snapshots_dropped: int) -> Rebuilt:
-        made = super().__new__(cls, events)
-        made.snapshots_dropped = snapshots_dropped
-        return made  # (shown, as str() and repr(), and written to JSON as the int it is)
 
 
 class AllocationStore:
@@ -2400,8 +2387,6 @@ class AllocationStore:
         _check_progress(progress, "progress(events_folded, head)")
         if not force and (lost := await self._backend.lost_tail()) is not None:
             raise err.CorruptEvent(lost.message(), **lost.details())
-        # (a backend that does not count what its rebuild dropped: those there as it begins)
-        before = len(await self.snapshot_positions())
         try:
             folded = await self._backend.rebuild(_batch(batch_size), progress, full=full)
         except OverflowError:
@@ -2412,9 +2397,8 @@ class AllocationStore:
                 "names the event",
                 reason="invalid_value",
             ) from None
-        # (the backend dropped the snapshots in the rebuild's own transaction)
-        dropped = getattr(folded, "snapshots_dropped", None)
-        return Rebuilt(folded, before if dropped is None else dropped)
+        # (the backend dropped the snapshots in the rebuild's own transaction, and counted them)
+        return Rebuilt(folded, folded.snapshots_dropped)
 
     async def replay(self, to_position: int | None = None, *, at: datetime | None = None) -> State:
         """The state folded from the log from its first event, up to ``to_position`` or to the

@@ -274,6 +274,20 @@ class LostTail(NamedTuple):
         )
 
 
+class Rebuilt(int):
+    """What a rebuild answers (``AllocationStore.rebuild``, a backend's ``rebuild``): the number of
+    events it folded (an ``int``, as it always was), and ``snapshots_dropped``, the time-travel
+    snapshots its own transaction deleted - also any a question answered while it folded saved on
+    its way."""
+
+    snapshots_dropped: int
+
+    def __new__(cls, events: int, snapshots_dropped: int) -> Rebuilt:
+        made = super().__new__(cls, events)
+        made.snapshots_dropped = snapshots_dropped
+        return made  # (shown, as str() and repr(), and written to JSON as the int it is)
+
+
 class Backend(Protocol):
     url: str
     #: the schema version the open upgraded the store from (None: it was current, or new)
@@ -308,9 +322,9 @@ class Backend(Protocol):
     async def query(self, name: str, *args: Any) -> Any: ...
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
-    ) -> int:
+    ) -> Rebuilt:
         """Refold the projection from the log; the time-travel snapshots are dropped in the same
-        transaction. Returns the number of events folded."""
+        transaction. Returns the number of events folded, with the snapshots dropped."""
         ...
 
     async def lost_tail(self) -> LostTail | None: ...

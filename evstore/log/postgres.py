@@ -113,6 +113,7 @@ from evstore.log import (
     Outcome,
     PayloadRow,
     RawEvent,
+    Rebuilt,
     Receipt,
     SchemaRepair,
     carried,
@@ -698,15 +699,18 @@ async def _refold(conn: Any, missing: list[str]) -> bool:
     return True
 
 
-async def _drop_snapshots(conn: Any) -> None:
+async def _drop_snapshots(conn: Any) -> int:
     """Delete every snapshot and tombstone segment, the table locked first (in the caller's
     transaction, or one of its own): a snapshot and its segment are two rows a save locks in its
     order, which a DELETE's scan may take the other way round - "deadlock detected" (a rebuild
     failed with it under test_maintenance_races). SHARE ROW EXCLUSIVE waits for the saves under
-    way and holds new ones back until the commit; rows already saved are still read meanwhile."""
+    way and holds new ones back until the commit; rows already saved are still read meanwhile.
+    Returns the snapshots deleted (not their tombstone segments, kept at minus their position)."""
     async with conn.transaction():  # (a savepoint inside the caller's)
         await conn.execute("LOCK TABLE snapshots IN SHARE ROW EXCLUSIVE MODE")
+        status = await conn.execute("DELETE FROM snapshots WHERE position > 0")
         await conn.execute("DELETE FROM snapshots")
+    return int(str(status).rsplit(" ", 1)[-1])
 
 
 async def _recreate(conn: Any, missing: list[str]) -> None:
@@ -3506,7 +3510,7 @@ class PostgresBackend:
 
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
-    ) -> int:
+    ) -> Rebuilt:
         # (this backend always rewrites the whole projection, by COPY; ``full`` also reindexes it
         # and writes the history index again from the log)
         # The long parts, folding the whole log (and staging the history index's rows), run
@@ -3550,8 +3554,7 @@ class PostgresBackend:
                                 await conn.execute(f"REINDEX TABLE {table}")
                         # (the time-travel snapshots go with the projection, in its transaction:
                         # see the SQLite backend's _rebuild)
-                        await _drop_snapshots(conn)
-                        return folded
+                        return Rebuilt(folded, await _drop_snapshots(conn))
                 except CallbackFailed as exc:  # (not the database's: see CallbackFailed)
                     raise exc.error from None
                 except DB_ERRORS as exc:

@@ -58,6 +58,7 @@ from evstore.log import (
     Outcome,
     PayloadRow,
     RawEvent,
+    Rebuilt,
     Receipt,
     SchemaRepair,
     event_hash,
@@ -2048,7 +2049,7 @@ class SqliteBackend:
 
     async def rebuild(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None, full: bool = False
-    ) -> int:
+    ) -> Rebuilt:
         # The long part, folding the whole log, runs outside the write lock (reader connection,
         # read-ahead): writers are held back only while the events appended meanwhile are
         # folded and the projection is rewritten (~30% of a rebuild instead of all of it).
@@ -2063,7 +2064,7 @@ class SqliteBackend:
             progress=None if progress is None else (lambda done: progress(done, max(done, head))),
         )
         report = None if progress is None else _on_the_loop(asyncio.get_running_loop(), progress)
-        folded: int = await self._on_writer(
+        folded: Rebuilt = await self._on_writer(
             lambda conn: _retry_busy(
                 lambda: _rebuild(conn, state, batch_size, report, full, self.busy_timeout),
                 self.busy_timeout,
@@ -3774,18 +3775,6 @@ def _repair_index_definitions(conn: sqlite3.Connection) -> None:
             conn.execute(create)
 
 
-class _Rebuilt(int):
-    """The events a rebuild folded, and the time-travel snapshots it dropped (see
-    ``AllocationStore.rebuild``)."""
-
-    snapshots_dropped: int
-
-    def __new__(cls, events: int, snapshots_dropped: int) -> _Rebuilt:
-        made = super().__new__(cls, events)
-        made.snapshots_dropped = snapshots_dropped
-        return made
-
-
 def _rebuild(
     conn: sqlite3.Connection,
     folded: State,
@@ -3793,7 +3782,7 @@ def _rebuild(
     progress: Callable[[int, int], None] | None,
     full: bool = False,
     busy_timeout: float = 0.0,
-) -> int:
+) -> Rebuilt:
     """Rewrite the projection from ``folded`` (the whole log folded up to its position), after
     folding whatever was appended since, all in one write transaction (``full``: the history
     index too, staged before it). The lock is waited for here, up to ``busy_timeout``: a
@@ -3832,7 +3821,7 @@ def _rebuild(
         conn.execute("DELETE FROM provider_snapshots")
         count = int(conn.execute("SELECT count(*) FROM events").fetchone()[0])  # == head unless tampered
         conn.execute("COMMIT")
-        return _Rebuilt(count, max(dropped, 0))
+        return Rebuilt(count, max(dropped, 0))
     except BaseException:
         _rollback(conn)
         raise
