@@ -1144,8 +1144,14 @@ STORE_RELATIONS = (
     *PROJECTION_TABLES,
 )
 
+#: the names of the functions the store's statements call (unqualified): those its migrations make
+STORE_FUNCTIONS = tuple(
+    sorted(set(re.findall(r"CREATE (?:OR REPLACE )?FUNCTION (evstore_\w+)", "".join(MIGRATIONS))))
+)
+
 #: what the schemas of the session's search_path before the store's ($1) hold of evstore's
-#: names - relations ($2) and functions (evstore_*) -, by schema then name: up to 5
+#: names - relations ($2) and functions ($3: evstore's own, not any evstore_* - a function of
+#: another name resolves nothing evstore calls) -, by schema then name: up to 5
 SHADOWING = (
     "WITH path AS (SELECT s.nspname, s.i "
     "FROM unnest(current_schemas(false)) WITH ORDINALITY AS s(nspname, i)), "
@@ -1153,7 +1159,7 @@ SHADOWING = (
     "WHERE p.i < (SELECT min(i) FROM path WHERE nspname = $1)) "
     "SELECT b.nspname, x.name FROM before b JOIN LATERAL ("
     "SELECT relname::text AS name FROM pg_class WHERE relnamespace = b.oid AND relname = ANY($2::text[]) "
-    "UNION SELECT proname::text FROM pg_proc WHERE pronamespace = b.oid AND proname LIKE 'evstore\\_%'"
+    "UNION SELECT proname::text FROM pg_proc WHERE pronamespace = b.oid AND proname = ANY($3::text[])"
     ") x ON true ORDER BY b.i, x.name LIMIT 5"
 )
 
@@ -2516,7 +2522,7 @@ class PostgresBackend:
         ``events``): every unqualified name resolves to the first schema holding it, so the store
         would be read, and written, there - its reads failed, "column "position" does not
         exist". One statement, at open."""
-        found = await conn.fetch(SHADOWING, schema, list(STORE_RELATIONS))
+        found = await conn.fetch(SHADOWING, schema, list(STORE_RELATIONS), list(STORE_FUNCTIONS))
         if found:
             held = ", ".join(f"{r['nspname']}.{r['name']}" for r in found)
             raise err.InvalidInput(

@@ -1,0 +1,61 @@
+"""Stop 45, helper F: a review of this stop's PostgreSQL changes (helper A's open, TLS, URL
+settings, search_path and 42501 refusals), probed against the durable server as a user would:
+what they refuse must be what is wrong, and their messages must say what to do."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+
+import asyncpg
+
+from evstore import open_store
+from tests.conftest import make_provider
+
+
+def _schema(pg_url: str) -> str:
+    return dict(parse_qsl(urlsplit(pg_url).query))["search_path"]
+
+
+def _as(url: str, role: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rsplit('@', 1)[-1]}"))
+
+
+async def _new_role(admin: asyncpg.Connection, suffix: str) -> str:
+    role = f"evt_s45f_{suffix}_{os.getpid()}"
+    await admin.execute(f"DROP ROLE IF EXISTS {role}")
+    await admin.execute(f"CREATE ROLE {role} LOGIN NOSUPERUSER")
+    return role
+
+
+async def _drop_role(admin: asyncpg.Connection, role: str) -> None:
+    await admin.execute(f"DROP OWNED BY {role}")
+    await admin.execute(f"DROP ROLE {role}")
+
+
+async def test_a_schema_before_the_stores_with_a_function_evstore_never_calls_is_not_refused(
+    pg_url: str,
+) -> None:
+    """Regression (fb6bd79 refused every ``evstore_*`` function): a schema before the store's
+    holding a function of its own whose name only starts like evstore's (``evstore_report``, a
+    report an operator wrote) shadows nothing evstore calls - the open was refused all the same,
+    "holds what evstore's names would resolve to ... evstore_report". It opens; one holding a
+    function evstore does call (``evstore_sequence``) is still refused (test_s45_A_pg_url)."""
+    schema = _schema(pg_url)
+    app = f"{schema}_f_app"
+    admin = await asyncpg.connect(pg_url)
+    try:
+        async with open_store(pg_url) as store:
+            rp = await make_provider(store, VCPU=1)
+        await admin.execute(f'CREATE SCHEMA "{app}"')
+        await admin.execute(
+            f"CREATE FUNCTION \"{app}\".evstore_report() RETURNS int LANGUAGE sql AS 'SELECT 1'"
+        )
+        await admin.execute(f'CREATE TABLE "{app}".orders (id int)')  # (no name of evstore's)
+        url = f"{pg_url.split('?')[0]}?search_path={quote(f'{app},{schema}')}"
+        async with open_store(url, create=False) as store:
+            assert (await store.usage(rp)).usages == {"VCPU": 0}
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{app}" CASCADE')
+        await admin.close()
