@@ -8,9 +8,10 @@ import os
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 import asyncpg
+import pytest
 
-from evstore import open_store
-from tests.conftest import make_provider
+from evstore import StorageError, open_store
+from tests.conftest import make_provider, new_uuid
 
 
 def _schema(pg_url: str) -> str:
@@ -58,4 +59,45 @@ async def test_a_schema_before_the_stores_with_a_function_evstore_never_calls_is
             assert (await store.usage(rp)).usages == {"VCPU": 0}
     finally:
         await admin.execute(f'DROP SCHEMA IF EXISTS "{app}" CASCADE')
+        await admin.close()
+
+
+async def test_a_full_rebuild_by_a_role_that_writes_but_does_not_own_is_not_read_only(pg_url: str) -> None:
+    """Regression (a293d24): a role granted what README's 42501 hint asks for - INSERT, UPDATE and
+    DELETE on the tables, the sequence, EXECUTE - runs commands and a plain rebuild; its full
+    rebuild reindexes, which PostgreSQL allows the tables' owner alone ("must be owner of table
+    p_allocations", 42501). It was told ``reason`` ``read_only`` and "this role may not write the
+    store: ... grant them" - what it has. Not read_only now, and the message says that the owner
+    is needed."""
+    schema = _schema(pg_url)
+    admin = await asyncpg.connect(pg_url)
+    role = await _new_role(admin, "writer")
+    try:
+        async with open_store(pg_url) as store:
+            rp = await make_provider(store, VCPU=4)
+        await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO {role}')
+        await admin.execute(
+            f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO {role}'
+        )
+        await admin.execute(f'GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA "{schema}" TO {role}')
+        await admin.execute(f'GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "{schema}" TO {role}')
+        async with open_store(_as(pg_url, role), create=False, upgrade=False) as writer:
+            await writer.set_allocations(
+                new_uuid(),
+                {rp: {"VCPU": 1}},
+                project_id="p",
+                user_id="u",
+                consumer_type="INSTANCE",
+                generation=None,
+            )
+            assert await writer.rebuild() == await writer.head()
+            with pytest.raises(StorageError) as refused:
+                await writer.rebuild(full=True)
+        assert refused.value.details["sqlstate"] == "42501"
+        assert refused.value.details.get("reason") != "read_only", refused.value.details
+        assert "may not write" not in refused.value.message
+        assert "owner" in refused.value.message
+        assert refused.value.details["outcome_unknown"] is False
+    finally:
+        await _drop_role(admin, role)
         await admin.close()

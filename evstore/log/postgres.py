@@ -1450,6 +1450,10 @@ def _storage_error(
         elif sqlstate == "25006":  # (read_only_sql_transaction: as a SQLite file this process may not write)
             lead += f" ({READ_ONLY_HINT})"
             reason = {"reason": "read_only"}
+        elif sqlstate == "42501" and committing is not None and text.startswith("must be owner of"):
+            # (what only the tables' owner may do - a full rebuild's REINDEX: a role that writes
+            # the store, commands and a plain rebuild, may not do it; granting more is no help)
+            lead += f" ({OWNER_ONLY_HINT})"
         elif sqlstate == "42501" and committing is not None:
             # (insufficient_privilege in work that writes - a command, a rebuild, an import: a
             # role that may read the store but not write it, as a SQLite file this process may
@@ -1493,6 +1497,14 @@ NO_WRITE_PRIVILEGE_HINT = (
     "DELETE on the schema's tables, USAGE on its sequence, EXECUTE on evstore's functions; grant "
     "them, or run commands as the role that owns the store - reads, export, audit and time travel "
     "work with SELECT"
+)
+
+
+#: what SQLSTATE 42501 "must be owner of table ..." means for work that writes: nothing was written
+OWNER_ONLY_HINT = (
+    "only the role that owns the store's tables may do this - a full rebuild reindexes them; this "
+    "role's privileges are enough for commands and a plain rebuild: run it as the owner, or as a "
+    "role granted the owner's membership"
 )
 
 
