@@ -10,7 +10,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from evstore import StorageError, open_store
+from evstore import InvalidInput, StorageError, open_store
 from tests.conftest import make_provider, new_uuid
 
 
@@ -98,6 +98,28 @@ async def test_a_full_rebuild_by_a_role_that_writes_but_does_not_own_is_not_read
         assert "may not write" not in refused.value.message
         assert "owner" in refused.value.message
         assert refused.value.details["outcome_unknown"] is False
+    finally:
+        await _drop_role(admin, role)
+        await admin.close()
+
+
+@pytest.mark.parametrize("setting", ["log_statement=all", "options=-c%20log_statement%3Dall"])
+async def test_a_url_setting_the_role_may_not_set_is_invalid_input_naming_it(
+    pg_url: str, setting: str
+) -> None:
+    """A ?k=v of the URL the server refuses for the role's want of a privilege ("permission denied
+    to set parameter "log_statement"", 42501 - a superuser's setting): as one whose value it
+    refuses (b82cbcb), the URL's to change - ``InvalidInput`` naming the key, saying the role may
+    not set it -, where it was ``evstore.storage`` "Cannot connect"."""
+    admin = await asyncpg.connect(pg_url)
+    role = await _new_role(admin, "noset")
+    try:
+        with pytest.raises(InvalidInput) as refused:
+            async with open_store(f"{_as(pg_url, role)}&{setting}", create=False):
+                pass
+        assert refused.value.details["field"] == setting.split("=")[0]
+        assert "may not set it" in refused.value.message
+        assert "transient" not in refused.value.details
     finally:
         await _drop_role(admin, role)
         await admin.close()

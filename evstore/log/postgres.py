@@ -1795,10 +1795,15 @@ class PostgresBackend:
                 ) from None
             setting = self._refused_setting(exc, text)
             if setting is not None:
+                check = (
+                    f"this role may not set it ({setting}): leave it out of the URL, or have it "
+                    "granted (GRANT SET ON PARAMETER, or a superuser's role)"
+                    if getattr(exc, "sqlstate", None) == "42501"
+                    else f"check its value ({setting})"
+                )
                 raise err.InvalidInput(
                     f"Cannot connect to PostgreSQL at {self.safe_url}: {text}. A ?k=v in the URL that "
-                    f"is not one of evstore's options is sent to the server as a setting: check its "
-                    f"value ({setting})"
+                    f"is not one of evstore's options is sent to the server as a setting: {check}"
                     + (
                         " - a schema whose name needs quoting (capitals, spaces, hyphens) is named "
                         "quoted, ?search_path=%22My Schema%22"
@@ -1852,9 +1857,13 @@ class PostgresBackend:
         """The key of the URL's query whose value the server refused at the connect (a ?k=v that
         is not evstore's goes to it as a setting): SQLSTATE 22023 (invalid_parameter_value: not
         a number, out of range, an unquoted schema name with a space), 55P02 (a setting only a
-        restart changes) or 42601 (a malformed ``options``) whose text names it - or ``options``,
+        restart changes), 42601 (a malformed ``options``) or 42501 (a setting this role may not
+        set: "permission denied to set parameter", a superuser's) whose text names it - or ``options``,
         whose ``-c k=v`` name settings of their own. None: not such a refusal."""
-        if getattr(exc, "sqlstate", None) not in ("22023", "55P02", "42601"):
+        sqlstate = getattr(exc, "sqlstate", None)
+        if sqlstate not in ("22023", "55P02", "42601", "42501"):
+            return None
+        if sqlstate == "42501" and "to set parameter" not in text:  # (else a privilege of another kind)
             return None
         try:
             keys = [k for k, _ in parse_qsl(urlsplit(self.url).query, keep_blank_values=True)]
