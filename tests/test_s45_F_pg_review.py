@@ -5,6 +5,7 @@ what they refuse must be what is wrong, and their messages must say what to do."
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 import asyncpg
@@ -123,3 +124,38 @@ async def test_a_url_setting_the_role_may_not_set_is_invalid_input_naming_it(
     finally:
         await _drop_role(admin, role)
         await admin.close()
+
+
+@pytest.mark.parametrize("source", ["environment", "home", "url_crl"])
+async def test_a_tls_file_that_cannot_be_used_is_named_with_where_it_came_from(
+    pg_url: str, source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (4d2362e): asyncpg also reads TLS files the URL does not name - PGSSLROOTCERT
+    and the like, and ~/.postgresql/postgresql.crt even under the default sslmode (prefer) -; one
+    that is missing or holds no certificate was told "Cannot use the TLS files the PostgreSQL URL
+    ... names: [Errno 2] No such file or directory (check its sslrootcert, sslcert and sslkey ...)",
+    of a URL naming none, without saying which file (nor sslcrl, which the URL may name). The
+    refusal names the option and the file, and where such files come from; ``field`` is the
+    URL's option when the URL names the file."""
+    url, field = pg_url, None
+    if source == "environment":
+        monkeypatch.setenv("PGSSLROOTCERT", str(tmp_path / "s45f-missing-root.crt"))
+        url = f"{pg_url}&sslmode=verify-ca"
+        named = f"sslrootcert: {tmp_path / 's45f-missing-root.crt'}"
+    elif source == "home":
+        (tmp_path / ".postgresql").mkdir()
+        (tmp_path / ".postgresql" / "postgresql.crt").write_text("not a certificate\n")
+        monkeypatch.setenv("HOME", str(tmp_path))
+        named = f"sslcert: {tmp_path / '.postgresql' / 'postgresql.crt'}"
+    else:
+        url, field = f"{pg_url}&sslmode=require&sslcrl=/nonexistent/s45f.crl", "sslcrl"
+        named = "sslcrl: /nonexistent/s45f.crl"
+    with pytest.raises(InvalidInput) as refused:
+        async with open_store(url, create=False, connect_timeout=5):
+            pass
+    message = refused.value.message
+    assert not message.startswith("Cannot use the TLS files the PostgreSQL URL"), message
+    assert named in message, message
+    assert "PGSSLROOTCERT" in message and "~/.postgresql" in message
+    assert refused.value.details.get("field") == field, refused.value.details
+    assert "transient" not in refused.value.details

@@ -1369,6 +1369,27 @@ def _tls_files(exc: BaseException) -> bool:
     return False
 
 
+def _tls_file_read(exc: BaseException) -> tuple[str, str] | None:
+    """For an error of :func:`_tls_files`: which of asyncpg's TLS files it was reading - the URL's
+    option and the file's path -, from the parsing frame's variables (an ``ssl`` error does not
+    name its file): they are set in the order asyncpg reads them (sslrootcert, sslcrl, then
+    sslcert with its sslkey), so the last one set is the one that failed. None: not found."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "_parse_connect_dsn_and_args":
+        tb = tb.tb_next
+    if tb is None:
+        return None
+    found = None
+    for name in ("sslrootcert", "sslcrl", "sslcert"):
+        value = tb.tb_frame.f_locals.get(name)
+        if value:
+            found = (name, str(value))
+    key = tb.tb_frame.f_locals.get("sslkey")
+    if found is not None and found[0] == "sslcert" and key:
+        found = ("sslcert", f"{found[1]}, its key {key}")
+    return found
+
+
 def _no_tls(exc: BaseException) -> bool:
     """asyncpg's plain ``ConnectionError`` for a server that answered the URL's ``sslmode``
     (require, verify-ca, verify-full) that it offers no TLS (its ``ssl`` is off): known by its
@@ -1740,12 +1761,7 @@ class PostgresBackend:
             # (a server's or resolver's text may quote what the URL held: a misread password's piece)
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
             if _tls_files(exc):  # (as asyncpg's refusal of a default root certificate missing)
-                raise err.InvalidInput(
-                    f"Cannot use the TLS files the PostgreSQL URL {self.safe_url} names: {text} (check "
-                    "its sslrootcert, sslcert and sslkey - each a readable file, in PEM form: the "
-                    "server's CA certificate, this client's certificate and key)",
-                    url=self.safe_url,
-                ) from None
+                raise self._tls_file_refused(exc, text) from None
             # (InterfaceError: asyncpg had seen the connection go before its set-up statement -
             # told by its words alone: asyncpg raises a plain InterfaceError for it, as for its
             # other complaints, with no type of its own)
@@ -1852,6 +1868,29 @@ class PostgresBackend:
         except BaseException:
             await self.close()
             raise
+
+    def _tls_file_refused(self, exc: OSError, text: str) -> err.InvalidInput:
+        """A TLS file asyncpg read as it parsed the URL (:func:`_tls_files`) that cannot be used:
+        one the URL names, or - the URL naming none - one of the environment (PGSSLROOTCERT, ...)
+        or a default in ~/.postgresql (its client certificate is read even under the default
+        sslmode, prefer). The file is named (:func:`_tls_file_read`), and ``field`` is the URL's
+        option when the URL names it."""
+        read = _tls_file_read(exc)
+        try:
+            keys = {k for k, _ in parse_qsl(urlsplit(self.url).query)}
+        except ValueError:
+            keys = set()
+        return err.InvalidInput(
+            f"Cannot use a TLS file the PostgreSQL client reads for {self.safe_url}: {text}"
+            + ("" if read is None else f" ({read[0]}: {read[1]})")
+            + " - a file the URL names (sslrootcert, sslcert, sslkey, sslcrl), else the one the "
+            "environment names (PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, PGSSLCRL), else the default in "
+            "~/.postgresql (root.crt, postgresql.crt, postgresql.key, root.crl; the client "
+            "certificate is read under the default sslmode, prefer, too): each must be a readable "
+            "file in PEM form - the server's CA certificate, this client's certificate and key",
+            url=self.safe_url,
+            **({"field": read[0]} if read is not None and read[0] in keys else {}),
+        )
 
     def _refused_setting(self, exc: BaseException, text: str) -> str | None:
         """The key of the URL's query whose value the server refused at the connect (a ?k=v that
