@@ -4,14 +4,16 @@ what they refuse must be what is wrong, and their messages must say what to do."
 
 from __future__ import annotations
 
+import asyncio
 import os
+import struct
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
-from evstore import InvalidInput, StorageError, open_store
+from evstore import InvalidInput, NotFound, StorageError, open_store
 from tests.conftest import make_provider, new_uuid
 
 
@@ -159,3 +161,45 @@ async def test_a_tls_file_that_cannot_be_used_is_named_with_where_it_came_from(
     assert "PGSSLROOTCERT" in message and "~/.postgresql" in message
     assert refused.value.details.get("field") == field, refused.value.details
     assert "transient" not in refused.value.details
+
+
+class _Bouncer(asyncio.Protocol):
+    """What pgbouncer answers a login to a database it has no entry for: no TLS, then a FATAL
+    ErrorResponse "no such database: ..." with SQLSTATE 08P01 (protocol_violation, pgbouncer's
+    code for every refusal of its own), and the connection closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport, self.buffer = transport, b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while len(self.buffer) >= 8 and len(self.buffer) >= struct.unpack("!I", self.buffer[:4])[0]:
+            size = struct.unpack("!I", self.buffer[:4])[0]
+            packet, self.buffer = self.buffer[:size], self.buffer[size:]
+            if struct.unpack("!I", packet[4:8])[0] == 80877103:  # (SSLRequest: none here)
+                self.transport.write(b"N")
+                continue
+            body = b"SFATAL\0VFATAL\0C08P01\0Mno such database: s45f_nodb\0\0"
+            self.transport.write(b"E" + struct.pack("!I", len(body) + 4) + body)
+            self.transport.close()
+
+
+async def test_pgbouncers_no_such_database_is_not_found_not_transient() -> None:
+    """Regression (d9e7bfa made an open's connection errors transient, class 08 among them):
+    pgbouncer refuses a database it has no entry for with 08P01 "no such database: x" - the open
+    said "(a restart, a failover or the network: try again)", ``transient`` True, for a name that
+    stays wrong. It is ``evstore.not_found``, as the server's own 3D000, not transient."""
+    server = await asyncio.get_running_loop().create_server(_Bouncer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(NotFound) as refused:
+            async with open_store(f"postgresql://u@127.0.0.1:{port}/s45f_nodb", connect_timeout=5):
+                pass
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert "no such database: s45f_nodb" in refused.value.message
+    assert "try again" not in refused.value.message
+    assert "transient" not in refused.value.details
+    assert "pgbouncer" in refused.value.message

@@ -1762,6 +1762,12 @@ class PostgresBackend:
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
             if _tls_files(exc):  # (as asyncpg's refusal of a default root certificate missing)
                 raise self._tls_file_refused(exc, text) from None
+            if getattr(exc, "sqlstate", None) == "08P01" and text.lower().startswith("no such database"):
+                # (pgbouncer's refusal of a database it has no entry for: 08P01, its code for all
+                # its refusals, most of which pass - this one does not, as the server's 3D000)
+                raise self._no_database(
+                    f"{text} (pgbouncer's answer: it has no entry of that name in its [databases])"
+                ) from None
             # (InterfaceError: asyncpg had seen the connection go before its set-up statement -
             # told by its words alone: asyncpg raises a plain InterfaceError for it, as for its
             # other complaints, with no type of its own)
