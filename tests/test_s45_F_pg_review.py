@@ -203,3 +203,29 @@ async def test_pgbouncers_no_such_database_is_not_found_not_transient() -> None:
     assert "try again" not in refused.value.message
     assert "transient" not in refused.value.details
     assert "pgbouncer" in refused.value.message
+
+
+async def test_the_search_path_a_shadowed_store_is_told_to_use_quotes_a_name_that_needs_it(
+    pg_url: str,
+) -> None:
+    """fb6bd79's refusal of a schema before the store's holding ``events`` says to put the store's
+    schema first, ``?search_path=<schema>, ...``: for a schema whose name needs quoting
+    (capitals, a hyphen - README's ``%22Evstore-Prod%22``) it showed the bare name, which
+    PostgreSQL folds to lower case or refuses. It shows the name quoted as a URL needs it."""
+    base = pg_url.split("?")[0]
+    store_schema, app = f"S45F-Store-{os.getpid()}", f"s45f_app_{os.getpid()}"
+    admin = await asyncpg.connect(pg_url)
+    try:
+        await admin.execute(f'CREATE SCHEMA "{store_schema}"')
+        async with open_store(f"{base}?search_path={quote(chr(34) + store_schema + chr(34))}") as store:
+            await make_provider(store, VCPU=1)
+        await admin.execute(f"CREATE SCHEMA {app}")
+        await admin.execute(f"CREATE TABLE {app}.events (id int)")
+        with pytest.raises(InvalidInput) as refused:
+            async with open_store(f"{base}?search_path={quote(f'{app},{chr(34)}{store_schema}{chr(34)}')}"):
+                pass
+        assert f"?search_path=%22{store_schema}%22" in refused.value.message, refused.value.message
+    finally:
+        await admin.execute(f"DROP SCHEMA IF EXISTS {app} CASCADE")
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{store_schema}" CASCADE')
+        await admin.close()

@@ -93,7 +93,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
 import structlog
@@ -1390,6 +1390,14 @@ def _tls_file_read(exc: BaseException) -> tuple[str, str] | None:
     return found
 
 
+def _in_url(schema: str) -> str:
+    """A schema's name as a URL's ``?search_path=`` names it: quoted (``%22``) when PostgreSQL
+    would otherwise fold or refuse it (capitals, a hyphen, a space), as README says."""
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", schema):
+        return schema
+    return "%22" + quote(schema.replace('"', '""'), safe="") + "%22"
+
+
 def _no_tls(exc: BaseException) -> bool:
     """asyncpg's plain ``ConnectionError`` for a server that answered the URL's ``sslmode``
     (require, verify-ca, verify-full) that it offers no TLS (its ``ssl`` is off): known by its
@@ -2595,7 +2603,8 @@ class PostgresBackend:
                 f"The search_path of {self.safe_url} names a schema before the store's ({schema!r}) "
                 f"that holds what evstore's names would resolve to instead of the store's: {held} "
                 "(another application's?). Put the store's schema first in the search_path "
-                f"(?search_path={schema}, ...), or leave that schema out; nothing was read or written",
+                f"(?search_path={_in_url(schema)}, ...), or leave that schema out; nothing was read or "
+                "written",
                 url=self.safe_url,
                 field="search_path",
                 schema=schema,
