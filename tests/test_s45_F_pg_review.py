@@ -229,3 +229,23 @@ async def test_the_search_path_a_shadowed_store_is_told_to_use_quotes_a_name_tha
         await admin.execute(f"DROP SCHEMA IF EXISTS {app} CASCADE")
         await admin.execute(f'DROP SCHEMA IF EXISTS "{store_schema}" CASCADE')
         await admin.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="evstore/log/__init__.py (not helper F's): Rebuilt(int) has a two-argument __new__ and no "
+    "__getnewargs__, so copy, deepcopy and pickle call Rebuilt.__new__(cls, events) - TypeError; "
+    "def __getnewargs__(self): return (int(self), self.snapshots_dropped) mends it",
+)
+def test_what_rebuild_answers_can_be_copied_and_pickled() -> None:
+    """``store.rebuild()`` answers a ``Rebuilt`` (an ``int`` with ``snapshots_dropped``): a value a
+    caller may deepcopy (a result dict) or pickle (sent to another process) as the ``int`` it was
+    before this stop; it raised TypeError."""
+    import copy
+    import pickle
+
+    from evstore.log import Rebuilt
+
+    answered = Rebuilt(7, 2)
+    for again in (copy.copy(answered), copy.deepcopy(answered), pickle.loads(pickle.dumps(answered))):
+        assert again == 7 and again.snapshots_dropped == 2
