@@ -249,3 +249,35 @@ def test_what_rebuild_answers_can_be_copied_and_pickled() -> None:
     answered = Rebuilt(7, 2)
     for again in (copy.copy(answered), copy.deepcopy(answered), pickle.loads(pickle.dumps(answered))):
         assert again == 7 and again.snapshots_dropped == 2
+
+
+async def test_a_client_key_whose_passphrase_is_wrong_says_to_check_sslpassword(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A client key encrypted with a passphrase the URL's ``sslpassword`` does not match: ssl says
+    only "[SSL] PEM lib"; the refusal names the certificate and key files and says to check
+    ``sslpassword`` (which the URL shown hides as ***)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make an encrypted key")
+    key, cert = tmp_path / "s45f.key", tmp_path / "s45f.crt"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out", str(cert)),
+            *("-days", "1", "-subj", "/CN=s45f", "-passout", "pass:the-right-one"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    url = f"{pg_url}&sslmode=require&sslcert={cert}&sslkey={key}&sslpassword=s45f-wrong-one"
+    with pytest.raises(InvalidInput) as refused:
+        async with open_store(url, create=False, connect_timeout=5):
+            pass
+    message = refused.value.message
+    assert "s45f-wrong-one" not in message
+    told = message.split(": ", 2)[-1]  # (past the URL, which names sslpassword=***)
+    assert str(cert) in told and str(key) in told
+    assert "sslpassword" in told, message
+    assert refused.value.details["field"] == "sslcert"

@@ -1901,7 +1901,12 @@ class PostgresBackend:
             "environment names (PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, PGSSLCRL), else the default in "
             "~/.postgresql (root.crt, postgresql.crt, postgresql.key, root.crl; the client "
             "certificate is read under the default sslmode, prefer, too): each must be a readable "
-            "file in PEM form - the server's CA certificate, this client's certificate and key",
+            "file in PEM form - the server's CA certificate, this client's certificate and key"
+            + (
+                " (a key with a passphrase: check sslpassword)"
+                if read is not None and read[0] == "sslcert"
+                else ""
+            ),
             url=self.safe_url,
             **({"field": read[0]} if read is not None and read[0] in keys else {}),
         )
