@@ -232,12 +232,6 @@ async def test_the_search_path_a_shadowed_store_is_told_to_use_quotes_a_name_tha
         await admin.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="evstore/log/__init__.py (not helper F's): Rebuilt(int) has a two-argument __new__ and no "
-    "__getnewargs__, so copy, deepcopy and pickle call Rebuilt.__new__(cls, events) - TypeError; "
-    "def __getnewargs__(self): return (int(self), self.snapshots_dropped) mends it",
-)
 def test_what_rebuild_answers_can_be_copied_and_pickled() -> None:
     """``store.rebuild()`` answers a ``Rebuilt`` (an ``int`` with ``snapshots_dropped``): a value a
     caller may deepcopy (a result dict) or pickle (sent to another process) as the ``int`` it was

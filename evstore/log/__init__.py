@@ -287,6 +287,10 @@ class Rebuilt(int):
         made.snapshots_dropped = snapshots_dropped
         return made  # (shown, as str() and repr(), and written to JSON as the int it is)
 
+    def __getnewargs__(self) -> tuple[int, int]:  # type: ignore[override]
+        # (copy, deepcopy and pickle make it again by __new__: int's gives the events alone)
+        return int(self), self.snapshots_dropped
+
 
 class Backend(Protocol):
     url: str
