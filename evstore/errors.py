@@ -170,8 +170,9 @@ class WrongEventLoop(EvstoreError):
     code = "evstore.store.wrong_loop"
 
 
-#: a URL's userinfo password: everything from the user's ":" to the last "@" (group 2)
-_USERINFO_PASSWORD = re.compile(r"(://[^:/@]*):(.*)@")
+#: where a URL's userinfo password may start: after "://", the user and its ":" (the password is
+#: everything from there to the last "@" on that line: :func:`_userinfo_passwords`)
+_USERINFO_START = re.compile(r"://[^:/@]*:")
 #: (libpq escapes a quote or a backslash in a quoted value, a space in a bare one, with a backslash:
 #: the value goes on past them; a quote never closed hides the rest of the text). A URL query's
 #: parameter (after "?" or "&") ends at the next "&"; a keyword string's bare value does not - "&"
@@ -184,9 +185,77 @@ _KEYWORD_PASSWORD = re.compile(
 )
 
 
+def _userinfo_passwords(url: str) -> list[tuple[int, int]]:
+    """Where ``url``'s userinfo passwords are written (start, end): each from the ":" after a
+    "://" and its user (no ":", "/" or "@" in it) to the last "@" on the line - what the pattern
+    ``(://[^:/@]*):(.*)@`` matches (group 2), found in linear time: that pattern, tried again at
+    every "://" of a text with many and no "@", read the rest of the line each time (40 KB: 1 s)."""
+    spans: list[tuple[int, int]] = []
+    line_start, line_end = 0, -1  # the line last looked at: [line_start, line_end)
+    no_at_from = -1  # no "@" from here to line_end
+    pos = 0
+    while (m := _USERINFO_START.search(url, pos)) is not None:
+        start = m.end()
+        if not line_start <= start <= line_end:
+            line_start = start
+            found = url.find("\n", start)
+            line_end = len(url) if found < 0 else found
+            no_at_from = -1
+        if 0 <= no_at_from <= start:
+            pos = m.start() + 1
+            continue
+        at = url.rfind("@", start, line_end)
+        if at < 0:
+            no_at_from = start
+            pos = m.start() + 1
+            continue
+        spans.append((start, at))
+        no_at_from = at + 1
+        pos = at + 1
+    return spans
+
+
 #: a value a parser's message quotes, as Python's repr writes it: in single quotes, or in double
-#: quotes when it holds a single one, with backslash escapes
-_QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'" + r'|"(?:[^"\\\n]|\\.)*"')
+#: quotes when it holds a single one, with backslash escapes (the pattern ``'(?:[^'\\\n]|\\.)*'``
+#: and its double-quoted twin, matched in linear time by :func:`_quoted_spans`)
+_QUOTE_CHARS = re.compile("['\"]")
+
+
+def _quoted_spans(text: str) -> list[tuple[int, int]]:
+    """Where ``text`` quotes values (start, end), as ``re.finditer`` of the pattern above would
+    find them, in linear time: that pattern, tried again at every quote of a text holding many
+    escaped ones and no closing one, read the rest of the line each time (24 KB: 2 s). A quote's
+    value, read from one place, ends where it does read from any other place its reading passes
+    through: each place's closing quote (or -1: none before the line ends) is worked out once,
+    from the text's end."""
+    if _QUOTE_CHARS.search(text) is None:
+        return []
+    n = len(text)
+    closing: dict[str, list[int]] = {}
+    for quote in "'\"":
+        ends = [-1] * (n + 2)
+        for i in range(n - 1, -1, -1):
+            char = text[i]
+            if char == quote:
+                ends[i] = i
+            elif char == "\\":
+                ends[i] = ends[i + 2] if i + 1 < n and text[i + 1] != "\n" else -1
+            elif char != "\n":
+                ends[i] = ends[i + 1]
+        closing[quote] = ends
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while (m := _QUOTE_CHARS.search(text, pos)) is not None:
+        start = m.start()
+        end = closing[m.group()][start + 1]
+        if end < 0:
+            pos = start + 1
+        else:
+            spans.append((start, end + 1))
+            pos = end + 1
+    return spans
+
+
 #: where a parser may cut a URL (a password with one of these unencoded is cut in pieces)
 _URL_DELIMITERS = re.compile(r"[/?#@:\[\],]")
 
@@ -194,7 +263,7 @@ _URL_DELIMITERS = re.compile(r"[/?#@:\[\],]")
 def url_secrets(url: str) -> list[str]:
     """The passwords in a store URL (or libpq keyword string), as :func:`redact_url` finds them,
     and as a URL parser does (an "@" later in the URL widens the former)."""
-    found = [m.group(2) for m in _USERINFO_PASSWORD.finditer(url)]
+    found = [url[start:end] for start, end in _userinfo_passwords(url)]
     found += [m.group(2).strip("'") for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
     try:
         found.append(urlsplit(url).password or "")
@@ -206,7 +275,7 @@ def url_secrets(url: str) -> list[str]:
 def _secret_spans(url: str) -> list[tuple[int, int]]:
     """Where in ``url`` its passwords are written (as :func:`redact_url` finds them: they cover
     what a URL parser takes for the password)."""
-    spans = [m.span(2) for m in _USERINFO_PASSWORD.finditer(url)]
+    spans = _userinfo_passwords(url)
     spans += [m.span(2) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
     return [(start, end) for start, end in spans if end > start]
 
@@ -249,11 +318,20 @@ def redact_text(text: str, url: str) -> str:
         return text
     spans = _secret_spans(url)
 
-    def quoted(m: re.Match[str]) -> str:
-        return "'***'" if _holds_a_secret(_unquoted(m.group(0)), url, secrets, spans) else m.group(0)
+    holds: dict[str, bool] = {}  # (a value quoted many times is looked for in the URL once)
+
+    def quoted(literal: str) -> str:
+        value = _unquoted(literal)
+        if value not in holds:
+            holds[value] = _holds_a_secret(value, url, secrets, spans)
+        return "'***'" if holds[value] else literal
 
     # (the quoted values first: replacing a password in one would keep it from being found in the URL)
-    text = _QUOTED.sub(quoted, text)
+    pieces, done = [], 0
+    for start, end in _quoted_spans(text):
+        pieces += [text[done:start], quoted(text[start:end])]
+        done = end
+    text = "".join(pieces) + text[done:]
     for secret in secrets:
         if len(secret) >= _WORDLIKE_SECRET:
             text = text.replace(secret, "***")
@@ -274,5 +352,9 @@ def redact_url(url: str) -> str:
     hidden, wherever it is written (``user:secret@``, ``?password=``, ``password=...``), also in
     text no URL parser accepts (a password with an unencoded ``/`` or ``@``). Hides more than the
     password in odd cases (up to the last ``@``), never less."""
-    hidden = _QUERY_PASSWORD.sub(r"\1***", _USERINFO_PASSWORD.sub(r"\1:***@", url))
+    pieces, done = [], 0
+    for start, end in _userinfo_passwords(url):
+        pieces += [url[done:start], "***"]
+        done = end
+    hidden = _QUERY_PASSWORD.sub(r"\1***", "".join(pieces) + url[done:])
     return _KEYWORD_PASSWORD.sub(r"\1***", hidden)
