@@ -445,26 +445,66 @@ LIBPQ_KEYWORDS = frozenset(
 #: a store "URL" that starts as a libpq keyword string does: ``host=...``, ``dbname = ...``
 _LIBPQ_FIRST_KEYWORD = re.compile(r"\s*([A-Za-z_]+)\s*=")
 
-#: one ``keyword = value`` of a libpq keyword string: the value single-quoted (``\'`` and ``\\``
-#: escaped in it) or a run without spaces (a backslash escaping the character after it)
-_LIBPQ_PAIR = re.compile(r"\s*([A-Za-z_]+)\s*=\s*(?:'((?:[^'\\]|\\.)*)'|((?:[^\s'\\]|\\.)*))(?=\s|$)", re.S)
+#: the characters C's isspace() takes (libpq's separators; Python's \s takes more)
+_LIBPQ_SPACES = frozenset(" \t\n\v\f\r")
 
 
 def _libpq_pairs(text: str) -> dict[str, str] | None:
-    """The keywords and values of libpq's keyword/value connection string ``text`` (None: it is not
-    one libpq would read - a quote left open, a keyword it does not know, one given twice)."""
+    """The keywords and values of libpq's keyword/value connection string ``text``, read as libpq
+    reads it (``conninfo_parse`` in fe-connect.c): a keyword, ``=`` (spaces around it), a value -
+    single-quoted (``\\'`` and ``\\\\`` escaped in it; the next keyword may follow the closing
+    quote at once) or bare (up to the next space, a backslash escaping the character after it, a
+    ``'`` after its first character one of its characters); a keyword given twice: the last one
+    counts. None: libpq would refuse it - a quote left open, a keyword it does not know, one
+    without ``=``."""
     pairs: dict[str, str] = {}
-    at = 0
-    while text[at:].strip():
-        found = _LIBPQ_PAIR.match(text, at)
-        if found is None:
+    at, end = 0, len(text)
+    while at < end:
+        if text[at] in _LIBPQ_SPACES:
+            at += 1
+            continue
+        start = at
+        while at < end and text[at] != "=" and text[at] not in _LIBPQ_SPACES:
+            at += 1
+        keyword = text[start:at]
+        while at < end and text[at] in _LIBPQ_SPACES:
+            at += 1
+        if at == end or text[at] != "=":
             return None
-        keyword = found.group(1)
-        if keyword not in LIBPQ_KEYWORDS or keyword in pairs:
+        at += 1
+        while at < end and text[at] in _LIBPQ_SPACES:
+            at += 1
+        value: list[str] = []
+        if at < end and text[at] == "'":
+            at += 1
+            while True:
+                if at == end:  # (a quote left open, or its last character escaped)
+                    return None
+                char = text[at]
+                at += 1
+                if char == "'":
+                    break
+                if char == "\\":
+                    if at == end:
+                        return None
+                    char = text[at]
+                    at += 1
+                value.append(char)
+        else:
+            while at < end:
+                char = text[at]
+                at += 1
+                if char in _LIBPQ_SPACES:
+                    break
+                if char == "\\":
+                    if at == end:  # (a backslash at the very end escapes nothing: dropped)
+                        break
+                    char = text[at]
+                    at += 1
+                value.append(char)
+        if keyword not in LIBPQ_KEYWORDS:
             return None
-        quoted, bare = found.group(2), found.group(3)
-        pairs[keyword] = re.sub(r"\\(.)", r"\1", quoted if quoted is not None else bare, flags=re.S)
-        at = found.end()
+        pairs[keyword] = "".join(value)
     return pairs or None
 
 
@@ -488,8 +528,9 @@ def libpq_as_url(text: str) -> str | None:
     netloc = ""
     if host and "/" not in host and "," not in host:
         del pairs["host"]
-        netloc = f"[{host}]" if ":" in host else quote(host, safe=".-_~%")
-        if port and port.isdigit():
+        # (%-encoded, an IPv6 zone's "%" too - fe80::1%25eth0, RFC 6874 - as asyncpg decodes it)
+        netloc = f"[{quote(host, safe=':')}]" if ":" in host else quote(host, safe=".-_~")
+        if port and re.fullmatch(r"[0-9]+", port):
             netloc += f":{pairs.pop('port')}"
     if user is not None or password is not None:
         who = quote(user or "", safe="")
@@ -515,8 +556,8 @@ def _not_a_url(text: str, *, from_environment: bool = False) -> str:
     built = libpq_as_url(text)
     if built is None:
         return (
-            f"{message}; this one cannot be written as one: a keyword libpq does not know, one given "
-            "twice, or a quote left open"
+            f"{message}; this one cannot be written as one: a keyword libpq does not know or without "
+            "'=', a quote left open, or a dbname that is itself a connection string"
         )
     hint = " (put your password in place of ***, %-encoded)" if "***" in built else ""
     return f"{message}; this one as a URL: {built}{hint}"
