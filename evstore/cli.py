@@ -45,7 +45,9 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from typer._click.core import Command
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption
+from typer.core import TyperGroup
 
 from evstore import errors as err
 
@@ -3180,6 +3182,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if isinstance(exc, NoSuchOption) and re.fullmatch(r"-[0-9]", exc.option_name[:2]):
             # (`diff -1 3`: a negative position taken for an option; -- before it passes it on)
             message += " (a negative number is no position: a position is from 0 to 2**63-1)"
+        elif isinstance(exc, NoSuchOption) and (hint := _misplaced_option(exc, argv)):
+            message = f"No such option: {exc.option_name} ({hint})"
         if message:
             print(f"error: evstore.usage: {message}", file=sys.stderr)
         _exit(exc.exit_code)
@@ -3190,6 +3194,39 @@ def main(argv: Sequence[str] | None = None) -> None:
     except OSError as exc:  # (writing the help or the version)
         _exit(_output_failed(exc))
     _exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def _misplaced_option(exc: NoSuchOption, argv: Sequence[str] | None) -> str:
+    """Where an option refused as unknown goes, when it is known on the other side of the command
+    (`evstore --db x.db audit`, `evstore audit -vv`: README writes `evstore <command> --db PATH`,
+    and -vv is evstore's own), else "" (click's "Possible options" then stand)."""
+    ctx = exc.ctx
+    if ctx is None:
+        return ""
+    root = ctx.find_root().command
+    if not isinstance(root, TyperGroup):
+        return ""
+    args = list(argv) if argv is not None else sys.argv[1:]
+    name = exc.option_name
+    # (as typed: -vv for the -v click names, --db for --db=x.db)
+    pattern = rf"{re.escape(name)}(?:{re.escape(name[1:])})*" if len(name) == 2 else re.escape(name)
+    typed = next((arg for arg in args if re.fullmatch(pattern, arg.split("=", 1)[0])), name).split("=", 1)[0]
+
+    def takes(command: Command) -> bool:
+        return any(name in param.opts for param in command.params if param.name != "help")
+
+    if ctx.parent is None:
+        takers = [command for command, known in root.commands.items() if takes(known)]
+        if not takers:
+            return ""
+        given = next((arg for arg in args if arg in takers), None)
+        where = given or (takers[0] if len(takers) == 1 else "COMMAND")
+        of = "the commands" if len(takers) > 1 else takers[0]
+        return f"{name} is an option of {of}: give it after the command, evstore {where} {typed} ..."
+    if takes(root):
+        before = f"evstore {typed} {ctx.info_name} ..."
+        return f"{name} is an option of evstore itself: give it before the command, {before}"
+    return ""
 
 
 def _open_closed_streams() -> None:
