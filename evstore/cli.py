@@ -2282,6 +2282,8 @@ def tail(
 ) -> None:
     """Print events as they are appended (by any process), until interrupted (Ctrl-C or SIGTERM)."""
 
+    refuse_closed_stdout("tail", "its events", " (redirect it to a file or a pipe)")
+
     async def follow_log() -> int:
         async with open_existing(resolve_url(db, url)) as store:
             head = await store.head()
@@ -2847,6 +2849,8 @@ def export(
             output = given_path(output_path, "--output", must_exist=False)
         except err.EvstoreError as exc:
             fail(exc.code, exc.message)
+    if output is None:
+        refuse_closed_stdout("export", "the log", " (give --output FILE, or redirect it)")
 
     async def work() -> int:
 
@@ -3235,7 +3239,22 @@ def _open_closed_streams() -> None:
     rebuild) or sending error lines to stdout."""
     for name in ("stdout", "stderr"):
         if getattr(sys, name) is None:
-            setattr(sys, name, open(os.devnull, "w"))  # (for the process's life)
+            stream = open(os.devnull, "w")  # (for the process's life)
+            setattr(sys, name, stream)
+            if name == "stdout":
+                _CLOSED_STDOUT.append(stream)
+
+
+#: the /dev/null :func:`_open_closed_streams` put in the place of a closed standard output
+_CLOSED_STDOUT: list[io.TextIOWrapper] = []
+
+
+def refuse_closed_stdout(command: str, what: str, instead: str = "") -> None:
+    """Fail, ``evstore.io``, when standard output is closed and ``command``'s output is what it is
+    run for (``what``: the export, tail's events): /dev/null in its place would lose it all -
+    the command saying it succeeded, or following the log forever to nothing."""
+    if _CLOSED_STDOUT and sys.stdout is _CLOSED_STDOUT[-1]:
+        fail("evstore.io", f"standard output is closed: {command} has nowhere to write {what}{instead}")
 
 
 def _escape_what_cannot_be_encoded() -> None:

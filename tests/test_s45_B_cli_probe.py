@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +75,55 @@ def test_an_option_nobody_takes_gets_no_such_hint(capsys: pytest.CaptureFixture[
     assert done.stderr == "error: evstore.usage: No such option: --jso (Possible options: --json)\n", done
     done = _in_process(capsys, "--frob", "audit")
     assert done.returncode == 2 and "give it" not in done.stderr, done
+
+
+def _small_store(path: Path) -> None:
+    import asyncio
+    import uuid
+
+    from evstore import Inventory, open_store
+
+    async def build() -> None:
+        async with open_store(f"sqlite:///{path}") as store:
+            provider = uuid.uuid4()
+            await store.create_provider(provider, "node-1")
+            await store.set_inventory(provider, "VCPU", Inventory(total=8), 0)
+
+    asyncio.run(build())
+
+
+@pytest.mark.parametrize(
+    "command", [["export"], ["export", "-o", "-"], ["tail", "--no-follow", "--after", "0"]]
+)
+def test_a_command_whose_output_is_its_product_refuses_a_closed_stdout(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Started with standard output closed (``>&-``), the CLI writes to /dev/null, so that a
+    command whose output only reports (audit, rebuild: their exit status says it) is not failed
+    for it. ``export`` to stdout wrote the whole log there and exited 0 - the export was lost,
+    the command said it succeeded -; ``tail`` printed its events to nothing (following: forever).
+    Their output is what they are run for: they now fail, ``evstore.io``, exit 1, writing nothing."""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "evstore", *command, "--db", str(db)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60, env=env,
+        check=False, preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: evstore.io: standard output is closed"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_export_to_a_file_with_stdout_closed_is_written(tmp_path: Path) -> None:
+    db, out = tmp_path / "s.db", tmp_path / "e.jsonl"
+    _small_store(db)
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "evstore", "export", "--db", str(db), "-o", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60, env=env,
+        check=False, preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_text().splitlines()) == 3  # the header, 2 events
