@@ -127,3 +127,21 @@ def test_an_export_to_a_file_with_stdout_closed_is_written(tmp_path: Path) -> No
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert len(out.read_text().splitlines()) == 3  # the header, 2 events
+
+
+@pytest.mark.parametrize("given", ["-", "/dev/stdin"])
+def test_an_import_of_a_closed_stdin_says_so(tmp_path: Path, given: str) -> None:
+    """``evstore import - --db x.db <&-``: standard input closed, its descriptor was the next file
+    opened - the spool's own temporary file - and the import said "the export file is empty"
+    (evstore.invalid_input), as of a file given empty. It now says standard input is closed,
+    evstore.io, and creates nothing."""
+    target = tmp_path / "new.db"
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "evstore", "import", given, "--db", str(target)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, env=env,
+        check=False, preexec_fn=lambda: os.close(0),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: evstore.io: standard input is closed"), done.stderr
+    assert not target.exists()
