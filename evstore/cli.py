@@ -1355,6 +1355,32 @@ def uuid_arg(value: str, what: str = "uuid") -> str:
     return normalize_uuid(value.strip(), what)
 
 
+async def _provider_named(
+    exc: err.InvalidInput, text: str, db: str | None, url: str | None, command: str
+) -> err.InvalidInput:
+    """``exc``, a malformed uuid, naming the provider whose name ``text`` is in the store (tables
+    show providers by name: ``compute-02``, typed back where its uuid belongs), with the command
+    to give (``command``, its ``{uuid}`` filled in); ``exc`` itself when no provider has that name,
+    or the store cannot be opened (the malformed uuid is the error then)."""
+    given = [value for value in (db, url) if value is not None]
+    if len(given) > 1 or any(not value.strip() for value in given):
+        return exc  # (a usage error, which the command reports once it opens its store)
+    if not given and not os.environ.get("EVSTORE_URL", "").strip():
+        return exc
+    try:
+        async with open_existing(resolve_url(db, url)) as store:
+            names = await provider_names(store)
+    except Exception:  # (no store to look in: a missing, damaged or older one)
+        return exc
+    found = sorted(uuid for uuid, name in names.items() if name == text.strip())
+    if not found:
+        return exc
+    again = f"evstore {command.format(uuid=found[0])}"
+    return err.InvalidInput(
+        f"{exc.message}: it is the name of provider {found[0]}; give its uuid ({again} ...)", **exc.details
+    )
+
+
 def parse_point(text: str, what: str = "--at") -> int | datetime:
     """A position (``1234``) or an ISO 8601 time with a zone (``2026-01-02T03:04:05Z``). A number
     out of the positions' range (``-1``, past 2**63-1) is a usage error (exit 2), as ``tail
@@ -1786,7 +1812,10 @@ def history(
 
     async def work() -> int:
         not_empty(uuid, "the uuid", "a consumer or provider uuid")
-        key = uuid_arg(uuid)
+        try:
+            key = uuid_arg(uuid)
+        except err.InvalidInput as exc:
+            raise await _provider_named(exc, uuid, db, url, "history {uuid}") from None
         target = resolve_url(db, url)
         async with open_existing(target) as store:
             names = await provider_names(store)
@@ -1906,6 +1935,12 @@ def state(
         not_empty(provider, "--provider", "a provider uuid")
         not_empty(consumer, "--consumer", "a consumer uuid")
         point = None if at is None else parse_point(at)  # (a usage error before the store is opened)
+        if provider is not None:
+            try:
+                uuid_arg(provider, "provider uuid")
+            except err.InvalidInput as exc:
+                again = " ".join(["state", *(["--at", shlex.quote(at.strip())] if at is not None else [])])
+                raise await _provider_named(exc, provider, db, url, again + " --provider {uuid}") from None
         target = resolve_url(db, url)
         leaked_now = False
         provider_leaks: dict[str, tuple[bool, bool]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -145,3 +146,42 @@ def test_an_import_of_a_closed_stdin_says_so(tmp_path: Path, given: str) -> None
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith("error: evstore.io: standard input is closed"), done.stderr
     assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["state", "--provider", "node-1"],
+        ["state", "--at", "1", "--provider", "node-1"],
+        ["history", "node-1"],
+    ],
+)
+def test_a_provider_named_where_its_uuid_belongs_is_answered_with_the_uuid(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str]
+) -> None:
+    """Tables show providers by name (``compute-02``): typed back as ``state --provider
+    compute-02`` or ``history compute-02``, it was only "Malformed provider uuid: 'compute-02' is
+    not a UUID". Still that error (evstore.invalid_input, exit 1), now naming the provider's uuid."""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    done = _in_process(capsys, *args, "--db", str(db))
+    assert done.returncode == 1, done
+    assert done.stderr.startswith("error: evstore.invalid_input: Malformed "), done.stderr
+    assert "'node-1' is not a UUID" in done.stderr, done.stderr
+    uuids = set(re.findall(r"[0-9a-f-]{36}", done.stderr))
+    assert len(uuids) == 1, done.stderr
+    [uuid] = uuids
+    assert f"it is the name of provider {uuid}; give its uuid (evstore {' '.join(args[:-1])}" in done.stderr
+    assert f" {uuid} ...)\n" in done.stderr, done.stderr
+
+
+def test_a_malformed_uuid_that_names_no_provider_is_refused_as_before(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    db = tmp_path / "s.db"
+    _small_store(db)
+    for args in (["state", "--provider", "node-2"], ["history", "node-2"]):
+        done = _in_process(capsys, *args, "--db", str(db))
+        assert done.returncode == 1 and "'node-2' is not a UUID\n" in done.stderr, done
+    done = _in_process(capsys, "history", "node-1", "--db", str(tmp_path / "missing.db"))
+    assert done.stderr.startswith("error: evstore.invalid_input: Malformed uuid: 'node-1'"), done
