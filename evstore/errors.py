@@ -332,7 +332,7 @@ def redact_text(text: str, url: str) -> str:
         pieces += [text[done:start], quoted(text[start:end])]
         done = end
     text = "".join(pieces) + text[done:]
-    for secret in secrets:
+    for secret in dict.fromkeys(secrets):  # (once each: a URL may repeat one many times)
         if len(secret) >= _WORDLIKE_SECRET:
             text = text.replace(secret, "***")
         else:
