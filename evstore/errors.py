@@ -171,48 +171,33 @@ class WrongEventLoop(EvstoreError):
 
 
 #: where a URL's userinfo password may start: after "://", the user and its ":" (the password is
-#: everything from there to the last "@" on that line: :func:`_userinfo_passwords`)
+#: everything from there to the text's last "@": :func:`_userinfo_passwords`)
 _USERINFO_START = re.compile(r"://[^:/@]*:")
 #: (libpq escapes a quote or a backslash in a quoted value, a space in a bare one, with a backslash:
 #: the value goes on past them; a quote never closed hides the rest of the text). A URL query's
-#: parameter (after "?" or "&") ends at the next "&"; a keyword string's bare value does not - "&"
-#: is one of its characters (``password=ab&cd``: the password is ``ab&cd``)
+#: parameter (after "?" or "&") ends at the next "&" only (``parse_qsl`` reads ``password=ab cd``
+#: as ``ab cd``); a keyword string's bare value at a space as libpq reads one, C's isspace() - a
+#: no-break or an em space is one of its characters, as "&" is (``password=ab&cd``: ``ab&cd``)
 _QUERY_PASSWORD = re.compile(
-    r"(?i)(?<=[?&])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^&\s\\]|\\.?)*)"
+    r"(?i)(?<=[?&])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^&\\]|\\.?)*)"
 )
 _KEYWORD_PASSWORD = re.compile(
-    r"(?i)(?<![?&])\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^\s\\]|\\.?)*)"
+    r"(?i)(?<![?&])\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^ \t\n\r\f\v\\]|\\.?)*)"
 )
 
 
 def _userinfo_passwords(url: str) -> list[tuple[int, int]]:
-    """Where ``url``'s userinfo passwords are written (start, end): each from the ":" after a
-    "://" and its user (no ":", "/" or "@" in it) to the last "@" on the line - what the pattern
-    ``(://[^:/@]*):(.*)@`` matches (group 2), found in linear time: that pattern, tried again at
-    every "://" of a text with many and no "@", read the rest of the line each time (40 KB: 1 s)."""
-    spans: list[tuple[int, int]] = []
-    line_start, line_end = 0, -1  # the line last looked at: [line_start, line_end)
-    no_at_from = -1  # no "@" from here to line_end
-    pos = 0
-    while (m := _USERINFO_START.search(url, pos)) is not None:
-        start = m.end()
-        if not line_start <= start <= line_end:
-            line_start = start
-            found = url.find("\n", start)
-            line_end = len(url) if found < 0 else found
-            no_at_from = -1
-        if 0 <= no_at_from <= start:
-            pos = m.start() + 1
-            continue
-        at = url.rfind("@", start, line_end)
-        if at < 0:
-            no_at_from = start
-            pos = m.start() + 1
-            continue
-        spans.append((start, at))
-        no_at_from = at + 1
-        pos = at + 1
-    return spans
+    """Where ``url``'s userinfo password is written (start, end): from the ":" after its first
+    "://" and user (no ":", "/" or "@" in it) to the text's last "@" - past a line break too,
+    which urlsplit drops (``u:ab<LF>cd@h``: the password is ``abcd``). What the pattern
+    ``(?s)(://[^:/@]*):(.*)@`` finds (group 2; at most once: its first match reaches the last
+    "@"), in linear time: that pattern, tried again at every "://" of a text with many and no
+    "@", read the rest of the text each time (40 KB: 1 s)."""
+    found = _USERINFO_START.search(url)
+    if found is None:
+        return []
+    at = url.rfind("@", found.end())
+    return [(found.end(), at)] if at >= 0 else []
 
 
 #: a value a parser's message quotes, as Python's repr writes it: in single quotes, or in double

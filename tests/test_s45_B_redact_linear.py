@@ -21,7 +21,7 @@ import pytest
 from evstore import errors
 
 #: the patterns the scans replace, as they were
-_OLD_USERINFO = re.compile(r"(://[^:/@]*):(.*)@")
+_OLD_USERINFO = re.compile(r"(?s)(://[^:/@]*):(.*)@")  # (DOTALL since: test_s45_B_redact_leaks)
 _OLD_QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'" + r'|"(?:[^"\\\n]|\\.)*"')
 
 
