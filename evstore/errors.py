@@ -170,8 +170,9 @@ class WrongEventLoop(EvstoreError):
     code = "evstore.store.wrong_loop"
 
 
-#: where a URL's userinfo password may start: after "://", the user and its ":" (the password is
-#: everything from there to the text's last "@": :func:`_userinfo_passwords`)
+#: a URL's scheme, and its ":"
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+#: a SQLite URL's userinfo password, as redaction finds one (the user after "://", then ":")
 _USERINFO_START = re.compile(r"://[^:/@]*:")
 #: (libpq escapes a quote or a backslash in a quoted value, a space in a bare one, with a backslash:
 #: the value goes on past them; a quote never closed hides the rest of the text). A URL query's
@@ -187,17 +188,29 @@ _KEYWORD_PASSWORD = re.compile(
 
 
 def _userinfo_passwords(url: str) -> list[tuple[int, int]]:
-    """Where ``url``'s userinfo password is written (start, end): from the ":" after its first
-    "://" and user (no ":", "/" or "@" in it) to the text's last "@" - past a line break too,
-    which urlsplit drops (``u:ab<LF>cd@h``: the password is ``abcd``). What the pattern
-    ``(?s)(://[^:/@]*):(.*)@`` finds (group 2; at most once: its first match reaches the last
-    "@"), in linear time: that pattern, tried again at every "://" of a text with many and no
-    "@", read the rest of the text each time (40 KB: 1 s)."""
-    found = _USERINFO_START.search(url)
-    if found is None:
+    """Where ``url``'s userinfo password is written (start, end), at most once: from the first ":"
+    after its scheme's to the text's last "@". That is the user's ":" in a URL (``postgresql://
+    u:pw@h``), also when the user holds an "@" (Azure's ``user@server:pw@host``, which urlsplit
+    and asyncpg read so) or the "//" was mistyped (``postgresql:/u:pw@h``, ``postgresql:u:pw@h``,
+    ``//u:pw@h``, ``u:pw@h``: the scheme's own ":" when no other comes before the "@"); the
+    password may hold a line break (urlsplit drops it) or an unencoded "/" or "@". More than the
+    password when an "@" follows the port (``h:5432/db?application_name=a@b``), never less. A
+    SQLite URL's file name may hold ":" and "@": there only a ``(://[^:/@]*):(.*)@`` match
+    counts. (Found in linear time: that pattern, tried again at every "://" of a text with many
+    and no "@", read the rest of the text each time - 40 KB took 1 s.)"""
+    at = url.rfind("@")
+    if at < 0:
         return []
-    at = url.rfind("@", found.end())
-    return [(found.end(), at)] if at >= 0 else []
+    scheme = _SCHEME.match(url)
+    if scheme and scheme.group().lower() == "sqlite:":
+        found = _USERINFO_START.search(url)
+        colon = found.end() - 1 if found else -1
+    else:
+        after = scheme.end() if scheme else 0
+        colon = url.find(":", after, at)
+        if colon < 0 and scheme and not url.startswith("/", after):
+            colon = after - 1
+    return [(colon + 1, at)] if 0 <= colon < at else []
 
 
 #: a value a parser's message quotes, as Python's repr writes it: in single quotes, or in double

@@ -69,3 +69,59 @@ def test_open_store_does_not_repeat_such_a_password() -> None:
             asyncio.run(given(url))
         assert "SECRET" not in str(refused.value), refused.value
         assert "SECRET" not in repr(refused.value.details), refused.value.details
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql:/u:SECRETpw@127.0.0.1:1/db",  # one "/"
+        "postgresql:u:SECRETpw@127.0.0.1:1/db",  # none
+        "postgresql//u:SECRETpw@127.0.0.1:1/db",  # no ":"
+        "//u:SECRETpw@127.0.0.1:1/db",  # no scheme
+        "u:SECRETpw@127.0.0.1:1/db",
+        "postgresql:///u:SECRETpw@127.0.0.1:1/db",  # three (a PostgreSQL URL: host empty)
+        "postgresql:\\\\u:SECRETpw@127.0.0.1:1/db",  # backslashes
+        "postgresql:SECRETpw@127.0.0.1:1/db",  # no user
+    ],
+)
+def test_a_mistyped_url_does_not_show_its_password(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A URL typed with one slash too few or too many, or none, is refused ("Unsupported store
+    URL ...", "a path, not a URL", or asyncpg's connection error naming the URL): the message
+    quoted it whole, password and all - the userinfo pattern wanted "://" just before the user.
+    What sits between the user's ":" and the last "@" is hidden wherever the "//" went."""
+    from evstore import cli
+
+    assert "SECRET" not in err.redact_url(url), err.redact_url(url)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["audit", "--url", url])
+    said = capsys.readouterr().err
+    assert said.startswith("error: evstore.") and "SECRET" not in said, said
+
+
+def test_the_userinfo_hidden_covers_what_the_earlier_pattern_hid() -> None:
+    """(never less: every span the pattern found is inside the one found now)"""
+    import random
+    import re
+
+    old = re.compile(r"(?s)(://[^:/@]*):(.*)@")
+    rng = random.Random(4545)
+    alphabet = ["://", ":", "/", "@", "\n", "a", "b", "x:", "?", "[", "]", "\\"]
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 25)))
+        now = err._userinfo_passwords(text)
+        for start, end in (m.span(2) for m in old.finditer(text)):
+            assert any(s <= start and end <= e for s, e in now), (text, now)
+
+
+def test_a_user_holding_an_at_sign_does_not_show_the_password() -> None:
+    """Azure Database for PostgreSQL's users are ``user@server``: urlsplit and asyncpg read
+    ``postgresql://me@srv:SECRET@srv.example.com/db`` as user ``me@srv``, password ``SECRET``;
+    the userinfo pattern wanted no "@" in the user, and the message showed the password."""
+    url = "postgresql://me@srv:SECRETpw@srv.postgres.database.azure.com/db"
+    assert err.redact_url(url) == "postgresql://me@srv:***@srv.postgres.database.azure.com/db"
+    assert "SECRET" not in err.redact_text(f"cannot connect to {url}: 'SECRETpw' refused", url)
+
+
+def test_a_sqlite_file_name_with_a_colon_and_an_at_sign_is_shown_as_it_is() -> None:
+    assert err.redact_url("sqlite:///srv/a:b@c.db") == "sqlite:///srv/a:b@c.db"
