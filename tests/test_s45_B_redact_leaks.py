@@ -115,9 +115,10 @@ def test_the_userinfo_hidden_covers_what_the_earlier_pattern_hid() -> None:
 
 
 def test_a_user_holding_an_at_sign_does_not_show_the_password() -> None:
-    """Azure Database for PostgreSQL's users are ``user@server``: urlsplit and asyncpg read
-    ``postgresql://me@srv:SECRET@srv.example.com/db`` as user ``me@srv``, password ``SECRET``;
-    the userinfo pattern wanted no "@" in the user, and the message showed the password."""
+    """Azure Database for PostgreSQL's users are ``user@server``, and one written unencoded in a
+    URL - ``postgresql://me@srv:SECRET@srv.example.com/db``, whose password urlsplit reads as
+    ``SECRET`` - is refused ("more than one '@' before the host"): that message showed the
+    password, the userinfo pattern wanting no "@" in the user."""
     url = "postgresql://me@srv:SECRETpw@srv.postgres.database.azure.com/db"
     assert err.redact_url(url) == "postgresql://me@srv:***@srv.postgres.database.azure.com/db"
     assert "SECRET" not in err.redact_text(f"cannot connect to {url}: 'SECRETpw' refused", url)
