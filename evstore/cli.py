@@ -2680,15 +2680,15 @@ def rebuild(
         target = resolve_url(db, url)
         async with open_existing(target, upgrade=True) as store:
             head = await store.head()
-            # (the rebuild drops the time-travel snapshots: say how many, which `snapshot` took
-            # ahead of the questions, perhaps - or state and diff saved on their way)
-            snapshots = len(await store.snapshot_positions())
             with progress_bar() as bar:
                 task = bar.add_task("rebuilding", total=head or 1)
                 folded = await store.rebuild(
                     batch_size, lambda done, total: bar.update(task, completed=done), full=full, force=force
                 )
                 bar.update(task, completed=head or 1)
+            # (the rebuild dropped the time-travel snapshots, in its transaction: say how many, which
+            # `snapshot` took ahead of the questions, perhaps - or state and diff saved on their way)
+            snapshots = folded.snapshots_dropped
         if json_out:
             emit_json({"url": shown(target), "events": folded, "head": head, "snapshots_dropped": snapshots})
         else:

@@ -53,11 +53,6 @@ async def test_rebuild_counts_the_snapshots_it_dropped(
 
 
 @pytest.mark.usefixtures("logging_as_it_was")  # (cli.main configures logging to this test's streams)
-@pytest.mark.xfail(
-    strict=True,
-    reason="evstore/cli.py (not helper D's file) counts store.snapshot_positions() before the rebuild; "
-    "it should print store.rebuild(...)'s .snapshots_dropped",
-)
 def test_the_rebuild_command_says_how_many_it_dropped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
