@@ -670,7 +670,7 @@ def usage_not_held(state: State) -> list[Finding]:
     allocations on it and created again starts counting from nothing, so what they still hold is
     counted nowhere, and commands decided against that usage can put more on the provider than
     its capacity until it is released (the fold then keeps the count at 0, never below: see
-    ``projections.state._add_usage``)."""
+    ``projections.state._take_usage``)."""
     held: dict[str, dict[str, int]] = {}
     holders: dict[str, list[ConsumerState]] = {}
     providers = state.providers
@@ -704,6 +704,41 @@ def usage_not_held(state: State) -> list[Finding]:
                     "counted": counted,
                     "held": want,
                     "consumers": sorted(c.uuid for c in holders.get(uuid, ())),
+                },
+            )
+        )
+    return out
+
+
+def releases_not_counted(uncounted: list[tuple[int, str, str, int]]) -> list[Finding]:
+    """Providers from which events took away allocations their usage never counted (held since
+    before the provider was created, or created again: only a damaged or imported log), one
+    finding each, citing those events. The fold keeps the usage at 0 there, no count being below
+    zero (see ``projections.state._take_usage``), so the end state can agree again - but the log
+    held allocations its provider did not count, and commands decided capacity against that."""
+    by_provider: dict[str, tuple[set[int], dict[str, int]]] = {}
+    for position, provider, rc, amount in uncounted:
+        positions, amounts = by_provider.setdefault(provider, (set(), {}))
+        positions.add(position)
+        amounts[rc] = amounts.get(rc, 0) + amount
+    out = []
+    for provider, (positions, amounts) in sorted(by_provider.items()):
+        at = sorted(positions)
+        cited = ", ".join(map(str, at[:10])) + (f" and {len(at) - 10} more" if len(at) > 10 else "")
+        what = ", ".join(f"{rc} {n}" for rc, n in sorted(amounts.items()))
+        out.append(
+            Finding(
+                "integrity",
+                f"Provider {provider}: the {'event at position' if len(at) == 1 else 'events at positions'} "
+                f"{cited} took away allocations its usage never counted ({what}: held since before the "
+                "provider was created, or deleted and created again? a damaged or imported log); its usage "
+                "was kept at 0, not below, but commands decided capacity against a count short of what "
+                "was held until then",
+                tuple(at),
+                {
+                    "reason": "usage_not_held",
+                    "provider": provider,
+                    "uncounted": dict(sorted(amounts.items())),
                 },
             )
         )
@@ -757,6 +792,7 @@ async def audit(
     # pass needs it only there. Capacity is watched in a second pass, over the providers found
     # over capacity at the end, and only if there are any (see over_capacity_since).
     replay.state.usages_deferred = True
+    replay.state.uncounted = []  # (each release the fold kept from going below zero: see there)
     unreadable: ProjectionCorrupt | None = None
     with gc_paused():
         await replay.run(read, batch_size, progress=progress)
@@ -795,6 +831,7 @@ async def audit(
     if uncounted and last_positions is not None:  # (one nobody holds anything on: its last event)
         uncounted = await _cite_last_events(uncounted, last_positions, report.head)
     report.findings.extend(uncounted)
+    report.findings.extend(releases_not_counted(replayed.uncounted or []))
     report.findings.extend(ids)
     over = await over_capacity_since(read, batch_size, report.head, over_capacity)
     report.findings.extend(over_capacity_findings(replayed, over))

@@ -83,6 +83,9 @@ class State:
     project_usages: dict[tuple[str, str, str], tuple[int, dict[str, int]]] | None = field(
         default=None, compare=False, repr=False
     )
+    #: set to a list by the audit: each release the fold kept from taking a provider's usage below
+    #: zero - ``(position, provider, resource class, amount never counted)`` - (see :func:`_add_usage`)
+    uncounted: list[tuple[int, str, str, int]] | None = field(default=None, compare=False, repr=False)
 
     def copy(self) -> State:
         return copy.deepcopy(self)
@@ -113,7 +116,7 @@ class State:
         providers = self.providers
         for c in self.consumers.values():
             if c.allocations:
-                _add_usage(providers, c.allocations, +1)
+                _add_usage(providers, c.allocations)
         self.usages_deferred = False
         self.deferred_gone = set()
 
@@ -136,7 +139,8 @@ def dismantle(*states: State | None) -> None:
                 pop()
 
 
-def _add_usage(providers: dict[str, ProviderState], allocs: Allocs, sign: int) -> None:
+def _add_usage(providers: dict[str, ProviderState], allocs: Allocs) -> None:
+    """Count ``allocs`` in the providers' usages (see :func:`_take_usage`)."""
     for provider, resources in allocs.items():
         prov = providers.get(provider)
         if prov is None:
@@ -145,16 +149,35 @@ def _add_usage(providers: dict[str, ProviderState], allocs: Allocs, sign: int) -
             continue
         usages = prov.usages
         for rc, amount in resources.items():
-            used = usages.get(rc, 0) + sign * amount
+            used = usages.get(rc, 0) + amount
+            if used > 0:
+                usages[rc] = used
+            else:  # (no amount is below 1: see _take_usage)
+                usages.pop(rc, None)
+
+
+def _take_usage(state: State, allocs: Allocs, position: int) -> None:
+    """Take the allocations a consumer held until ``position`` (``allocs``) out of the providers'
+    usages - never below zero: a usage is a sum of allocations. Only a log no command wrote takes
+    away what a provider never counted - allocations held since before it was created, or created
+    again (the audit's ``usage_not_held``) - and a count of -1 let commands put capacity + 1 on
+    it; 0 is again what is held there once they are released. (A stored usage below zero is
+    therefore damage: ``persisted`` refuses it.) What was never counted is noted in
+    ``state.uncounted`` where it is a list (the audit's, which reports it)."""
+    providers = state.providers
+    for provider, resources in allocs.items():
+        prov = providers.get(provider)
+        if prov is None:
+            continue  # (as _add_usage)
+        usages = prov.usages
+        for rc, amount in resources.items():
+            used = usages.get(rc, 0) - amount
             if used > 0:
                 usages[rc] = used
             else:
-                # (never below zero: a usage is a sum of allocations. Only a log no command wrote
-                # takes away what the provider never counted - allocations held before it was
-                # created, or created again: the audit's usage_not_held -, and a count of -1 let
-                # commands put capacity + 1 on it; 0 is again what is held there once they are
-                # released. A stored usage below zero is therefore damage: persisted refuses it.)
                 usages.pop(rc, None)
+                if used and state.uncounted is not None:
+                    state.uncounted.append((position, provider, rc, -used))
 
 
 def _set_allocations(state: State, consumer: str, allocs: Allocs, position: int) -> ConsumerState:
@@ -165,9 +188,9 @@ def _set_allocations(state: State, consumer: str, allocs: Allocs, position: int)
         state.recount_usages()  # an allocation on a provider the state does not have: see there
     if not state.usages_deferred:
         if c.allocations:
-            _add_usage(state.providers, c.allocations, -1)
+            _take_usage(state, c.allocations, position)
         if allocs:
-            _add_usage(state.providers, allocs, +1)
+            _add_usage(state.providers, allocs)
     # Shared with the (frozen) event, never mutated in place: state changes replace the dict.
     c.allocations = allocs
     c.allocated_at = position
