@@ -5,7 +5,6 @@ what they refuse must be what is wrong, and their messages must say what to do."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import struct
 from pathlib import Path
@@ -230,93 +229,3 @@ async def test_the_search_path_a_shadowed_store_is_told_to_use_quotes_a_name_tha
         await admin.execute(f"DROP SCHEMA IF EXISTS {app} CASCADE")
         await admin.execute(f'DROP SCHEMA IF EXISTS "{store_schema}" CASCADE')
         await admin.close()
-
-
-def test_what_rebuild_answers_can_be_copied_and_pickled() -> None:
-    """``store.rebuild()`` answers a ``Rebuilt`` (an ``int`` with ``snapshots_dropped``): a value a
-    caller may deepcopy (a result dict) or pickle (sent to another process) as the ``int`` it was
-    before this stop; it raised TypeError."""
-    import copy
-    import pickle
-
-    from evstore.log import Rebuilt
-
-    answered = Rebuilt(7, 2)
-    for again in (copy.copy(answered), copy.deepcopy(answered), pickle.loads(pickle.dumps(answered))):
-        assert again == 7 and again.snapshots_dropped == 2
-
-
-async def test_a_client_key_whose_passphrase_is_wrong_says_to_check_sslpassword(
-    pg_url: str, tmp_path: Path
-) -> None:
-    """A client key encrypted with a passphrase the URL's ``sslpassword`` does not match: ssl says
-    only "[SSL] PEM lib"; the refusal names the certificate and key files and says to check
-    ``sslpassword`` (which the URL shown hides as ***)."""
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make an encrypted key")
-    key, cert = tmp_path / "s45f.key", tmp_path / "s45f.crt"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out", str(cert)),
-            *("-days", "1", "-subj", "/CN=s45f", "-passout", "pass:the-right-one"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    url = f"{pg_url}&sslmode=require&sslcert={cert}&sslkey={key}&sslpassword=s45f-wrong-one"
-    with pytest.raises(InvalidInput) as refused:
-        async with open_store(url, create=False, connect_timeout=5):
-            pass
-    message = refused.value.message
-    assert "s45f-wrong-one" not in message
-    told = message.split(": ", 2)[-1]  # (past the URL, which names sslpassword=***)
-    assert str(cert) in told and str(key) in told
-    assert "sslpassword" in told, message
-    assert refused.value.details["field"] == "sslcert"
-
-
-async def test_rebuild_counts_snapshots_not_their_tombstone_segments(store_url: str) -> None:
-    """cb4c2a2 counts what the rebuild's DELETE of ``position > 0`` removed: whole-store
-    snapshots, not the tombstone segments saved beside them (at minus their position) once a
-    consumer was deleted - which test_s45_lead's logs, without a delete, do not hold."""
-    async with open_store(store_url, snapshot_every=3) as store:
-        rp = await make_provider(store, VCPU=64)
-        gone = new_uuid()
-        await store.set_allocations(
-            gone, {rp: {"VCPU": 1}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
-        )
-        await store.delete_consumer(gone)
-        for _ in range(5):
-            await store.set_allocations(
-                new_uuid(),
-                {rp: {"VCPU": 1}},
-                project_id="p",
-                user_id="u",
-                consumer_type="INSTANCE",
-                generation=None,
-            )
-        taken = await store.take_snapshots()
-        assert len(taken) >= 2
-        assert await store.snapshot_positions() == taken
-        assert await _tombstone_segments(store_url) > 0  # (what the count must leave out)
-        rebuilt = await store.rebuild()
-        assert rebuilt.snapshots_dropped == len(taken)
-        assert await store.snapshot_positions() == []
-        assert (await store.rebuild()).snapshots_dropped == 0
-
-
-async def _tombstone_segments(store_url: str) -> int:
-    """The snapshots table's rows at minus a position (tombstone segments), read as is."""
-    if store_url.startswith("sqlite"):
-        import sqlite3
-
-        with contextlib.closing(sqlite3.connect(store_url.removeprefix("sqlite:///"))) as conn:
-            return int(conn.execute("SELECT count(*) FROM snapshots WHERE position < 0").fetchone()[0])
-    conn = await asyncpg.connect(store_url)
-    try:
-        return int(await conn.fetchval("SELECT count(*) FROM snapshots WHERE position < 0"))
-    finally:
-        await conn.close()
