@@ -12,7 +12,7 @@ import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from evstore.errors import ProjectionCorrupt, shown
 from evstore.events import MAX_GENERATION, sorted_json
@@ -202,13 +202,11 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
     uuid, name, parent, root, generation, inventories, usages = row
     try:
         used = json.loads(usages)
-        if not isinstance(used, dict) or not all(type(v) is int for v in used.values()):
+        if not isinstance(used, dict):
             raise ValueError("usages is not a mapping of amounts")
-        # A usage is a sum of allocations, none below 1: one below zero is no sum of them, and a
-        # command decided against it put more on the provider than its capacity (a full provider's
-        # usage edited to -4 took 4 more). (A stored 0 is not written, but harmless: left to the audit.)
-        if below := sorted(rc for rc, v in used.items() if v < 0):
-            raise _UsageBelowZero(", ".join(f"{rc} {used[rc]}" for rc in below), below)
+        for amount in used.values():  # (a loop: ~0.3 us a row less than all() and a pass for the sign)
+            if type(amount) is not int or amount < 0:
+                _refuse_usages(used)
         if type(generation) is not int or generation < 0:
             raise ValueError(f"generation {shown(generation, 40)} is not a count")
         if generation > MAX_GENERATION:  # (the next command's bump: an event no import takes)
@@ -229,6 +227,17 @@ def provider_from_row(row: tuple[Any, ...]) -> ProviderState:
             "projection is damaged; `evstore rebuild` refolds it from the log",
             provider=uuid,
         ) from None
+
+
+def _refuse_usages(used: dict[Any, Any]) -> NoReturn:
+    """Raise what is wrong with a provider row's usages (an amount that is no integer, or below zero)."""
+    if not all(type(amount) is int for amount in used.values()):
+        raise ValueError("usages is not a mapping of amounts")
+    # A usage is a sum of allocations, none below 1: one below zero is no sum of them, and a
+    # command decided against it put more on the provider than its capacity (a full provider's
+    # usage edited to -4 took 4 more). (A stored 0 is not written, but harmless: left to the audit.)
+    below = sorted(rc for rc, amount in used.items() if amount < 0)
+    raise _UsageBelowZero(", ".join(f"{rc} {used[rc]}" for rc in below), below)
 
 
 class _UsageBelowZero(ValueError):
