@@ -2418,7 +2418,18 @@ def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception | list[Outcom
         if not accepted:
             return outcomes
         unknown = _commit_failed_error(exc.error, accepted)
-        return [unknown if isinstance(outcome, Receipt) else outcome for outcome in outcomes]
+        cause = _unexpected_error(exc.error)
+        answers: list[Outcome] = []
+        changed = False  # (whether a job before this one appended events: the state it was decided on)
+        for outcome in outcomes:
+            if isinstance(outcome, Receipt):
+                answers.append(unknown)
+                changed = changed or (bool(outcome.positions) and not outcome.replayed)
+            elif changed and isinstance(outcome, err.EvstoreError) and not outcome.details.get("not_run"):
+                answers.append(_refused_after(outcome, cause))
+            else:
+                answers.append(outcome)
+        return answers
     if isinstance(exc, BatchAborted):
         failed = err.StorageError(
             f"This command's group commit was rolled back whole, nothing of it written: {exc}; retry it (if "
@@ -2429,6 +2440,26 @@ def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception | list[Outcom
         failed = _unexpected_error(exc)
     failed.details.setdefault("outcome_unknown", False)  # (it failed before its COMMIT: rolled back)
     return failed
+
+
+def _refused_after(refusal: err.EvstoreError, cause: err.StorageError) -> err.StorageError:
+    """The answer to a job of a batch whose COMMIT failed (``failed``: its accepted jobs' error),
+    refused against what the accepted jobs before it in the batch had written - a state that may
+    never have reached the log: its refusal may not hold (a capacity they took, a consumer they
+    deleted). Nothing of it was written, whatever became of the COMMIT: it is to be retried.
+    (PostgreSQL never answers so: a command there waits for those before it on its entities to
+    commit or roll back.) ``cause``: the COMMIT's failure."""
+    return err.StorageError(
+        f"This command was refused ({refusal.message}) against the commands before it in its group "
+        f"commit, whose COMMIT then failed ({cause.message}): what they wrote may not be in the log, so "
+        "the refusal may not hold; nothing of it was written: retry it",
+        **{
+            **cause.details,
+            "outcome_unknown": False,
+            "refused": refusal.code,
+            "refusal_details": dict(refusal.details),
+        },
+    )
 
 
 def _commit_failed_error(exc: BaseException, jobs: Sequence[Job]) -> err.StorageError:
