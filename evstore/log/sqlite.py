@@ -2425,7 +2425,8 @@ def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception | list[Outcom
             if isinstance(outcome, Receipt):
                 answers.append(unknown)
                 changed = changed or (bool(outcome.positions) and not outcome.replayed)
-            elif changed and isinstance(outcome, err.EvstoreError) and not outcome.details.get("not_run"):
+            elif changed and isinstance(outcome, err.EvstoreError) and not isinstance(outcome, _NO_DECISION):
+                # (a refusal by an invariant; a damaged row's, or a job not run, is no decision)
                 answers.append(_refused_after(outcome, cause))
             else:
                 answers.append(outcome)
@@ -2440,6 +2441,10 @@ def _batch_error(exc: Exception, jobs: Sequence[Job]) -> Exception | list[Outcom
         failed = _unexpected_error(exc)
     failed.details.setdefault("outcome_unknown", False)  # (it failed before its COMMIT: rolled back)
     return failed
+
+
+#: the errors of a job that are no refusal decided against the state (see _batch_error)
+_NO_DECISION = (err.StorageError, err.StoreClosed)
 
 
 def _refused_after(refusal: err.EvstoreError, cause: err.StorageError) -> err.StorageError:
