@@ -13,6 +13,9 @@ import pytest
 
 from evstore import cli
 
+# (cli.main, run in this process, configures logging to this test's captured streams, closed after it)
+pytestmark = pytest.mark.usefixtures("logging_as_it_was")
+
 
 @dataclass
 class _Done:

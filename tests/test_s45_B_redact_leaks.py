@@ -16,6 +16,9 @@ import pytest
 
 from evstore import errors as err
 
+# (cli.main, run in this process, configures logging to this test's captured streams, closed after it)
+pytestmark = pytest.mark.usefixtures("logging_as_it_was")
+
 
 @pytest.mark.parametrize(
     "url",
