@@ -116,3 +116,23 @@ def test_a_short_message_about_a_long_url_of_many_passwords_does_not_hang() -> N
     )
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=10)
     assert ran.stdout.strip() == "done", ran.stderr
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="errors.py: url_secrets answers the passwords as written (%-encoded), while the driver "
+    "reads them decoded, and redact_text's docstring promises a decoded value is hidden; add "
+    "`found += [d for s in found for d in (unquote(s), unquote_plus(s))]` (also at 4cb21c1)",
+)
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("postgresql://u:SECRET%21pw@db.example/x", "bad 'SECRET!pw'"),
+        ("postgresql://u:%53ECRETpw@db.example/x", "rejected SECRETpw"),
+        ("postgresql://u@db.example/x?password=SECRET%21pw", "bad 'SECRET!pw'"),
+        ("postgresql://u@db.example/x?password=SECRET+pw", "password 'SECRET pw' rejected"),
+    ],
+)
+def test_a_password_shown_decoded_is_hidden(url: str, message: str) -> None:
+    shown = err.redact_text(message, url)
+    assert "SECRET" not in shown, shown
