@@ -45,3 +45,28 @@ def test_an_export_to_dev_stdout_with_stdout_closed_is_refused(tmp_path: Path, g
     # (it said "exported 2 events to /dev/stdout", exit 0: the export written to /dev/null)
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith("error: evstore.io: standard output is closed"), done.stderr
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="errors.py redact_url (2e7b356/510b2db): the userinfo span from the port's ':' to the "
+    "password's own '@' swallows '?password=', and the query pattern, run after it, finds none: "
+    "hide the union of the spans found on the URL as given (test_s45_G_redact_review)",
+)
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u@127.0.0.1:1/db?password=p@SECRETpw&sslmode=disable",
+        "foo=bar host=::1 password=p@SECRETpw",
+    ],
+)
+def test_a_connection_error_does_not_show_a_query_password_holding_an_at_sign(url: str) -> None:
+    """(at 4cb21c1: "Cannot connect to PostgreSQL at postgresql://u@127.0.0.1:1/db?password=***&...";
+    since: "... at postgresql://u@127.0.0.1:***@SECRETpw&sslmode=disable")"""
+    env = {k: v for k, v in os.environ.items() if k != "EVSTORE_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "evstore", "stats", "--json", "--url", url],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == "", done
+    assert "SECRET" not in done.stderr, done.stderr
