@@ -2884,7 +2884,7 @@ def export(
             output = given_path(output_path, "--output", must_exist=False)
         except err.EvstoreError as exc:
             fail(exc.code, exc.message)
-    if output is None:
+    if output is None or str(output) in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
         refuse_closed_stdout("export", "the log", " (give --output FILE, or redirect it)")
 
     async def work() -> int:

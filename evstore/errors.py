@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import re
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 #: digits past which an integer is not written out in a message (``repr`` of one of more than
 #: 4,300 digits raises ``ValueError``; one this long is no value anyone meant)
@@ -180,7 +180,7 @@ _USERINFO_START = re.compile(r"://[^:/@]*:")
 #: as ``ab cd``); a keyword string's bare value at a space as libpq reads one, C's isspace() - a
 #: no-break or an em space is one of its characters, as "&" is (``password=ab&cd``: ``ab&cd``)
 _QUERY_PASSWORD = re.compile(
-    r"(?i)(?<=[?&])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^&\\]|\\.?)*)"
+    r"(?i)(?<=[?&])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)(?:[^&\\]|\\.?)*|(?:[^&\\]|\\.?)*)"
 )
 _KEYWORD_PASSWORD = re.compile(
     r"(?i)(?<![?&])\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^ \t\n\r\f\v\\]|\\.?)*)"
@@ -267,7 +267,9 @@ def url_secrets(url: str) -> list[str]:
         found.append(urlsplit(url).password or "")
     except ValueError:  # (no URL a parser takes: the patterns above are all there is)
         pass
-    return [secret for secret in found if secret]
+    # (as the driver reads them too: %-decoded - and a query's "+" a space)
+    found += [decoded for secret in found for decoded in (unquote(secret), unquote_plus(secret))]
+    return [secret for secret in dict.fromkeys(found) if secret]
 
 
 def _secret_spans(url: str) -> list[tuple[int, int]]:
@@ -287,7 +289,25 @@ def _unquoted(literal: str) -> str:
     return value if isinstance(value, str) else literal[1:-1]
 
 
-def _holds_a_secret(value: str, url: str, secrets: list[str], spans: list[tuple[int, int]]) -> bool:
+def _in_secrets(url: str, spans: list[tuple[int, int]]) -> list[int]:
+    """For each offset ``i`` of ``url``, how many of its first ``i`` characters are inside a password
+    span: a piece ``[a, b)`` overlaps one iff ``count[b] - count[a] > 0`` - each place a quoted value
+    stands in the URL is checked at once, not against every span (a URL of many ``password=``
+    parameters made that quadratic)."""
+    depth = [0] * (len(url) + 1)
+    for begin, end in spans:
+        depth[begin] += 1
+        depth[end] -= 1
+    count = [0] * (len(url) + 1)
+    inside = total = 0
+    for i in range(len(url)):
+        inside += depth[i]
+        total += inside > 0
+        count[i + 1] = total
+    return count
+
+
+def _holds_a_secret(value: str, url: str, secrets: list[str], count: list[int]) -> bool:
     """Whether ``value``, quoted by a parser's message about ``url``, shows any of a password: where
     it is written in the URL, it overlaps a password there (a parser that cuts the URL elsewhere
     than at its "@" quotes a piece of the password, or one with more of the URL after it: "Port
@@ -301,7 +321,7 @@ def _holds_a_secret(value: str, url: str, secrets: list[str], spans: list[tuple[
         pieces = [value, *(piece for piece in _URL_DELIMITERS.split(value) if piece)]
         return any(piece in secret for piece in pieces for secret in secrets)
     while start >= 0:
-        if any(start < end and begin < start + len(value) for begin, end in spans):
+        if count[start + len(value)] > count[start]:
             return True
         start = url.find(value, start + 1)
     return False
@@ -314,31 +334,36 @@ def redact_text(text: str, url: str) -> str:
     secrets = url_secrets(url)
     if not secrets:
         return text
-    spans = _secret_spans(url)
+    count: list[int] = []  # (made at the first quoted value: see _in_secrets)
 
     holds: dict[str, bool] = {}  # (a value quoted many times is looked for in the URL once)
 
     def quoted(literal: str) -> str:
         value = _unquoted(literal)
         if value not in holds:
-            holds[value] = _holds_a_secret(value, url, secrets, spans)
+            if not count:
+                count.extend(_in_secrets(url, _secret_spans(url)))
+            holds[value] = _holds_a_secret(value, url, secrets, count)
         return "'***'" if holds[value] else literal
 
-    # (the quoted values first: replacing a password in one would keep it from being found in the URL)
-    pieces, done = [], 0
-    for start, end in _quoted_spans(text):
-        pieces += [text[done:start], quoted(text[start:end])]
-        done = end
-    text = "".join(pieces) + text[done:]
+    quoted_at = {span for span in _quoted_spans(text) if quoted(text[slice(*span)]) != text[slice(*span)]}
+    hidden = list(quoted_at)
     for secret in dict.fromkeys(secrets):  # (once each: a URL may repeat one many times)
         if len(secret) >= _WORDLIKE_SECRET:
-            text = text.replace(secret, "***")
+            at = text.find(secret)
+            while at >= 0:
+                hidden.append((at, at + len(secret)))
+                at = text.find(secret, at + len(secret))
         else:
-            # (a password this short is inside many words - one letter: "rejected SSL u***grade" -
-            # so it is hidden where it stands as a value, not glued to letters or digits: in the
-            # URL, after "password=", between spaces, quotes or the text's ends)
-            text = re.sub(rf"(?<![^\W_]){re.escape(secret)}(?![^\W_])", "***", text)
-    return text
+            pattern = rf"(?<![^\W_]){re.escape(secret)}(?![^\W_])"
+            hidden += [m.span() for m in re.finditer(pattern, text)]
+    pieces: list[str] = []
+    done = 0
+    for start, end in sorted(hidden):
+        if start > done or not pieces:
+            pieces += [text[done:start], "***" if (start, end) not in quoted_at else "'***'"]
+        done = max(done, end)
+    return "".join(pieces) + text[done:]
 
 
 #: a password at least this long is hidden wherever its text appears, inside a word too
@@ -350,9 +375,12 @@ def redact_url(url: str) -> str:
     hidden, wherever it is written (``user:secret@``, ``?password=``, ``password=...``), also in
     text no URL parser accepts (a password with an unencoded ``/`` or ``@``). Hides more than the
     password in odd cases (up to the last ``@``), never less."""
-    pieces, done = [], 0
-    for start, end in _userinfo_passwords(url):
-        pieces += [url[done:start], "***"]
-        done = end
-    hidden = _QUERY_PASSWORD.sub(r"\1***", "".join(pieces) + url[done:])
-    return _KEYWORD_PASSWORD.sub(r"\1***", hidden)
+    spans = _userinfo_passwords(url)  # (all found on the URL as given; an empty one shown as *** too)
+    spans += [m.span(2) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
+    pieces: list[str] = []
+    done = 0
+    for start, end in sorted(spans):
+        if start > done or not pieces:
+            pieces += [url[done:start], "***"]
+        done = max(done, end)
+    return "".join(pieces) + url[done:]

@@ -25,13 +25,6 @@ def _small_store(path: Path) -> None:
     asyncio.run(build())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py export: -o /dev/stdout (/dev/fd/1, /proc/self/fd/1) with stdout closed opens the "
-    "/dev/null _open_closed_streams put on descriptor 1 and exits 0, as -o - did before 1a96496; "
-    "refuse_closed_stdout there too: `if output is None or str(output) in ('/dev/stdout', "
-    "'/dev/fd/1', '/proc/self/fd/1'):` (the names import already treats as stdin's)",
-)
 @pytest.mark.parametrize("given", ["/dev/stdout", "/dev/fd/1"])
 def test_an_export_to_dev_stdout_with_stdout_closed_is_refused(tmp_path: Path, given: str) -> None:
     db = tmp_path / "s.db"
@@ -47,12 +40,6 @@ def test_an_export_to_dev_stdout_with_stdout_closed_is_refused(tmp_path: Path, g
     assert done.stderr.startswith("error: evstore.io: standard output is closed"), done.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors.py redact_url (2e7b356/510b2db): the userinfo span from the port's ':' to the "
-    "password's own '@' swallows '?password=', and the query pattern, run after it, finds none: "
-    "hide the union of the spans found on the URL as given (test_s45_G_redact_review)",
-)
 @pytest.mark.parametrize(
     "url",
     [

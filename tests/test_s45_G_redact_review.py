@@ -27,13 +27,7 @@ import pytest
 
 from evstore import errors as err
 
-_FIX_SPANS = (
-    "errors.py: redact_url should hide the union of _secret_spans(url), all found on the URL as "
-    "given (not run the query/keyword patterns on the text the userinfo span already hid)"
-)
 
-
-@pytest.mark.xfail(strict=True, reason=_FIX_SPANS)
 @pytest.mark.parametrize(
     "url",
     [
@@ -50,13 +44,6 @@ def test_a_password_holding_an_at_sign_after_a_colon_is_hidden_whole(url: str) -
     assert "***" in shown
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors.py: redact_text replaces one secret after another, so the userinfo span's "
-    "replacement cuts a query/keyword password it overlaps (and a quoted piece's '***' cuts the "
-    "whole password); collect every occurrence of every secret, and every quoted literal that "
-    "holds one, as spans of the ORIGINAL text, merge them, and replace each merged span once",
-)
 @pytest.mark.parametrize(
     ("url", "message"),
     [
@@ -76,12 +63,6 @@ def test_redact_text_hides_a_password_the_userinfo_span_overlaps(url: str, messa
     assert "SECRET" not in shown, shown
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors.py: _QUERY_PASSWORD's quoted alternative ends the value at the closing quote; "
-    "a URL query has no quoting (parse_qsl reads to '&'): read on to '&' after it - "
-    "('(?:[^'\\\\]|\\\\.?)*(?:'|$)(?:[^&\\\\]|\\\\.?)*|(?:[^&\\\\]|\\\\.?)*)",
-)
 @pytest.mark.parametrize(
     "url",
     [
@@ -98,13 +79,6 @@ def test_a_query_password_starting_with_a_quote_is_hidden_whole(url: str) -> Non
 
 
 @pytest.mark.skipif(os.environ.get("EVSTORE_SLOW") != "1", reason="10 s against a hang: EVSTORE_SLOW=1")
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors.py: _holds_a_secret checks every place a quoted value occurs in the URL against "
-    "every password span (places x spans: quadratic for a URL of many password= parameters, "
-    "also at 4cb21c1); mark the spans' characters once (a prefix count over the URL) and test "
-    "each place in O(1)",
-)
 def test_a_short_message_about_a_long_url_of_many_passwords_does_not_hang() -> None:
     script = textwrap.dedent(
         """
@@ -118,12 +92,6 @@ def test_a_short_message_about_a_long_url_of_many_passwords_does_not_hang() -> N
     assert ran.stdout.strip() == "done", ran.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors.py: url_secrets answers the passwords as written (%-encoded), while the driver "
-    "reads them decoded, and redact_text's docstring promises a decoded value is hidden; add "
-    "`found += [d for s in found for d in (unquote(s), unquote_plus(s))]` (also at 4cb21c1)",
-)
 @pytest.mark.parametrize(
     ("url", "message"),
     [
