@@ -36,7 +36,7 @@ from evstore.errors import (
 
 if TYPE_CHECKING:
     from evstore.events import Metadata, RecordedEvent
-    from evstore.log import Receipt
+    from evstore.log import Rebuilt, Receipt
     from evstore.schema import ConsumerAllocations, Inventory
     from evstore.store import (
         AllocationsByConsumer,
@@ -80,6 +80,8 @@ _LAZY = {
     "ProviderAllocations": "evstore.store",
     "AllocationsByConsumer": "evstore.store",
     "Receipt": "evstore.log",
+    # what rebuild answers (an int, with snapshots_dropped)
+    "Rebuilt": "evstore.log",
     "AuditReport": "projections.audit",
     "Finding": "projections.audit",
     # what the queries answer (for annotations)
@@ -149,6 +151,7 @@ __all__ = [
     "ProviderNotFound",
     "ProviderUsage",
     "ProviderView",
+    "Rebuilt",
     "Receipt",
     "RecordedEvent",
     "SchemaVersionError",

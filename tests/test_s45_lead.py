@@ -58,3 +58,11 @@ async def test_snapshots_saved_while_it_folds_are_counted_too(
         assert taken == [[3, 6]]
         assert rebuilt.snapshots_dropped == 2
         assert await store.snapshot_positions() == []
+
+
+def test_what_rebuild_answers_is_named_by_the_package() -> None:
+    """``store.rebuild()`` answers a ``Rebuilt``: importable from ``evstore`` for annotations, as
+    ``Receipt`` and the queries' answers are."""
+    import evstore
+
+    assert "Rebuilt" in evstore.__all__ and evstore.Rebuilt is Rebuilt
