@@ -18,13 +18,12 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import structlog
-
 from evstore import errors as err
+from evstore.logs import get_logger
 from evstore.schema import Inventory
 from evstore.store import AllocationStore, command_metadata
 
-log = structlog.get_logger("evstore")
+log = get_logger("evstore")
 
 Flavor = dict[str, int]
 FLAVORS: dict[str, Flavor] = {

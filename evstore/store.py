@@ -21,7 +21,6 @@ import importlib
 import inspect
 import itertools
 import json
-import logging
 import operator
 import sys
 import traceback
@@ -42,7 +41,6 @@ from dataclasses import asdict
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeAlias, TypedDict, TypeVar, Unpack, cast
 
-import structlog
 from pydantic import BaseModel, ValidationError
 
 from evstore import commands as cmd
@@ -61,6 +59,7 @@ from evstore.log import (
     follows_on,
     random_bits,
 )
+from evstore.logs import BoundOnce, get_logger
 from evstore.schema import (
     ConsumerAllocations,
     Inventory,
@@ -114,116 +113,9 @@ _command_metadata: contextvars.ContextVar[dict[str, Any] | None] = contextvars.C
 )
 
 
-def _log_failed(event: object) -> None:
-    """A log line the host's structlog configuration failed to emit (a processor that raised, a
-    closed sink): reported on stderr, as the standard library's ``Handler.handleError`` reports
-    a handler's failure (and, as it, not when ``logging.raiseExceptions`` is off). Never raised: a
-    command's outcome is its receipt or its refusal, whatever becomes of the line about it (a
-    committed command answered with the logging's exception is retried, and doubled, by a caller
-    that sees it fail; a line failing on the writer would leave its batch's other callers waiting)."""
-    if not logging.raiseExceptions:
-        return
-    try:
-        print(
-            f"--- evstore: log line {event!r} not emitted: the application's structlog configuration"
-            " raised (fix its processors or logger factory; the call it describes was not affected) ---",
-            file=sys.stderr,
-        )
-        # (without its context: raised while a refusal was handled, it would print that refusal's chain)
-        traceback.print_exception(sys.exception(), chain=False, file=sys.stderr)
-    except Exception:  # (no stderr, or one that fails too: nothing more to do)
-        pass
+log = get_logger("evstore")
 
-
-class _Guarded:
-    """A structlog logger whose lines cannot fail the call that logs them (see :func:`_log_failed`)."""
-
-    __slots__ = ("_logger",)
-
-    def __init__(self, logger: Any) -> None:
-        self._logger = logger
-
-    def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
-        try:
-            getattr(self._logger, level)(event, **kw)
-        except Exception:
-            _log_failed(event)
-
-    def debug(self, event: str, **kw: Any) -> None:
-        self._emit("debug", event, kw)
-
-    def info(self, event: str, **kw: Any) -> None:
-        self._emit("info", event, kw)
-
-    def warning(self, event: str, **kw: Any) -> None:
-        self._emit("warning", event, kw)
-
-
-log = _Guarded(structlog.get_logger("evstore"))
-
-
-class _BoundOnce:
-    """A logger bound once per structlog configuration. The lazy proxy ``get_logger`` returns binds
-    anew on every call (with the default PrintLoggerFactory, a new PrintLogger that looks up a
-    lock): ~4 us per command, 15 us measured on a busy store's event loop; every command logs.
-    ``structlog.configure`` (and ``capture_logs``) made later still apply: the configuration is
-    compared, by identity, at each use (0.25 us)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._config: dict[str, Any] | None = None
-        self._bound: Any = None
-        self._guarded = _Guarded(None)
-
-    def _current(self) -> Any:
-        config = structlog.get_config()
-        seen = self._config
-        # (one C-level walk of the two value lists, not a generator expression: per command)
-        if (
-            seen is None
-            or len(config) != len(seen)
-            or any(map(operator.is_not, config.values(), seen.values()))
-        ):
-            # (the bound logger's lazy proxy binds each line anew, so its factory's failure is the line's)
-            try:
-                self._bound = structlog.get_logger(self._name).bind()
-            except Exception:
-                self._bound = structlog.get_logger(self._name)
-            self._guarded = _Guarded(self._bound)
-            self._config = config
-        return self._bound
-
-    def get(self) -> _Guarded:
-        """The logger, its lines guarded (:class:`_Guarded`: a failing configuration fails no call)."""
-        self._current()
-        return self._guarded
-
-    def for_info(self) -> _Guarded | None:
-        """:meth:`get`, or None when the logger says it drops info lines (the line need not be built).
-
-        Asked at each use, not once per configuration: a ``structlog.stdlib`` logger answers from
-        the standard library logger's level, which a host changes without reconfiguring structlog
-        (``setLevel``, ``dictConfig``), and a line dropped once must come back when it is raised."""
-        bound = self._current()
-        return self._guarded if _info_enabled(bound) else None
-
-
-def _info_enabled(bound: Any) -> bool:
-    """Whether ``bound`` says it emits info lines: asked only of a wrapper class that defines
-    ``is_enabled_for`` (structlog's filtering loggers, ``structlog.stdlib.BoundLogger``). The
-    generic ``structlog.BoundLogger`` answers any attribute with a method that logs it (through
-    the processors, to the wrapped logger, which has no such method: AttributeError); any other
-    doubt logs the line, as before this was asked."""
-    enabled = getattr(type(bound), "is_enabled_for", None)
-    if not callable(enabled):
-        return True
-    try:
-        return bool(enabled(bound, logging.INFO))
-    except Exception:
-        return True
-
-
-_command_log = _BoundOnce("evstore")
+_command_log = BoundOnce("evstore")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import pydantic_core
-import structlog
 
 from evstore.errors import EvstoreError, InvalidInput
+from evstore.logs import get_logger
 from evstore.schema import Inventory
 from projections.gcpause import gc_paused
 from projections.persisted import INVENTORY_FIELDS, consumer_row
 from projections.replay import gapless, replay
 from projections.state import ConsumerState, ProviderState, State, dismantle, evolve
 
-log = structlog.get_logger("evstore.snapshots")
+log = get_logger("evstore.snapshots")
 
 #: bump when the encoding or the fold changes (a snapshot is the fold's state at its position: one an
 #: earlier fold made would answer as it folded); snapshots of another format are ignored (and re-made).

@@ -96,7 +96,6 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import asyncpg  # type: ignore[import-untyped,unused-ignore]
-import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
@@ -122,6 +121,7 @@ from evstore.log import (
     store_keyword_hint,
 )
 from evstore.log.sqlite import decode_rows, history_keys, imported_keys, parse_version
+from evstore.logs import get_logger
 from evstore.schema import (
     flag_option_from_url,
     validate_flag_option,
@@ -135,7 +135,7 @@ from projections.replay import fold_payloads, replay
 from projections.state import ConsumerState, State, dismantle, evolve
 from projections.views import UsageGroup, groups_from_rows
 
-log = structlog.get_logger("evstore.postgres")
+log = get_logger("evstore.postgres")
 T = TypeVar("T")
 
 SCHEMA_VERSION = 9

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import aiosqlite
-import structlog
 
 from evstore import errors as err
 from evstore.commands import CreateResourceClass, Needs, decide
@@ -66,6 +65,7 @@ from evstore.log import (
     random_bits,
     store_keyword_hint,
 )
+from evstore.logs import get_logger
 from evstore.schema import flag_option_from_url, validate_flag_option
 from projections import persisted
 from projections.exchange import duplicate_id
@@ -83,7 +83,7 @@ from projections.views import UsageGroup
 #: 5: p_allocations holds one row per consumer and provider (its classes as JSON), and per-project
 #: and per-user usage counters (p_usages) replace the index of consumers by project (refolded on open)
 SCHEMA_VERSION = 5
-log = structlog.get_logger("evstore.sqlite")
+log = get_logger("evstore.sqlite")
 #: the history index (``event_entities``) is brought up to date once it lags this many events
 #: behind the log; reads look at the (at most this many) newest events themselves
 HISTORY_LAG = 1000
