@@ -874,6 +874,11 @@ def _connect_hint(exc: BaseException) -> str:
             "socket - and port, and that the server is up)"
         )
     if isinstance(exc, socket.gaierror):
+        if exc.errno == socket.EAI_AGAIN:  # (the resolver failed for now: a later open may resolve it)
+            return (
+                " (the host name could not be resolved for now: try again; if it lasts, check this "
+                "host's DNS)"
+            )
         return " (the host name does not resolve: check the host in the URL, and this host's DNS)"
     if _tls_refused(exc) and not _tls_files(exc):
         return (
@@ -1786,8 +1791,11 @@ class PostgresBackend:
             ) or (isinstance(exc, asyncpg.InterfaceError) and text.startswith("connection is closed"))
             # (as a read's or a command's: a connection lost, refused or timed out, the server
             # starting up, shutting down or short of what passes - a later open may well work)
+            # (but not a host name that does not resolve - a typo, EAI_NONAME: the next open meets
+            # the same - only the resolver's temporary failure, EAI_AGAIN)
             transient = ended or (
                 not isinstance(exc, asyncpg.InterfaceError)
+                and not (isinstance(exc, socket.gaierror) and exc.errno != socket.EAI_AGAIN)
                 and _storage_error(exc, "opening", None).details.get("transient") is True
             )
             if ended:  # (their words say nothing of what happened, or that it passes)
