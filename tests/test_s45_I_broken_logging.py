@@ -259,3 +259,23 @@ async def test_a_store_lives_the_same_with_broken_logging(
     for event in events & {"command.accepted", "command.rejected", "subscribe.read_retry"}:
         assert f"log line {event!r} not emitted" in err, (event, err[-2000:])
     assert REPORTED[broken] in err
+
+
+async def test_an_open_that_refolds_a_lost_projection_table_with_broken_logging(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: the open's repair of a projection table dropped by hand logs its refold (a
+    warning; on PostgreSQL in the open's transaction): the logging's exception failed the open."""
+    async with open_store(store_url) as store:
+        rp = await make_provider(store, VCPU=8)
+        consumer = new_uuid()
+        await allocate(store, consumer, {rp: {"VCPU": 3}})
+        await store.backend.tamper("DROP TABLE p_allocations")  # type: ignore[attr-defined]
+    _raising_processor()
+    async with open_store(store_url) as store:
+        repaired = store.backend.repaired  # type: ignore[attr-defined]
+        assert repaired is not None and "p_allocations" in repaired.made_again and repaired.refolded
+        assert (await store.usage(rp))["VCPU"] == 3
+        assert (await store.allocations(consumer)).allocations
+        assert (await store.audit()).clean
+    assert "not emitted" in capsys.readouterr().err
