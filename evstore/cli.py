@@ -46,7 +46,7 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from typer._click.core import Command
-from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption, UsageError
 from typer.core import TyperGroup
 
 from evstore import errors as err
@@ -344,6 +344,33 @@ def _naming_the_environment(message: str) -> str:
     return message
 
 
+def _from_the_environment(exc: err.EvstoreError) -> None:
+    """Mark ``exc``, an error about the store's URL or its opening, "(from EVSTORE_URL)" when
+    that URL came from there, though its message names no store ("Unknown SQLite store
+    option(s) frob": its reader never typed that URL). An error about what the store holds (a
+    consumer, a position) is not about where it is: left as it is."""
+    if _STORE_FROM_ENVIRONMENT and "EVSTORE_URL" not in exc.message:
+        exc.message = f"{exc.message} (from EVSTORE_URL)"
+        exc.args = (exc.message,)
+
+
+@contextlib.asynccontextmanager
+async def opened(target: str, **options: Unpack[StoreOptions]) -> AsyncIterator[AllocationStore]:
+    """``open_store(target, **options)``, an error in its opening marked as
+    :func:`_from_the_environment` says."""
+    from evstore.store import open_store
+
+    entered = False
+    try:
+        async with open_store(target, **options) as store:
+            entered = True
+            yield store
+    except err.EvstoreError as exc:
+        if not entered:
+            _from_the_environment(exc)
+        raise
+
+
 def fail(code: str, message: str, exit_code: int = EXIT_ERROR) -> NoReturn:
     # (all of it, its control characters shown as \xNN, which keeps it one line: its first line
     # alone cut a path or URL holding a newline at it, naming another file than the one given)
@@ -375,7 +402,21 @@ def given_path(value: str, option: str, *, must_exist: bool, what: str = "file")
     if must_exist and not path.exists():
         hint = " (check the path, or create one with `evstore demo`)" if option == "--db" else ""
         raise err.NotFound(f"no {what} at {value}{hint}")
+    if not must_exist and (blocked := _file_in_the_way(path)) is not None:
+        # (SQLite's open said "directory notdb.txt does not exist" of a regular file)
+        raise err.InvalidInput(f"{blocked} is a file, not a directory: {value} cannot be made in it")
     return path
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing ancestor of the missing ``path`` when it is not a directory (a regular
+    file, say: ``notdb.txt`` of ``notdb.txt/x.db``), else None."""
+    if os.path.lexists(path):
+        return None
+    for parent in path.parents:
+        if os.path.lexists(parent):
+            return None if parent.is_dir() else parent
+    return None
 
 
 def not_empty(value: str | None, option: str, what: str) -> None:
@@ -426,22 +467,27 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
     if chosen.startswith("sqlite:"):
         from evstore.log.sqlite import parse_sqlite_url
 
-        path, _ = parse_sqlite_url(chosen)
-        if path != ":memory:" and Path(path).is_dir():
-            raise err.InvalidInput(f"{path} is a directory, not a database file")
-        if must_exist and path != ":memory:" and not Path(path).exists():
-            raise err.NotFound(f"no database at {path}")
+        try:
+            path, _ = parse_sqlite_url(chosen)
+        except err.EvstoreError as exc:
+            _from_the_environment(exc)
+            raise
+        if path != ":memory:":  # (said as --db says it)
+            given_path(path, "--db", must_exist=must_exist, what="database file")
     return chosen
 
 
-#: the keywords of libpq's "keyword=value" connection strings (PostgreSQL 17's list)
+#: the keywords of libpq's "keyword=value" connection strings (PostgreSQL 18's list - its protocol
+#: versions, SCRAM keys, OAuth, sslkeylogfile, servicefile - and requiressl, older libpqs')
 LIBPQ_KEYWORDS = frozenset(
     """host hostaddr port dbname user password passfile require_auth channel_binding connect_timeout
     client_encoding options application_name fallback_application_name keepalives keepalives_idle
     keepalives_interval keepalives_count tcp_user_timeout replication gssencmode sslmode sslnegotiation
     requiressl sslcompression sslcert sslkey sslpassword sslcertmode sslrootcert sslcrl sslcrldir sslsni
     requirepeer ssl_min_protocol_version ssl_max_protocol_version krbsrvname gsslib gssdelegation
-    service target_session_attrs load_balance_hosts""".split()
+    service servicefile target_session_attrs load_balance_hosts min_protocol_version max_protocol_version
+    scram_client_key scram_server_key sslkeylogfile oauth_issuer oauth_client_id oauth_client_secret
+    oauth_scope""".split()
 )
 
 #: a store "URL" that starts as a libpq keyword string does: ``host=...``, ``dbname = ...``
@@ -538,9 +584,10 @@ def libpq_as_url(text: str) -> str | None:
         who = quote(user or "", safe="")
         netloc = f"{who}{':***' if password is not None else ''}@{netloc}"
     path = f"/{quote(dbname, safe='')}" if dbname else ""
-    # (sslpassword, the client key's passphrase, is a secret as the password is: named, not shown)
-    secret = "sslpassword=***" if pairs.pop("sslpassword", None) is not None else ""
-    query = "&".join(part for part in (urlencode(pairs, safe="/,"), secret) if part)
+    # (sslpassword, the client key's passphrase, oauth_client_secret and the SCRAM keys are secrets
+    # as the password is: named, not shown)
+    secrets = [f"{name}=***" for name in err.SECRET_KEYWORDS[1:] if pairs.pop(name, None) is not None]
+    query = "&".join(part for part in (urlencode(pairs, safe="/,"), *secrets) if part)
     return f"postgresql://{netloc}{path}{'?' if query else ''}{query}"
 
 
@@ -576,11 +623,9 @@ async def open_existing(target: str, **options: Unpack[StoreOptions]) -> AsyncIt
     not do behind its user's back; ``evstore upgrade`` does it, once those processes are stopped.
     So is a store that lost tables or indexes (or, on PostgreSQL, awaits an upgrade's refold),
     which the open would otherwise make again and refold: ``evstore upgrade`` repairs it."""
-    from evstore.store import open_store
-
     options["create"] = False
     options.setdefault("upgrade", False)
-    async with open_store(target, **options) as store:
+    async with opened(target, **options) as store:
         yield store
 
 
@@ -899,11 +944,10 @@ def demo(
 
     async def fill(target: str, where: str) -> int:
         from evstore.demo import COUNTS, run_demo
-        from evstore.store import open_store
 
         # (upgrade=False: an older store is refused as it is, not upgraded and then refused for
         # its events, closed to the older evstore processes still using it by a refused demo)
-        async with open_store(target, upgrade=False) as store:
+        async with opened(target, upgrade=False) as store:
             if await store.head() != 0:
                 shown_url = shown(target)
                 # (a SQLite file the demo wrote was replaced above: this is a PostgreSQL schema's)
@@ -1412,6 +1456,20 @@ def parse_point(text: str, what: str = "--at") -> int | datetime:
             )
         raise err.InvalidInput(f"{what} time {text!r} has no time zone: add Z or +00:00")
     return moment
+
+
+def parse_position(text: str, option: str) -> int:
+    """A position given to ``option`` (``tail --after``), read as :func:`parse_point` reads one:
+    ASCII digits, a sign and spaces around them allowed (``+5``, `` 5``); empty, malformed or out
+    of range, a usage error (exit 2) - click's int took ``1_0`` as 10, and said an empty value was
+    not "a valid integer" where every other option says it is empty."""
+    if not text.strip():
+        raise UsageError(f"{option} is empty: give a position")
+    if not _NUMBER.fullmatch(text.strip()):
+        raise UsageError(f"{option} must be a position (e.g. 120), got {text!r}")
+    point = parse_point(text, option)
+    assert isinstance(point, int)
+    return point
 
 
 #: a whole number, signed or not, in ASCII digits (str.isdigit also accepts '²', which int() refuses)
@@ -2306,7 +2364,10 @@ def tail(
     after: Annotated[
         int | None,
         typer.Option(
-            "--after", min=0, max=MAX_POSITION, help="Start after this position (default: the head)."
+            "--after",
+            parser=functools.partial(parse_position, option="--after"),
+            metavar="<position>",
+            help="Start after this position (default: the head).  [0<=x<=9223372036854775807]",
         ),
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Stop after this many events.")] = None,
@@ -3077,8 +3138,6 @@ def import_(
     spooled: list[Path] = []  # the temporary copy of piped input, once made (removed at the end)
 
     async def work() -> int:
-        from evstore.store import open_store
-
         def lines() -> Any:
             with source.open(encoding="utf-8") as stream:
                 try:
@@ -3090,7 +3149,7 @@ def import_(
 
         # (upgrade=False: an older store - one with events, which the import refuses - is refused
         # as it is, not upgraded first; `evstore upgrade` upgrades one to import into)
-        async with open_store(target, upgrade=False) as store:
+        async with opened(target, upgrade=False) as store:
             # (the bar's total: the events the header promises - read from the file, or from the
             # copy of piped input, never from the pipe a second time; the import checks it)
             total = await asyncio.to_thread(_promised_events, source)
@@ -3270,7 +3329,17 @@ def _misplaced_option(exc: NoSuchOption, argv: Sequence[str] | None) -> str:
         of = "the commands" if len(takers) > 1 else takers[0]
         return f"{name} is an option of {of}: give it after the command, evstore {where} {typed} ..."
     if takes(root):
-        before = f"evstore {typed} {ctx.info_name} ..."
+        if name == "--version":  # (before a command, it prints the version and runs none)
+            return (
+                f"{name} is an option of evstore itself: evstore --version (it prints the version, "
+                "and runs no command)"
+            )
+        # (every -v given, as given: `audit -v -v` is evstore -v -v, the -vv README's traceback
+        # needs, not one -v; `-vvx`'s -vv - its x no option of evstore's either)
+        verbose = [
+            flag.group() for arg in args if (flag := re.match(r"-v+(?=[^-]|$)|--verbose$", arg)) is not None
+        ]
+        before = f"evstore {' '.join(verbose) or typed} {ctx.info_name} ..."
         return f"{name} is an option of evstore itself: give it before the command, {before}"
     return ""
 

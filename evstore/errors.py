@@ -179,11 +179,17 @@ _USERINFO_START = re.compile(r"://[^:/@]*:")
 #: parameter (after "?" or "&") ends at the next "&" only (``parse_qsl`` reads ``password=ab cd``
 #: as ``ab cd``); a keyword string's bare value at a space as libpq reads one, C's isspace() - a
 #: no-break or an em space is one of its characters, as "&" is (``password=ab&cd``: ``ab&cd``)
+#: the libpq keywords whose value is a secret (PostgreSQL 18: an OAuth client's secret, and the
+#: SCRAM keys, which log in as the password does): hidden wherever password is
+SECRET_KEYWORDS = ("password", "sslpassword", "oauth_client_secret", "scram_client_key", "scram_server_key")
+_SECRET_KEYWORD = r"(?:(?:ssl)?password|oauth_client_secret|scram_(?:client|server)_key)"
 _QUERY_PASSWORD = re.compile(
-    r"(?i)(?<=[?&])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)(?:[^&\\]|\\.?)*|(?:[^&\\]|\\.?)*)"
+    r"(?i)(?<=[?&])("
+    + _SECRET_KEYWORD
+    + r"\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)(?:[^&\\]|\\.?)*|(?:[^&\\]|\\.?)*)"
 )
 _KEYWORD_PASSWORD = re.compile(
-    r"(?i)(?<![?&])\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^ \t\n\r\f\v\\]|\\.?)*)"
+    r"(?i)(?<![?&])\b(" + _SECRET_KEYWORD + r"\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^ \t\n\r\f\v\\]|\\.?)*)"
 )
 
 

@@ -21,6 +21,9 @@ def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     return int(done.value.code or 0), out.out, out.err
 
 
+_HINT = " (check the path, or create one with `evstore demo`)"
+
+
 def _small_store(path: Path) -> None:
     async def build() -> None:
         async with open_store(f"sqlite:///{path}") as store:
@@ -34,7 +37,9 @@ def _small_store(path: Path) -> None:
 @pytest.mark.parametrize(
     ("url", "said"),
     [
-        ("sqlite:///{tmp}/gone.db", "evstore.not_found: no database at {tmp}/gone.db (from EVSTORE_URL)"),
+        ("sqlite:///{tmp}/gone.db",
+         "evstore.not_found: no database file at {tmp}/gone.db (check the path, or create one "
+         "with `evstore demo`) (from EVSTORE_URL)"),
         ("sqlite:///{tmp}",
          "evstore.invalid_input: {tmp} is a directory, not a database file (from EVSTORE_URL)"),
         ("mysql://db/x",
@@ -68,10 +73,10 @@ def test_a_store_named_by_an_option_or_an_error_not_naming_it_leaves_evstore_url
     # (--url wins over EVSTORE_URL: an error about its store is not EVSTORE_URL's, even when
     # both name the same file)
     code, _, err = _in_process(capsys, "audit", "--url", f"sqlite:///{tmp_path}/gone.db")
-    assert (code, err) == (1, f"error: evstore.not_found: no database at {tmp_path}/gone.db\n")
+    assert (code, err) == (1, f"error: evstore.not_found: no database file at {tmp_path}/gone.db{_HINT}\n")
     monkeypatch.setenv("EVSTORE_URL", f"sqlite:///{tmp_path}/gone.db")
     code, _, err = _in_process(capsys, "audit", "--url", f"sqlite:///{tmp_path}/gone.db")
-    assert (code, err) == (1, f"error: evstore.not_found: no database at {tmp_path}/gone.db\n")
+    assert (code, err) == (1, f"error: evstore.not_found: no database file at {tmp_path}/gone.db{_HINT}\n")
     code, _, err = _in_process(capsys, "audit", "--db", str(db))
     assert code == 0, err
 
