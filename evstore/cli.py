@@ -389,14 +389,15 @@ def sqlite_url(path: Path) -> str:
     return "sqlite:///" + text
 
 
-def given_path(value: str, option: str, *, must_exist: bool, what: str = "file") -> Path:
+def given_path(value: str, option: str, *, must_exist: bool, what: str = "file", expand: bool = True) -> Path:
     """A path given on the command line, checked by one rule (README, "Debugging a leak"): an
     empty value is a usage error (exit 2, as an empty --url is); a directory where a file belongs
     is ``evstore.invalid_input`` and, when the file must exist, a missing one ``evstore.not_found``
-    (exit 1, as every error evstore finds in a value it was given)."""
+    (exit 1, as every error evstore finds in a value it was given). ``expand``: a leading ``~`` is
+    the home directory (not in a URL's path: SQLite opens ``sqlite:///~/x.db`` as written)."""
     if not value.strip():
         fail("evstore.usage", f"{option} is empty: give a {what}", EXIT_USAGE)
-    path = Path(value).expanduser()
+    path = Path(value).expanduser() if expand else Path(value)
     if path.is_dir():
         raise err.InvalidInput(f"{value} is a directory, not a {what}")
     if must_exist and not path.exists():
@@ -473,7 +474,7 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
             _from_the_environment(exc)
             raise
         if path != ":memory:":  # (said as --db says it)
-            given_path(path, "--db", must_exist=must_exist, what="database file")
+            given_path(path, "--db", must_exist=must_exist, what="database file", expand=False)
     return chosen
 
 

@@ -192,3 +192,21 @@ def test_newer_libpq_keywords_are_known(capsys: pytest.CaptureFixture[str]) -> N
     assert "oauth_client_secret=***" in built and "scram_client_key=***" in built, built
     code, _, err = _in_process(capsys, "audit", "--url", "min_protocol_version=3.2 host=h")
     assert code == 1 and "a libpq keyword/value connection string, min_protocol_version=" in err, err
+
+
+def test_a_url_path_starting_with_a_tilde_is_checked_as_sqlite_opens_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_db: Path
+) -> None:
+    """``--url sqlite:///~/x.db`` names the file ``./~/x.db`` (SQLite expands no ``~``): a store
+    at ``$HOME/x.db`` does not make it exist, nor ``~`` a directory SQLite is then told of. (The
+    first version of the check above read it as --db reads a path, ``~`` expanded.)"""
+    home = tmp_path / "home"
+    home.mkdir()
+    demo_db.rename(home / "x.db")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _in_process(capsys, "stats", "--url", "sqlite:///~/x.db")
+    hint = "(check the path, or create one with `evstore demo`)"
+    assert (code, err) == (1, f"error: evstore.not_found: no database file at ~/x.db {hint}\n")
+    code, _, err = _in_process(capsys, "stats", "--db", "~/x.db")
+    assert code == 0, err
