@@ -416,7 +416,8 @@ def _file_in_the_way(path: Path) -> Path | None:
         return None
     for parent in path.parents:
         if os.path.lexists(parent):
-            return None if parent.is_dir() else parent
+            # (a symbolic link to nothing is no file: the open says the directory does not exist)
+            return None if parent.is_dir() or not parent.exists() else parent
     return None
 
 

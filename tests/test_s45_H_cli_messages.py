@@ -90,6 +90,15 @@ def test_demo_into_a_directory_that_is_a_file_says_it_is_a_file(
     assert (tmp_path / "notdb.txt").read_text() == "text\n"
 
 
+def test_a_dangling_link_on_the_way_is_not_called_a_file(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    code, _, err = _in_process(capsys, "demo", "--db", "dangling/x.db", "--instances", "3", "--nodes", "2")
+    assert code == 1 and "is a file" not in err and "does not exist" in err, err
+
+
 def test_an_empty_after_is_said_empty_as_an_empty_at_is(
     capsys: pytest.CaptureFixture[str], demo_db: Path
 ) -> None:
