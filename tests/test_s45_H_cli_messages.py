@@ -219,3 +219,15 @@ def test_a_url_path_starting_with_a_tilde_is_checked_as_sqlite_opens_it(
     assert (code, err) == (1, f"error: evstore.not_found: no database file at ~/x.db {hint}\n")
     code, _, err = _in_process(capsys, "stats", "--db", "~/x.db")
     assert code == 0, err
+
+
+def test_export_into_a_directory_that_is_a_file_says_it_is_a_file(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_db: Path
+) -> None:
+    """``export -o notdb.txt/x.jsonl`` said "evstore.io: ... Not a directory" (the same check as
+    demo's, given_path's, says it now, as a directory where a file belongs is said)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notdb.txt").write_text("text\n")
+    code, out, err = _in_process(capsys, "export", "--db", str(demo_db), "-o", "notdb.txt/x.jsonl")
+    assert (code, out) == (1, "")
+    assert err.startswith("error: evstore.invalid_input: notdb.txt is a file, not a directory"), err
