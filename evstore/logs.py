@@ -25,16 +25,19 @@ def log_failed(event: object) -> None:
     committed command answered with the logging's exception is retried, and doubled, by a caller
     that sees it fail; a line failing on the writer would leave its batch's other callers waiting;
     one failing in a rollback's or a close's clean-up would replace the error it reports)."""
-    if not logging.raiseExceptions:
+    # (no stderr - None under pythonw, or dropped by a daemon - reports nothing, as handleError:
+    # print and print_exception given file=None write on stdout, which may carry an export's lines)
+    stream = sys.stderr
+    if not logging.raiseExceptions or stream is None:
         return
     try:
         print(
             f"--- evstore: log line {event!r} not emitted: the application's structlog configuration"
             " raised (fix its processors or logger factory; the call it describes was not affected) ---",
-            file=sys.stderr,
+            file=stream,
         )
         # (without its context: raised while a refusal was handled, it would print that refusal's chain)
-        traceback.print_exception(sys.exception(), chain=False, file=sys.stderr)
+        traceback.print_exception(sys.exception(), chain=False, file=stream)
     except Exception:  # (no stderr, or one that fails too: nothing more to do)
         pass
 
