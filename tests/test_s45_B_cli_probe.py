@@ -6,31 +6,14 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from evstore import cli
+from tests.test_s44_C_cli import _in_process
 
 # (cli.main, run in this process, configures logging to this test's captured streams, closed after it)
 pytestmark = pytest.mark.usefixtures("logging_as_it_was")
-
-
-@dataclass
-class _Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> _Done:
-    """``evstore ARGS`` run by ``cli.main`` in this process."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        cli.main(list(args))
-    out = capsys.readouterr()
-    return _Done(int(done.value.code or 0), out.out, out.err)
 
 
 @pytest.mark.parametrize(
