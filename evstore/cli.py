@@ -2947,8 +2947,10 @@ def export(
             output = given_path(output_path, "--output", must_exist=False)
         except err.EvstoreError as exc:
             fail(exc.code, exc.message)
-    if output is None or str(output) in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
+    if output is None:
         refuse_closed_stdout("export", "the log", " (give --output FILE, or redirect it)")
+    else:
+        _refuse_a_closed_stream(output)
 
     async def work() -> int:
 
@@ -3354,12 +3356,70 @@ def _open_closed_streams() -> None:
         if getattr(sys, name) is None:
             stream = open(os.devnull, "w")  # (for the process's life)
             setattr(sys, name, stream)
-            if name == "stdout":
-                _CLOSED_STDOUT.append(stream)
+            (_CLOSED_STDOUT if name == "stdout" else _CLOSED_STDERR).append(stream)
 
 
 #: the /dev/null :func:`_open_closed_streams` put in the place of a closed standard output
 _CLOSED_STDOUT: list[io.TextIOWrapper] = []
+#: ... and of a closed standard error
+_CLOSED_STDERR: list[io.TextIOWrapper] = []
+
+
+def _refuse_a_closed_stream(output: Path) -> None:
+    """``export -o`` naming standard output or standard error (``/dev/stdout``, ``/dev/fd/2``,
+    ``//dev/stderr``, ``/proc/thread-self/fd/1``, a symbolic link to one) when the command was
+    started without it: the /dev/null put in its place would take the whole log, the export
+    saying it succeeded - refused as ``export`` to a closed standard output is."""
+    descriptor = _descriptor_named(output)
+    for name, number, closed in (("output", 1, _CLOSED_STDOUT), ("error", 2, _CLOSED_STDERR)):
+        stream = getattr(sys, f"std{'out' if number == 1 else 'err'}")
+        if not closed or stream is not closed[-1]:
+            continue  # (the stream is there: written to as named)
+        named = str(output) in (f"/dev/std{'out' if number == 1 else 'err'}", f"/dev/fd/{number}")
+        if named or descriptor in (number, closed[-1].fileno()):
+            fail(
+                "evstore.io",
+                f"standard {name} is closed: export has nowhere to write the log "
+                "(give --output FILE, or redirect it)",
+            )
+
+
+def _descriptor_named(path: Path) -> int | None:
+    """The descriptor of this process that ``path`` reaches through ``/proc/<pid>/fd`` (as
+    ``/dev/stdout``, ``/dev/fd/N``, ``/proc/self/fd/N`` and links to them do), the last link -
+    to the file open there - not followed; None for any other path, or one that cannot be read."""
+    own = {("proc", str(os.getpid()), "fd")}
+    pending = str(path).split("/")
+    current: list[str] = [] if str(path).startswith("/") else os.getcwd().split("/")[1:]
+    hops = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current[:-1]
+            continue
+        if part.isdigit() and (
+            tuple(current) in own
+            or (
+                len(current) == 5
+                and tuple(current[:3]) == ("proc", str(os.getpid()), "task")
+                and current[4] == "fd"
+            )
+        ):
+            return int(part)
+        try:
+            target = os.readlink("/" + "/".join([*current, part]))
+        except OSError:  # (not a link - or nothing there: walked as it is)
+            current.append(part)
+            continue
+        hops += 1
+        if hops > 40:  # (a link loop: the open says so)
+            return None
+        if target.startswith("/"):
+            current = []
+        pending[:0] = target.split("/")
+    return None
 
 
 def refuse_closed_stdout(command: str, what: str, instead: str = "") -> None:
