@@ -644,11 +644,17 @@ async def _missing_objects(conn: Any) -> list[str]:
 
 
 async def _lost_tail(conn: Any) -> LostTail | None:
-    """See :meth:`PostgresBackend.lost_tail` (one statement, one snapshot)."""
+    """See :meth:`PostgresBackend.lost_tail` (one statement, one snapshot). The sequence's last
+    value is read only by a role that may read the sequence (SELECT or USAGE on it): a role with
+    SELECT on the store's tables alone - which reads, exports and audits - was refused the whole
+    check ("permission denied for sequence events_seq_seq", its audit failed). For it, every -seq
+    the log lacks is taken as handed out (a lost event): the projection is not clean either way."""
     sql = (
         "WITH head AS (SELECT coalesce(max(position), 0) AS h FROM events), "
-        "given AS (SELECT coalesce(pg_sequence_last_value("
-        "pg_get_serial_sequence('events', 'seq')::regclass), 0) AS s) "
+        "seq AS (SELECT pg_get_serial_sequence('events', 'seq') AS name), "
+        "given AS (SELECT CASE WHEN has_sequence_privilege(seq.name, 'SELECT, USAGE') "
+        "THEN coalesce(pg_sequence_last_value(seq.name::regclass), 0) "
+        "ELSE 9223372036854775807 END AS s FROM seq) "
         "SELECT head.h, t.v, c.uuid, t.what FROM p_consumers c CROSS JOIN LATERAL "
         "(VALUES (c.deleted_at, 'deleted'), (c.allocated_at, 'allocations changed')) AS t(v, what), "
         "head, given "
@@ -1416,9 +1422,12 @@ def _storage_error(
     committing: bool | None = False,
     timeout: str = "command_timeout",
     keyed: bool = True,
+    writes: bool = False,
 ) -> err.StorageError:
     """``committing``: True while a command's COMMIT was in flight, False inside its transaction
-    (rolled back), None for work that writes nothing of the caller's (reads, the sequencer).
+    (rolled back), None for work that writes nothing of the caller's (reads, the sequencer) or
+    whose outcome is not told (``writes``: a snapshot saved or dropped - a cache -, whose 42501
+    is told as a command's: ``read_only``, what the role lacks).
     ``timeout``: the setting a ``TimeoutError`` means ran out, as the message names it; ``keyed``:
     the command carries an idempotency key (a retry with it is safe, without it is not).
     A failure of the connection rather than of the work (lost, refused, timed out, the server
@@ -1484,12 +1493,15 @@ def _storage_error(
         elif sqlstate == "25006":  # (read_only_sql_transaction: as a SQLite file this process may not write)
             lead += f" ({READ_ONLY_HINT})"
             reason = {"reason": "read_only"}
-        elif sqlstate == "42501" and committing is not None and text.startswith("must be owner of"):
+        elif (
+            sqlstate == "42501" and (committing is not None or writes) and text.startswith("must be owner of")
+        ):
             # (what only the tables' owner may do - a full rebuild's REINDEX: a role that writes
             # the store, commands and a plain rebuild, may not do it; granting more is no help)
             lead += f" ({OWNER_ONLY_HINT})"
-        elif sqlstate == "42501" and committing is not None:
-            # (insufficient_privilege in work that writes - a command, a rebuild, an import: a
+        elif sqlstate == "42501" and (committing is not None or writes):
+            # (insufficient_privilege in work that writes - a command, a rebuild, an import, a
+            # snapshot saved or dropped: a
             # role that may read the store but not write it, as a SQLite file this process may
             # read and not write; a read's is a privilege it lacks to read, no such reason)
             lead += f" ({NO_WRITE_PRIVILEGE_HINT})"
@@ -1529,8 +1541,8 @@ READ_ONLY_HINT = (
 NO_WRITE_PRIVILEGE_HINT = (
     "this role may not write the store: it lacks a privilege on its tables - INSERT, UPDATE and "
     "DELETE on the schema's tables, USAGE on its sequence, EXECUTE on evstore's functions; grant "
-    "them, or run commands as the role that owns the store - reads, export, audit and time travel "
-    "work with SELECT"
+    "them, or run what writes - commands, snapshot, rebuild, import - as the role that owns the "
+    "store; reads, export, audit and time travel work with SELECT on its tables"
 )
 
 
@@ -3191,11 +3203,14 @@ class PostgresBackend:
             # they commit (with writers running, there is nearly always such an event)
             return 0
 
-    async def _guard(self, awaitable: Awaitable[Any], doing: str) -> Any:
+    async def _guard(self, awaitable: Awaitable[Any], doing: str, writes: bool = False) -> Any:
+        """``awaitable``'s result; its database error as evstore's (``writes``: see _storage_error)."""
         try:
             return await awaitable
         except DB_ERRORS as exc:
-            raise _storage_error(exc, doing, None, self._timeout_named("command_timeout")) from None
+            raise _storage_error(
+                exc, doing, None, self._timeout_named("command_timeout"), writes=writes
+            ) from None
 
     # --- reading --------------------------------------------------------------------------
 
@@ -3431,7 +3446,7 @@ class PostgresBackend:
             parts = sql.split("?")
             sql = parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
         async with self._connection() as conn:
-            await self._guard(conn.execute(sql, *params), "tampering")
+            await self._guard(conn.execute(sql, *params), "tampering", writes=True)
 
     # --- snapshots (a cache of folded states; see projections/snapshots.py) -------------------
 
@@ -3456,7 +3471,7 @@ class PostgresBackend:
             rows.append((-position, event_hash, fmt, tombstones))
         async with self._connection() as conn:
             # (executemany is atomic, since asyncpg 0.22: both rows or neither)
-            await self._guard(conn.executemany(sql, rows), "saving a snapshot")
+            await self._guard(conn.executemany(sql, rows), "saving a snapshot", writes=True)
         return True
 
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
@@ -3538,7 +3553,7 @@ class PostgresBackend:
 
     async def drop_snapshots(self) -> None:
         async with self._connection() as conn:
-            await self._guard(_drop_snapshots(conn), "dropping snapshots")
+            await self._guard(_drop_snapshots(conn), "dropping snapshots", writes=True)
 
     async def import_all(
         self,
