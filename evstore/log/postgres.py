@@ -1845,12 +1845,23 @@ class PostgresBackend:
                 ) from None
             setting = self._refused_setting(exc, text)
             if setting is not None:
-                check = (
-                    f"this role may not set it ({setting}): leave it out of the URL, or have it "
-                    "granted (GRANT SET ON PARAMETER, or a superuser's role)"
-                    if getattr(exc, "sqlstate", None) == "42501"
-                    else f"check its value ({setting})"
-                )
+                if getattr(exc, "sqlstate", None) == "42501":
+                    check = (
+                        f"this role may not set it ({setting}): leave it out of the URL, or have it "
+                        "granted (GRANT SET ON PARAMETER, or a superuser's role)"
+                    )
+                elif getattr(exc, "sqlstate", None) == "55P02":
+                    # (cant_change_runtime_param: a server-wide setting - shared_buffers,
+                    # max_connections, archive_timeout - that no session may set, whatever value)
+                    inside = re.search(r'"([^"]+)"', text) if setting == "options" else None
+                    named = setting if inside is None else f"{inside.group(1)}, in options"
+                    check = (
+                        f"no session may set it ({named}): it is the server's own, set only in its "
+                        "configuration (postgresql.conf or ALTER SYSTEM, read at a restart or a "
+                        "reload) - leave it out of the URL"
+                    )
+                else:
+                    check = f"check its value ({setting})"
                 raise err.InvalidInput(
                     f"Cannot connect to PostgreSQL at {self.safe_url}: {text}. A ?k=v in the URL that "
                     f"is not one of evstore's options is sent to the server as a setting: {check}"
