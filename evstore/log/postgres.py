@@ -898,6 +898,19 @@ def _connect_hint(exc: BaseException) -> str:
             "that does not pass by itself - check sslmode, whose default, prefer, connects without "
             "TLS where the server has none, or turn ssl on at the server)"
         )
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            " (this client does not trust the server's certificate - the URL's sslmode, verify-ca or "
+            "verify-full, checks it against sslrootcert (else PGSSLROOTCERT, else "
+            "~/.postgresql/root.crt), and verify-full its host name too: that does not pass by "
+            "itself - check sslrootcert names the CA that signed the server's certificate, and the "
+            "URL's host)"
+        )
+    if isinstance(exc, PermissionError):
+        return (
+            " (this process may not use the server's socket or address: that does not pass by "
+            "itself - check the Unix socket's directory and file permissions, or the firewall)"
+        )
     return ""
 
 
@@ -1401,6 +1414,41 @@ def _tls_file_read(exc: BaseException) -> tuple[str, str] | None:
     return found
 
 
+def _tls_files_hint(read: tuple[str, str] | None) -> str:
+    """Where the TLS files come from and what each must be (``read``: :func:`_tls_file_read`'s)."""
+    return (
+        "a file the URL names (sslrootcert, sslcert, sslkey, sslcrl), else the one the "
+        "environment names (PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, PGSSLCRL), else the default in "
+        "~/.postgresql (root.crt, postgresql.crt, postgresql.key, root.crl; the client "
+        "certificate is read under the default sslmode, prefer, too): each must be a readable "
+        "file in PEM form - the server's CA certificate, this client's certificate and key"
+        + (
+            " (a key with a passphrase: check sslpassword)"
+            if read is not None and read[0] == "sslcert"
+            else ""
+        )
+    )
+
+
+def _refused_hint(exc: BaseException) -> str:
+    """What a connect refused for good (:func:`_refused_for_good`) is told to check - at a read's,
+    a command's or the pool's reconnect as at an open's first connect (:func:`_connect_hint`):
+    the TLS file that cannot be used, named; the server offering no TLS; a failed handshake; a
+    certificate not trusted; the socket's permissions or the firewall."""
+    if _tls_files(exc):
+        read = _tls_file_read(exc)
+        return (
+            " (a TLS file the PostgreSQL client reads cannot be used"
+            + ("" if read is None else f": {read[0]}, {read[1]}")
+            + f"; that does not pass by itself - {_tls_files_hint(read)})"
+        )
+    return _connect_hint(exc) or (
+        " (this process may not use the server's socket or address, or does not trust its "
+        "certificate: that does not pass by itself - check the socket's permissions, the firewall, "
+        "the URL's sslmode and sslrootcert)"
+    )
+
+
 def _in_url(schema: str) -> str:
     """A schema's name as a URL's ``?search_path=`` names it: quoted (``%22``) when PostgreSQL
     would otherwise fold or refuse it (capitals, a hyphen, a space), as README says."""
@@ -1440,11 +1488,7 @@ def _storage_error(
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     shortage: dict[str, str] = {}  # (a connection refused for want of a slot: its reason)
     if _refused_for_good(exc) and not committing:  # (a connect's: nothing was sent)
-        lead = (
-            f"Cannot connect to PostgreSQL while {doing}: {text} (this process may not use the "
-            "server's socket or address, or does not trust its certificate: that does not pass by "
-            "itself - check the socket's permissions, the firewall, the URL's sslmode and sslrootcert)"
-        )
+        lead = f"Cannot connect to PostgreSQL while {doing}: {text}{_refused_hint(exc)}"
         if committing is None:
             return err.StorageError(lead, sqlstate=sqlstate)
         return err.StorageError(f"{lead}; it was rolled back", sqlstate=sqlstate, outcome_unknown=False)
@@ -1781,7 +1825,9 @@ class PostgresBackend:
             asyncpg.InterfaceError,
             asyncpg.InternalClientError,  # (a first connection the server ended at its set-up)
         ) as exc:
-            if isinstance(exc, ValueError):  # (ClientConfigurationError: ?sslmode=bogus, a URL's fault)
+            if isinstance(exc, ValueError) and not isinstance(exc, ssl.SSLCertVerificationError):
+                # (ClientConfigurationError: ?sslmode=bogus, a URL's fault - not a certificate the
+                # client does not trust, a ValueError too, which was told "Malformed PostgreSQL URL")
                 raise self._malformed(exc) from None
             # (a server's or resolver's text may quote what the URL held: a misread password's piece)
             text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
@@ -1928,16 +1974,7 @@ class PostgresBackend:
         return err.InvalidInput(
             f"Cannot use a TLS file the PostgreSQL client reads for {self.safe_url}: {text}"
             + ("" if read is None else f" ({read[0]}: {read[1]})")
-            + " - a file the URL names (sslrootcert, sslcert, sslkey, sslcrl), else the one the "
-            "environment names (PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, PGSSLCRL), else the default in "
-            "~/.postgresql (root.crt, postgresql.crt, postgresql.key, root.crl; the client "
-            "certificate is read under the default sslmode, prefer, too): each must be a readable "
-            "file in PEM form - the server's CA certificate, this client's certificate and key"
-            + (
-                " (a key with a passphrase: check sslpassword)"
-                if read is not None and read[0] == "sslcert"
-                else ""
-            ),
+            + f" - {_tls_files_hint(read)}",
             url=self.safe_url,
             **({"field": read[0]} if read is not None and read[0] in keys else {}),
         )
@@ -2210,6 +2247,15 @@ class PostgresBackend:
             return err.StoreClosed("The store is closed")
         if getattr(exc, "sqlstate", None) == "3D000":  # (min_pool_size=0: see open)
             return self._no_database(str(exc).splitlines()[0])
+        if isinstance(exc, OSError) and _tls_files(exc):
+            # (a TLS file the URL, the environment or ~/.postgresql names that asyncpg, parsing
+            # the URL again for this connection, could not use - removed, replaced, made
+            # unreadable since the open: as the open's refusal, naming it)
+            text = err.redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, self.url)
+            refused = self._tls_file_refused(exc, text)
+            if command:
+                return err.InvalidInput(f"{refused.message}; the command was not run", **refused.details)
+            return refused
         # (nothing was sent on it: no claim about a transaction, but for a command's)
         failed = _storage_error(
             exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
