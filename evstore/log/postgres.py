@@ -1537,6 +1537,10 @@ def _storage_error(
         elif sqlstate == "25006":  # (read_only_sql_transaction: as a SQLite file this process may not write)
             lead += f" ({READ_ONLY_HINT})"
             reason = {"reason": "read_only"}
+        elif sqlstate == "42501" and "temporary tables" in text:
+            # ("permission denied to create temporary tables in database": TEMP revoked from
+            # PUBLIC - no want of a privilege on the store, which this role may write or read)
+            lead += f" ({NO_TEMP_HINT})"
         elif (
             sqlstate == "42501" and (committing is not None or writes) and text.startswith("must be owner of")
         ):
@@ -1577,7 +1581,7 @@ def _storage_error(
 READ_ONLY_HINT = (
     "this session may not write: the server is a hot standby, or default_transaction_read_only is "
     "set for the role, the database or in the store URL; run commands on the primary, with a "
-    "session that may write - reads, export, audit and time travel work here"
+    "session that may write - reads, export, audit (but its --history check) and time travel work here"
 )
 
 
@@ -1587,6 +1591,15 @@ NO_WRITE_PRIVILEGE_HINT = (
     "DELETE on the schema's tables, USAGE on its sequence, EXECUTE on evstore's functions; grant "
     "them, or run what writes - commands, snapshot, rebuild, import - as the role that owns the "
     "store; reads, export, audit and time travel work with SELECT on its tables"
+)
+
+
+#: what SQLSTATE 42501 "permission denied to create temporary tables" means: the database's TEMP
+#: privilege, which PostgreSQL grants to PUBLIC unless it was revoked
+NO_TEMP_HINT = (
+    "this role may not create temporary tables in the database, where the audit's --history check "
+    "and a full rebuild stage the history index's rows: GRANT TEMPORARY ON DATABASE to it, or run "
+    "them as a role that has it - the rest works without it"
 )
 
 
@@ -3771,6 +3784,19 @@ class PostgresBackend:
                     return HistoryCheck(upto, counts[0], counts[1], examples[0], examples[1])
                 finally:
                     await conn.execute("DROP TABLE IF EXISTS staged_entities")
+            except asyncpg.exceptions.ReadOnlySQLTransactionError as exc:
+                # (the TEMP table a read-only session cannot create: READ_ONLY_HINT says the audit
+                # works here, which this check of it does not)
+                raise err.StorageError(
+                    f"PostgreSQL error while checking the history index: {str(exc).splitlines()[0]} "
+                    "(the check stages the rows it expects in a TEMP table, which a read-only "
+                    "session cannot create - the server is a hot standby, or "
+                    "default_transaction_read_only is set for the role, the database or in the store "
+                    "URL: run the audit with --history on the primary, with a session that may write; "
+                    "the audit without it works here)",
+                    sqlstate=exc.sqlstate,
+                    reason="read_only",
+                ) from None
             except DB_ERRORS as exc:
                 raise _storage_error(exc, "checking the history index", None) from None
 
