@@ -1554,6 +1554,10 @@ def _storage_error(
             # read and not write; a read's is a privilege it lacks to read, no such reason)
             lead += f" ({NO_WRITE_PRIVILEGE_HINT})"
             reason = {"reason": "read_only"}
+        elif sqlstate == "42501" and _NO_READ.match(text):
+            # (in a read: a role that may not read the store - no SELECT on a table, no USAGE on
+            # the schema any more: what the read needs, not what a write would)
+            lead += f" ({NO_READ_PRIVILEGE_HINT})"
         if committing is None:
             return err.StorageError(lead, sqlstate=sqlstate, **reason)
         # the server answered with an error: the transaction is rolled back, also at COMMIT
@@ -1591,6 +1595,18 @@ NO_WRITE_PRIVILEGE_HINT = (
     "DELETE on the schema's tables, USAGE on its sequence, EXECUTE on evstore's functions; grant "
     "them, or run what writes - commands, snapshot, rebuild, import - as the role that owns the "
     "store; reads, export, audit and time travel work with SELECT on its tables"
+)
+
+
+#: a read's SQLSTATE 42501 for want of a privilege on the store's objects (not "to create
+#: temporary tables", not "to set parameter"): the words are PostgreSQL's untranslated message
+_NO_READ = re.compile(r"permission denied for (table|view|relation|schema|sequence|function) ")
+
+#: what such a 42501 means for a read: nothing was read
+NO_READ_PRIVILEGE_HINT = (
+    "this role may not read the store: grant it USAGE on the schema and SELECT on its tables "
+    "(GRANT SELECT ON ALL TABLES IN SCHEMA ..., or the role pg_read_all_data), or use a role that "
+    "has them"
 )
 
 
@@ -2505,9 +2521,19 @@ class PostgresBackend:
                             url=self.safe_url,
                         )
                     if exists:
-                        value = await conn.fetchval(
-                            "SELECT value FROM evstore_meta WHERE key = 'schema_version'"
-                        )
+                        try:
+                            value = await conn.fetchval(
+                                "SELECT value FROM evstore_meta WHERE key = 'schema_version'"
+                            )
+                        except asyncpg.exceptions.InsufficientPrivilegeError as exc:
+                            # (the open's first read of the store: told as a read's, not as the
+                            # migration's write a role that may not read would be told it lacks)
+                            raise err.StorageError(
+                                f"Cannot open the store at {self.safe_url}: {str(exc).splitlines()[0]} "
+                                f"({NO_READ_PRIVILEGE_HINT})",
+                                url=self.safe_url,
+                                sqlstate=exc.sqlstate,
+                            ) from None
                         parsed = parse_version(value)
                         if (parsed is None or parsed < 1) and await _holds_evstore_events(conn, schema):
                             lost: Literal["row", "value"] = "row" if value is None else "value"
@@ -3211,7 +3237,7 @@ class PostgresBackend:
                         return await _sequence(conn, self._key("!sequencer"), wait, want)
             except CANNOT_WRITE as exc:
                 if not want:
-                    raise _storage_error(exc, "assigning positions", None) from None
+                    raise _storage_error(exc, "assigning positions", None, writes=True) from None
                 # (a session that cannot write: the writers of these committed events position them)
                 return 0, await self._positioned_by_others(want, str(exc).splitlines()[0])
             except DB_ERRORS as exc:
