@@ -2289,6 +2289,10 @@ class PostgresBackend:
         failed = _storage_error(
             exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
         )
+        if str(getattr(exc, "sqlstate", None) or "").startswith("28"):
+            # (the login refused at a reconnect - the role's password changed, NOLOGIN, a
+            # pg_hba.conf entry gone since the open: what to check, as the open's first connect says)
+            failed = err.StorageError(f"{failed.message}{_connect_hint(exc)}", **failed.details)
         busy = pool.get_size() >= self.pool_size and not pool.get_idle_size()
         if isinstance(exc, TimeoutError) and busy:
             failed = err.StorageError(
