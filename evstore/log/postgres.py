@@ -1549,9 +1549,9 @@ def _storage_error(
             lead += f" ({OWNER_ONLY_HINT})"
         elif sqlstate == "42501" and (committing is not None or writes):
             # (insufficient_privilege in work that writes - a command, a rebuild, an import, a
-            # snapshot saved or dropped: a
-            # role that may read the store but not write it, as a SQLite file this process may
-            # read and not write; a read's is a privilege it lacks to read, no such reason)
+            # snapshot saved or dropped: a role that may read the store but not write it, as a
+            # SQLite file this process may read and not write; a read's is a privilege it lacks
+            # to read, no such reason: _NO_READ below)
             lead += f" ({NO_WRITE_PRIVILEGE_HINT})"
             reason = {"reason": "read_only"}
         elif sqlstate == "42501" and _NO_READ.match(text):
@@ -1585,7 +1585,7 @@ def _storage_error(
 READ_ONLY_HINT = (
     "this session may not write: the server is a hot standby, or default_transaction_read_only is "
     "set for the role, the database or in the store URL; run commands on the primary, with a "
-    "session that may write - reads, export, audit (but its --history check) and time travel work here"
+    "session that may write - reads, export, audit (without --history) and time travel work here"
 )
 
 
