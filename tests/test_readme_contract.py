@@ -57,7 +57,6 @@ async def test_a_role_granted_what_the_readme_names_can_read_audit_and_time_trav
         # the README's grants, word for word
         await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
         await admin.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
-        await admin.execute(f'GRANT SELECT ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
         parts = urlsplit(pg_url)
         as_role = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
         async with open_store(as_role, create=False) as reader:

@@ -26,7 +26,6 @@ from tests.conftest import make_provider, new_uuid
         ("work_mem=1", "work_mem"),
         ("default_transaction_read_only=maybe", "default_transaction_read_only"),
         ("TimeZone=Mars%2FOlympus", "TimeZone"),
-        ("shared_buffers=1MB", "shared_buffers"),
         ("options=--bad", "options"),
     ],
 )
