@@ -60,21 +60,36 @@ async def two_nodes(store: AllocationStore, server: str, a: uuid.UUID, b: str) -
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "evstore/store.py:98-109: ProviderAllocations and AllocationsByConsumer are unions of three "
-        "Mapping types; mypy cannot infer a dict literal against a union context, so a literal mixing "
-        "a ConsumerAllocations value with a mapping value (dict[str, object]), or uuid.UUID keys with "
-        "str keys (dict[object, ...]), is refused (arg-type / assignment) though every member is "
-        "documented and accepted at run time. Fix: one Mapping, not a union: Mapping[Any, "
-        "Mapping[str, int]] and Mapping[Any, ConsumerAllocations | Mapping[str, Any]] (keys are "
-        "checked by normalize_uuid at run time; values stay type-checked - tried with mypy --strict)."
-    ),
-)
 def test_mixed_allocation_bodies_type_check(tmp_path: Path) -> None:
+    """Regression (helper D): the exported aliases were unions of three Mappings, against which
+    mypy cannot infer a literal: these bodies were refused (arg-type / assignment)."""
     result = _mypy(tmp_path, MIXED_BODIES)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+#: what the one-Mapping aliases must still refuse: a wrong amount, a wrong consumer body
+WRONG_BODIES = """
+from __future__ import annotations
+
+from evstore import AllocationStore, Receipt
+
+
+async def amount(store: AllocationStore, server: str, node: str) -> Receipt:
+    return await store.set_allocations(
+        server, {node: {"VCPU": "1"}}, project_id="p", user_id="u", consumer_type="INSTANCE", generation=None
+    )
+
+
+async def body(store: AllocationStore, server: str) -> Receipt:
+    return await store.write_allocations({server: 3})
+"""
+
+
+def test_wrong_allocation_bodies_are_still_refused_by_the_checker(tmp_path: Path) -> None:
+    result = _mypy(tmp_path, WRONG_BODIES)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2, result.stdout
 
 
 async def _with_events(source_url: str, build: Callable[[str], list[EventBase]]) -> tuple[list[str], str]:
