@@ -1471,6 +1471,7 @@ def _storage_error(
     timeout: str = "command_timeout",
     keyed: bool = True,
     writes: bool = False,
+    url: str | None = None,
 ) -> err.StorageError:
     """``committing``: True while a command's COMMIT was in flight, False inside its transaction
     (rolled back), None for work that writes nothing of the caller's (reads, the sequencer) or
@@ -1482,10 +1483,16 @@ def _storage_error(
     shutting down or full) says ``transient=True``: the same call may succeed on a new
     connection once the server is back (subscribers wait for that: AllocationStore.subscribe);
     not one that is refused for good (:func:`_refused_for_good`), nor an answer of the server but
-    a shortage that passes by itself (PASSING_SHORTAGES: out of memory, say)."""
+    a shortage that passes by itself (PASSING_SHORTAGES: out of memory, say).
+    ``url``: the store's URL, for the error of a connect (the pool's, at a reconnect), whose
+    text - the server's, the resolver's, the TLS library's - is redacted of its passwords as the
+    open's first connect's is (:func:`evstore.errors.redact_text`: the login refused for a role,
+    or a database, whose name holds the password's text)."""
     exc = _reason(exc)
     sqlstate = getattr(exc, "sqlstate", None)
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if url is not None:
+        text = err.redact_text(text, url)
     shortage: dict[str, str] = {}  # (a connection refused for want of a slot: its reason)
     if _refused_for_good(exc) and not committing:  # (a connect's: nothing was sent)
         lead = f"Cannot connect to PostgreSQL while {doing}: {text}{_refused_hint(exc)}"
@@ -1641,8 +1648,9 @@ def _floor_retry(record: logging.LogRecord) -> bool:
     every try during an outage - is logged through structlog instead, a line with the error and
     what it means (``postgres.pool_floor_retry``), as subscribers log their retries. Left as it
     is: where the logging is configured (its handlers decide), for another pool, and for an error
-    other than the connection's or the server's (a bug's, whose traceback is wanted)."""
-    if record.msg != _FLOOR_WARNING or not record.exc_info or logging.getLogger(record.name).hasHandlers():
+    other than the connection's or the server's (a bug's, whose traceback is wanted) - but for
+    the text of the error, which is redacted as the open's (:func:`_redacted_floor_record`)."""
+    if record.msg != _FLOOR_WARNING or not record.exc_info:
         return True
     exc = record.exc_info[1]
     if not isinstance(exc, DB_ERRORS):
@@ -1656,11 +1664,15 @@ def _floor_retry(record: logging.LogRecord) -> bool:
     backend = next((b for b in list(_OPEN) if pool is not None and b._pool is pool), None)
     if backend is None:
         return True
+    if logging.getLogger(record.name).hasHandlers():
+        _redacted_floor_record(record, exc, backend.url)
+        return True
     failed = _storage_error(
         exc,
         f"reopening the pool's min_pool_size ({backend.min_pool_size}) connections to {backend.safe_url}",
         None,
         backend._timeout_named("connect_timeout"),
+        url=backend.url,
     )
     log.warning(
         "postgres.pool_floor_retry",
@@ -1669,6 +1681,30 @@ def _floor_retry(record: logging.LogRecord) -> bool:
         **{k: v for k, v in _kept(failed).items() if v is not None},
     )
     return False
+
+
+def _redacted_floor_record(record: logging.LogRecord, exc: BaseException, url: str) -> None:
+    """asyncpg's floor warning for a pool of the store at ``url``, left to the configured logging's
+    handlers (the CLI's prints the error's first line, its traceback at -vv): when the text of its
+    error, or of one it was raised from or while handling, shows a password of the URL (the login
+    refused for a role whose name holds the password's text, say - see
+    :func:`evstore.errors.redact_text`), the record names the error redacted, without the
+    traceback, whose text would show it."""
+    chain: list[BaseException] = []
+    found: BaseException | None = exc
+    while found is not None and len(chain) < 10:
+        chain.append(found)
+        found = found.__cause__ or found.__context__
+    if all(err.redact_text(str(e), url) == str(e) for e in chain):
+        return
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    record.msg = (
+        f"{_FLOOR_WARNING} ({type(exc).__name__}: {err.redact_text(text, url)}; its traceback left "
+        "out: its text shows a password of the store's URL)"
+    )
+    record.args = None
+    record.exc_info = None
+    record.exc_text = None
 
 
 def _lost_at_set_up(exc: BaseException) -> bool:
@@ -2274,8 +2310,8 @@ class PostgresBackend:
             # what ran out is a wait for a pool that is gone, not its size - and a command
             # waiting there was not run)
             return err.StoreClosed("The store is closed")
-        if getattr(exc, "sqlstate", None) == "3D000":  # (min_pool_size=0: see open)
-            return self._no_database(str(exc).splitlines()[0])
+        if getattr(exc, "sqlstate", None) == "3D000":  # (min_pool_size=0: see open; a database dropped)
+            return self._no_database(err.redact_text(str(exc).splitlines()[0], self.url))
         if isinstance(exc, OSError) and _tls_files(exc):
             # (a TLS file the URL, the environment or ~/.postgresql names that asyncpg, parsing
             # the URL again for this connection, could not use - removed, replaced, made
@@ -2287,7 +2323,7 @@ class PostgresBackend:
             return refused
         # (nothing was sent on it: no claim about a transaction, but for a command's)
         failed = _storage_error(
-            exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout")
+            exc, f"connecting to {self.safe_url}", None, self._timeout_named("connect_timeout"), url=self.url
         )
         if str(getattr(exc, "sqlstate", None) or "").startswith("28"):
             # (the login refused at a reconnect - the role's password changed, NOLOGIN, a
