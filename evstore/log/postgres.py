@@ -1854,6 +1854,9 @@ class PostgresBackend:
         self._seq_found: dict[int, dict[int, int | None]] = {}
         #: the search_path the store's first connection had, each later one's (see _init_connection)
         self._search_path: str | None = None
+        #: until when (the loop's time) a save on the way to an answer is not tried, and the
+        #: refusal of the last one, for want of a write (see save_snapshot)
+        self._snapshot_refused: tuple[float, err.StorageError] | None = None
         #: test hooks: awaited with the connection just before COMMIT / after it, before sequencing
         self._before_commit: TestHook | None = None
         self._after_commit: TestHook | None = None
@@ -3467,6 +3470,11 @@ class PostgresBackend:
     #: committed before it took the fence (see :meth:`load_state`)
     POSITIONS_WAIT = 10.0
 
+    #: seconds a snapshot save refused for want of a write (a read-only role or session, a hot
+    #: standby: ``reason`` read_only) is not tried again on the way to an answer (see
+    #: save_snapshot): a GRANT, or a standby promoted, is met at the next try after that
+    SNAPSHOT_REFUSAL_KEPT = 60.0
+
     async def load_state(self) -> State:
         """The whole persisted projection, exactly as of the head it reports (writers wait meanwhile).
 
@@ -3605,9 +3613,27 @@ class PostgresBackend:
         rows = [(position, event_hash, fmt, state)]
         if tombstones is not None:
             rows.append((-position, event_hash, fmt, tombstones))
-        async with self._connection() as conn:
-            # (executemany is atomic, since asyncpg 0.22: both rows or neither)
-            await self._guard(conn.executemany(sql, rows), "saving a snapshot", writes=True)
+        now = asyncio.get_running_loop().time()
+        refused = self._snapshot_refused
+        if not wait and refused is not None and now < refused[0]:
+            # (a save on the way to an answer, by a session that may not write - a read-only role,
+            # a hot standby - whose last save was refused a moment ago: not tried again, which
+            # cost a failed INSERT, the whole state sent for it, at each question)
+            log.debug("snapshot.not_saved", position=position, reason=refused[1].details.get("reason"))
+            raise err.StorageError(
+                f"{refused[1].message} (not tried again: a save was refused so less than "
+                f"{self.SNAPSHOT_REFUSAL_KEPT:g} s ago)",
+                **refused[1].details,
+            )
+        try:
+            async with self._connection() as conn:
+                # (executemany is atomic, since asyncpg 0.22: both rows or neither)
+                await self._guard(conn.executemany(sql, rows), "saving a snapshot", writes=True)
+        except err.StorageError as exc:
+            if exc.details.get("reason") == "read_only":  # (42501, 25006: see _storage_error)
+                self._snapshot_refused = (now + self.SNAPSHOT_REFUSAL_KEPT, exc)
+            raise
+        self._snapshot_refused = None
         return True
 
     async def load_snapshot(self, at_most: int, fmt: int) -> tuple[int, str] | None:
