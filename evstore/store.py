@@ -2461,7 +2461,11 @@ class AllocationStore:
             # import refuses, and a backup taken so would hide the damage)
             batch = _contiguous(after, await self._backend.read_raw(after, min(batch_size, head - after)))
             if not batch:
-                break
+                # (the header promised ``head`` events: a file that ends short of it would read as a
+                # whole backup, which an import refuses only for its count)
+                from projections.replay import ended_short
+
+                raise ended_short(after, head, "export")
             for raw in batch:
                 line = row_line(raw)
                 # (a row altered by hand likewise: the hash chain covers every field of every row)

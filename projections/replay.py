@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from uuid import UUID
 
-from evstore.errors import CorruptEvent, InvalidInput, ProviderNotFound
+from evstore.errors import CorruptEvent, InvalidInput, ProviderNotFound, StorageError
 from evstore.events import PAYLOAD_DECODERS, RecordedEvent, decode_event
 from evstore.log import PayloadRow
 from projections.gcpause import gc_paused
@@ -171,6 +171,8 @@ async def replay(
             while pending is not None:
                 batch = await pending
                 if not batch:
+                    if to_position is not None and state.position < to_position:
+                        raise ended_short(state.position, to_position)
                     break
                 if to_position is not None and _position_of(batch[-1]) > to_position:
                     # (over a hole - rows deleted by hand - "the next N events" reach past it)
@@ -213,6 +215,22 @@ async def replay(
     if to_position is not None:
         state.position = max(state.position, to_position)  # (a hole at to_position: the state there)
     return state
+
+
+def ended_short(end: int, wanted: int, what: str = "fold") -> StorageError:
+    """The refusal of a read that found the log ending at ``end`` before ``wanted``, a position the
+    caller had found the log holding (its head, read first): the server read from holds fewer
+    events than the one that answered the head - a standby behind its primary, answering after a
+    reconnect - or the log lost its last events. An answer labelled ``wanted`` would lack them."""
+    return StorageError(
+        f"The log read ended at position {end}, before position {wanted} that this {what} was to reach "
+        "(the head read first): the server read from holds fewer events than the one that answered "
+        "the head (a standby behind its primary, after a reconnect), or the log lost its last events. "
+        "Try again; if it persists, `evstore audit` says whether the log was truncated",
+        reason="log_ended_early",
+        position=end,
+        wanted=wanted,
+    )
 
 
 def gapless(read: Callable[[int, int], Awaitable[list[Any]]]) -> Callable[[int, int], Awaitable[list[Any]]]:

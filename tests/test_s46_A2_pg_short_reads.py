@@ -7,9 +7,9 @@ though it lacks the last events, the export's header claims lines it does not wr
 
 The server answering behind is simulated: the events past 10 are deleted, by hand, as the fold's
 (or the export's) first page is read, after the head was read - what a reconnect to a server that
-lacks them shows. Strict xfails: each passes once the fold (replay's ``if not batch: break``,
-projections/replay.py:173) and the export (``if not batch: break``, evstore/store.py:2468) refuse
-to end short of the position they were asked for."""
+lacks them shows. Both failed before the fold (replay's ``if not batch: break``) and the export
+refused to end short of the position they were asked for; on both backends (SQLite's log can lose
+its tail only to a hand or a restore, but the read is the same code)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from evstore import EvstoreError, open_store
-from evstore.log.postgres import PostgresBackend
+from evstore import StorageError, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 
 
@@ -30,7 +29,7 @@ async def _twelve_events(url: str) -> None:
         assert await store.head() == 12
 
 
-def _behind_after_first_page(backend: PostgresBackend, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def _behind_after_first_page(backend: Any, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``backend.<method>`` answering from a server that lacks the events past 10 from its first
     call on (deleted then, by hand)."""
     read = getattr(backend, method)
@@ -45,44 +44,47 @@ def _behind_after_first_page(backend: PostgresBackend, method: str, monkeypatch:
     monkeypatch.setattr(backend, method, behind)
 
 
-@pytest.mark.xfail(strict=True, reason="projections/replay.py:173 ends a fold short of to_position silently")
+def _says_ended_short(refused: StorageError, what: str) -> None:
+    assert refused.code == "evstore.storage"
+    assert refused.details["reason"] == "log_ended_early"
+    assert refused.details["position"] == 10 and refused.details["wanted"] == 12
+    assert f"this {what} was to reach" in refused.message and "evstore audit" in refused.message
+
+
 async def test_a_fold_that_ends_short_of_the_position_asked_is_refused(
-    pg_url: str, monkeypatch: pytest.MonkeyPatch
+    store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await _twelve_events(pg_url)
-    async with open_store(pg_url, snapshot_every=1000) as store:
-        backend = store.backend
-        assert isinstance(backend, PostgresBackend)
-        _behind_after_first_page(backend, "read_payloads", monkeypatch)
-        try:
-            view = await store.state_at(position=12)
-        except EvstoreError:
-            return  # (refused: what is wanted)
-        # (today: labelled 12, folded to 10 - the last allocation missing)
-        assert view.position == 12
-        pytest.fail(f"state_at(position=12) answered {view!r} from a log that ended at 10")
+    await _twelve_events(store_url)
+    async with open_store(store_url, snapshot_every=1000) as store:
+        _behind_after_first_page(store.backend, "read_payloads", monkeypatch)
+        with pytest.raises(StorageError) as refused:
+            await store.state_at(position=12)  # (answered labelled 12, folded to 10)
+        _says_ended_short(refused.value, "fold")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="evstore/store.py:2468 ends an export short of its header's head silently"
-)
+async def test_a_replay_that_ends_short_of_the_position_asked_is_refused(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _twelve_events(store_url)
+    async with open_store(store_url) as store:
+        _behind_after_first_page(store.backend, "read_payloads", monkeypatch)
+        with pytest.raises(StorageError) as refused:
+            await store.replay(12)
+        _says_ended_short(refused.value, "fold")
+
+
 async def test_an_export_that_ends_short_of_its_header_is_refused(
-    pg_url: str, monkeypatch: pytest.MonkeyPatch
+    store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await _twelve_events(pg_url)
-    async with open_store(pg_url) as store:
-        backend = store.backend
-        assert isinstance(backend, PostgresBackend)
-        lines: list[str] = []
-        try:
-            export = store.export(batch_size=5)
-            lines.append(await anext(export))  # (the header: head 12, read before the reconnect)
-            _behind_after_first_page(backend, "read_raw", monkeypatch)
+    await _twelve_events(store_url)
+    async with open_store(store_url) as store:
+        export = store.export(batch_size=5)
+        header = await anext(export)  # (head 12, read before the reconnect)
+        assert '"head":12' in header.replace(" ", ""), header
+        _behind_after_first_page(store.backend, "read_raw", monkeypatch)
+        lines = []
+        with pytest.raises(StorageError) as refused:
             async for line in export:
                 lines.append(line)
-        except EvstoreError:
-            return  # (refused: what is wanted)
-        assert '"head":12' in lines[0].replace(" ", ""), lines[0]
-        pytest.fail(
-            f"the export's header claims 12 events and {len(lines) - 1} lines followed, without an error"
-        )
+        assert len(lines) == 10  # (what the server held, then the refusal: no silent end)
+        _says_ended_short(refused.value, "export")
