@@ -46,7 +46,7 @@ async def _setup(store: AllocationStore) -> None:
         await store.create_provider(rp, f"d2-cn-{i}")
         # small: builds run out of room often
         await store.set_inventories(
-            rp, {"VCPU": Inventory(total=8), "MEMORY_MB": Inventory(total=4096)}, generation=0
+            rp, {"VCPU": Inventory(total=14), "MEMORY_MB": Inventory(total=7168)}, generation=0
         )
 
 
