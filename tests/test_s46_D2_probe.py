@@ -190,6 +190,13 @@ async def _check_no_leak(store: AllocationStore) -> None:
     for rp in await _providers(store):
         usage = await store.usage(rp)
         assert dict(usage) == {rc: held.get((rp, rc), 0) for rc in usage}, rp
+    # the project's counters too (every consumer of the race is project p's)
+    totals: dict[str, int] = {}
+    for (_, rc), n in held.items():
+        totals[rc] = totals.get(rc, 0) + n
+    holding = sum(1 for c in state.consumers.values() if c.allocations)
+    usages = await store.usages("p")
+    assert ({k: v for k, v in usages.items() if v}, usages.consumer_count) == (totals, holding)
 
 
 async def _run_race(
