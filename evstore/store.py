@@ -2005,6 +2005,8 @@ class AllocationStore:
                 continue
             outage = None
             for recorded in batch:
+                if self._closing:  # (closed while the caller had the batch's earlier events: no more)
+                    raise err.StoreClosed("The store was closed while this subscriber followed it")
                 yield recorded
                 after, delivered = recorded.position, recorded.event_id
             if len(batch) < batch_size:

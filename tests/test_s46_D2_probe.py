@@ -634,16 +634,11 @@ async def test_subscribers_follow_through_full_rebuilds_snapshots_and_audits_of_
         assert await reader.state_at(head // 2) == await reader.replay(head // 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a subscriber goes on delivering the rest of the batch it had read after close() returned "
-    "(evstore/store.py _subscribe: `for recorded in batch: yield recorded` checks _closing only at "
-    "the top of its loop); README: closing the store ends its subscribers with StoreClosed",
-)
 async def test_no_event_is_delivered_after_close_returned(url: str) -> None:
     """A subscriber mid-batch when the store closes (here its own handler closes it, as a
     service's shutdown does from another task): its next step is StoreClosed, not the other
-    events of the batch it had read."""
+    events of the batch it had read. Regression (helper D2): up to batch_size - 1 events were
+    delivered after close() returned, then StoreClosed."""
     rp = await _wide_setup(url)
     store = await open_store(url)
     await _write_some(store, rp, "c", 5)  # (positions 3..12)
