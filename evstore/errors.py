@@ -193,29 +193,84 @@ _KEYWORD_PASSWORD = re.compile(
 )
 
 
+#: the schemes evstore knows: in a text without "//" after its first ":" (``postgresql:u:pw@h``),
+#: the word before is the scheme; any other word may be a user name (``u:pw@h``)
+_KNOWN_SCHEMES = ("sqlite:", "postgresql:", "postgres:")
+#: the end of a URL's host part (urlsplit's netloc), and of a URL's path
+_HOST_PART_END = re.compile(r"[/?#]")
+#: a host part that reads as hosts and ports only (``h``, ``h:5432``, ``[::1]:5432``,
+#: ``h1:5432,h2:5433``, ``%2Ftmp``): no user name, no password with a "/", "?" or "#" cut off
+#: after it (a port that is no number, a character no host name holds)
+_SOUND_HOST = r"(?:\[[\w:.%-]*\]|[\w.~%-]*)(?::[0-9]*)?"
+_SOUND_HOSTS = re.compile(rf"{_SOUND_HOST}(?:,{_SOUND_HOST})*")
+
+
+def _userinfo_end(url: str, start: int, host_end: int) -> int:
+    """The last "@" of ``url`` that may end its userinfo (-1: none), the host part running from
+    ``start`` to ``host_end``: the host part's last (urlsplit's; asyncpg's is its first), the first
+    before a "/" (libpq's, which reads on past "?" and "#"), and any later one - a password with an
+    unencoded "/", "?" or "#" ends the host part early (``u:p@ss/x@h/db``: the password is
+    ``p@ss/x``) - but one in a query parameter's value (after its "=", no "/" after it in that
+    parameter: ``?application_name=a@b``, ``?user=me@srv``) of a URL whose host part is sound (it
+    holds the userinfo's "@", or reads as hosts and ports only): that "@" is the query's."""
+    last = url.rfind("@")
+    if last < host_end or not (
+        url.find("@", start, host_end) >= 0 or _SOUND_HOSTS.fullmatch(url, start, host_end)
+    ):
+        return last
+    slash = url.find("/", start)
+    libpq = url.find("@", start, slash if slash >= 0 else len(url))
+    query = url.find("?", host_end)
+    fragment = url.find("#", host_end)
+    if query < 0 or 0 <= fragment < query:
+        return last  # (no query: a path's or a fragment's "@" is taken for the password's)
+    query_end = fragment if fragment >= 0 else len(url)
+    found = max(libpq, url.rfind("@", 0, query), url.rfind("@", query_end))
+    begin = query + 1
+    while begin <= query_end:
+        end = url.find("&", begin, query_end)
+        end = end if end >= 0 else query_end
+        equals = url.find("=", begin, end)
+        own_from = max(equals, url.rfind("/", begin, end)) if equals >= 0 else end
+        found = max(found, url.rfind("@", begin, own_from))
+        begin = end + 1
+    return found
+
+
 def _userinfo_passwords(url: str) -> list[tuple[int, int]]:
-    """Where ``url``'s userinfo password is written (start, end), at most once: from the first ":"
-    after its scheme's to the text's last "@". That is the user's ":" in a URL (``postgresql://
-    u:pw@h``), also when the user holds an "@" (Azure's ``user@server:pw@host``, which urlsplit
-    and asyncpg read so) or the "//" was mistyped (``postgresql:/u:pw@h``, ``postgresql:u:pw@h``,
-    ``//u:pw@h``, ``u:pw@h``: the scheme's own ":" when no other comes before the "@"); the
-    password may hold a line break (urlsplit drops it) or an unencoded "/" or "@". More than the
-    password when an "@" follows the port (``h:5432/db?application_name=a@b``), never less. A
-    SQLite URL's file name may hold ":" and "@": there only a ``(://[^:/@]*):(.*)@`` match
-    counts. (Found in linear time: that pattern, tried again at every "://" of a text with many
-    and no "@", read the rest of the text each time - 40 KB took 1 s.)"""
-    at = url.rfind("@")
-    if at < 0:
+    """Where ``url``'s userinfo password is written (start, end), at most once: from the user's ":"
+    to the "@" that ends the userinfo (:func:`_userinfo_end`). The user's ":" is the first after
+    the scheme's (``postgresql://u:pw@h``), also when the user holds an "@" (Azure's
+    ``user@server:pw@host``, which urlsplit reads so) or the "//" was mistyped
+    (``postgresql:/u:pw@h``, ``postgresql:u:pw@h``, ``//u:pw@h``: the scheme's own ":" when no
+    other comes before the "@", ``postgresql:pw@h``); a text without "//" whose first word is no
+    scheme evstore knows starts with the user (``u:pw@h:5432/db``: its first ":" is the user's).
+    The password may hold a line break (urlsplit drops it) or an unencoded "/" or "@". Only the
+    password is hidden in a sound URL (an "@" in its query is the query's:
+    ``h:5432/db?application_name=a@b``); more than the password in odd cases, never less. A
+    SQLite URL's file name may hold ":" and "@": there the user's ":" is that of a
+    ``://[^:/@]*:`` match. (Found in linear time: the pattern ``(://[^:/@]*):(.*)@``, tried again
+    at every "://" of a text with many and no "@", read the rest of the text each time - 40 KB
+    took 1 s.)"""
+    if "@" not in url:
         return []
     scheme = _SCHEME.match(url)
-    if scheme and scheme.group().lower() == "sqlite:":
-        found = _USERINFO_START.search(url)
+    after = scheme.end() if scheme else 0
+    start = after
+    while start < len(url) and url[start] in "/\\":
+        start += 1
+    host_end = _HOST_PART_END.search(url, start)
+    at = _userinfo_end(url, start, host_end.start() if host_end else len(url))
+    name = scheme.group().lower() if scheme else ""
+    if name == "sqlite:":
+        found = _USERINFO_START.search(url, 0, at)
         colon = found.end() - 1 if found else -1
+    elif scheme and start == after and name not in _KNOWN_SCHEMES:
+        colon = after - 1  # ("u:pw@h", "u:p:w@h": the first ":" is the user's)
     else:
-        after = scheme.end() if scheme else 0
-        colon = url.find(":", after, at)
+        colon = url.find(":", start, at)
         if colon < 0 and scheme and not url.startswith("/", after):
-            colon = after - 1
+            colon = after - 1  # ("postgresql:pw@h": no user)
     return [(colon + 1, at)] if 0 <= colon < at else []
 
 
@@ -380,7 +435,7 @@ def redact_url(url: str) -> str:
     """A store URL (or a libpq keyword string) fit for a message or a log: every password
     hidden, wherever it is written (``user:secret@``, ``?password=``, ``password=...``), also in
     text no URL parser accepts (a password with an unencoded ``/`` or ``@``). Hides more than the
-    password in odd cases (up to the last ``@``), never less."""
+    password in odd cases (up to a later ``@``: :func:`_userinfo_end`), never less."""
     spans = _userinfo_passwords(url)  # (all found on the URL as given; an empty one shown as *** too)
     spans += [m.span(2) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
     pieces: list[str] = []
