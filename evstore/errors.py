@@ -183,13 +183,23 @@ _USERINFO_START = re.compile(r"://[^:/@]*:")
 #: SCRAM keys, which log in as the password does): hidden wherever password is
 SECRET_KEYWORDS = ("password", "sslpassword", "oauth_client_secret", "scram_client_key", "scram_server_key")
 _SECRET_KEYWORD = r"(?:(?:ssl)?password|oauth_client_secret|scram_(?:client|server)_key)"
+#: What follows a password's value and is no parameter - a URL query's "&" pieces without "=", a
+#: keyword string's words without one, or text right after a quoted value - is the rest of a
+#: password written with an unencoded "&", a space or a quote (``password=ab&cd&sslmode=require``:
+#: "bad query field: 'cd'"; ``password=ab cd dbname=x``): the third group, hidden too.
 _QUERY_PASSWORD = re.compile(
     r"(?i)(?<=[?&])("
     + _SECRET_KEYWORD
     + r"\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)(?:[^&\\]|\\.?)*|(?:[^&\\]|\\.?)*)"
+    + r"((?:&[^&=]*(?=&|$))*)"
 )
+#: what parts the pieces of the third group
+_PIECE_SEPARATORS = re.compile(r"[& \t\n\r\f\v]+")
 _KEYWORD_PASSWORD = re.compile(
-    r"(?i)(?<![?&])\b(" + _SECRET_KEYWORD + r"\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^ \t\n\r\f\v\\]|\\.?)*)"
+    r"(?i)(?<![?&])\b("
+    + _SECRET_KEYWORD
+    + r"\s*=\s*)('(?:[^'\\]|\\.?)*(?:'|$)|(?:[^ \t\n\r\f\v\\]|\\.?)*)"
+    + r"([^ \t\n\r\f\v]*(?:[ \t\n\r\f\v]+[^ \t\n\r\f\v=]+(?=[ \t\n\r\f\v]|$)(?![ \t\n\r\f\v]*=))*)"
 )
 
 
@@ -321,9 +331,12 @@ _URL_DELIMITERS = re.compile(r"[/?#@:\[\],]")
 
 def url_secrets(url: str) -> list[str]:
     """The passwords in a store URL (or libpq keyword string), as :func:`redact_url` finds them,
-    and as a URL parser does (an "@" later in the URL widens the former)."""
+    and as a URL parser does (a later "@" may widen the former: :func:`_userinfo_end`)."""
     found = [url[start:end] for start, end in _userinfo_passwords(url)]
-    found += [m.group(2).strip("'") for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
+    for m in (m for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)):
+        found.append(m.group(2).strip("'"))
+        if m.group(3):  # (the rest of a password with an unencoded "&", space or quote: each piece)
+            found += [url[m.start(2) : m.end(3)], *_PIECE_SEPARATORS.split(m.group(3).strip("'"))]
     try:
         found.append(urlsplit(url).password or "")
     except ValueError:  # (no URL a parser takes: the patterns above are all there is)
@@ -337,7 +350,7 @@ def _secret_spans(url: str) -> list[tuple[int, int]]:
     """Where in ``url`` its passwords are written (as :func:`redact_url` finds them: they cover
     what a URL parser takes for the password)."""
     spans = _userinfo_passwords(url)
-    spans += [m.span(2) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
+    spans += [(m.start(2), m.end(3)) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
     return [(start, end) for start, end in spans if end > start]
 
 
@@ -536,7 +549,7 @@ def redact_url(url: str) -> str:
     text no URL parser accepts (a password with an unencoded ``/`` or ``@``). Hides more than the
     password in odd cases (up to a later ``@``: :func:`_userinfo_end`), never less."""
     spans = _userinfo_passwords(url)  # (all found on the URL as given; an empty one shown as *** too)
-    spans += [m.span(2) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
+    spans += [(m.start(2), m.end(3)) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
     pieces: list[str] = []
     done = 0
     for start, end in sorted(spans):
