@@ -381,15 +381,25 @@ def _in_secrets(url: str, spans: list[tuple[int, int]]) -> list[int]:
     return count
 
 
-def _holds_a_secret(value: str, url: str, secrets: _Substrings, count: list[int]) -> bool:
+def _holds_a_secret(
+    value: str, url: str, secrets: _Substrings, count: list[int], where: _InUrl | None = None
+) -> bool:
     """Whether ``value``, quoted by a parser's message about ``url``, shows any of a password: where
     it is written in the URL, it overlaps a password there (a parser that cuts the URL elsewhere
     than at its "@" quotes a piece of the password, or one with more of the URL after it: "Port
     could not be cast to integer value as 'pass'", asyncpg's "invalid literal for int() with
     base 10: 'word@db.example:5432'"); a value the URL does not hold as written (decoded, pieced
-    together) is hidden when it, or a piece of it between the URL's delimiters, is part of one."""
+    together) is hidden when it, or a piece of it between the URL's delimiters, is part of one.
+    (``where``, for a message quoting many values: the URL's places looked up in its automata,
+    not searched for each value.)"""
     if not value:
         return False
+    if where is not None and "\x00" not in value:
+        places = where.url.occurrences(value)
+        if places:
+            return places > where.free.occurrences(value)
+        pieces = [value, *(piece for piece in _URL_DELIMITERS.split(value) if piece)]
+        return any(piece in secrets for piece in pieces)
     start = url.find(value)
     if start < 0:
         pieces = [value, *(piece for piece in _URL_DELIMITERS.split(value) if piece)]
@@ -411,17 +421,20 @@ class _Substrings:
     def __init__(self, secrets: list[str]) -> None:
         self._secrets = secrets
         self._next: list[dict[str, int]] = []
+        self._places: list[int] = []  # (how many times each state's texts are in the secrets)
 
     def _build(self) -> None:
         self._next = [{}]
         link = [-1]
         length = [0]
+        places = [0]
         last = 0
         for char in "".join(secret + "\x00" for secret in self._secrets):
             node = len(length)
             self._next.append({})
             length.append(length[last] + 1)
             link.append(0)
+            places.append(1)
             state = last
             while state >= 0 and char not in self._next[state]:
                 self._next[state][char] = node
@@ -435,22 +448,52 @@ class _Substrings:
                     self._next.append(dict(self._next[same]))
                     length.append(length[state] + 1)
                     link.append(link[same])
+                    places.append(0)
                     while state >= 0 and self._next[state].get(char) == same:
                         self._next[state][char] = clone
                         state = link[state]
                     link[same] = link[node] = clone
             last = node
+        for state in sorted(range(1, len(length)), key=length.__getitem__, reverse=True):
+            places[link[state]] += places[state]  # (a state's texts end wherever a longer one's do)
+        self._places = places
 
-    def __contains__(self, text: str) -> bool:
+    def _state(self, text: str) -> int:
         if not self._next:
             self._build()
         state = 0
         for char in text:
             found = self._next[state].get(char)
             if found is None:
-                return False
+                return -1
             state = found
-        return True
+        return state
+
+    def __contains__(self, text: str) -> bool:
+        return self._state(text) >= 0
+
+    def occurrences(self, text: str) -> int:
+        """How many times ``text`` (not empty) is in the secrets, overlapping ones each."""
+        state = self._state(text)
+        return self._places[state] if state >= 0 else 0
+
+
+class _InUrl:
+    """Where values are in a URL, for a message quoting many: how many times each is in the URL
+    and in its text outside the passwords (a NUL in place of each of their characters) - a value
+    in the URL more often than outside them overlaps one. Searching the URL for each value made
+    a message quoting many distinct ones quadratic."""
+
+    def __init__(self, url: str, count: list[int]) -> None:
+        self.url = _Substrings([url])
+        self.free = _Substrings(
+            ["".join("\x00" if count[i + 1] > count[i] else char for i, char in enumerate(url))]
+        )
+
+
+#: distinct values a message quotes that are searched for in the URL each; past them, the URL's
+#: automata (:class:`_InUrl`) answer
+_SEARCHED_VALUES = 32
 
 
 def _shown_secrets(text: str, secrets: list[str]) -> list[tuple[int, int]]:
@@ -460,11 +503,26 @@ def _shown_secrets(text: str, secrets: list[str]) -> list[tuple[int, int]]:
     of the text for each secret made redaction quadratic in their number (a URL of 4,000
     ``password=`` parameters, quoted by its message: 0.6 s). Each place keeps the longest secret
     that ends there, which covers the others (a short one must also have no letter or digit
-    before it: the longest of those that do)."""
+    before it: the longest of those that do). A long one - a few, at most, in a URL - is searched
+    for on its own, in C, which a trie of it in Python is slower than (a value of 1 MB); so are
+    all, when they are few (the usual one or two: a pass in Python over a long text is slower)."""
+    spans: list[tuple[int, int]] = []
+    few = sum(len(secret) <= _TRIE_SECRET for secret in secrets) <= _SEARCHED_SECRETS
+    for secret in secrets:
+        if len(secret) >= _WORDLIKE_SECRET and (few or len(secret) > _TRIE_SECRET):
+            at = text.find(secret)
+            while at >= 0:
+                spans.append((at, at + len(secret)))
+                at = text.find(secret, at + 1)
+        elif few:
+            pattern = rf"(?<![^\W_])(?={re.escape(secret)}(?![^\W_]))"
+            spans += [(m.start(), m.start() + len(secret)) for m in re.finditer(pattern, text)]
+    if few:
+        return spans
     goto: list[dict[str, int]] = [{}]
     longest = [0]
     short: set[str] = set()
-    for secret in secrets:
+    for secret in (secret for secret in secrets if len(secret) <= _TRIE_SECRET):
         node = 0
         for char in secret:
             found = goto[node].get(char)
@@ -491,7 +549,6 @@ def _shown_secrets(text: str, secrets: list[str]) -> list[tuple[int, int]]:
                 fail[child] = found if node and found != child else 0
                 deeper.append(child)
         level = deeper
-    spans: list[tuple[int, int]] = []
     node = 0
     for end, char in enumerate(text, 1):
         while node and char not in goto[node]:
@@ -520,12 +577,16 @@ def redact_text(text: str, url: str) -> str:
 
     holds: dict[str, bool] = {}  # (a value quoted many times is looked for in the URL once)
 
+    where: list[_InUrl] = []  # (made past the first _SEARCHED_VALUES values)
+
     def quoted(literal: str) -> str:
         value = _unquoted(literal)
         if value not in holds:
             if not count:
                 count.extend(_in_secrets(url, _secret_spans(url)))
-            holds[value] = _holds_a_secret(value, url, index, count)
+            if len(holds) >= _SEARCHED_VALUES and not where:
+                where.append(_InUrl(url, count))
+            holds[value] = _holds_a_secret(value, url, index, count, where[0] if where else None)
         return "'***'" if holds[value] else literal
 
     quoted_at = {span for span in _quoted_spans(text) if quoted(text[slice(*span)]) != text[slice(*span)]}
@@ -539,6 +600,10 @@ def redact_text(text: str, url: str) -> str:
     return "".join(pieces) + text[done:]
 
 
+#: a password longer than this is searched for on its own (:func:`_shown_secrets`), and all of
+#: them when no more than _SEARCHED_SECRETS are not
+_TRIE_SECRET = 64
+_SEARCHED_SECRETS = 8
 #: a password at least this long is hidden wherever its text appears, inside a word too
 _WORDLIKE_SECRET = 4
 

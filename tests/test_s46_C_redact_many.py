@@ -45,9 +45,15 @@ def _each_secret(text: str, secrets: list[str]) -> list[tuple[int, int]]:
     st.lists(st.text(_ALPHABET, min_size=1, max_size=6), min_size=1, max_size=8),
 )
 def test_one_pass_hides_what_a_search_for_each_secret_finds(text: str, secrets: list[str]) -> None:
-    found = errors._shown_secrets(text, secrets)
-    assert _covered(text, found) == _covered(text, _each_secret(text, secrets))
-    assert all(text[start:end] in secrets for start, end in found)
+    """(both ways: a search for each when they are few, one pass when they are many)"""
+    few = errors._SEARCHED_SECRETS
+    for errors._SEARCHED_SECRETS in (few, 0):
+        try:
+            found = errors._shown_secrets(text, secrets)
+        finally:
+            errors._SEARCHED_SECRETS = few
+        assert _covered(text, found) == _covered(text, _each_secret(text, secrets))
+        assert all(text[start:end] in secrets for start, end in found)
 
 
 @settings(max_examples=300, deadline=None)
@@ -83,3 +89,28 @@ def test_many_distinct_passwords_do_not_hang() -> None:
     # (about 2 s; a search of the text for each password took minutes: no run near the limit)
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
     assert ran.stdout.strip() == "False", ran.stderr
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text("ab:@/p=&?", min_size=1, max_size=30).map(lambda rest: "postgresql://u:" + rest),
+    st.lists(st.text("ab:@/p=&?", min_size=1, max_size=6), min_size=1, max_size=6),
+)
+def test_a_value_looked_up_in_the_urls_automata_is_hidden_as_one_searched_for(
+    url: str, values: list[str]
+) -> None:
+    """(past the first _SEARCHED_VALUES distinct values a message quotes, the URL is no longer
+    searched for each: the same answer, from the counts of its places in and outside the passwords)"""
+    count = errors._in_secrets(url, errors._secret_spans(url))
+    secrets = errors._Substrings(errors.url_secrets(url))
+    where = errors._InUrl(url, count)
+    for value in values + [url[i:j] for i in range(0, len(url), 3) for j in range(i + 1, len(url) + 1, 4)]:
+        searched = errors._holds_a_secret(value, url, secrets, count)
+        assert errors._holds_a_secret(value, url, secrets, count, where) == searched, (url, value)
+
+
+def test_a_message_quoting_many_values_hides_those_that_show_a_password() -> None:
+    url = "postgresql://u:FIRSTpw@h/db?" + "&".join(f"password=v{i:04d}" for i in range(200))
+    values = [f"v{i:04d}" for i in range(200)] + [f"h/db{i}" for i in range(100)] + ["FIRSTp", "h/db"]
+    said = errors.redact_text(" ".join(repr(value) for value in values), url)
+    assert said.count("'***'") == 201 and "'h/db'" in said, said[-200:]
