@@ -612,9 +612,15 @@ def redact_url(url: str) -> str:
     """A store URL (or a libpq keyword string) fit for a message or a log: every password
     hidden, wherever it is written (``user:secret@``, ``?password=``, ``password=...``), also in
     text no URL parser accepts (a password with an unencoded ``/`` or ``@``). Hides more than the
-    password in odd cases (up to a later ``@``: :func:`_userinfo_end`), never less."""
+    password in odd cases (up to a later ``@``: :func:`_userinfo_end`), never less. A password's
+    text is hidden where else the URL holds it too, as :func:`redact_text` hides it in a message
+    (``postgresql://u:127@127.0.0.1/db``: ``***@***.0.0.1``): a message that hid it in the host it
+    quotes (``Connect call failed ('***.0.0.1', 1)``) beside a URL that showed the host told
+    the password."""
     spans = _userinfo_passwords(url)  # (all found on the URL as given; an empty one shown as *** too)
     spans += [(m.start(2), m.end(3)) for p in (_QUERY_PASSWORD, _KEYWORD_PASSWORD) for m in p.finditer(url)]
+    if spans:
+        spans += _shown_secrets(url, url_secrets(url))
     pieces: list[str] = []
     done = 0
     for start, end in sorted(spans):

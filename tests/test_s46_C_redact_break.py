@@ -130,3 +130,29 @@ def test_a_sqlite_url_with_a_password_does_not_show_it() -> None:
     with pytest.raises(err.EvstoreError) as refused:
         asyncio.run(_open("sqlite://u:QWE@RTY@/no/such/dir/x.db"))
     assert "QWE" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://u:127@127.0.0.1:1/db", "postgresql://u:***@***.0.0.1:1/db"),
+        ("postgresql://u:0.0@127.0.0.1:1/db", "postgresql://u:***@127.***.1:1/db"),
+        ("postgresql://u:1@127.0.0.1:1/db", "postgresql://u:***@127.0.0.***:***/db"),
+        ("postgresql://u:db@127.0.0.1:1/db", "postgresql://u:***@127.0.0.1:1/***"),
+        ("postgresql://u@127.0.0.1:1/db?password=127", "postgresql://u@***.0.0.1:1/db?password=***"),
+    ],
+)
+def test_a_password_that_is_part_of_the_host_is_not_told_by_where_the_message_hides_it(
+    url: str, shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The message hid the password's text in the host it quotes ("Connect call failed
+    ('***.0.0.1', 1)") while the URL beside it showed the host (``127.0.0.1``): the reader read the
+    password off the difference. The URL hides it there too."""
+    assert err.redact_url(url) == shown
+    with pytest.raises(err.EvstoreError) as refused:
+        asyncio.run(_open(url))
+    assert str(refused.value).startswith(f"Cannot connect to PostgreSQL at {shown}: "), refused.value
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["audit", "--url", url])
+    assert f"at {shown}: " in capsys.readouterr().err
