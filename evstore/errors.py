@@ -258,8 +258,8 @@ def _userinfo_passwords(url: str) -> list[tuple[int, int]]:
     The password may hold a line break (urlsplit drops it) or an unencoded "/" or "@". Only the
     password is hidden in a sound URL (an "@" in its query is the query's:
     ``h:5432/db?application_name=a@b``); more than the password in odd cases, never less. A
-    SQLite URL's file name may hold ":" and "@": there the user's ":" is that of a
-    ``://[^:/@]*:`` match. (Found in linear time: the pattern ``(://[^:/@]*):(.*)@``, tried again
+    SQLite URL's file name may hold ":" and "@": there (after ``sqlite://``) the user's ":" is that
+    of a ``://[^:/@]*:`` match. (Found in linear time: the pattern ``(://[^:/@]*):(.*)@``, tried again
     at every "://" of a text with many and no "@", read the rest of the text each time - 40 KB
     took 1 s.)"""
     if "@" not in url:
@@ -272,7 +272,7 @@ def _userinfo_passwords(url: str) -> list[tuple[int, int]]:
     host_end = _HOST_PART_END.search(url, start)
     at = _userinfo_end(url, start, host_end.start() if host_end else len(url))
     name = scheme.group().lower() if scheme else ""
-    if name == "sqlite:":
+    if name == "sqlite:" and url.startswith("//", after):  # (not sqlite:u:pw@x.db, which holds no path)
         found = _USERINFO_START.search(url, 0, at)
         colon = found.end() - 1 if found else -1
     elif scheme and start == after and name not in _KNOWN_SCHEMES:
