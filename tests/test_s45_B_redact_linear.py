@@ -31,12 +31,17 @@ def _texts(alphabet: list[str], count: int, seed: int) -> list[str]:
 
 
 def test_userinfo_passwords_cover_what_the_pattern_matched() -> None:
-    """(since test_s45_B_redact_leaks, more than the pattern in odd cases: never less)"""
+    """(since test_s45_B_redact_leaks, more than the pattern in odd cases: never less - except where
+    the pattern, which ran to the last "@", ran on into a query whose value holds an "@"
+    (``...@h/db?application_name=a@b``): since stop 46 (helper C) only the password is hidden
+    there, test_s46_C_redact_query_at)"""
     alphabet = ["://", ":", "/", "@", "\n", "a", "b", "x://u:", "?", "password=", "sqlite:"]
     fixed = ["://x://y\n:a@b", "postgresql://u:p@ss@h/db", "://u:p\n@h", "://:@", "a://u:@@\n://v:w@"]
     for text in fixed + _texts(alphabet, 4000, 45):
         spans = errors._userinfo_passwords(text)
-        for start, end in (m.span(2) for m in _OLD_USERINFO.finditer(text)):
+        # (random texts: stop 46 reads userinfo as urlsplit and libpq do, not as the pattern did -
+        # a leak there is test_s46_C_redact_break's matrix)
+        for start, end in (m.span(2) for m in _OLD_USERINFO.finditer(text) if text in fixed):
             assert any(s <= start and end <= e for s, e in spans), (text, spans)
         shown = errors.redact_url(text)
         assert "***" in shown or not spans, text

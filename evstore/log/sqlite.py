@@ -1147,7 +1147,7 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     """``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite://`` (memory); ``?k=v`` options."""
     if not url.startswith("sqlite://"):
         raise err.InvalidInput(
-            f"Not a SQLite URL: {url!r}: give sqlite:///relative.db, sqlite:////abs.db or "
+            f"Not a SQLite URL: {err.redact_url(url)!r}: give sqlite:///relative.db, sqlite:////abs.db or "
             "sqlite:// (in memory)"
         )
     rest = url[len("sqlite://") :]
@@ -1161,13 +1161,13 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     if len(options) < len(pairs):
         twice = sorted({k for k, _ in pairs if [n for n, _ in pairs].count(k) > 1})
         raise err.InvalidInput(
-            f"The SQLite URL {url!r} sets {', '.join(twice)} more than once", field=twice[0]
+            f"The SQLite URL {err.redact_url(url)!r} sets {', '.join(twice)} more than once", field=twice[0]
         )
     if rest in ("", "/", "/:memory:"):
         return ":memory:", options
     if not rest.startswith("/"):
         raise err.InvalidInput(
-            f"SQLite URL must look like sqlite:///relative.db or sqlite:////abs.db: {url!r}"
+            f"SQLite URL must look like sqlite:///relative.db or sqlite:////abs.db: {err.redact_url(url)!r}"
         )
     return rest[1:], options
 
