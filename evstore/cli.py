@@ -50,6 +50,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOpt
 from typer.core import TyperGroup
 
 from evstore import errors as err
+from evstore.logs import get_logger
 
 if TYPE_CHECKING:
     from evstore.store import AllocationStore, StoreOptions
@@ -115,7 +116,10 @@ class _LibraryLog(logging.Handler):
                 text += "\n" + logging.Formatter().formatException(record.exc_info).rstrip()  # type: ignore[arg-type]
             print(f"{record.levelname.lower()}: {record.name}: {text}", file=sys.stderr, flush=True)
         except Exception:
-            self.handleError(record)
+            # (handleError writes to stderr too, and lets a closed one's ValueError through: raised
+            # from asyncio's "Using selector" line at -vv, it failed the event loop's making)
+            with contextlib.suppress(Exception):
+                self.handleError(record)
 
 
 def configure_logging(verbosity: int) -> None:
@@ -315,7 +319,15 @@ def shown(url: str) -> str:
 
 def note(message: str) -> None:
     """A human remark on stderr (keeps stdout clean for --json)."""
-    print(message, file=sys.stderr, flush=True)
+    to_stderr(message)
+
+
+def to_stderr(line: str) -> None:
+    """``line`` on standard error, whose failure (``2>/dev/full``, a closed file) is not the
+    command's: its exit status stays the one it decided (an error line that raised turned a
+    usage error's 2, or a success's 0, into 1 and a traceback)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
 
 
 #: the names (its URL, password hidden, and a SQLite store's path) of the store of this command
@@ -375,7 +387,7 @@ def fail(code: str, message: str, exit_code: int = EXIT_ERROR) -> NoReturn:
     # (all of it, its control characters shown as \xNN, which keeps it one line: its first line
     # alone cut a path or URL holding a newline at it, naming another file than the one given)
     text = _naming_the_environment(message.strip()) or "(no message)"
-    print(f"error: {code}: {visible(text)}", file=sys.stderr, flush=True)
+    to_stderr(f"error: {code}: {visible(text)}")
     raise typer.Exit(exit_code)
 
 
@@ -685,13 +697,23 @@ def _run(work: Callable[[], Coroutine[Any, Any, int]], interrupt_code: int) -> N
     except OSError as exc:
         fail("evstore.io", str(exc))
     except Exception as exc:  # a bug: still one line, the traceback only at -vv
-        structlog.get_logger("evstore").debug("cli.crash", exc_info=True)
-        fail("evstore.internal", f"{type(exc).__name__}: {exc}")
+        # (guarded: a logging configuration that fails - standard error closed or full, a
+        # processor that raises - is reported, and neither replaces this error nor its status)
+        get_logger("evstore").debug("cli.crash", exc_info=True)
+        fail("evstore.internal", f"{type(exc).__name__}: {_text_of(exc)}")
     finally:
         # (a signal before the loop ran it - Ctrl-C, SIGTERM under sigterm_raises - leaves it
         # unstarted: closed, not "never awaited", a warning on stderr at exit)
         coroutine.close()
     raise typer.Exit(code)
+
+
+def _text_of(exc: BaseException) -> str:
+    """``str(exc)``, or what it is when its ``__str__`` fails (a bug's exception may be broken too)."""
+    try:
+        return str(exc)
+    except Exception as failed:
+        return f"(its message could not be read: {type(failed).__name__})"
 
 
 class SigtermCancels:
@@ -3284,7 +3306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         code = app(args=list(argv) if argv is not None else None, standalone_mode=False, prog_name="evstore")
     except NoArgsIsHelpError as exc:  # (a bare `evstore`: the help, not an error line holding it)
-        print(exc.format_message(), file=sys.stderr)
+        to_stderr(exc.format_message())
         _exit(EXIT_USAGE)
     except ClickException as exc:
         message = exc.format_message()
@@ -3294,7 +3316,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif isinstance(exc, NoSuchOption) and (hint := _misplaced_option(exc, argv)):
             message = f"No such option: {exc.option_name} ({hint})"
         if message:
-            print(f"error: evstore.usage: {message}", file=sys.stderr)
+            to_stderr(f"error: evstore.usage: {message}")
         _exit(exc.exit_code)
     except typer.Exit as exc:
         _exit(exc.exit_code)
@@ -3488,7 +3510,7 @@ def _output_failed(exc: OSError) -> int:
     gone with 1, saying nothing: left so.)"""
     if not isinstance(exc, BrokenPipeError):
         text = f"cannot write standard output: {exc.strerror or exc}"
-        print(f"error: evstore.io: {visible(text)}", file=sys.stderr, flush=True)
+        to_stderr(f"error: evstore.io: {visible(text)}")
     # (what stays in its buffer would fail Python's own flush at exit again)
     with contextlib.suppress(OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

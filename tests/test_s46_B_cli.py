@@ -1,0 +1,130 @@
+"""Stop 46, helper B: the command line's known defects - ``cli.crash`` logged through an unguarded
+logger, a SQLite URL's options checked after its file was looked for, ``import``'s refusal of a
+store with events naming no store, ``<str>`` metavars in the help, ``export -o /dev/fd/N`` with N
+no open descriptor - and what probing every command with wrong input found."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from evstore import cli
+from tests.test_cli_support import REPO
+from tests.test_s44_C_cli import _in_process, _small_store
+
+# (cli.main, run in this process, configures logging to this test's captured streams, closed after it)
+pytestmark = pytest.mark.usefixtures("logging_as_it_was")
+
+
+# --- 1. cli.crash through the guarded logger ------------------------------------------------------
+
+
+class _Bug(RuntimeError):
+    pass
+
+
+def _a_bug_in_audit(monkeypatch: pytest.MonkeyPatch) -> None:
+    def print_audit(*args: Any, **kwargs: Any) -> None:
+        raise _Bug("a bug in evstore")
+
+    monkeypatch.setattr(cli, "print_audit", print_audit)
+
+
+def _raising_processor(verbosity: int) -> None:
+    def boom(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
+        raise ValueError("the logging configuration failed")
+
+    structlog.configure(
+        processors=[boom],
+        logger_factory=structlog.ReturnLoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        cache_logger_on_first_use=False,
+    )
+
+
+def test_a_crash_whose_log_line_fails_still_ends_in_its_one_error_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A bug (evstore.internal) logs ``cli.crash`` with its traceback (shown at -vv). Logged with
+    a bare ``structlog.get_logger``, a logging configuration that failed raised from the handler:
+    the ValueError replaced the bug's one line and exit 1 with a traceback of its own."""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    _a_bug_in_audit(monkeypatch)
+    monkeypatch.setattr(cli, "configure_logging", _raising_processor)
+    done = _in_process(capsys, "-vv", "audit", "--db", str(db))
+    assert done.returncode == 1, done
+    assert "error: evstore.internal: _Bug: a bug in evstore\n" in done.stderr, done.stderr
+    assert done.stderr.endswith("error: evstore.internal: _Bug: a bug in evstore\n"), done.stderr
+    # (the guard's report of the line it could not emit)
+    assert "log line 'cli.crash' not emitted" in done.stderr, done.stderr
+
+
+def test_a_crash_with_standard_error_unwritable_keeps_its_exit_status(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Standard error that cannot be written (a closed file): neither the crash's log line (-vv),
+    nor a library's log line (asyncio's "Using selector", at -vv: its handler's handleError let
+    the closed file's ValueError through, and the event loop was never made), nor the error line
+    may raise in the command's place - its status stays 1, evstore.internal's, and a usage
+    error's 2."""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    reached: list[bool] = []
+
+    def print_audit(*args: Any, **kwargs: Any) -> None:
+        reached.append(True)
+        raise _Bug("a bug in evstore")
+
+    monkeypatch.setattr(cli, "print_audit", print_audit)
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    for verbosity in ([], ["-vv"]):
+        reached.clear()
+        done = _in_process(capsys, *verbosity, "audit", "--db", str(db))
+        assert (done.returncode, reached) == (1, [True]), (verbosity, done)
+        done = _in_process(capsys, *verbosity, "audit")  # (no store given: a usage error)
+        assert done.returncode == 2, (verbosity, done)
+
+
+@pytest.mark.parametrize("verbosity", [[], ["-vv"]])
+def test_exit_statuses_stand_with_standard_error_on_a_full_disk(tmp_path: Path, verbosity: list[str]) -> None:
+    """``2>/dev/full``: an error line that cannot be written changed a usage error's exit 2, and a
+    bug's evstore.internal, into a traceback's 1 (written nowhere); a clean audit stays 0."""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    script = (
+        "import sys\n"
+        "from evstore import cli\n"
+        "if sys.argv[1] == 'bug':\n"
+        "    def print_audit(*a, **k):\n"
+        "        raise RuntimeError('a bug')\n"
+        "    cli.print_audit = print_audit\n"
+        "cli.main(sys.argv[2:])\n"
+    )
+    cases = [
+        ("none", ["audit"], 2),
+        ("bug", ["audit", "--db", str(db)], 1),
+        ("none", ["audit", "--db", str(db)], 0),
+    ]
+    for mode, args, status in cases:
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                [sys.executable, "-c", script, mode, *verbosity, *args],
+                stdout=subprocess.PIPE,
+                stderr=full,
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                timeout=60,
+            )
+        assert done.returncode == status, (mode, args, done)
