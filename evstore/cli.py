@@ -479,10 +479,15 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
             f"or sqlite:///{chosen if not chosen.startswith(('/', '~')) else absolute}"
         )
     if chosen.startswith("sqlite:"):
-        from evstore.log.sqlite import parse_sqlite_url
+        from evstore.log.sqlite import SqliteBackend, parse_sqlite_url
 
         try:
             path, _ = parse_sqlite_url(chosen)
+            # (its options - an unknown one, a malformed value - checked as the open checks them,
+            # before the file is looked for: `?frob=1` on a missing file said only not_found, and
+            # the fix of that was then refused for the option; PostgreSQL's come first too)
+            with contextlib.suppress(OSError):  # (a working directory gone: the open says so)
+                SqliteBackend(chosen)
         except err.EvstoreError as exc:
             _from_the_environment(exc)
             raise

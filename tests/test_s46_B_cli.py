@@ -128,3 +128,52 @@ def test_exit_statuses_stand_with_standard_error_on_a_full_disk(tmp_path: Path, 
                 timeout=60,
             )
         assert done.returncode == status, (mode, args, done)
+
+
+# --- 2. a SQLite URL's options before its file ----------------------------------------------------
+
+
+@pytest.mark.parametrize("through", ["--url", "EVSTORE_URL"])
+@pytest.mark.parametrize(
+    ("query", "said"),
+    [
+        ("frob=1", "Unknown SQLite store option(s) frob"),
+        ("busy_timeout=abc", "busy_timeout must be a number of seconds"),
+        ("synchronous=WRONG", "synchronous must be OFF, NORMAL, FULL or EXTRA, got 'WRONG'"),
+        ("create=maybe", "create must be true or false, got 'maybe'"),
+    ],
+)
+def test_a_sqlite_urls_options_are_checked_before_its_file_is_looked_for(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    through: str,
+    query: str,
+    said: str,
+) -> None:
+    """``sqlite:///missing.db?frob=1`` said ``evstore.not_found`` (the file looked for first), and the
+    file made, the next run was refused for ``frob``: the options are checked first, as the open
+    checks them, also for the commands that make a store (import, demo) and a path through a file."""
+    monkeypatch.delenv("EVSTORE_URL", raising=False)
+    export = tmp_path / "e.jsonl"
+    export.write_text("")
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("")
+    for path, command in [
+        (tmp_path / "missing.db", ["audit"]),
+        (tmp_path / "missing.db", ["history", "a7a2d8c9-45b3-4f0c-9b71-0d2cb1a8b5a1"]),
+        (blocker / "x.db", ["import", str(export)]),
+        (blocker / "x.db", ["demo"]),
+    ]:
+        url = f"sqlite:///{path}?{query}"
+        if through == "--url":
+            done = _in_process(capsys, *command, "--url", url)
+        else:
+            monkeypatch.setenv("EVSTORE_URL", url)
+            done = _in_process(capsys, *command)
+        assert done.returncode == 1, (command, done)
+        assert done.stderr.startswith(f"error: evstore.invalid_input: {said}"), (command, done.stderr)
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert ("(from EVSTORE_URL)" in done.stderr) == (through == "EVSTORE_URL"), done.stderr
+        assert not (tmp_path / "missing.db").exists()
+
