@@ -3194,7 +3194,12 @@ def import_(
                         )
                     bar.update(tasks[phase], completed=done)
 
-                count = await store.import_events(lines, progress=on_progress)
+                try:
+                    count = await store.import_events(lines, progress=on_progress)
+                except err.InvalidInput as exc:
+                    if exc.message.startswith("import needs an empty store"):
+                        raise _not_empty(target, await store.head()) from None
+                    raise
             imported.append(count)
             report = await store.audit()
             head = await store.head()
@@ -3242,6 +3247,20 @@ def import_(
     finally:
         for spool in spooled:
             spool.unlink(missing_ok=True)
+
+
+def _not_empty(target: str, head: int) -> err.InvalidInput:
+    """The refusal of an import into a store that has events, naming it (the store's own said only
+    "this one already has events": which one, to a script importing into several, or a URL
+    from EVSTORE_URL, it did not say)."""
+    where = (
+        "import into a new file (--db NEW.db)"
+        if target.startswith("sqlite:")
+        else "import into another schema (?search_path=SCHEMA, an empty one)"
+    )
+    return err.InvalidInput(
+        f"import needs an empty store: {shown(target)} already has events (head {head}); {where}"
+    )
 
 
 def _spool(export_file: Path, spooled: list[Path]) -> Path:

@@ -177,3 +177,71 @@ def test_a_sqlite_urls_options_are_checked_before_its_file_is_looked_for(
         assert ("(from EVSTORE_URL)" in done.stderr) == (through == "EVSTORE_URL"), done.stderr
         assert not (tmp_path / "missing.db").exists()
 
+
+# --- 3. import into a store with events names the store -------------------------------------------
+
+
+def _with_password(url: str, password: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    user = parts.username or "evstore"
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{host}"))
+
+
+def test_import_into_a_store_with_events_names_the_store(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """ "import needs an empty store: this one already has events" - which one, a script importing
+    into several stores, or one EVSTORE_URL chose, could not tell: the refusal names it (as error
+    messages show a store) and its head, and says where an import goes."""
+    monkeypatch.delenv("EVSTORE_URL", raising=False)
+    db = tmp_path / "full.db"
+    _small_store(db)
+    export = tmp_path / "e.jsonl"
+    assert _in_process(capsys, "export", "--db", str(db), "-o", str(export)).returncode == 0
+    done = _in_process(capsys, "import", str(export), "--db", str(db))
+    assert done.returncode == 1, done
+    assert done.stderr == (
+        f"error: evstore.invalid_input: import needs an empty store: sqlite:///{db} already has events "
+        "(head 3); import into a new file (--db NEW.db)\n"
+    ), done.stderr
+    monkeypatch.setenv("EVSTORE_URL", f"sqlite:///{db}")
+    done = _in_process(capsys, "import", str(export), "--json")
+    assert done.returncode == 1 and done.stdout == "", done
+    assert f": sqlite:///{db} already has events (head 3); " in done.stderr, done.stderr
+    assert done.stderr.endswith(" (from EVSTORE_URL)\n"), done.stderr
+
+
+def test_import_into_a_postgresql_store_with_events_names_it_password_hidden(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, pg_url: str
+) -> None:
+    import asyncio
+
+    from evstore import Inventory, open_store
+    from tests.conftest import new_uuid
+
+    monkeypatch.delenv("EVSTORE_URL", raising=False)
+
+    async def build() -> None:
+        async with open_store(pg_url) as store:
+            provider = new_uuid()
+            await store.create_provider(provider, "node-1")
+            await store.set_inventory(provider, "VCPU", Inventory(total=8), 0)
+
+    asyncio.run(build())
+    db = tmp_path / "s.db"
+    _small_store(db)
+    export = tmp_path / "e.jsonl"
+    assert _in_process(capsys, "export", "--db", str(db), "-o", str(export)).returncode == 0
+    url = _with_password(pg_url, "sekrit")
+    done = _in_process(capsys, "import", str(export), "--url", url)
+    assert done.returncode == 1, done
+    assert "sekrit" not in done.stderr, done.stderr
+    assert done.stderr.startswith(
+        "error: evstore.invalid_input: import needs an empty store: postgresql://"
+    ), done
+    assert ":***@" in done.stderr and "already has events (head 2); import into another schema" in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
