@@ -47,7 +47,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from typer._click.core import Command
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption, UsageError
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from evstore import errors as err
 from evstore.logs import get_logger
@@ -81,6 +81,25 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+class _Argument(TyperArgument):
+    """An argument given a metavar is shown by it alone (``UUID``): typer added its Python type,
+    "uuid <str>", in the help of every argument - a type, not what to give."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        return None if self.metavar is not None else super().display_type_rich(ctx)
+
+
+class _Command(TyperCommand):
+    """The commands' class: their arguments are :class:`_Argument`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if type(param) is TyperArgument:
+                param.__class__ = _Argument
+
+
 # (a str, not a click Path: the CLI checks paths itself, so that a missing file, a directory and
 # an empty value get the same code and exit status whichever option or argument names them)
 DbOption = Annotated[
@@ -88,7 +107,11 @@ DbOption = Annotated[
 ]
 UrlOption = Annotated[
     str | None,
-    typer.Option("--url", help="Store URL (sqlite:///path.db, postgresql://...); default $EVSTORE_URL."),
+    typer.Option(
+        "--url",
+        help="Store URL (sqlite:///path.db, postgresql://...); default $EVSTORE_URL.",
+        metavar="<url>",
+    ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
 
@@ -919,15 +942,23 @@ def print_audit(out: Console, report: AuditReport, url: str) -> None:
 # --- commands -----------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=_Command)
 def demo(
     db: DbOption = None,
     url: UrlOption = None,
     seed: Annotated[
-        int, typer.Option(help="Seed of the simulated cloud (same seed, same plan).", min=0, max=2**128 - 1)
+        int,
+        typer.Option(
+            help="Seed of the simulated cloud (same seed, same plan).",
+            min=0,
+            max=2**128 - 1,
+            metavar="<seed>",
+        ),
     ] = 1848343,
-    nodes: Annotated[int, typer.Option(help="Compute nodes.", min=2, max=100)] = 6,
-    instances: Annotated[int, typer.Option(help="Instances to build.", min=1, max=100_000)] = 200,
+    nodes: Annotated[int, typer.Option(help="Compute nodes.", min=2, max=100, metavar="<count>")] = 6,
+    instances: Annotated[
+        int, typer.Option(help="Instances to build.", min=1, max=100_000, metavar="<count>")
+    ] = 200,
     json_out: JsonOption = False,
 ) -> None:
     """Simulate a small cloud (builds, resizes, migrations, deletes racing reverts), then audit it.
@@ -1201,7 +1232,7 @@ def _alone_with(path: Path) -> Iterator[None]:
         conn.close()
 
 
-@app.command()
+@app.command(cls=_Command)
 def audit(
     db: DbOption = None,
     url: UrlOption = None,
@@ -1888,9 +1919,9 @@ class TailLeakNotes:
         return f"; {clear_leak(consumer, deleted)}" if self.leaked_now[consumer] else ""
 
 
-@app.command()
+@app.command(cls=_Command)
 def history(
-    uuid: Annotated[str, typer.Argument(help="Consumer or provider uuid.")],
+    uuid: Annotated[str, typer.Argument(help="Consumer or provider uuid.", metavar="UUID")],
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,
@@ -1998,13 +2029,22 @@ def consumer_json(view: Any, migrations: list[str], allocated_at: int | None, na
     }
 
 
-@app.command()
+@app.command(cls=_Command)
 def state(
     at: Annotated[
-        str | None, typer.Option("--at", help="Position or ISO time with zone; default: now (the head).")
+        str | None,
+        typer.Option(
+            "--at",
+            help="Position or ISO time with zone; default: now (the head).",
+            metavar="<position|time>",
+        ),
     ] = None,
-    provider: Annotated[str | None, typer.Option("--provider", help="Show one provider.")] = None,
-    consumer: Annotated[str | None, typer.Option("--consumer", help="Show one consumer.")] = None,
+    provider: Annotated[
+        str | None, typer.Option("--provider", help="Show one provider.", metavar="<uuid>")
+    ] = None,
+    consumer: Annotated[
+        str | None, typer.Option("--consumer", help="Show one consumer.", metavar="<uuid>")
+    ] = None,
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,
@@ -2297,10 +2337,10 @@ def _positions(positions: Sequence[int], limit: int = 8) -> str:
     return shown + (f" (+{len(positions) - limit} more)" if len(positions) > limit else "")
 
 
-@app.command()
+@app.command(cls=_Command)
 def diff(
-    a: Annotated[str, typer.Argument(help="From: position or ISO time with zone.")],
-    b: Annotated[str, typer.Argument(help="To: position or ISO time with zone.")],
+    a: Annotated[str, typer.Argument(help="From: position or ISO time with zone.", metavar="A")],
+    b: Annotated[str, typer.Argument(help="To: position or ISO time with zone.", metavar="B")],
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,
@@ -2388,7 +2428,7 @@ def diff(
     run(work)
 
 
-@app.command()
+@app.command(cls=_Command)
 def tail(
     after: Annotated[
         int | None,
@@ -2399,7 +2439,9 @@ def tail(
             help="Start after this position (default: the head).  [0<=x<=9223372036854775807]",
         ),
     ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Stop after this many events.")] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="Stop after this many events.", metavar="<count>")
+    ] = None,
     follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Wait for new events.")] = True,
     db: DbOption = None,
     url: UrlOption = None,
@@ -2571,9 +2613,9 @@ async def _file_gone(store: Any, first: os.stat_result, gone: list[str], every: 
 CLI_ACTOR = "evstore-cli"
 
 
-@app.command()
+@app.command(cls=_Command)
 def release(
-    consumer: Annotated[str, typer.Argument(help="Consumer uuid.")],
+    consumer: Annotated[str, typer.Argument(help="Consumer uuid.", metavar="CONSUMER")],
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,
@@ -2582,9 +2624,9 @@ def release(
     run(functools.partial(_clear, consumer, db, url, json_out, migration=False))
 
 
-@app.command("confirm-migration")
+@app.command("confirm-migration", cls=_Command)
 def confirm_migration(
-    migration: Annotated[str, typer.Argument(help="Migration consumer uuid.")],
+    migration: Annotated[str, typer.Argument(help="Migration consumer uuid.", metavar="MIGRATION")],
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,
@@ -2744,11 +2786,13 @@ def progress_bar() -> Progress:
     )
 
 
-@app.command()
+@app.command(cls=_Command)
 def rebuild(
     db: DbOption = None,
     url: UrlOption = None,
-    batch_size: Annotated[int, typer.Option(min=1, max=MAX_POSITION, help="Events folded per batch.")] = 5000,
+    batch_size: Annotated[
+        int, typer.Option(min=1, max=MAX_POSITION, help="Events folded per batch.", metavar="<events>")
+    ] = 5000,
     full: Annotated[
         bool,
         typer.Option(
@@ -2794,13 +2838,18 @@ def rebuild(
     run(work)
 
 
-@app.command()
+@app.command(cls=_Command)
 def snapshot(
     db: DbOption = None,
     url: UrlOption = None,
     every: Annotated[
         int | None,
-        typer.Option(min=1, max=MAX_POSITION, help="Events between snapshots (default: the store's, 10000)."),
+        typer.Option(
+            min=1,
+            max=MAX_POSITION,
+            help="Events between snapshots (default: the store's, 10000).",
+            metavar="<events>",
+        ),
     ] = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -2827,7 +2876,7 @@ def snapshot(
     run(work)
 
 
-@app.command()
+@app.command(cls=_Command)
 def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = False) -> None:
     """Event counts by type, head position, database size and snapshot positions."""
 
@@ -2862,7 +2911,7 @@ def stats(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = Fal
     run(work)
 
 
-@app.command()
+@app.command(cls=_Command)
 def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = False) -> None:
     """Upgrade a store an older evstore wrote to this evstore's schema version.
 
@@ -2951,7 +3000,7 @@ def upgrade(db: DbOption = None, url: UrlOption = None, json_out: JsonOption = F
     run(work)
 
 
-@app.command()
+@app.command(cls=_Command)
 def export(
     db: DbOption = None,
     url: UrlOption = None,
@@ -3113,9 +3162,11 @@ def _export_target(output: Path) -> tuple[Path, bool]:
     return final, False
 
 
-@app.command("import")
+@app.command("import", cls=_Command)
 def import_(
-    file: Annotated[str, typer.Argument(help="An export (JSON lines); - reads standard input.")],
+    file: Annotated[
+        str, typer.Argument(help="An export (JSON lines); - reads standard input.", metavar="FILE")
+    ],
     db: DbOption = None,
     url: UrlOption = None,
     json_out: JsonOption = False,

@@ -245,3 +245,71 @@ def test_import_into_a_postgresql_store_with_events_names_it_password_hidden(
     assert ":***@" in done.stderr and "already has events (head 2); import into another schema" in done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
 
+
+# --- 4. metavars ----------------------------------------------------------------------------------
+
+COMMANDS = [
+    "demo",
+    "audit",
+    "history",
+    "state",
+    "diff",
+    "tail",
+    "release",
+    "confirm-migration",
+    "rebuild",
+    "snapshot",
+    "stats",
+    "upgrade",
+    "export",
+    "import",
+]
+
+
+def test_every_command_and_option_is_listed_here(capsys: pytest.CaptureFixture[str]) -> None:
+    done = _in_process(capsys, "--help")
+    assert done.returncode == 0, done
+    listed = [line.split()[0] for line in done.stdout.split("Commands:\n", 1)[1].splitlines() if line.strip()]
+    assert listed == COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_help_shows_a_python_type_where_it_says_what_to_give(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """``state --at <str>``, ``--url <str>``, ``--provider <str>``, ``--nodes <int range>``, and every
+    argument ``uuid <str>``: Python's types, where the other options say what to give (``--db
+    <file>``, ``tail --after <position>``)."""
+    monkeypatch.setenv("COLUMNS", "150")
+    done = _in_process(capsys, command, "--help")
+    assert done.returncode == 0, done
+    for leftover in ("<str>", "<int", "<float", "range>", "<bool>", "<text>"):
+        assert leftover not in done.stdout, (command, done.stdout)
+    if command != "demo":
+        assert "--url <url>" in done.stdout
+
+
+def test_the_metavars_say_what_to_give(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "150")
+    said = {
+        "state": ["--at <position|time>", "--provider <uuid>", "--consumer <uuid>"],
+        "demo": ["--seed <seed>", "--nodes <count>", "--instances <count>", "--url <url>"],
+        "tail": ["--after <position>", "--limit <count>"],
+        "rebuild": ["--batch-size <events>"],
+        "snapshot": ["--every <events>"],
+        "history": ["evstore history [OPTIONS] {UUID}", "\n  UUID  Consumer or provider uuid."],
+        "diff": ["evstore diff [OPTIONS] {A} {B}", "\n  A  From: position", "\n  B  To: position"],
+        "release": ["{CONSUMER}", "\n  CONSUMER  Consumer uuid."],
+        "confirm-migration": ["{MIGRATION}", "\n  MIGRATION  Migration consumer uuid."],
+        "import": ["{FILE}", "\n  FILE  An export (JSON lines)"],
+    }
+    for command, texts in said.items():
+        done = _in_process(capsys, command, "--help")
+        for text in texts:
+            assert text in done.stdout, (command, text, done.stdout)
+    # (a missing argument is named as the help names it, and as README writes it: `diff A B`)
+    done = _in_process(capsys, "diff", "1", "--db", "x.db")
+    assert (done.returncode, done.stderr) == (2, "error: evstore.usage: Missing argument 'B'.\n"), done
+
