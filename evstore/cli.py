@@ -3027,6 +3027,7 @@ def export(
         refuse_closed_stdout("export", "the log", " (give --output FILE, or redirect it)")
     else:
         _refuse_a_closed_stream(output)
+        _refuse_a_descriptor_not_open(output)
 
     async def work() -> int:
 
@@ -3479,6 +3480,25 @@ def _refuse_a_closed_stream(output: Path) -> None:
                 f"standard {name} is closed: export has nowhere to write the log "
                 "(give --output FILE, or redirect it)",
             )
+
+
+def _refuse_a_descriptor_not_open(output: Path) -> None:
+    """``export -o /dev/fd/N`` (``/proc/self/fd/N``, a link to one) when N is no descriptor the
+    command was started with: once the store was open, N was one of its own - the database (refused
+    as "the database being exported"), its event loop's socket ("No such device or address"), a
+    /dev/null the export then "succeeded" into - or nothing ("No such file or directory"). Refused
+    before the store is opened, saying the descriptor is not open and how a shell opens one."""
+    descriptor = _descriptor_named(output)
+    if descriptor is None:
+        return
+    try:
+        os.fstat(descriptor)
+    except (OSError, OverflowError, ValueError):
+        fail(
+            "evstore.io",
+            f"cannot write the export to {output}: descriptor {descriptor} is not open (a shell opens "
+            f"it for the command: evstore export ... -o {output} {descriptor}> FILE; or give -o FILE)",
+        )
 
 
 def _descriptor_named(path: Path) -> int | None:

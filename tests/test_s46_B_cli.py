@@ -18,7 +18,7 @@ import pytest
 import structlog
 
 from evstore import cli
-from tests.test_cli_support import REPO
+from tests.test_cli_support import REPO, evstore
 from tests.test_s44_C_cli import _in_process, _small_store
 
 # (cli.main, run in this process, configures logging to this test's captured streams, closed after it)
@@ -313,3 +313,44 @@ def test_the_metavars_say_what_to_give(
     done = _in_process(capsys, "diff", "1", "--db", "x.db")
     assert (done.returncode, done.stderr) == (2, "error: evstore.usage: Missing argument 'B'.\n"), done
 
+
+# --- 5. export -o /dev/fd/N, N not open -----------------------------------------------------------
+
+
+def test_export_to_a_descriptor_the_command_was_not_given_is_refused_as_not_open(tmp_path: Path) -> None:
+    """``-o /dev/fd/N`` with N no descriptor the command was started with: once the store was open,
+    N was the store's own - "is the database being exported" (its file), "No such device or
+    address" (its event loop's socket), a /dev/null the export "succeeded" into - or nothing. It is
+    refused before the store is opened, evstore.io, naming the path and saying N is not open."""
+    db = tmp_path / "s.db"
+    _small_store(db)
+    for path, n in [("/dev/fd/3", 3), ("/dev/fd/6", 6), ("/dev/fd/9", 9), ("/proc/self/fd/7", 7)]:
+        done = evstore("export", "--db", str(db), "-o", path)
+        assert (done.returncode, done.stdout) == (1, ""), (path, done)
+        assert done.stderr == (
+            f"error: evstore.io: cannot write the export to {path}: descriptor {n} is not open (a shell "
+            f"opens it for the command: evstore export ... -o {path} {n}> FILE; or give -o FILE)\n"
+        ), done.stderr
+    link = tmp_path / "out"
+    link.symlink_to("/dev/fd/8")
+    done = evstore("export", "--db", str(db), "-o", str(link))
+    assert done.returncode == 1 and "descriptor 8 is not open" in done.stderr, done
+
+
+def test_export_to_a_descriptor_the_command_was_given_writes_there(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    _small_store(db)
+    target = tmp_path / "e.jsonl"
+    with target.open("w") as sink:
+        fd = sink.fileno()
+        done = subprocess.run(
+            [sys.executable, "-m", "evstore.cli", "export", "--db", str(db), "-o", f"/dev/fd/{fd}"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            pass_fds=(fd,),
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "EVSTORE_URL"},
+        )
+    assert done.returncode == 0, done
+    assert len(target.read_text().splitlines()) == 4  # (the header and 3 events)
