@@ -437,6 +437,8 @@ def given_path(value: str, option: str, *, must_exist: bool, what: str = "file",
         raise err.InvalidInput(f"{value} is a directory, not a {what}")
     if must_exist and not path.exists():
         hint = " (check the path, or create one with `evstore demo`)" if option == "--db" else ""
+        if value != value.strip():  # ("no database file at demo.db " hid the space it looked for)
+            raise err.NotFound(f"no {what} at {value!r}: its name has white space around it{hint}")
         raise err.NotFound(f"no {what} at {value}{hint}")
     if not must_exist and (blocked := _file_in_the_way(path)) is not None:
         # (SQLite's open said "directory notdb.txt does not exist" of a regular file)
@@ -490,6 +492,13 @@ def resolve_url(db: str | None, url: str | None, *, must_exist: bool = True) -> 
             _STORE_FROM_ENVIRONMENT.extend(_names_of(chosen))
     if not chosen:
         fail("evstore.usage", "no store given: use --db PATH, --url URL or set EVSTORE_URL", EXIT_USAGE)
+    if re.match(r"\s+[A-Za-z][A-Za-z0-9+.-]*://", chosen):
+        # (`--url " sqlite:///x.db"`, pasted: it was "a path, not a URL; use --db ' sqlite:///x.db'")
+        where = " (from EVSTORE_URL)" if url is None else ""
+        raise err.InvalidInput(
+            f"Unsupported store URL {shown(chosen.lstrip())!r}{where}: "
+            "it has white space before it; remove it"
+        )
     first = None if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", chosen) else _LIBPQ_FIRST_KEYWORD.match(chosen)
     if first and first.group(1) in LIBPQ_KEYWORDS:  # (`--url "host=db dbname=x"`, as psql takes it)
         raise err.InvalidInput(_not_a_url(chosen, from_environment=url is None))

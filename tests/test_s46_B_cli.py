@@ -354,3 +354,44 @@ def test_export_to_a_descriptor_the_command_was_given_writes_there(tmp_path: Pat
         )
     assert done.returncode == 0, done
     assert len(target.read_text().splitlines()) == 4  # (the header and 3 events)
+
+
+# --- 6. what probing found ------------------------------------------------------------------------
+
+
+def test_white_space_around_a_store_url_or_file_name_is_said(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A URL pasted with a space before it was "a path, not a URL; use --db ' sqlite:///x.db' or
+    sqlite:/// sqlite:///x.db" (and a PostgreSQL one had "//user" hidden as a password:
+    "postgresql:***@host"); a file name with a space after it, "no database file at x.db " - the
+    space it looked for invisible."""
+    monkeypatch.delenv("EVSTORE_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    _small_store(tmp_path / "s.db")
+    for url in (" sqlite:///s.db", "\tsqlite:///s.db"):
+        done = _in_process(capsys, "audit", "--url", url)
+        assert (done.returncode, done.stderr) == (
+            1,
+            "error: evstore.invalid_input: Unsupported store URL 'sqlite:///s.db': it has white space "
+            "before it; remove it\n",
+        ), done
+    done = _in_process(capsys, "stats", "--url", " postgresql://evstore:sekrit@db.invalid:5432/x")
+    assert done.stderr == (
+        "error: evstore.invalid_input: Unsupported store URL 'postgresql://evstore:***@db.invalid:5432/x': "
+        "it has white space before it; remove it\n"
+    ), done
+    monkeypatch.setenv("EVSTORE_URL", " sqlite:///s.db")
+    done = _in_process(capsys, "audit")
+    assert done.stderr == (
+        "error: evstore.invalid_input: Unsupported store URL 'sqlite:///s.db' (from EVSTORE_URL): it has "
+        "white space before it; remove it\n"
+    ), done
+    monkeypatch.delenv("EVSTORE_URL")
+    for args in (["--url", "sqlite:///s.db "], ["--db", "s.db "]):
+        done = _in_process(capsys, "audit", *args)
+        assert (done.returncode, done.stderr) == (
+            1,
+            "error: evstore.not_found: no database file at 's.db ': its name has white space around it "
+            "(check the path, or create one with `evstore demo`)\n",
+        ), done
