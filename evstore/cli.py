@@ -1527,6 +1527,19 @@ def parse_point(text: str, what: str = "--at") -> int | datetime:
     return moment
 
 
+def _say_if_future(point: int | datetime, what: str, position: int) -> None:
+    """A note on stderr when ``point`` is a time still to come: the state shown for it is the
+    head's now (its title, "position N of N", said only that), and what is appended before that
+    time will change it."""
+    from datetime import UTC
+
+    if isinstance(point, datetime) and point > datetime.now(UTC):
+        note(
+            f"note: {what} {point.isoformat()} is in the future: shown as of position {position}, the head "
+            "now; events appended before that time will change what it shows"
+        )
+
+
 def parse_position(text: str, option: str) -> int:
     """A position given to ``option`` (``tail --after``), read as :func:`parse_point` reads one:
     ASCII digits, a sign and spaces around them allowed (``+5``, `` 5``); empty, malformed or out
@@ -2088,6 +2101,7 @@ def state(
                 position = await store.position_of(point)
                 if position > head:
                     raise err.InvalidInput(f"position {position} is beyond the head of the log ({head})")
+                _say_if_future(point, "--at", position)
                 if provider is not None:
                     # only the provider's slice (its snapshots and history): milliseconds on a
                     # long log, where the whole state is a fold from the nearest snapshot
@@ -2371,6 +2385,8 @@ def diff(
                 if start > end:
                     backwards(a, b)
             result = await store.diff(start, end)
+            _say_if_future(parse_point(a, "A"), "A", result.from_position)
+            _say_if_future(parse_point(b, "B"), "B", result.to_position)
             # (names as the usage deltas give them, at b or else at a; today's only for a
             # provider neither end holds: allocations an imported log left on an absent one)
             names = {**await provider_names(store), **result.provider_names}

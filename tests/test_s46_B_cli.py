@@ -395,3 +395,27 @@ def test_white_space_around_a_store_url_or_file_name_is_said(
             "error: evstore.not_found: no database file at 's.db ': its name has white space around it "
             "(check the path, or create one with `evstore demo`)\n",
         ), done
+
+
+def test_a_time_still_to_come_is_said_to_be_shown_as_of_the_head(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``state --at 2999-...`` showed "State at position 3 of 3" and exit 0, as if that time's
+    state were known: what is appended before it will change it. A note on stderr says so (the
+    JSON on stdout is as it was); a time past says nothing."""
+    import json
+
+    db = tmp_path / "s.db"
+    _small_store(db)
+    future = "2999-01-01T00:00:00Z"
+    done = _in_process(capsys, "state", "--at", future, "--db", str(db), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["position"] == 3, done
+    assert done.stderr == (
+        "note: --at 2999-01-01T00:00:00+00:00 is in the future: shown as of position 3, the head now; "
+        "events appended before that time will change what it shows\n"
+    ), done.stderr
+    done = _in_process(capsys, "diff", "1", future, "--db", str(db))
+    assert done.returncode == 0 and "note: B 2999-01-01T00:00:00+00:00 is in the future" in done.stderr, done
+    for args in (["state", "--at", "2001-01-01T00:00:00Z"], ["diff", "2001-01-01T00:00:00Z", "2"]):
+        done = _in_process(capsys, *args, "--db", str(db))
+        assert done.returncode == 0 and done.stderr == "", done
