@@ -402,8 +402,23 @@ async def opened(target: str, **options: Unpack[StoreOptions]) -> AsyncIterator[
             yield store
     except err.EvstoreError as exc:
         if not entered:
+            if isinstance(exc, err.NotFound) and "create" not in options and _create_false(target):
+                # (demo, import: "create a store, e.g. with `evstore demo`", said to `evstore demo`)
+                exc.message = (
+                    f"{exc.message}; this command makes one, but the URL sets create=false, which "
+                    "forbids that: remove it"
+                )
+                exc.args = (exc.message,)
             _from_the_environment(exc)
         raise
+
+
+def _create_false(url: str) -> bool:
+    """Whether the store URL ``url`` sets ``?create=false`` (or 0)."""
+    from urllib.parse import parse_qsl
+
+    query = url.split("?", 1)[1] if "?" in url else ""
+    return any(k == "create" and v.lower() in ("false", "0") for k, v in parse_qsl(query))
 
 
 def fail(code: str, message: str, exit_code: int = EXIT_ERROR) -> NoReturn:

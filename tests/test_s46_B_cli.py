@@ -419,3 +419,30 @@ def test_a_time_still_to_come_is_said_to_be_shown_as_of_the_head(
     for args in (["state", "--at", "2001-01-01T00:00:00Z"], ["diff", "2001-01-01T00:00:00Z", "2"]):
         done = _in_process(capsys, *args, "--db", str(db))
         assert done.returncode == 0 and done.stderr == "", done
+
+
+@pytest.mark.parametrize("command", [["demo", "--instances", "2"], ["import", "EXPORT"]])
+def test_a_url_forbidding_creation_given_to_a_command_that_creates_says_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: list[str]
+) -> None:
+    """``evstore demo --url 'sqlite:///new.db?create=false'`` answered "No evstore store in new.db ...
+    create a store, e.g. with `evstore demo --db ...`" - to evstore demo: the URL's create=false is
+    what refused, and the message says so."""
+    monkeypatch.delenv("EVSTORE_URL", raising=False)
+    db = tmp_path / "s.db"
+    _small_store(db)
+    export = tmp_path / "e.jsonl"
+    assert _in_process(capsys, "export", "--db", str(db), "-o", str(export)).returncode == 0
+    args = [str(export) if arg == "EXPORT" else arg for arg in command]
+    new = tmp_path / "new.db"
+    done = _in_process(capsys, *args, "--url", f"sqlite:///{new}?create=false")
+    assert done.returncode == 1 and done.stderr.startswith(
+        "error: evstore.not_found: No evstore store in "
+    ), done
+    assert done.stderr.endswith(
+        "; this command makes one, but the URL sets create=false, which forbids that: remove it\n"
+    ), done.stderr
+    assert not new.exists()
+    # (a command that only reads says what it said)
+    done = _in_process(capsys, "audit", "--url", f"sqlite:///{new}?create=false")
+    assert "create=false" not in done.stderr and done.returncode == 1, done
