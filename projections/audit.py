@@ -2,7 +2,9 @@
 
 Findings, each naming the positions of the events that produced it:
 - ``integrity``: undecodable rows, unknown types or schema versions, position gaps or disorder,
-  a broken hash chain (the first broken position), a log that lost its last events;
+  a broken hash chain (the first broken position), a log that lost its last events; what only
+  a damaged or imported log holds: values or events no command writes, allocations held on a
+  provider absent there (deleted while they were held, or never created) or not counted by it;
 - ``drift``: every difference between the persisted projection and a replay of the log;
 - ``leak``: allocations held by a tombstoned consumer, or by a migration for a tombstoned instance;
 - ``over_capacity``: usage above capacity (possible after an inventory shrink), since which event.
@@ -170,6 +172,20 @@ class _Replay:
     #: the last recorded_at text found readable and aware: a transaction's events share one
     #: (a few thousand distinct in 300,000 events), so most rows need no parse of it
     aware_time: str | None = None
+    #: each provider deleted so far, and the position of its last deletion
+    gone: dict[str, int] = field(default_factory=dict)
+    #: the providers deleted that consumers may still hold allocations on: while there are any
+    #: (or the fold met an allocation on a provider absent there, and stopped deferring usage),
+    #: the events that take allocations away are looked at (see :data:`_HOLDING_CHECKS`);
+    #: commands delete only providers nothing is held on, which :meth:`_clear_suspects` drops
+    suspects: set[str] = field(default_factory=set)
+    #: the number of events checked at which ``suspects`` is next looked over
+    next_scan: int = 0
+    #: each event that took away allocations held on a provider absent there (see
+    #: :data:`_HOLDING_CHECKS`): ``(position, provider, consumer, allocated at, deleted at)``, the
+    #: last the position of the provider's deletion while they were held (``None``: it was absent
+    #: where they were written)
+    absent_taken: list[tuple[int, str, str, int, int | None]] = field(default_factory=list)
 
     async def run(
         self,
@@ -194,6 +210,8 @@ class _Replay:
                     self.check(row)
                     if turns.due():
                         await turns.take()  # (other tasks run between slices of the batch)
+                if self.suspects and self.report.events_checked >= self.next_scan:
+                    self._clear_suspects()
                 if progress is not None:
                     progress(self.report.events_checked)
                 if until is not None and self.last_seen >= until:
@@ -285,9 +303,34 @@ class _Replay:
                     {"reason": "unknown_provider", "provider": payload.provider},
                 )
             )
+        if self.checked:
+            # (a log holds allocations on a provider absent there only after a provider's
+            # deletion, or an allocation on one absent, which makes the fold stop deferring usage)
+            if row.type == "ProviderDeleted":
+                self.gone[payload.provider] = row.position
+                self.suspects.add(payload.provider)
+            elif (self.suspects or not self.state.usages_deferred) and (
+                holding := _HOLDING_CHECKS.get(row.type)
+            ) is not None:
+                holding(self, payload, row.position)
         FOLDS[row.type](self.state, payload, row.position)
         if self.over is not None:
             self.over.update(self.state, row.type, payload_dict(payload), row.position)
+
+    def _clear_suspects(self) -> None:
+        """Drop the deleted providers no consumer holds anything on (or created again: what is
+        held there is the usage's, ``usage_not_held``), so that a log whose providers were deleted
+        as commands delete them - nothing held on them - is not looked at event by event for the
+        rest of it. One look over the consumers, at most once per as many events as there are
+        consumers (a few nanoseconds an event)."""
+        suspects, providers = self.suspects, self.state.providers
+        held: set[str] = set()
+        for c in self.state.consumers.values():
+            allocations = c.allocations
+            if allocations and not suspects.isdisjoint(allocations):
+                held.update(p for p in allocations if p in suspects)
+        self.suspects = {p for p in held if p not in providers}
+        self.next_scan = self.report.events_checked + len(self.state.consumers)
 
     def _check_envelope(self, row: Any) -> None:
         """Position, hash chain, metadata and time of one row."""
@@ -377,6 +420,65 @@ _ROW_TYPES = (
 
 #: event types whose fold needs the provider they name to exist
 _NAMES_A_PROVIDER = frozenset({"InventoriesReplaced", "ProviderUpdated"})
+
+
+def _taken(replay: _Replay, consumer: str, kept: Mapping[str, Any] | tuple[()], position: int) -> None:
+    """Note the allocations ``consumer`` held, before the event at ``position``, on a provider
+    absent there and that the event takes away (it keeps those on the providers in ``kept``).
+    Commands write none: they refuse to delete a provider in use, and an allocation on a provider
+    that does not exist. Held until the end, the state shows them (``held_on_unknown_providers``);
+    taken away, only this event can."""
+    state = replay.state
+    c = state.consumers.get(consumer)
+    if c is None or not c.allocations or c.allocations.keys() <= state.providers.keys():
+        return
+    for provider in c.allocations:
+        if provider not in state.providers and provider not in kept:
+            at = c.allocated_at or 0
+            deleted = replay.gone.get(provider)
+            replay.absent_taken.append(
+                (position, provider, consumer, at, deleted if deleted is not None and deleted > at else None)
+            )
+
+
+def _took_replaced(replay: _Replay, e: Any, position: int) -> None:
+    _taken(replay, e.consumer, e.allocations, position)
+
+
+def _took_released(replay: _Replay, e: Any, position: int) -> None:
+    _taken(replay, e.consumer, (), position)
+
+
+def _took_moved(replay: _Replay, e: Any, position: int) -> None:
+    # (a migration's start or revert moves allocations between its two consumers: what the one
+    # they go to holds is not taken away, and is noted where that one lets go of it)
+    _taken(replay, e.instance, e.allocations, position)
+    _taken(replay, e.migration, e.allocations, position)
+
+
+def _took_confirmed(replay: _Replay, e: Any, position: int) -> None:
+    _taken(replay, e.migration, (), position)
+
+
+def _took_deleted(replay: _Replay, e: Any, position: int) -> None:
+    _taken(replay, e.consumer, (), position)
+    for migration in e.migrations_released:
+        _taken(replay, migration, (), position)
+
+
+#: what the checked pass looks at, before its fold, in each event that takes allocations away
+#: from consumers (as the fold of its type does): the allocations held on a provider absent
+#: there that it takes away (see :func:`absent_holdings`). Only while some may be held (see
+#: ``_Replay.absent_possible``): a log with neither a provider's deletion nor an allocation on
+#: a provider absent there holds none, and its events need no look.
+_HOLDING_CHECKS: dict[str, Callable[[_Replay, Any, int], None]] = {
+    "AllocationsReplaced": _took_replaced,
+    "AllocationsReleased": _took_released,
+    "MigrationStarted": _took_moved,
+    "MigrationReverted": _took_moved,
+    "MigrationConfirmed": _took_confirmed,
+    "ConsumerDeleted": _took_deleted,
+}
 
 
 def _why(exc: Exception) -> str:
@@ -644,23 +746,92 @@ def consumer_id_findings(state: State, values: ValueCheck) -> list[Finding]:
     return out
 
 
-def held_on_unknown_providers(state: State) -> list[Finding]:
+def held_on_unknown_providers(state: State, gone: Mapping[str, int] | None = None) -> list[Finding]:
     """Consumers holding allocations on providers that do not exist (only a damaged or imported
-    log gets there: the fold keeps them held but counts them nowhere)."""
+    log gets there: the fold keeps them held but counts them nowhere). ``gone``: the position of
+    each provider's last deletion (the checked pass's); one deleted while the consumer held what
+    it holds there is named with it - commands refuse to delete a provider in use."""
     out = []
     providers = state.providers
+    gone = gone or {}
     for uuid, c in state.consumers.items():
         missing = [p for p in c.allocations if p not in providers]
-        if missing:
-            out.append(
-                Finding(
-                    "integrity",
-                    f"Consumer {uuid} holds allocations on {', '.join(repr(p) for p in missing)[:200]}, "
-                    "which no provider of the log is (a damaged or imported log)",
-                    (c.allocated_at,) if c.allocated_at else (),
-                    {"reason": "unknown_provider", "consumer": uuid, "providers": missing},
-                )
+        if not missing:
+            continue
+        at = c.allocated_at or 0
+        deleted = {p: d for p in missing if (d := gone.get(p)) is not None and d > at}
+        never = [p for p in missing if p not in deleted]
+        said = []
+        if deleted:
+            said.append(
+                ", ".join(f"{p!r}, deleted at position {d}" for p, d in deleted.items())[:300]
+                + " while it held them (a command refuses to delete a provider in use)"
             )
+        if never:
+            said.append(f"{', '.join(repr(p) for p in never)[:200]}, which no provider of the log is")
+        out.append(
+            Finding(
+                "integrity",
+                f"Consumer {uuid} holds allocations on {'; and on '.join(said)} (a damaged or imported log): "
+                "counted by no provider",
+                tuple(sorted({*((at,) if at else ()), *deleted.values()})),
+                {
+                    "reason": "unknown_provider",
+                    "consumer": uuid,
+                    "providers": missing,
+                    **({"deleted_at": deleted} if deleted else {}),
+                },
+            )
+        )
+    return out
+
+
+def absent_holdings(taken: list[tuple[int, str, str, int, int | None]]) -> list[Finding]:
+    """The allocations events took away from providers absent there (the checked pass's
+    ``absent_taken``): one finding for each provider deleted while consumers held allocations on it,
+    naming them, where they were allocated, the deletion and where they were taken away; one for
+    each provider that was absent where consumers' allocations on it were written (never created,
+    not yet, or deleted before), the same way. Commands write neither (they refuse to delete a
+    provider in use, and to allocate on one that does not exist): only a damaged or imported log
+    holds them, and no provider counted those allocations while they were held. Once taken away,
+    nothing in the state shows them (held at the end: ``held_on_unknown_providers``)."""
+    groups: dict[tuple[str, int | None], list[tuple[int, str, int]]] = {}
+    for position, provider, consumer, allocated, deleted in taken:
+        groups.setdefault((provider, deleted), []).append((position, consumer, allocated))
+    out = []
+    for (provider, deleted), episodes in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] or 0)):
+        consumers = sorted({c for _, c, _ in episodes})
+        named = ", ".join(f"{c} (allocated at {a}, taken away at {r})" for r, c, a in episodes[:10])
+        named += f" and {len(episodes) - 10} more" if len(episodes) > 10 else ""
+        who = f"consumer{'s' if len(consumers) > 1 else ''} {named}"
+        if deleted is not None:
+            message = (
+                f"Provider {provider} was deleted at position {deleted} while {who} held allocations on it "
+                "(a command refuses to delete a provider in use: a damaged or imported log); no provider "
+                "counted them from its deletion until they were taken away"
+            )
+            positions = {deleted, *(r for r, _, _ in episodes)}
+        else:
+            message = (
+                f"Provider {provider} did not exist where {who} held allocations on it (allocated on a "
+                "provider never created, not yet created or deleted before: a damaged or imported log); "
+                "no provider counted them until they were taken away"
+            )
+            positions = {p for r, _, a in episodes for p in (a, r)}
+        out.append(
+            Finding(
+                "integrity",
+                message,
+                tuple(sorted(p for p in positions if p)),
+                {
+                    "reason": "unknown_provider",
+                    "provider": provider,
+                    "deleted_at": deleted,
+                    "consumers": consumers,
+                    "held": [{"consumer": c, "allocated_at": a, "released_at": r} for r, c, a in episodes],
+                },
+            )
+        )
     return out
 
 
@@ -824,10 +995,11 @@ async def audit(
             report.findings.append(truncation_finding(lost))
         report.findings.extend(drift)
     leaks, held, uncounted, ids, over_capacity = await asyncio.to_thread(
-        _state_findings, replayed, replay.values
+        _state_findings, replayed, replay.values, replay.gone
     )
     report.findings.extend(await cite_requests(leaks, read))
     report.findings.extend(held)
+    report.findings.extend(absent_holdings(replay.absent_taken))
     if uncounted and last_positions is not None:  # (one nobody holds anything on: its last event)
         uncounted = await _cite_last_events(uncounted, last_positions, report.head)
     report.findings.extend(uncounted)
@@ -845,13 +1017,13 @@ async def audit(
 
 
 def _state_findings(
-    replayed: State, values: ValueCheck
+    replayed: State, values: ValueCheck, gone: Mapping[str, int]
 ) -> tuple[list[Finding], list[Finding], list[Finding], list[Finding], set[str]]:
     """The audit's passes over the whole replayed state (run on a thread: each is proportional to
     the live state, hundreds of milliseconds on a large store, which the event loop would wait)."""
     return (
         leak_findings(replayed),
-        held_on_unknown_providers(replayed),
+        held_on_unknown_providers(replayed, gone),
         usage_not_held(replayed),
         consumer_id_findings(replayed, values),
         providers_over_capacity(replayed),
