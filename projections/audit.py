@@ -786,6 +786,42 @@ def held_on_unknown_providers(state: State, gone: Mapping[str, int] | None = Non
     return out
 
 
+def dangling_parents(state: State, gone: Mapping[str, int] | None = None) -> list[Finding]:
+    """Providers whose parent or root is no provider (only a damaged or imported log: a command
+    refuses to delete a provider that has children, and to create one under a parent that does
+    not exist), citing the deletion of the missing one where the log has it (``gone``)."""
+    out = []
+    providers = state.providers
+    gone = gone or {}
+    for uuid, prov in sorted(providers.items()):
+        missing = {
+            what: other
+            for what, other in (("parent", prov.parent), ("root", prov.root))
+            if other is not None and other not in providers
+        }
+        if not missing:
+            continue
+        said = ", ".join(
+            f"its {what} {other}" + (f", deleted at position {gone[other]}" if other in gone else "")
+            for what, other in missing.items()
+        )
+        out.append(
+            Finding(
+                "integrity",
+                f"Provider {uuid} has {said}, which is no provider (a command refuses to delete a provider "
+                "that has children: a damaged or imported log); its tree is broken",
+                tuple(sorted({gone[other] for other in missing.values() if other in gone})),
+                {
+                    "reason": "unknown_parent",
+                    "provider": uuid,
+                    **missing,
+                    "deleted_at": {other: gone[other] for other in missing.values() if other in gone},
+                },
+            )
+        )
+    return out
+
+
 def absent_holdings(taken: list[tuple[int, str, str, int, int | None]]) -> list[Finding]:
     """The allocations events took away from providers absent there (the checked pass's
     ``absent_taken``): one finding for each provider deleted while consumers held allocations on it,
@@ -1000,6 +1036,7 @@ async def audit(
     report.findings.extend(await cite_requests(leaks, read))
     report.findings.extend(held)
     report.findings.extend(absent_holdings(replay.absent_taken))
+    report.findings.extend(await asyncio.to_thread(dangling_parents, replayed, replay.gone))
     if uncounted and last_positions is not None:  # (one nobody holds anything on: its last event)
         uncounted = await _cite_last_events(uncounted, last_positions, report.head)
     report.findings.extend(uncounted)

@@ -227,3 +227,43 @@ async def test_what_the_checked_pass_notes_does_not_depend_on_its_batches(tmp_pa
         await store.delete_provider(other)
         watched = await _checked_pass(store, 1)
         assert watched.suspects == set() and watched.gone[other] == await store.head()
+
+
+async def test_a_provider_deleted_under_its_children_is_an_integrity_finding(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Regression: a log deleting a provider that has a child (every command refuses that) was
+    imported and audited clean, the child's parent and root naming no provider."""
+
+    def tail(ids: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+        rp, child = ids["rp"], ids["ghost"]
+        return [
+            ("child", "ProviderCreated", {"provider": child, "name": "child", "parent": rp, "root": rp}),
+            *_deleted_then_released(ids)[1:],
+            ("delete", "ProviderDeleted", {"provider": rp}),
+        ]
+
+    lines, ids = await _log(tmp_path, tail)
+    async with open_store(store_url) as store:
+        await store.import_events(lambda: iter(lines))
+        report = await store.audit()
+        [found] = report.findings
+        assert found.kind == "integrity" and found.positions == (ids["delete"],)
+        assert found.details == {
+            "reason": "unknown_parent",
+            "provider": ids["ghost"],
+            "parent": ids["rp"],
+            "root": ids["rp"],
+            "deleted_at": {ids["rp"]: ids["delete"]},
+        }
+        assert f"deleted at position {ids['delete']}" in found.message
+
+
+async def test_a_tree_deleted_leaves_first_is_clean(store_url: str) -> None:
+    async with open_store(store_url) as store:
+        root = await make_provider(store, "root")
+        child = await make_provider(store, "child", parent=root)
+        await make_provider(store, "kept")
+        await store.delete_provider(child)
+        await store.delete_provider(root)
+        assert (await store.audit()).clean
