@@ -3289,7 +3289,7 @@ def import_(
                 try:
                     count = await store.import_events(lines, progress=on_progress)
                 except err.InvalidInput as exc:
-                    if exc.message.startswith("import needs an empty store"):
+                    if exc.details.get("reason") == "not_empty":
                         raise _not_empty(target, await store.head()) from None
                     raise
             imported.append(count)
@@ -3351,7 +3351,9 @@ def _not_empty(target: str, head: int) -> err.InvalidInput:
         else "import into another schema (?search_path=SCHEMA, an empty one)"
     )
     return err.InvalidInput(
-        f"import needs an empty store: {shown(target)} already has events (head {head}); {where}"
+        f"import needs an empty store: {shown(target)} already has events (head {head}); {where}",
+        reason="not_empty",
+        head=head,
     )
 
 

@@ -2510,7 +2510,9 @@ class AllocationStore:
         if not callable(getattr(importer, "import_all", None)):
             raise err.InvalidInput("this backend cannot import a log")
         if await self.head() != 0:
-            raise err.InvalidInput("import needs an empty store: this one already has events")
+            raise err.InvalidInput(
+                "import needs an empty store: this one already has events", reason="not_empty"
+            )
 
         answered: list[object] = []  # (what open_lines answered: closed when the import ends)
 

@@ -3743,7 +3743,9 @@ class PostgresBackend:
                 async with conn.transaction():
                     await self._fenced(conn)  # no writer, no sequencer meanwhile
                     if await conn.fetchval("SELECT 1 FROM events LIMIT 1") is not None:
-                        raise err.InvalidInput("import needs an empty store: this one already has events")
+                        raise err.InvalidInput(
+                            "import needs an empty store: this one already has events", reason="not_empty"
+                        )
                     state = State(usages_deferred=True)
                     expected = 1
                     while batch := await asyncio.to_thread(take):

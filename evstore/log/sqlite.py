@@ -3533,7 +3533,9 @@ def _import_all(
     conn.execute("BEGIN IMMEDIATE")  # (the only statement here that can be busy, and retried)
     try:
         if conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None:
-            raise err.InvalidInput("import needs an empty store: this one already has events")
+            raise err.InvalidInput(
+                "import needs an empty store: this one already has events", reason="not_empty"
+            )
         # (a log whose events were deleted by hand may have left their history rows: none is
         # the imported events', and INSERT OR IGNORE would keep them under the same positions)
         conn.execute("DELETE FROM event_entities")
