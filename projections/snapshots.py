@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -654,7 +655,7 @@ async def fold_to(
                     except EvstoreError as exc:
                         if must_save:
                             raise
-                        log.warning("snapshot.not_saved", position=stop, error=str(exc)[:200])
+                        _not_saved(backend, stop, exc)
                         save = False
             if to >= position:
                 return state
@@ -662,6 +663,21 @@ async def fold_to(
                 again.pop(0)
             if stop == at:
                 at += every
+
+
+#: per backend, the reasons (``details["reason"]``, else the error's code) a save on the way to an
+#: answer was refused for and warned about: the next refusal for the same reason is logged at debug
+_WARNED: weakref.WeakKeyDictionary[object, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _not_saved(backend: object, position: int, exc: EvstoreError) -> None:
+    """``snapshot.not_saved``: a warning the first time per backend and reason, then at debug (a
+    reader that may not write warned at every question)."""
+    why = str(exc.details.get("reason") or exc.code)
+    seen = _WARNED.setdefault(backend, set())
+    emit = log.debug if why in seen else log.warning
+    seen.add(why)
+    emit("snapshot.not_saved", position=position, reason=why, error=str(exc)[:200])
 
 
 async def _save(
