@@ -4,7 +4,8 @@ Findings, each naming the positions of the events that produced it:
 - ``integrity``: undecodable rows, unknown types or schema versions, position gaps or disorder,
   a broken hash chain (the first broken position), a log that lost its last events; what only
   a damaged or imported log holds: values or events no command writes, allocations held on a
-  provider absent there (deleted while they were held, or never created) or not counted by it;
+  provider absent there (deleted while they were held, or never created) or not counted by it,
+  a name two live providers hold, a revert of a migration holding nothing;
 - ``drift``: every difference between the persisted projection and a replay of the log;
 - ``leak``: allocations held by a tombstoned consumer, or by a migration for a tombstoned instance;
 - ``over_capacity``: usage above capacity (possible after an inventory shrink), since which event.
@@ -186,6 +187,11 @@ class _Replay:
     #: last the position of the provider's deletion while they were held (``None``: it was absent
     #: where they were written)
     absent_taken: list[tuple[int, str, str, int, int | None]] = field(default_factory=list)
+    #: each name a live provider holds: a provider holding it, and the position it was named at
+    #: (see :func:`_name`); ``shared``: the others holding it too, by name (only a damaged or
+    #: imported log has any: commands refuse a name another live provider holds)
+    names: dict[str, tuple[str, int]] = field(default_factory=dict)
+    shared: dict[str, dict[str, int]] = field(default_factory=dict)
 
     async def run(
         self,
@@ -305,10 +311,10 @@ class _Replay:
             )
         if self.checked:
             # (a log holds allocations on a provider absent there only after a provider's
-            # deletion, or an allocation on one absent, which makes the fold stop deferring usage)
-            if row.type == "ProviderDeleted":
-                self.gone[payload.provider] = row.position
-                self.suspects.add(payload.provider)
+            # deletion, or an allocation on one absent, which makes the fold stop deferring usage;
+            # a provider's naming, deletion and a revert are noted whatever: see _NOTED)
+            if (noted := _NOTED.get(row.type)) is not None:
+                noted(self, payload, row.position)
             elif (self.suspects or not self.state.usages_deferred) and (
                 holding := _HOLDING_CHECKS.get(row.type)
             ) is not None:
@@ -469,8 +475,9 @@ def _took_deleted(replay: _Replay, e: Any, position: int) -> None:
 #: what the checked pass looks at, before its fold, in each event that takes allocations away
 #: from consumers (as the fold of its type does): the allocations held on a provider absent
 #: there that it takes away (see :func:`absent_holdings`). Only while some may be held (see
-#: ``_Replay.absent_possible``): a log with neither a provider's deletion nor an allocation on
-#: a provider absent there holds none, and its events need no look.
+#: ``_Replay.suspects``): a log with neither a provider's deletion nor an allocation on
+#: a provider absent there holds none, and its events need no look. (A revert is looked at
+#: through :data:`_NOTED`, which calls its entry here under the same condition.)
 _HOLDING_CHECKS: dict[str, Callable[[_Replay, Any, int], None]] = {
     "AllocationsReplaced": _took_replaced,
     "AllocationsReleased": _took_released,
@@ -478,6 +485,120 @@ _HOLDING_CHECKS: dict[str, Callable[[_Replay, Any, int], None]] = {
     "MigrationReverted": _took_moved,
     "MigrationConfirmed": _took_confirmed,
     "ConsumerDeleted": _took_deleted,
+}
+
+
+def _unname(replay: _Replay, provider: str) -> None:
+    """``provider`` (live) is about to lose its name (deleted, renamed or created again): the name
+    index forgets it; a name another provider holds too passes to that one."""
+    prov = replay.state.providers.get(provider)
+    if prov is None:
+        return
+    name, names = prov.name, replay.names
+    others = replay.shared.get(name)
+    held = names.get(name)
+    if held is not None and held[0] == provider:
+        if others:
+            names[name] = others.popitem()
+        else:
+            del names[name]
+    elif others is not None:
+        others.pop(provider, None)
+    if others is not None and not others:
+        del replay.shared[name]
+
+
+def _name(replay: _Replay, provider: str, name: str, position: int, event_type: str) -> None:
+    """``provider`` takes ``name`` at ``position``: a name another live provider holds is an
+    integrity finding (``duplicate_name``). Commands refuse it (``placement.duplicate_name``); an
+    import takes it, and the store then has two providers of one name, which README says is unique
+    (a caller that finds a provider by its name gets either)."""
+    held = replay.names.get(name)
+    if held is None:
+        replay.names[name] = (provider, position)
+        return
+    holder, named_at = held
+    replay.shared.setdefault(name, {})[provider] = position
+    replay.report.findings.append(
+        Finding(
+            "integrity",
+            f"{event_type} at position {position} gives provider {provider} the name {shown(name)}, "
+            f"which provider {holder} holds (named at position {named_at}): two providers of one name "
+            "(a command refuses a name another provider holds, placement.duplicate_name: a damaged or "
+            "imported log); rename one of them",
+            tuple(sorted({named_at, position})),
+            {
+                "reason": "duplicate_name",
+                "name": name,
+                "provider": provider,
+                "holder": holder,
+                "holder_named_at": named_at,
+                "event_type": event_type,
+            },
+        )
+    )
+
+
+def _noted_created(replay: _Replay, e: Any, position: int) -> None:
+    _unname(replay, e.provider)  # (created again while it exists: its old name goes)
+    _name(replay, e.provider, e.name, position, "ProviderCreated")
+
+
+def _noted_updated(replay: _Replay, e: Any, position: int) -> None:
+    prov = replay.state.providers.get(e.provider)
+    if prov is not None and prov.name != e.name:  # (one absent: unknown_provider, and no fold)
+        _unname(replay, e.provider)
+        _name(replay, e.provider, e.name, position, "ProviderUpdated")
+
+
+def _noted_deleted(replay: _Replay, e: Any, position: int) -> None:
+    replay.gone[e.provider] = position
+    replay.suspects.add(e.provider)
+    _unname(replay, e.provider)
+
+
+def _noted_reverted(replay: _Replay, e: Any, position: int) -> None:
+    """A revert of a migration holding nothing that gives its instance allocations (commands
+    refuse it: ``evstore.not_found``, the migration holds no allocations) makes them from nowhere:
+    no provider's capacity was checked for them. An integrity finding (``nothing_to_revert``),
+    unless the instance is deleted there: that is the leak of an older, Placement-style writer's
+    late revert (bug 1848343), which the audit reports as a leak while it is held."""
+    state = replay.state
+    mig = state.consumers.get(e.migration)
+    if e.allocations and (mig is None or not mig.allocations):
+        inst = state.consumers.get(e.instance)
+        if inst is None or not inst.deleted:
+            emptied = mig.allocated_at if mig is not None else None
+            since = f" (emptied at position {emptied})" if emptied else ""
+            replay.report.findings.append(
+                Finding(
+                    "integrity",
+                    f"MigrationReverted at position {position} gives instance {e.instance} "
+                    f"{shown(dict(e.allocations), 200)} from migration {e.migration}, which held nothing "
+                    f"there{since}: allocations from nowhere, no capacity checked for them (a command "
+                    "refuses a revert of a migration holding nothing, evstore.not_found: a damaged or "
+                    "imported log)",
+                    tuple(p for p in (emptied, position) if p),
+                    {
+                        "reason": "nothing_to_revert",
+                        "migration": e.migration,
+                        "instance": e.instance,
+                        "allocations": {p: dict(res) for p, res in e.allocations.items()},
+                        "emptied_at": emptied,
+                    },
+                )
+            )
+    if replay.suspects or not state.usages_deferred:
+        _took_moved(replay, e, position)
+
+
+#: what the checked pass notes, before its fold, of the events that name or unname a provider and
+#: of a migration's revert (one lookup an event: the others need none of this)
+_NOTED: dict[str, Callable[[_Replay, Any, int], None]] = {
+    "ProviderCreated": _noted_created,
+    "ProviderUpdated": _noted_updated,
+    "ProviderDeleted": _noted_deleted,
+    "MigrationReverted": _noted_reverted,
 }
 
 

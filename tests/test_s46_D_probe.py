@@ -117,18 +117,6 @@ async def _with_events(source_url: str, build: Callable[[str], list[EventBase]])
     return [json.dumps(header) + "\n", *(line + "\n" for line in lines[1:])], a
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "projections/invariants.py:122-134 (impossible_event) and the audit check no provider name "
-        "against the other live providers: an imported log whose ProviderCreated (or ProviderUpdated) "
-        "gives a second live provider a name another holds is imported, both backends, and the audit "
-        "calls the store clean - two providers named 'A' in a store whose names README says are "
-        "unique (create_provider/rename_provider refuse it: DuplicateName). Fix: the audit's fold "
-        "reports a name held by two live providers (integrity, with both positions), and import refuses "
-        "it (evstore.log.corrupt, reason invalid_value, rule duplicate_name) - the fold has the names."
-    ),
-)
 @pytest.mark.parametrize("how", ["created", "renamed"])
 async def test_an_imported_duplicate_provider_name_is_refused_or_audited(
     store_url: str, tmp_path: Path, how: str
