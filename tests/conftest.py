@@ -15,6 +15,14 @@ from evstore import AllocationStore, Inventory, open_store
 from tests.peers.placement_client import PlacementPeer
 from tests.peers.venv import PeerUnavailable, placement_python
 
+# pytest-xdist's workers (the suite runs on one per core: pyproject's addopts) start with COLUMNS=80
+# and LINES in their environment where the pytest that started them had none: the CLI, run in-process
+# by many tests, then folds its lines at 80 columns where a serial run's pipe gets 200. Tests that
+# want a width set COLUMNS themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 #: the backends a test parametrised by hand runs on: PostgreSQL where a server is configured
 BACKENDS = ["sqlite"]
 if os.environ.get("EVSTORE_TEST_POSTGRES_URL"):
@@ -36,6 +44,9 @@ def campaign_seed(name: str) -> int:
         return int(given)
     if os.environ.get("CI") == "true" or os.environ.get("EVSTORE_FIXED_SEEDS") == "1":
         return zlib.crc32(name.encode()) % (1 << 30)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run:  # (one fresh seed for the run: every pytest-xdist worker must collect the same ids)
+        return zlib.crc32(f"{name} {run}".encode()) % (1 << 30)
     return random.randrange(1 << 30)
 
 

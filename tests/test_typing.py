@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,20 @@ async def wrong(store: AllocationStore, allocs: dict[str, dict[str, str]]) -> Re
 """
 
 
+_CACHES: dict[str, Path] = {}
+
+
+def _cache_dir(config: Path) -> Path:
+    """One mypy cache per config for this test process: a fresh cache re-checks evstore, pydantic
+    and asyncio's stubs each time (~12 s a run, a dozen runs); a shared one checks them once.
+    (mypy re-checks ``service.py``, a new file each time, from its contents.)"""
+    if not _CACHES:
+        root = Path(tempfile.mkdtemp(prefix="evstore-mypy-cache-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _CACHES[""] = root
+    return _CACHES.setdefault(str(config), _CACHES[""] / str(len(_CACHES)))
+
+
 def _mypy(
     tmp_path: Path, source: str, config: Path = ROOT / "pyproject.toml"
 ) -> subprocess.CompletedProcess[str]:
@@ -80,7 +97,7 @@ def _mypy(
             "--config-file",
             str(config),
             "--cache-dir",
-            str(tmp_path / ".mypy_cache"),
+            str(_cache_dir(config)),
             str(path),
         ],
         capture_output=True,
