@@ -5,7 +5,8 @@ Findings, each naming the positions of the events that produced it:
   a broken hash chain (the first broken position), a log that lost its last events; what only
   a damaged or imported log holds: values or events no command writes, allocations held on a
   provider absent there (deleted while they were held, or never created) or not counted by it,
-  a name two live providers hold, a revert of a migration holding nothing;
+  a name two live providers hold, a revert giving more than its migration held, a release or a
+  confirm of what holds nothing, a deletion of a provider that does not exist;
 - ``drift``: every difference between the persisted projection and a replay of the log;
 - ``leak``: allocations held by a tombstoned consumer, or by a migration for a tombstoned instance;
 - ``over_capacity``: usage above capacity (possible after an inventory shrink), since which event.
@@ -38,10 +39,15 @@ from projections.gcpause import gc_paused
 from projections.invariants import (
     DELETED_REASON,
     IMPOSSIBLE_CHECKS,
+    Impossible,
     clear_leak,
     find_leaks,
     format_amount,
+    nothing_to_confirm,
+    nothing_to_delete,
+    nothing_to_release,
     over_capacity,
+    revert_beyond_held,
 )
 from projections.persisted import project_usage_totals
 from projections.replay import Turns
@@ -312,7 +318,8 @@ class _Replay:
         if self.checked:
             # (a log holds allocations on a provider absent there only after a provider's
             # deletion, or an allocation on one absent, which makes the fold stop deferring usage;
-            # a provider's naming, deletion and a revert are noted whatever: see _NOTED)
+            # a provider's naming and deletion, a revert, a release and a confirm are noted
+            # whatever: see _NOTED)
             if (noted := _NOTED.get(row.type)) is not None:
                 noted(self, payload, row.position)
             elif (self.suspects or not self.state.usages_deferred) and (
@@ -476,8 +483,9 @@ def _took_deleted(replay: _Replay, e: Any, position: int) -> None:
 #: from consumers (as the fold of its type does): the allocations held on a provider absent
 #: there that it takes away (see :func:`absent_holdings`). Only while some may be held (see
 #: ``_Replay.suspects``): a log with neither a provider's deletion nor an allocation on
-#: a provider absent there holds none, and its events need no look. (A revert is looked at
-#: through :data:`_NOTED`, which calls its entry here under the same condition.)
+#: a provider absent there holds none, and its events need no look. (A revert, a release
+#: and a confirm are looked at through :data:`_NOTED`, which calls their entries here under the
+#: same condition.)
 _HOLDING_CHECKS: dict[str, Callable[[_Replay, Any, int], None]] = {
     "AllocationsReplaced": _took_replaced,
     "AllocationsReleased": _took_released,
@@ -552,53 +560,64 @@ def _noted_updated(replay: _Replay, e: Any, position: int) -> None:
 
 
 def _noted_deleted(replay: _Replay, e: Any, position: int) -> None:
+    _report(replay, nothing_to_delete(replay.state, e, replay.gone), "ProviderDeleted", position)
     replay.gone[e.provider] = position
     replay.suspects.add(e.provider)
     _unname(replay, e.provider)
 
 
+def _report(replay: _Replay, found: Impossible | None, event_type: str, position: int) -> None:
+    """An event that does what no command does there, as only the events before it show
+    (:data:`projections.invariants.HELD_CHECKS`: what an import refuses, ``details["rule"]``),
+    in a log an older evstore imported: an integrity finding, ``reason`` the rule's name, citing
+    the earlier event that makes it so (a migration's or consumer's emptying, a deletion)."""
+    if found is None:
+        return
+    replay.report.findings.append(
+        Finding(
+            "integrity",
+            f"{event_type} at position {position}: {found.what} (a damaged or imported log: every fold "
+            "takes it as it is)",
+            tuple(p for p in (found.since, position) if p),
+            {"reason": found.rule, **found.details},
+        )
+    )
+
+
 def _noted_reverted(replay: _Replay, e: Any, position: int) -> None:
-    """A revert of a migration holding nothing that gives its instance allocations (commands
-    refuse it: ``evstore.not_found``, the migration holds no allocations) makes them from nowhere:
-    no provider's capacity was checked for them. An integrity finding (``nothing_to_revert``),
-    unless the instance is deleted there: that is the leak of an older, Placement-style writer's
+    """A revert giving its instance allocations its migration did not hold (commands give back
+    exactly what it holds, and refuse a migration holding nothing: ``evstore.not_found``) makes
+    them from nowhere: no provider's capacity was checked for them. An integrity finding
+    (``nothing_to_revert``, ``revert_more_than_held``), but for a revert of a migration holding
+    nothing to an instance deleted there: that is the leak of an older, Placement-style writer's
     late revert (bug 1848343), which the audit reports as a leak while it is held."""
-    state = replay.state
-    mig = state.consumers.get(e.migration)
-    if e.allocations and (mig is None or not mig.allocations):
-        inst = state.consumers.get(e.instance)
-        if inst is None or not inst.deleted:
-            emptied = mig.allocated_at if mig is not None else None
-            since = f" (emptied at position {emptied})" if emptied else ""
-            replay.report.findings.append(
-                Finding(
-                    "integrity",
-                    f"MigrationReverted at position {position} gives instance {e.instance} "
-                    f"{shown(dict(e.allocations), 200)} from migration {e.migration}, which held nothing "
-                    f"there{since}: allocations from nowhere, no capacity checked for them (a command "
-                    "refuses a revert of a migration holding nothing, evstore.not_found: a damaged or "
-                    "imported log)",
-                    tuple(p for p in (emptied, position) if p),
-                    {
-                        "reason": "nothing_to_revert",
-                        "migration": e.migration,
-                        "instance": e.instance,
-                        "allocations": {p: dict(res) for p, res in e.allocations.items()},
-                        "emptied_at": emptied,
-                    },
-                )
-            )
-    if replay.suspects or not state.usages_deferred:
+    _report(replay, revert_beyond_held(replay.state, e, replay.gone), "MigrationReverted", position)
+    if replay.suspects or not replay.state.usages_deferred:
         _took_moved(replay, e, position)
 
 
-#: what the checked pass notes, before its fold, of the events that name or unname a provider and
-#: of a migration's revert (one lookup an event: the others need none of this)
+def _noted_released(replay: _Replay, e: Any, position: int) -> None:
+    _report(replay, nothing_to_release(replay.state, e, replay.gone), "AllocationsReleased", position)
+    if replay.suspects or not replay.state.usages_deferred:
+        _took_released(replay, e, position)
+
+
+def _noted_confirmed(replay: _Replay, e: Any, position: int) -> None:
+    _report(replay, nothing_to_confirm(replay.state, e, replay.gone), "MigrationConfirmed", position)
+    if replay.suspects or not replay.state.usages_deferred:
+        _took_confirmed(replay, e, position)
+
+
+#: what the checked pass notes, before its fold, of the events that name or unname a provider,
+#: and of those that release or give back what a consumer holds (one lookup an event: the others
+#: need none of this); each of the latter calls its entry of _HOLDING_CHECKS as check() would
 _NOTED: dict[str, Callable[[_Replay, Any, int], None]] = {
     "ProviderCreated": _noted_created,
     "ProviderUpdated": _noted_updated,
     "ProviderDeleted": _noted_deleted,
     "MigrationReverted": _noted_reverted,
+    "AllocationsReleased": _noted_released,
+    "MigrationConfirmed": _noted_confirmed,
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from evstore.errors import CorruptEvent, InvalidInput, shown
 from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event, describe_error
 from evstore.schema import CANONICAL_UUID
-from projections.invariants import impossible_event
+from projections.invariants import LogMemory, impossible_event
 from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
@@ -167,6 +167,8 @@ class ChainCheck:
     #: (usage is not needed to fold: deferred, as a replay defers it)
     state: State = field(default_factory=lambda: State(usages_deferred=True))
     values: ValueCheck = field(default_factory=ValueCheck)
+    #: the names live providers hold and the providers deleted, beside the fold (see LogMemory)
+    memory: LogMemory = field(default_factory=LogMemory)
 
     def check(self, row: ExportRow, line: int) -> None:
         if row.position != self.expected:
@@ -263,7 +265,10 @@ class ChainCheck:
                     position=row.position,
                     reason="invalid_value",
                 )
-            if (found := impossible_event(self.state, row.type, event)) is not None:
+            found = impossible_event(self.state, row.type, event)
+            if found is None:  # (what only the events before it make impossible)
+                found = self.memory.check(self.state, row.type, event, row.position)
+            if found is not None:
                 # (every command refuses it: a log that was valid where it was written holds none)
                 raise _corrupt(
                     f"the {row.type} event at position {row.position} sets what no evstore command "

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from evstore.errors import shown
 from projections.state import ConsumerState, ProviderState, State
 from projections.views import sorted_holdings
 
@@ -112,11 +113,17 @@ class Impossible:
 
     #: a stable name of the rule broken: ``reserved_above_total``, ``min_unit_above_max_unit``,
     #: ``own_parent``, ``parent_cycle``, ``root_mismatch``, ``own_migration``
-    #: (``inventory_invalid`` for another of ``Inventory.problems``, should it name more)
+    #: (``inventory_invalid`` for another of ``Inventory.problems``, should it name more); what
+    #: only the log before the event makes impossible (:class:`LogMemory`): ``duplicate_name``,
+    #: ``nothing_to_revert``, ``revert_more_than_held``, ``nothing_to_release``,
+    #: ``nothing_to_confirm``, ``nothing_to_delete``
     rule: str
     #: what is wrong, for a message (``inventory VCPU of provider P: reserved (5) is greater...``)
     what: str
     details: dict[str, object]
+    #: the position of the earlier event that makes this one impossible, where one does (a
+    #: migration's emptying, a provider's deletion or naming), for the positions a finding cites
+    since: int | None = None
 
 
 def impossible_event(state: State, event_type: str, fields: Any) -> Impossible | None:
@@ -131,7 +138,10 @@ def impossible_event(state: State, event_type: str, fields: Any) -> Impossible |
     written holds none) and the audit reports it. Not here: what a command accepts (a step_size that
     no amount between min_unit and max_unit meets; Placement accepts it too), and what only the
     events around it make wrong (allocations on a provider absent there, a parent created after its
-    child): an older, Placement-style writer's log holds those, and every fold takes them."""
+    child): an older, Placement-style writer's log holds those, and every fold takes them. (What
+    no command writes either, but only the events before it show - a name another live provider
+    holds, a release, confirm or revert of what is not held, a deletion of a provider absent
+    there -, an import refuses through :class:`LogMemory`.)"""
     check = IMPOSSIBLE_CHECKS.get(event_type)
     return None if check is None else check(state, fields)
 
@@ -229,3 +239,205 @@ IMPOSSIBLE_CHECKS: dict[str, Callable[[State, Any], Impossible | None]] = {
     "AllocationsReleased": _held_for,
     "ConsumerDeleted": _consumer_deleted,
 }
+
+
+# --- what only the log before an event makes impossible ------------------------------------------
+#
+# Each command refuses these from what the store holds when it runs: a log that was valid where it
+# was written holds none. Unlike the checks above, each needs what the log did before the event (a
+# name another live provider holds, what a consumer holds, a provider's earlier deletion): the
+# import keeps that beside its fold (:class:`LogMemory`), the audit beside its own. Each costs an
+# event of its type a dict lookup or two (a revert compares two small mappings): no scan.
+# Not here, still imported (the audit reports them): allocations on a provider absent there, a
+# provider deleted while it is in use, an event naming a provider absent there other than its
+# deletion - an older, Placement-style writer's log holds those -, nor a revert of a migration
+# holding nothing to an instance deleted there (README's legacy example: that writer's late revert,
+# bug 1848343, which the audit reports as the leak it makes).
+
+
+Allocations = dict[str, dict[str, int]]
+
+
+def _emptied(position: int | None) -> str:
+    return f" (emptied at position {position})" if position else ""
+
+
+def nothing_to_release(state: State, fields: Any, gone: Mapping[str, int]) -> Impossible | None:
+    """An ``AllocationsReleased`` of a consumer holding nothing (``release`` refuses it:
+    ``evstore.not_found``, a tombstoned consumer included; Placement's DELETE answers 404)."""
+    c = state.consumers.get(fields.consumer)
+    if c is not None and c.allocations:
+        return None
+    at = c.allocated_at if c is not None else None
+    return Impossible(
+        "nothing_to_release",
+        f"consumer {fields.consumer} holds nothing there{_emptied(at)}, yet it is released "
+        "(release refuses a consumer holding nothing: evstore.not_found)",
+        {"consumer": fields.consumer, "emptied_at": at},
+        at,
+    )
+
+
+def nothing_to_confirm(state: State, fields: Any, gone: Mapping[str, int]) -> Impossible | None:
+    """A ``MigrationConfirmed`` of a migration holding nothing (``confirm_migration`` refuses it:
+    ``evstore.not_found``, or ``evstore.consumer.deleted`` when its instance or itself is deleted)."""
+    mig = state.consumers.get(fields.migration)
+    if mig is not None and mig.allocations:
+        return None
+    at = mig.allocated_at if mig is not None else None
+    return Impossible(
+        "nothing_to_confirm",
+        f"migration {fields.migration} of instance {fields.instance} holds nothing there{_emptied(at)}, "
+        "yet it is confirmed (confirm_migration refuses a migration holding nothing: evstore.not_found)",
+        {"migration": fields.migration, "instance": fields.instance, "emptied_at": at},
+        at,
+    )
+
+
+def _beyond(given: Mapping[str, Mapping[str, int]], held: Mapping[str, Mapping[str, int]]) -> Allocations:
+    """What ``given`` holds beyond ``held``, by provider and class (in key order)."""
+    beyond: Allocations = {}
+    for provider, amounts in given.items():
+        had = held.get(provider, {})
+        more = {rc: n - had.get(rc, 0) for rc, n in amounts.items() if n > had.get(rc, 0)}
+        if more:
+            beyond[provider] = more
+    return sorted_holdings(beyond)
+
+
+def revert_beyond_held(state: State, fields: Any, gone: Mapping[str, int]) -> Impossible | None:
+    """A ``MigrationReverted`` giving its instance allocations its migration did not hold there:
+    ``revert_migration`` gives back exactly what the migration holds, and refuses one holding
+    nothing (``evstore.not_found``). Allocations from nowhere, no capacity checked for them:
+    ``nothing_to_revert`` (the migration held nothing) or ``revert_more_than_held``. A revert of
+    a migration holding nothing to an instance deleted there is not one: an older, Placement-style
+    writer's late revert, whose leak the audit reports (README's legacy example)."""
+    given = fields.allocations
+    mig = state.consumers.get(fields.migration)
+    held: Mapping[str, Mapping[str, int]] = mig.allocations if mig is not None else {}
+    if given == held or not given:
+        return None
+    beyond = _beyond(given, held)
+    if not beyond:
+        return None  # (less than it held: the rest is released, nothing made)
+    migration, instance = fields.migration, fields.instance
+    if not held:
+        inst = state.consumers.get(instance)
+        if inst is not None and inst.deleted:
+            return None
+        at = mig.allocated_at if mig is not None else None
+        return Impossible(
+            "nothing_to_revert",
+            f"migration {migration} held nothing there{_emptied(at)}, yet it gives instance {instance} "
+            f"{shown(dict(given), 200)}: allocations from nowhere, no capacity checked for them "
+            "(revert_migration refuses a migration holding nothing: evstore.not_found)",
+            {
+                "migration": migration,
+                "instance": instance,
+                "allocations": {p: dict(res) for p, res in given.items()},
+                "emptied_at": at,
+            },
+            at,
+        )
+    return Impossible(
+        "revert_more_than_held",
+        f"migration {migration} held {shown(sorted_holdings(held), 200)} there, yet it gives instance "
+        f"{instance} {shown(dict(given), 200)}: {shown(beyond, 200)} beyond what it held, from nowhere, "
+        "no capacity checked for it (revert_migration gives back exactly what the migration holds)",
+        {
+            "migration": migration,
+            "instance": instance,
+            "allocations": {p: dict(res) for p, res in given.items()},
+            "held": sorted_holdings(held),
+            "beyond": beyond,
+        },
+        mig.allocated_at if mig is not None else None,
+    )
+
+
+def nothing_to_delete(state: State, fields: Any, gone: Mapping[str, int]) -> Impossible | None:
+    """A ``ProviderDeleted`` of a provider absent there: deleted before (and not created again),
+    or never created (``delete_provider`` refuses it: ``placement.resource_provider.not_found``;
+    Placement's DELETE answers 404). ``gone``: each provider deleted so far, by the position of
+    its last deletion."""
+    provider = fields.provider
+    if provider in state.providers:
+        return None
+    at = gone.get(provider)
+    why = f"deleted at position {at} and not created again" if at is not None else "never created"
+    return Impossible(
+        "nothing_to_delete",
+        f"provider {provider} is deleted, which does not exist there ({why}; delete_provider refuses "
+        "a provider that does not exist)",
+        {"provider": provider, "deleted_at": at},
+        at,
+    )
+
+
+#: the check of each event type that only the log before it can make impossible (see
+#: :class:`LogMemory`), but for a provider's name (the import's :meth:`LogMemory.check`, the
+#: audit's own index): ``(state, fields, gone)``
+HELD_CHECKS: dict[str, Callable[[State, Any, Mapping[str, int]], Impossible | None]] = {
+    "AllocationsReleased": nothing_to_release,
+    "MigrationConfirmed": nothing_to_confirm,
+    "MigrationReverted": revert_beyond_held,
+    "ProviderDeleted": nothing_to_delete,
+}
+
+
+def duplicate_name(provider: str, name: str, holder: str, named_at: int) -> Impossible:
+    """``provider`` given ``name``, which the live provider ``holder`` holds since ``named_at``
+    (``create_provider`` and ``rename_provider`` refuse it: ``placement.duplicate_name``)."""
+    return Impossible(
+        "duplicate_name",
+        f"provider {provider} is given the name {shown(name)}, which provider {holder} holds (named at "
+        f"position {named_at}): two providers of one name (a command refuses a name another provider "
+        "holds: placement.duplicate_name)",
+        {"provider": provider, "name": name, "holder": holder, "holder_named_at": named_at},
+        named_at,
+    )
+
+
+@dataclass(slots=True)
+class LogMemory:
+    """What a check of a log in order (an import's) keeps beside its fold to refuse an event that
+    only the events before it make impossible (:data:`HELD_CHECKS`, and a name another live
+    provider holds): each name a live provider holds, and each provider deleted. One entry per
+    live provider and per provider deleted, none per event."""
+
+    #: each name a live provider holds: the provider, and the position it took the name at
+    names: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: each provider deleted so far, and the position of its last deletion
+    gone: dict[str, int] = field(default_factory=dict)
+
+    def check(self, state: State, event_type: str, fields: Any, position: int) -> Impossible | None:
+        """What the event (in ``state``, folded up to the event before it) does that no command
+        does there, or ``None``; then (``None``) what it changes of the names and deletions is
+        noted. Call it once per event, in order, before its fold."""
+        held = HELD_CHECKS.get(event_type)
+        if held is not None and (found := held(state, fields, self.gone)) is not None:
+            return found
+        if event_type == "ProviderCreated":
+            return self._name(state, fields.provider, fields.name, position)
+        if event_type == "ProviderUpdated":
+            prov = state.providers.get(fields.provider)
+            if prov is None or prov.name == fields.name:
+                return None  # (absent: the fold skips it; the same name: nothing changes)
+            return self._name(state, fields.provider, fields.name, position)
+        if event_type == "ProviderDeleted":
+            self._unname(state, fields.provider)
+            self.gone[fields.provider] = position
+        return None
+
+    def _name(self, state: State, provider: str, name: str, position: int) -> Impossible | None:
+        held = self.names.get(name)
+        if held is not None and held[0] != provider:
+            return duplicate_name(provider, name, held[0], held[1])
+        self._unname(state, provider)  # (its old name: renamed, or created again while it exists)
+        self.names[name] = (provider, position)
+        return None
+
+    def _unname(self, state: State, provider: str) -> None:
+        prov = state.providers.get(provider)
+        if prov is not None and (held := self.names.get(prov.name)) is not None and held[0] == provider:
+            del self.names[prov.name]
