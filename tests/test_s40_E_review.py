@@ -271,6 +271,7 @@ async def _legacy_run(backend_name: str, tmp_path: Path, seed: int) -> None:
     processes with different intervals: state_at equals a replay at every position."""
     from tests.test_audit_findings import append_row, chained
     from tests.test_s39_c_reads import _url
+    from tests.test_s47_E_impossible_history import importable
 
     rng = random.Random(seed)
     async with open_store(_url(backend_name, tmp_path, f"a{seed}")) as a:
@@ -323,7 +324,9 @@ async def _legacy_run(backend_name: str, tmp_path: Path, seed: int) -> None:
         append_row(lines, last)
     url = _url(backend_name, tmp_path, f"b{seed}")
     async with open_store(url, snapshot_every=2) as b:
-        await b.import_events(lambda: iter(lines))
+        # (stop 47: an import refuses a release of a consumer holding nothing, which the random
+        # rows write; importable drops those)
+        await b.import_events(lambda: iter(importable(lines)))
     async with (
         open_store(url, snapshot_every=rng.choice([2, 3])) as b,
         open_store(url, snapshot_every=5) as c2,

@@ -39,6 +39,7 @@ from evstore.events import GENESIS_HASH, event_hash
 from projections.invariants import find_leaks
 from projections.state import State, evolve
 from projections.views import ConsumerView
+from tests.test_s47_E_impossible_history import importable
 from tests.test_slices_vs_whole_state import CLASSES, Workload
 
 SLOW = os.environ.get("EVSTORE_SLOW") == "1"
@@ -342,7 +343,10 @@ async def test_time_travel_on_an_imported_buggy_log_equals_a_plain_fold(store_ur
     rnd = random.Random(seed)
     events, providers, consumers = buggy_events(rnd, 160 if SLOW else 70)
     # (the odd seeds as an older evstore exported it: version-1 AllocationsReplaced among them)
-    lines = export_of(events, datetime(2025, 1, 1, tzinfo=UTC), older=rnd if seed % 2 else None)
+    # (stop 47: without what an import refuses as only the events before it make impossible - a
+    # name another live provider holds, a release or confirm of nothing, a revert of more than the
+    # migration held, a deletion of a provider absent there - which this writer writes at random)
+    lines = importable(export_of(events, datetime(2025, 1, 1, tzinfo=UTC), older=rnd if seed % 2 else None))
     async with open_store(store_url, snapshot_every=rnd.randint(1, 6)) as store:
         try:
             await store.import_events(lambda: lines)
@@ -367,7 +371,7 @@ async def test_time_travel_on_an_imported_buggy_log_equals_a_plain_fold(store_ur
 @pytest.fixture(scope="module")
 def buggy_export() -> tuple[list[str], list[str], list[str]]:
     events, providers, consumers = buggy_events(random.Random(1848343), 50)
-    return export_of(events, datetime(2025, 6, 1, tzinfo=UTC)), providers, consumers
+    return importable(export_of(events, datetime(2025, 6, 1, tzinfo=UTC))), providers, consumers
 
 
 @settings(

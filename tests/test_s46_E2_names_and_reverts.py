@@ -8,6 +8,9 @@ Import runs none of the commands' invariants, and the audit was clean for both:
   (``revert_migration`` refuses it, ``evstore.not_found``): allocations from nowhere, no capacity
   checked for them; now ``integrity``, ``reason`` ``nothing_to_revert``. A late revert to a deleted
   instance (an older, Placement-style writer's, README's legacy example) stays the leak it was.
+
+(Stop 47: an import refuses both, rule ``duplicate_name`` and ``nothing_to_revert``; these logs are
+imported as an older evstore imported them, ``imported_behind``.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from evstore import NotFound, open_store
 from tests.conftest import allocate, make_provider, new_uuid
 from tests.test_audit_findings import _created, _tail, append_row, chained
 from tests.test_s44_C_cli import _in_process
+from tests.test_s47_E_impossible_history import imported_behind
 
 Tail = Callable[[dict[str, Any]], list[tuple[str, str, dict[str, Any]]]]
 
@@ -79,7 +83,7 @@ async def test_a_second_provider_given_a_name_another_holds_is_an_integrity_find
     """Regression: the audit of each log was clean (fails before: no finding)."""
     lines, ids = await _log(tmp_path, tail)
     async with open_store(store_url) as store:
-        await store.import_events(lambda: iter(lines))
+        await imported_behind(store, lines)
         report = await store.audit()
         [found] = report.findings
         event_type = "ProviderCreated" if tail is _created_as_src else "ProviderUpdated"
@@ -139,7 +143,7 @@ async def test_the_name_index_follows_a_shared_name_to_its_other_holder(
 
     lines, ids = await _log(tmp_path, tail)
     async with open_store(store_url) as store:
-        await store.import_events(lambda: iter(lines))
+        await imported_behind(store, lines)
         report = await store.audit()
         found = _reason(report, "duplicate_name")
         assert report.findings == found
@@ -185,7 +189,7 @@ async def test_a_revert_of_a_migration_holding_nothing_is_an_integrity_finding(
     migration = ids.get("ghost", ids["mig"])
     amount = 3 if "ghost" in ids else 2
     async with open_store(store_url) as store:
-        await store.import_events(lambda: iter(lines))
+        await imported_behind(store, lines)
         assert (await store.usage(ids["src"]))["VCPU"] == amount  # (from nowhere)
         report = await store.audit()
         [found] = report.findings
@@ -235,7 +239,7 @@ async def test_a_revert_of_a_migration_emptied_but_kept_names_where_it_was_empti
 
     lines, ids = await _log(tmp_path, tail)
     async with open_store(store_url) as store:
-        await store.import_events(lambda: iter(lines))
+        await imported_behind(store, lines)
         report = await store.audit()
         [found] = _reason(report, "nothing_to_revert")
         assert found.details["emptied_at"] == ids["emptied"]
@@ -302,7 +306,13 @@ def test_the_audit_command_names_a_duplicate_name_and_a_revert_of_nothing(
     export = tmp_path / "imported.jsonl"
     export.write_text("".join(line if line.endswith("\n") else line + "\n" for line in lines))
     done = _in_process(capsys, "import", str(export), "--url", store_url, "--json")
-    assert done.returncode == 3, done  # (imported; the audit that follows has findings)
+    assert done.returncode == 1 and "rule duplicate_name" in done.stderr, done  # (stop 47: refused)
+
+    async def behind() -> None:
+        async with open_store(store_url) as store:
+            await imported_behind(store, lines)
+
+    asyncio.run(behind())
     done = _in_process(capsys, "audit", "--url", store_url, "--json")
     assert done.returncode == 3 and done.stderr == "", done
     report = json.loads(done.stdout)
