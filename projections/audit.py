@@ -533,7 +533,7 @@ def _name(replay: _Replay, provider: str, name: str, position: int, event_type: 
             f"{event_type} at position {position} gives provider {provider} the name {shown(name)}, "
             f"which provider {holder} holds (named at position {named_at}): two providers of one name "
             "(a command refuses a name another provider holds, placement.duplicate_name: a damaged or "
-            "imported log); rename one of them",
+            "imported log); renaming one of them ends the clash, and this finding, about the log, stays",
             tuple(sorted({named_at, position})),
             {
                 "reason": "duplicate_name",

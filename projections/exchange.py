@@ -19,7 +19,7 @@ from typing import Any
 from evstore.errors import CorruptEvent, InvalidInput, shown
 from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event, describe_error
 from evstore.schema import CANONICAL_UUID
-from projections.invariants import LogMemory, impossible_event
+from projections.invariants import REMEMBERED_TYPES, LogMemory, impossible_event
 from projections.state import State, evolve_noting_providers
 
 EXPORT_FORMAT = "evstore-export"
@@ -266,7 +266,7 @@ class ChainCheck:
                     reason="invalid_value",
                 )
             found = impossible_event(self.state, row.type, event)
-            if found is None:  # (what only the events before it make impossible)
+            if found is None and row.type in REMEMBERED_TYPES:  # (what only the log before it rules out)
                 found = self.memory.check(self.state, row.type, event, row.position)
             if found is not None:
                 # (every command refuses it: a log that was valid where it was written holds none)

@@ -398,6 +398,11 @@ def duplicate_name(provider: str, name: str, holder: str, named_at: int) -> Impo
     )
 
 
+#: the event types :meth:`LogMemory.check` looks at (or notes): a check of a log skips the call for
+#: every other type (most of a log: allocations)
+REMEMBERED_TYPES = frozenset(HELD_CHECKS) | {"ProviderCreated", "ProviderUpdated"}
+
+
 @dataclass(slots=True)
 class LogMemory:
     """What a check of a log in order (an import's) keeps beside its fold to refuse an event that
