@@ -3233,6 +3233,7 @@ def import_(
                 "standard input is closed: nothing to import; give the export's file, or pipe it in "
                 "(evstore export --db a.db | evstore import - --db b.db)",
             )
+        stdin = file in ("-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0")
         # (`-`: standard input, as most tools read it; the spool below copies it)
         export_file = Path("/dev/stdin") if file == "-" else given_path(file, "FILE", must_exist=True)
     except err.EvstoreError as exc:
@@ -3291,6 +3292,16 @@ def import_(
                 except err.InvalidInput as exc:
                     if exc.details.get("reason") == "not_empty":
                         raise _not_empty(target, await store.head()) from None
+                    if exc.details.get("reason") == "empty":  # (named: a file, or what was piped in)
+                        raise err.InvalidInput(
+                            "standard input was empty: nothing to import; pipe an export in "
+                            "(evstore export --db a.db | evstore import - --db b.db)"
+                            if stdin
+                            else f"{file} is empty: nothing to import (an export holds a "
+                            "header line, then its events)",
+                            field="FILE",
+                            reason="empty",
+                        ) from None
                     raise
             imported.append(count)
             report = await store.audit()

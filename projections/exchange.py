@@ -405,7 +405,7 @@ def read_export(lines: Iterable[str], check: ChainCheck | None = None) -> Iterat
                 "`lambda: open(path)`, not an open file or a generator): nothing was imported",
                 field="open_lines",
             )
-        raise InvalidInput("the export file is empty", field="open_lines")
+        raise InvalidInput("the export file is empty", field="open_lines", reason="empty")
     if check.ends_at is not None and check.prev_hash != check.ends_at:
         raise _corrupt(
             "the file changed while it was imported (its hash chain ends elsewhere than when it was "
