@@ -3226,14 +3226,14 @@ def import_(
                 f"{shown(target)} is a store in memory, gone when the command ends: an import into it "
                 "keeps nothing; import into a database file (--db PATH) or a PostgreSQL schema"
             )
-        if sys.stdin is None and file in ("-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0"):
+        stdin = file in ("-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0")
+        if sys.stdin is None and stdin:
             # (`<&-`: its descriptor would be the next file opened - the spool's own, or the store)
             fail(
                 "evstore.io",
                 "standard input is closed: nothing to import; give the export's file, or pipe it in "
                 "(evstore export --db a.db | evstore import - --db b.db)",
             )
-        stdin = file in ("-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0")
         # (`-`: standard input, as most tools read it; the spool below copies it)
         export_file = Path("/dev/stdin") if file == "-" else given_path(file, "FILE", must_exist=True)
     except err.EvstoreError as exc:
