@@ -1200,6 +1200,12 @@ TRY_LOCK = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest($1::bigint
 
 #: _remember_near: the most entities remembered for a consumer, and how many consumers are kept
 NEAR_SLICE_MAX = 16
+#: A command whose entities' locks would number more than this (a bulk ``write_allocations``)
+#: takes the fence exclusively instead - every command takes it shared first, so it then runs
+#: alone, as a rebuild's swap does - rather than one lock per entity: those live in the server's
+#: shared lock table (``max_locks_per_transaction`` x connections, 6,400 entries by default),
+#: which ~30,000 of them overflowed on every try ("out of shared memory", 53200).
+LOCK_ALONE_ABOVE = 1000
 NEAR_KEPT = 10_000
 
 
@@ -3036,6 +3042,12 @@ class PostgresBackend:
         key = job.idempotency_key
         fence: int | None = self._key("!fence")
         to_lock = sorted(locked)
+        alone = len(locked) > LOCK_ALONE_ABOVE
+        if alone:
+            # (every other writer waits at the fence, taken shared before any lock of theirs: no
+            # entity lock is needed, nor can a wait for one close a cycle with this one)
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", fence)
+            fence, to_lock = None, []
         if key is not None:
             # the key's lock first: the stored receipt is read under it
             await conn.execute("SELECT evstore_lock($1, $2)", fence, to_lock)
@@ -3061,7 +3073,7 @@ class PostgresBackend:
         # before here is guessed: those locks are taken in the same load, each only if free at
         # once. A wrong guess costs nothing but the lock (to this transaction's end) of an entity
         # not needed; what the load finds beyond the locks is locked as before.
-        near: list[int] = self._near_keys(job, locked)
+        near: list[int] = [] if alone else self._near_keys(job, locked)
         # Guessed locks taken but not (yet) found needed: held, so they count in the order of any
         # wait, but left out of ``locked`` (a restart's or a retry's set, waited for in order): a
         # stale guess kept there was waited for by the next attempt.
@@ -3074,8 +3086,10 @@ class PostgresBackend:
             locked |= spare & found
             spare -= found
             extra = found - locked
-            if not extra:
+            if not extra or alone:
                 break
+            if len(locked | spare | extra) > LOCK_ALONE_ABOVE:
+                raise _Relock(locked | extra)  # (rolled back: run again alone, see LOCK_ALONE_ABOVE)
             if min(extra) > max(locked | spare):
                 # lock them and reload: what we read before holding these locks may be stale
                 fence, to_lock = None, sorted(extra)
