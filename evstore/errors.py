@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from typing import Any, ClassVar
 from urllib.parse import unquote, unquote_plus, urlsplit
 
-#: digits past which an integer is not written out in a message (``repr`` of one of more than
-#: 4,300 digits raises ``ValueError``; one this long is no value anyone meant)
+#: digits past which an integer is not written out in a message (one this long is no value anyone
+#: meant): its number of digits is given instead
 _SHOWN_DIGITS = 40
 
 
 def shown(value: object, limit: int = 80) -> str:
     """``repr(value)`` for a message: cut to ``limit`` characters with an ellipsis when longer (a
-    cut quote would read as the whole value); an integer of more than 40 digits said to be one;
-    a value whose ``repr`` fails named by its type."""
+    cut quote would read as the whole value); an integer of more than 40 digits said to be one of
+    so many digits - or of more than Python's int-to-text limit (4,300 by default), past which its
+    ``repr`` raises ``ValueError``; a value whose ``repr`` fails named by its type."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**_SHOWN_DIGITS:
-        return f"an integer of more than {_SHOWN_DIGITS} digits"
+        most = sys.get_int_max_str_digits()
+        if most and abs(value) >= 10**most:
+            return f"an integer of more than {most} digits"
+        return f"an integer of {len(str(abs(value)))} digits"
     try:
         text = repr(value)
     except Exception:  # (a caller's object: its __repr__ may fail)

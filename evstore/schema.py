@@ -7,6 +7,7 @@ canonical form the rest of the code relies on, or raise :class:`InvalidInput`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import re
@@ -14,7 +15,7 @@ import uuid as _uuid
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import os_resource_classes
 from pydantic import (
@@ -294,11 +295,31 @@ def _inner_path(exc: InvalidInput) -> list[str]:
 
 
 def pydantic_message(exc: ValidationError) -> str:
+    """What ``exc`` refused, field by field. A validator's own refusal (pydantic's "Value error,
+    ..." of a ValueError) is given in its own words, and without the field's name when those
+    already name it."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "value"
-        parts.append(f"{loc}: {err['msg']}")
+        raised = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None
+        if isinstance(raised, Exception):
+            said = str(raised)
+            named = bool(err["loc"]) and said.startswith(f"{err['loc'][-1]} ")
+            parts.append(said if named else f"{loc}: {said}")
+        else:
+            parts.append(f"{loc}: {err['msg']}")
     return "; ".join(parts)
+
+
+def refuse_assignment(value: object, name: str) -> NoReturn:
+    """An immutable value type's answer to an assignment (or deletion) of an attribute: Python's
+    own ``FrozenInstanceError``, as the frozen dataclasses evstore answers raise - an
+    ``AttributeError`` -, not the ``ValidationError`` pydantic raises for a frozen model."""
+    kind = type(value).__name__
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to field {name!r}: {kind} values are immutable "
+        f"(make another {kind} with the new values)"
+    )
 
 
 class _RefusesAsInvalidInput(BaseModel):
@@ -310,6 +331,12 @@ class _RefusesAsInvalidInput(BaseModel):
     @classmethod
     def _refused(cls, exc: ValidationError) -> InvalidInput:
         raise NotImplementedError
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        refuse_assignment(self, name)
+
+    def __delattr__(self, name: str) -> None:
+        refuse_assignment(self, name)
 
     @classmethod
     def _refusal(cls, exc: ValidationError) -> InvalidInput:
@@ -519,11 +546,21 @@ class ConsumerAllocations(_RefusesAsInvalidInput):
     def _refused(cls, exc: ValidationError) -> InvalidInput:
         return InvalidInput(f"Invalid consumer allocations: {pydantic_message(exc)}", **pydantic_where(exc))
 
-    @field_validator("project_id", "user_id")
+    # (before pydantic's own checks of the fields, so that their refusals say what set_allocations'
+    # do: "project_id must be a string of 1..255 characters, got ''")
+    @field_validator("project_id", "user_id", mode="before")
     @classmethod
-    def _text(cls, v: str, info: ValidationInfo) -> str:
+    def _text(cls, v: object, info: ValidationInfo) -> str:
         try:
             return validate_name(v, str(info.field_name))
+        except InvalidInput as exc:
+            raise ValueError(exc.message) from None
+
+    @field_validator("consumer_type", mode="before")
+    @classmethod
+    def _type(cls, v: object) -> str:
+        try:
+            return validate_consumer_type(v)
         except InvalidInput as exc:
             raise ValueError(exc.message) from None
 

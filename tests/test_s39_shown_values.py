@@ -20,8 +20,9 @@ def test_shown_cuts_long_values_with_an_ellipsis_and_names_huge_integers() -> No
     long = shown("x" * 500, 80)
     assert len(long) == 81 and long.endswith("…") and long.startswith("'xxx")
     assert shown(2**64) == str(2**64)
-    assert shown(HUGE) == "an integer of more than 40 digits"
-    assert shown(-HUGE) == "an integer of more than 40 digits"
+    assert shown(HUGE) == "an integer of more than 4300 digits"
+    assert shown(-HUGE) == "an integer of more than 4300 digits"
+    assert shown(10**45) == shown(-(10**45)) == "an integer of 46 digits"  # (stop 48)
 
     class Broken:
         def __repr__(self) -> str:
@@ -40,7 +41,7 @@ async def test_a_long_uuid_is_quoted_cut_with_an_ellipsis(store_url: str) -> Non
 
 @pytest.mark.parametrize("option", ["max_batch", "poll_interval", "snapshot_every"])
 async def test_a_huge_integer_option_is_invalid_input(tmp_path: Path, option: str) -> None:
-    with pytest.raises(InvalidInput, match=r"an integer of more than 40 digits|past 64 bits") as info:
+    with pytest.raises(InvalidInput, match=r"an integer of more than 4300 digits|past 64 bits") as info:
         async with open_store(f"sqlite:///{tmp_path / 'x.db'}", **{option: HUGE}):  # type: ignore[misc]
             pass
     assert info.value.details["field"] == option
