@@ -43,6 +43,8 @@ from projections.invariants import (
     clear_leak,
     find_leaks,
     format_amount,
+    not_its_migration,
+    note_unlinked,
     nothing_to_confirm,
     nothing_to_delete,
     nothing_to_release,
@@ -198,6 +200,9 @@ class _Replay:
     #: imported log has any: commands refuse a name another live provider holds)
     names: dict[str, tuple[str, int]] = field(default_factory=dict)
     shared: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: each consumer whose migration link only a plain write emptying it dropped, and its instance
+    #: (see :func:`projections.invariants.not_its_migration`)
+    unlinked: dict[str, str] = field(default_factory=dict)
 
     async def run(
         self,
@@ -587,23 +592,42 @@ def _report(replay: _Replay, found: Impossible | None, event_type: str, position
 def _noted_reverted(replay: _Replay, e: Any, position: int) -> None:
     """A revert giving its instance allocations its migration did not hold (commands give back
     exactly what it holds, and refuse a migration holding nothing: ``evstore.not_found``) makes
-    them from nowhere: no provider's capacity was checked for them. An integrity finding
-    (``nothing_to_revert``, ``revert_more_than_held``), but for a revert of a migration holding
+    them from nowhere: no provider's capacity was checked for them; one giving nothing drops what
+    both held. An integrity finding (``nothing_to_revert``, ``revert_more_than_held``,
+    ``empty_revert``; else of its instance: see :func:`_ended`), but for a revert of a migration holding
     nothing to an instance deleted there: that is the leak of an older, Placement-style writer's
     late revert (bug 1848343), which the audit reports as a leak while it is held."""
-    _report(replay, revert_beyond_held(replay.state, e, replay.gone), "MigrationReverted", position)
+    _ended(replay, revert_beyond_held(replay.state, e, replay.gone), "MigrationReverted", e, position)
     if replay.suspects or not replay.state.usages_deferred:
         _took_moved(replay, e, position)
 
 
+def _ended(replay: _Replay, found: Impossible | None, event_type: str, e: Any, position: int) -> None:
+    """A confirm's or revert's finding of its held rule (``found``), or else of its instance
+    (``other_instance``, ``not_a_migration``): one finding an event, as an import refuses it."""
+    if found is None:
+        found = not_its_migration(replay.state, event_type, e, replay.unlinked)
+        if found is None:
+            replay.unlinked.pop(e.migration, None)
+    _report(replay, found, event_type, position)
+
+
+def _noted_replaced(replay: _Replay, e: Any, position: int) -> None:
+    if not e.allocations:
+        note_unlinked(replay.state, e.consumer, replay.unlinked)
+    if replay.suspects or not replay.state.usages_deferred:
+        _took_replaced(replay, e, position)
+
+
 def _noted_released(replay: _Replay, e: Any, position: int) -> None:
     _report(replay, nothing_to_release(replay.state, e, replay.gone), "AllocationsReleased", position)
+    replay.unlinked.pop(e.consumer, None)
     if replay.suspects or not replay.state.usages_deferred:
         _took_released(replay, e, position)
 
 
 def _noted_confirmed(replay: _Replay, e: Any, position: int) -> None:
-    _report(replay, nothing_to_confirm(replay.state, e, replay.gone), "MigrationConfirmed", position)
+    _ended(replay, nothing_to_confirm(replay.state, e, replay.gone), "MigrationConfirmed", e, position)
     if replay.suspects or not replay.state.usages_deferred:
         _took_confirmed(replay, e, position)
 
@@ -618,6 +642,7 @@ _NOTED: dict[str, Callable[[_Replay, Any, int], None]] = {
     "MigrationReverted": _noted_reverted,
     "AllocationsReleased": _noted_released,
     "MigrationConfirmed": _noted_confirmed,
+    "AllocationsReplaced": _noted_replaced,
 }
 
 

@@ -167,7 +167,8 @@ class ChainCheck:
     #: (usage is not needed to fold: deferred, as a replay defers it)
     state: State = field(default_factory=lambda: State(usages_deferred=True))
     values: ValueCheck = field(default_factory=ValueCheck)
-    #: the names live providers hold and the providers deleted, beside the fold (see LogMemory)
+    #: the names live providers hold, the providers deleted and the migration links a plain write
+    #: dropped, beside the fold (see LogMemory)
     memory: LogMemory = field(default_factory=LogMemory)
 
     def check(self, row: ExportRow, line: int) -> None:

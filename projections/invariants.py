@@ -115,8 +115,8 @@ class Impossible:
     #: ``own_parent``, ``parent_cycle``, ``root_mismatch``, ``own_migration``
     #: (``inventory_invalid`` for another of ``Inventory.problems``, should it name more); what
     #: only the log before the event makes impossible (:class:`LogMemory`): ``duplicate_name``,
-    #: ``nothing_to_revert``, ``revert_more_than_held``, ``nothing_to_release``,
-    #: ``nothing_to_confirm``, ``nothing_to_delete``
+    #: ``nothing_to_revert``, ``revert_more_than_held``, ``empty_revert``, ``nothing_to_release``,
+    #: ``nothing_to_confirm``, ``nothing_to_delete``, ``other_instance``, ``not_a_migration``
     rule: str
     #: what is wrong, for a message (``inventory VCPU of provider P: reserved (5) is greater...``)
     what: str
@@ -140,8 +140,9 @@ def impossible_event(state: State, event_type: str, fields: Any) -> Impossible |
     events around it make wrong (allocations on a provider absent there, a parent created after its
     child): an older, Placement-style writer's log holds those, and every fold takes them. (What
     no command writes either, but only the events before it show - a name another live provider
-    holds, a release, confirm or revert of what is not held, a deletion of a provider absent
-    there -, an import refuses through :class:`LogMemory`.)"""
+    holds, a release, confirm or revert of what is not held, a revert giving nothing, a confirm
+    or revert naming another instance than its migration's, or a consumer that is no migration, a
+    deletion of a provider absent there -, an import refuses through :class:`LogMemory`.)"""
     check = IMPOSSIBLE_CHECKS.get(event_type)
     return None if check is None else check(state, fields)
 
@@ -251,8 +252,8 @@ IMPOSSIBLE_CHECKS: dict[str, Callable[[State, Any], Impossible | None]] = {
 # Not here, still imported (the audit reports them): allocations on a provider absent there, a
 # provider deleted while it is in use, an event naming a provider absent there other than its
 # deletion - an older, Placement-style writer's log holds those -, nor a revert of a migration
-# holding nothing to an instance deleted there (README's legacy example: that writer's late revert,
-# bug 1848343, which the audit reports as the leak it makes).
+# holding nothing, giving allocations to its own instance deleted there (README's legacy example:
+# that writer's late revert, bug 1848343, which the audit reports as the leak it makes).
 
 
 Allocations = dict[str, dict[str, int]]
@@ -306,30 +307,34 @@ def _beyond(given: Mapping[str, Mapping[str, int]], held: Mapping[str, Mapping[s
 
 
 def revert_beyond_held(state: State, fields: Any, gone: Mapping[str, int]) -> Impossible | None:
-    """A ``MigrationReverted`` giving its instance allocations its migration did not hold there:
-    ``revert_migration`` gives back exactly what the migration holds, and refuses one holding
-    nothing (``evstore.not_found``). Allocations from nowhere, no capacity checked for them:
-    ``nothing_to_revert`` (the migration held nothing) or ``revert_more_than_held``. A revert of
-    a migration holding nothing to an instance deleted there is not one: an older, Placement-style
-    writer's late revert, whose leak the audit reports (README's legacy example)."""
+    """A ``MigrationReverted`` giving its instance allocations its migration did not hold there, or
+    giving it nothing: ``revert_migration`` gives back exactly what the migration holds, and
+    refuses one holding nothing (``evstore.not_found``), so no evstore wrote a revert with empty
+    allocations. Allocations from nowhere, no capacity checked for them: ``nothing_to_revert``
+    (the migration held nothing; reverted with nothing too, it is that rule's as well) or
+    ``revert_more_than_held``; ``empty_revert``: what the migration held, and what its instance
+    held, dropped without a release. A revert of a migration holding nothing, giving allocations
+    to an instance deleted there, is not one: an older, Placement-style writer's late revert,
+    whose leak the audit reports (README's legacy example)."""
     given = fields.allocations
     mig = state.consumers.get(fields.migration)
     held: Mapping[str, Mapping[str, int]] = mig.allocations if mig is not None else {}
-    if given == held or not given:
+    if given == held and given:
         return None
-    beyond = _beyond(given, held)
-    if not beyond:
-        return None  # (less than it held: the rest is released, nothing made)
     migration, instance = fields.migration, fields.instance
     if not held:
-        inst = state.consumers.get(instance)
-        if inst is not None and inst.deleted:
-            return None
+        if given:
+            inst = state.consumers.get(instance)
+            if inst is not None and inst.deleted:
+                return None
+            what = f"it gives instance {instance} {shown(dict(given), 200)}: allocations from nowhere, no "
+            what += "capacity checked for them"
+        else:
+            what = f"it is reverted, giving instance {instance} nothing"
         at = mig.allocated_at if mig is not None else None
         return Impossible(
             "nothing_to_revert",
-            f"migration {migration} held nothing there{_emptied(at)}, yet it gives instance {instance} "
-            f"{shown(dict(given), 200)}: allocations from nowhere, no capacity checked for them "
+            f"migration {migration} held nothing there{_emptied(at)}, yet {what} "
             "(revert_migration refuses a migration holding nothing: evstore.not_found)",
             {
                 "migration": migration,
@@ -339,6 +344,19 @@ def revert_beyond_held(state: State, fields: Any, gone: Mapping[str, int]) -> Im
             },
             at,
         )
+    if not given:
+        assert mig is not None  # (it holds what it held)
+        return Impossible(
+            "empty_revert",
+            f"migration {migration} held {shown(sorted_holdings(held), 200)} there, yet its revert gives "
+            f"instance {instance} nothing: what the migration held vanishes, and what the instance held "
+            "with it, neither released (revert_migration gives back exactly what the migration holds)",
+            {"migration": migration, "instance": instance, "held": sorted_holdings(held)},
+            mig.allocated_at,
+        )
+    beyond = _beyond(given, held)
+    if not beyond:
+        return None  # (less than it held: the rest is released, nothing made)
     return Impossible(
         "revert_more_than_held",
         f"migration {migration} held {shown(sorted_holdings(held), 200)} there, yet it gives instance "
@@ -352,6 +370,53 @@ def revert_beyond_held(state: State, fields: Any, gone: Mapping[str, int]) -> Im
             "beyond": beyond,
         },
         mig.allocated_at if mig is not None else None,
+    )
+
+
+def not_its_migration(
+    state: State, event_type: str, fields: Any, unlinked: Mapping[str, str]
+) -> Impossible | None:
+    """A ``MigrationConfirmed`` or ``MigrationReverted`` naming another instance than the one its
+    migration holds for there (``other_instance``: ``confirm_migration`` and ``revert_migration``
+    name the instance the migration consumer was started for, whatever the caller says), or naming
+    as a migration a consumer holding allocations for no instance (``not_a_migration``: both refuse
+    it, ``evstore.not_found``). Asked once the held rules (:func:`nothing_to_confirm`,
+    :func:`revert_beyond_held`) let the event pass: a migration holding nothing is theirs (and the
+    legacy late revert to a deleted instance stays imported, but for another instance than its
+    migration's). ``unlinked``: each consumer whose link to an instance only a plain write
+    emptying it dropped, and that instance (:attr:`LogMemory.unlinked`): evstore's first version
+    kept that link, so its confirm or revert of such a consumer, refilled since, named that
+    instance."""
+    migration, instance = fields.migration, fields.instance
+    mig = state.consumers.get(migration)
+    if mig is None:
+        return None
+    what = "confirmed" if event_type == "MigrationConfirmed" else "reverted"
+    command = "confirm_migration" if event_type == "MigrationConfirmed" else "revert_migration"
+    link = mig.on_behalf_of
+    if link is not None:
+        if link == instance:
+            return None
+        return Impossible(
+            "other_instance",
+            f"migration {migration} holds its allocations for instance {link} there, yet it is {what} "
+            f"for instance {instance} ({command} acts on the instance the migration was started for)",
+            {"migration": migration, "instance": instance, "held_for": link},
+        )
+    if not mig.allocations or unlinked.get(migration) == instance:
+        return None
+    return Impossible(
+        "not_a_migration",
+        f"consumer {migration} holds {shown(sorted_holdings(mig.allocations), 200)} there for no instance "
+        f"(allocated at position {mig.allocated_at}): no migration, yet it is {what} as the migration "
+        f"of instance {instance} ({command} refuses a consumer that is no migration: evstore.not_found)",
+        {
+            "migration": migration,
+            "instance": instance,
+            "held": sorted_holdings(mig.allocations),
+            "allocated_at": mig.allocated_at,
+        },
+        mig.allocated_at,
     )
 
 
@@ -399,29 +464,48 @@ def duplicate_name(provider: str, name: str, holder: str, named_at: int) -> Impo
 
 
 #: the event types :meth:`LogMemory.check` looks at (or notes): a check of a log skips the call for
-#: every other type (most of a log: allocations)
-REMEMBERED_TYPES = frozenset(HELD_CHECKS) | {"ProviderCreated", "ProviderUpdated"}
+#: every other type
+REMEMBERED_TYPES = frozenset(HELD_CHECKS) | {"ProviderCreated", "ProviderUpdated", "AllocationsReplaced"}
+
+#: the event types that end a migration, whose instance :func:`not_its_migration` checks
+MIGRATION_ENDS = frozenset({"MigrationConfirmed", "MigrationReverted"})
 
 
 @dataclass(slots=True)
 class LogMemory:
     """What a check of a log in order (an import's) keeps beside its fold to refuse an event that
     only the events before it make impossible (:data:`HELD_CHECKS`, and a name another live
-    provider holds): each name a live provider holds, and each provider deleted. One entry per
-    live provider and per provider deleted, none per event."""
+    provider holds, a confirm or revert of another instance or of no migration): each name a live
+    provider holds, each provider deleted, and each migration link a plain write dropped. One
+    entry per live provider, per provider deleted and per consumer so unlinked, none per event."""
 
     #: each name a live provider holds: the provider, and the position it took the name at
     names: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: each provider deleted so far, and the position of its last deletion
     gone: dict[str, int] = field(default_factory=dict)
+    #: each consumer whose link to the instance it held for only a plain write emptying it
+    #: dropped, and that instance, until it is released, confirmed or reverted (see
+    #: :func:`not_its_migration`): one entry per such consumer
+    unlinked: dict[str, str] = field(default_factory=dict)
 
     def check(self, state: State, event_type: str, fields: Any, position: int) -> Impossible | None:
         """What the event (in ``state``, folded up to the event before it) does that no command
         does there, or ``None``; then (``None``) what it changes of the names and deletions is
         noted. Call it once per event, in order, before its fold."""
+        if event_type == "AllocationsReplaced":
+            if not fields.allocations:
+                note_unlinked(state, fields.consumer, self.unlinked)
+            return None
         held = HELD_CHECKS.get(event_type)
         if held is not None and (found := held(state, fields, self.gone)) is not None:
             return found
+        if event_type in MIGRATION_ENDS:
+            found = not_its_migration(state, event_type, fields, self.unlinked)
+            if found is None:
+                self.unlinked.pop(fields.migration, None)
+            return found
+        if event_type == "AllocationsReleased":
+            self.unlinked.pop(fields.consumer, None)
         if event_type == "ProviderCreated":
             return self._name(state, fields.provider, fields.name, position)
         if event_type == "ProviderUpdated":
@@ -446,3 +530,11 @@ class LogMemory:
         prov = state.providers.get(provider)
         if prov is not None and (held := self.names.get(prov.name)) is not None and held[0] == provider:
             del self.names[prov.name]
+
+
+def note_unlinked(state: State, consumer: str, unlinked: dict[str, str]) -> None:
+    """A plain write empties ``consumer``: a link to the instance it held for, which the fold drops
+    there, is noted in ``unlinked`` (see :func:`not_its_migration`)."""
+    c = state.consumers.get(consumer)
+    if c is not None and c.on_behalf_of is not None:
+        unlinked[consumer] = c.on_behalf_of
