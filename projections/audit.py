@@ -39,17 +39,12 @@ from projections.gcpause import gc_paused
 from projections.invariants import (
     DELETED_REASON,
     IMPOSSIBLE_CHECKS,
-    Impossible,
+    REMEMBERED_TYPES,
+    LogMemory,
     clear_leak,
     find_leaks,
     format_amount,
-    not_its_migration,
-    note_unlinked,
-    nothing_to_confirm,
-    nothing_to_delete,
-    nothing_to_release,
     over_capacity,
-    revert_beyond_held,
 )
 from projections.persisted import project_usage_totals
 from projections.replay import Turns
@@ -181,8 +176,9 @@ class _Replay:
     #: the last recorded_at text found readable and aware: a transaction's events share one
     #: (a few thousand distinct in 300,000 events), so most rows need no parse of it
     aware_time: str | None = None
-    #: each provider deleted so far, and the position of its last deletion
-    gone: dict[str, int] = field(default_factory=dict)
+    #: the names live providers hold, the providers deleted and the migration links a plain write
+    #: dropped, as an import keeps them, going on past what it finds (see :meth:`_remember`)
+    memory: LogMemory = field(default_factory=lambda: LogMemory(shared={}))
     #: the providers deleted that consumers may still hold allocations on: while there are any
     #: (or the fold met an allocation on a provider absent there, and stopped deferring usage),
     #: the events that take allocations away are looked at (see :data:`_HOLDING_CHECKS`);
@@ -195,14 +191,11 @@ class _Replay:
     #: last the position of the provider's deletion while they were held (``None``: it was absent
     #: where they were written)
     absent_taken: list[tuple[int, str, str, int, int | None]] = field(default_factory=list)
-    #: each name a live provider holds: a provider holding it, and the position it was named at
-    #: (see :func:`_name`); ``shared``: the others holding it too, by name (only a damaged or
-    #: imported log has any: commands refuse a name another live provider holds)
-    names: dict[str, tuple[str, int]] = field(default_factory=dict)
-    shared: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: each consumer whose migration link only a plain write emptying it dropped, and its instance
-    #: (see :func:`projections.invariants.not_its_migration`)
-    unlinked: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gone(self) -> dict[str, int]:
+        """Each provider deleted so far, and the position of its last deletion."""
+        return self.memory.gone
 
     async def run(
         self,
@@ -323,17 +316,64 @@ class _Replay:
         if self.checked:
             # (a log holds allocations on a provider absent there only after a provider's
             # deletion, or an allocation on one absent, which makes the fold stop deferring usage;
-            # a provider's naming and deletion, a revert, a release and a confirm are noted
-            # whatever: see _NOTED)
-            if (noted := _NOTED.get(row.type)) is not None:
-                noted(self, payload, row.position)
-            elif (self.suspects or not self.state.usages_deferred) and (
+            # a provider's naming and deletion, a revert, a release, a confirm and a plain write
+            # are remembered whatever)
+            if row.type in REMEMBERED_TYPES:
+                self._remember(row.type, payload, row.position)
+            elif row.type == "AllocationsReplaced" and not payload.allocations:
+                self.memory.emptied(self.state, payload.consumer)
+            if (self.suspects or not self.state.usages_deferred) and (
                 holding := _HOLDING_CHECKS.get(row.type)
             ) is not None:
                 holding(self, payload, row.position)
         FOLDS[row.type](self.state, payload, row.position)
         if self.over is not None:
             self.over.update(self.state, row.type, payload_dict(payload), row.position)
+
+    def _remember(self, event_type: str, e: Any, position: int) -> None:
+        """What only the events before it make impossible (:class:`LogMemory`, as an import
+        refuses it, ``details["rule"]``), in a log an older evstore imported: an integrity
+        finding, ``reason`` the rule's name, citing the earlier event that makes it so (a
+        migration's or consumer's emptying, a deletion, the name taken). A revert of a
+        migration holding nothing to its instance deleted there is none: that is the leak of an
+        older, Placement-style writer's late revert (bug 1848343), reported as a leak while held."""
+        found = self.memory.check(self.state, event_type, e, position)
+        if event_type == "ProviderDeleted":
+            self.suspects.add(e.provider)
+        if found is None:
+            return
+        if found.rule == "duplicate_name":
+            holder, named_at = found.details["holder"], found.details["holder_named_at"]
+            assert isinstance(named_at, int)
+            self.report.findings.append(
+                Finding(
+                    "integrity",
+                    f"{event_type} at position {position} gives provider {e.provider} the name "
+                    f"{shown(e.name)}, which provider {holder} holds (named at position {named_at}): two "
+                    "providers of one name (a command refuses a name another provider holds, "
+                    "placement.duplicate_name: a damaged or imported log); renaming one of them ends the "
+                    "clash, and this finding, about the log, stays",
+                    tuple(sorted({named_at, position})),
+                    {
+                        "reason": "duplicate_name",
+                        "name": e.name,
+                        "provider": e.provider,
+                        "holder": holder,
+                        "holder_named_at": named_at,
+                        "event_type": event_type,
+                    },
+                )
+            )
+            return
+        self.report.findings.append(
+            Finding(
+                "integrity",
+                f"{event_type} at position {position}: {found.what} (a damaged or imported log: every "
+                "fold takes it as it is)",
+                tuple(p for p in (found.since, position) if p),
+                {"reason": found.rule, **found.details},
+            )
+        )
 
     def _clear_suspects(self) -> None:
         """Drop the deleted providers no consumer holds anything on (or created again: what is
@@ -488,9 +528,7 @@ def _took_deleted(replay: _Replay, e: Any, position: int) -> None:
 #: from consumers (as the fold of its type does): the allocations held on a provider absent
 #: there that it takes away (see :func:`absent_holdings`). Only while some may be held (see
 #: ``_Replay.suspects``): a log with neither a provider's deletion nor an allocation on
-#: a provider absent there holds none, and its events need no look. (A revert, a release
-#: and a confirm are looked at through :data:`_NOTED`, which calls their entries here under the
-#: same condition.)
+#: a provider absent there holds none, and its events need no look.
 _HOLDING_CHECKS: dict[str, Callable[[_Replay, Any, int], None]] = {
     "AllocationsReplaced": _took_replaced,
     "AllocationsReleased": _took_released,
@@ -498,151 +536,6 @@ _HOLDING_CHECKS: dict[str, Callable[[_Replay, Any, int], None]] = {
     "MigrationReverted": _took_moved,
     "MigrationConfirmed": _took_confirmed,
     "ConsumerDeleted": _took_deleted,
-}
-
-
-def _unname(replay: _Replay, provider: str) -> None:
-    """``provider`` (live) is about to lose its name (deleted, renamed or created again): the name
-    index forgets it; a name another provider holds too passes to that one."""
-    prov = replay.state.providers.get(provider)
-    if prov is None:
-        return
-    name, names = prov.name, replay.names
-    others = replay.shared.get(name)
-    held = names.get(name)
-    if held is not None and held[0] == provider:
-        if others:
-            names[name] = others.popitem()
-        else:
-            del names[name]
-    elif others is not None:
-        others.pop(provider, None)
-    if others is not None and not others:
-        del replay.shared[name]
-
-
-def _name(replay: _Replay, provider: str, name: str, position: int, event_type: str) -> None:
-    """``provider`` takes ``name`` at ``position``: a name another live provider holds is an
-    integrity finding (``duplicate_name``). Commands refuse it (``placement.duplicate_name``); an
-    import takes it, and the store then has two providers of one name, which README says is unique
-    (a caller that finds a provider by its name gets either)."""
-    held = replay.names.get(name)
-    if held is None:
-        replay.names[name] = (provider, position)
-        return
-    holder, named_at = held
-    replay.shared.setdefault(name, {})[provider] = position
-    replay.report.findings.append(
-        Finding(
-            "integrity",
-            f"{event_type} at position {position} gives provider {provider} the name {shown(name)}, "
-            f"which provider {holder} holds (named at position {named_at}): two providers of one name "
-            "(a command refuses a name another provider holds, placement.duplicate_name: a damaged or "
-            "imported log); renaming one of them ends the clash, and this finding, about the log, stays",
-            tuple(sorted({named_at, position})),
-            {
-                "reason": "duplicate_name",
-                "name": name,
-                "provider": provider,
-                "holder": holder,
-                "holder_named_at": named_at,
-                "event_type": event_type,
-            },
-        )
-    )
-
-
-def _noted_created(replay: _Replay, e: Any, position: int) -> None:
-    _unname(replay, e.provider)  # (created again while it exists: its old name goes)
-    _name(replay, e.provider, e.name, position, "ProviderCreated")
-
-
-def _noted_updated(replay: _Replay, e: Any, position: int) -> None:
-    prov = replay.state.providers.get(e.provider)
-    if prov is not None and prov.name != e.name:  # (one absent: unknown_provider, and no fold)
-        _unname(replay, e.provider)
-        _name(replay, e.provider, e.name, position, "ProviderUpdated")
-
-
-def _noted_deleted(replay: _Replay, e: Any, position: int) -> None:
-    _report(replay, nothing_to_delete(replay.state, e, replay.gone), "ProviderDeleted", position)
-    replay.gone[e.provider] = position
-    replay.suspects.add(e.provider)
-    _unname(replay, e.provider)
-
-
-def _report(replay: _Replay, found: Impossible | None, event_type: str, position: int) -> None:
-    """An event that does what no command does there, as only the events before it show
-    (:data:`projections.invariants.HELD_CHECKS`: what an import refuses, ``details["rule"]``),
-    in a log an older evstore imported: an integrity finding, ``reason`` the rule's name, citing
-    the earlier event that makes it so (a migration's or consumer's emptying, a deletion)."""
-    if found is None:
-        return
-    replay.report.findings.append(
-        Finding(
-            "integrity",
-            f"{event_type} at position {position}: {found.what} (a damaged or imported log: every fold "
-            "takes it as it is)",
-            tuple(p for p in (found.since, position) if p),
-            {"reason": found.rule, **found.details},
-        )
-    )
-
-
-def _noted_reverted(replay: _Replay, e: Any, position: int) -> None:
-    """A revert giving its instance allocations its migration did not hold (commands give back
-    exactly what it holds, and refuse a migration holding nothing: ``evstore.not_found``) makes
-    them from nowhere: no provider's capacity was checked for them; one giving nothing drops what
-    both held. An integrity finding (``nothing_to_revert``, ``revert_more_than_held``,
-    ``empty_revert``; else of its instance: see :func:`_ended`), but for a revert of a migration holding
-    nothing to an instance deleted there: that is the leak of an older, Placement-style writer's
-    late revert (bug 1848343), which the audit reports as a leak while it is held."""
-    _ended(replay, revert_beyond_held(replay.state, e, replay.gone), "MigrationReverted", e, position)
-    if replay.suspects or not replay.state.usages_deferred:
-        _took_moved(replay, e, position)
-
-
-def _ended(replay: _Replay, found: Impossible | None, event_type: str, e: Any, position: int) -> None:
-    """A confirm's or revert's finding of its held rule (``found``), or else of its instance
-    (``other_instance``, ``not_a_migration``): one finding an event, as an import refuses it."""
-    if found is None:
-        found = not_its_migration(replay.state, event_type, e, replay.unlinked)
-        if found is None:
-            replay.unlinked.pop(e.migration, None)
-    _report(replay, found, event_type, position)
-
-
-def _noted_replaced(replay: _Replay, e: Any, position: int) -> None:
-    if not e.allocations:
-        note_unlinked(replay.state, e.consumer, replay.unlinked)
-    if replay.suspects or not replay.state.usages_deferred:
-        _took_replaced(replay, e, position)
-
-
-def _noted_released(replay: _Replay, e: Any, position: int) -> None:
-    _report(replay, nothing_to_release(replay.state, e, replay.gone), "AllocationsReleased", position)
-    replay.unlinked.pop(e.consumer, None)
-    if replay.suspects or not replay.state.usages_deferred:
-        _took_released(replay, e, position)
-
-
-def _noted_confirmed(replay: _Replay, e: Any, position: int) -> None:
-    _ended(replay, nothing_to_confirm(replay.state, e, replay.gone), "MigrationConfirmed", e, position)
-    if replay.suspects or not replay.state.usages_deferred:
-        _took_confirmed(replay, e, position)
-
-
-#: what the checked pass notes, before its fold, of the events that name or unname a provider,
-#: and of those that release or give back what a consumer holds (one lookup an event: the others
-#: need none of this); each of the latter calls its entry of _HOLDING_CHECKS as check() would
-_NOTED: dict[str, Callable[[_Replay, Any, int], None]] = {
-    "ProviderCreated": _noted_created,
-    "ProviderUpdated": _noted_updated,
-    "ProviderDeleted": _noted_deleted,
-    "MigrationReverted": _noted_reverted,
-    "AllocationsReleased": _noted_released,
-    "MigrationConfirmed": _noted_confirmed,
-    "AllocationsReplaced": _noted_replaced,
 }
 
 

@@ -17,7 +17,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from evstore.errors import CorruptEvent, InvalidInput, shown
-from evstore.events import GENESIS_HASH, Metadata, RawEvent, ValueCheck, decode_event, describe_error
+from evstore.events import (
+    GENESIS_HASH,
+    AllocationsReplaced,
+    Metadata,
+    RawEvent,
+    ValueCheck,
+    decode_event,
+    describe_error,
+)
 from evstore.schema import CANONICAL_UUID
 from projections.invariants import REMEMBERED_TYPES, LogMemory, impossible_event
 from projections.state import State, evolve_noting_providers
@@ -269,6 +277,8 @@ class ChainCheck:
             found = impossible_event(self.state, row.type, event)
             if found is None and row.type in REMEMBERED_TYPES:  # (what only the log before it rules out)
                 found = self.memory.check(self.state, row.type, event, row.position)
+            elif found is None and isinstance(event, AllocationsReplaced) and not event.allocations:
+                self.memory.emptied(self.state, event.consumer)
             if found is not None:
                 # (every command refuses it: a log that was valid where it was written holds none)
                 raise _corrupt(

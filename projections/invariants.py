@@ -384,7 +384,7 @@ def not_its_migration(
     :func:`revert_beyond_held`) let the event pass: a migration holding nothing is theirs (and the
     legacy late revert to a deleted instance stays imported, but for another instance than its
     migration's). ``unlinked``: each consumer whose link to an instance only a plain write
-    emptying it dropped, and that instance (:attr:`LogMemory.unlinked`): evstore's first version
+    emptying it dropped, and that instance (``LogMemory.unlinked``): evstore's first version
     kept that link, so its confirm or revert of such a consumer, refilled since, named that
     instance."""
     migration, instance = fields.migration, fields.instance
@@ -464,8 +464,9 @@ def duplicate_name(provider: str, name: str, holder: str, named_at: int) -> Impo
 
 
 #: the event types :meth:`LogMemory.check` looks at (or notes): a check of a log skips the call for
-#: every other type
-REMEMBERED_TYPES = frozenset(HELD_CHECKS) | {"ProviderCreated", "ProviderUpdated", "AllocationsReplaced"}
+#: every other type (most of a log: allocations; a plain write emptying a consumer goes to
+#: :meth:`LogMemory.emptied`)
+REMEMBERED_TYPES = frozenset(HELD_CHECKS) | {"ProviderCreated", "ProviderUpdated"}
 
 #: the event types that end a migration, whose instance :func:`not_its_migration` checks
 MIGRATION_ENDS = frozenset({"MigrationConfirmed", "MigrationReverted"})
@@ -473,13 +474,17 @@ MIGRATION_ENDS = frozenset({"MigrationConfirmed", "MigrationReverted"})
 
 @dataclass(slots=True)
 class LogMemory:
-    """What a check of a log in order (an import's) keeps beside its fold to refuse an event that
-    only the events before it make impossible (:data:`HELD_CHECKS`, and a name another live
-    provider holds, a confirm or revert of another instance or of no migration): each name a live
-    provider holds, each provider deleted, and each migration link a plain write dropped. One
-    entry per live provider, per provider deleted and per consumer so unlinked, none per event."""
+    """What a check of a log in order keeps beside its fold to find an event that only the events
+    before it make impossible (:data:`HELD_CHECKS`, a name another live provider holds, a confirm
+    or revert of another instance or of no migration): each name a live provider holds, each
+    provider deleted, and each migration link a plain write dropped. One entry per live provider,
+    per provider deleted and per consumer so unlinked, none per event.
 
-    #: each name a live provider holds: the provider, and the position it took the name at
+    An import stops at the first event found (``shared`` ``None``): that event is not noted, as
+    it is not folded. The audit goes on (``shared`` a dict): each event is noted whatever is
+    found, and a name held by more than one live provider is followed to its other holders."""
+
+    #: each name a live provider holds: a provider holding it, and the position it took the name at
     names: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: each provider deleted so far, and the position of its last deletion
     gone: dict[str, int] = field(default_factory=dict)
@@ -487,54 +492,74 @@ class LogMemory:
     #: dropped, and that instance, until it is released, confirmed or reverted (see
     #: :func:`not_its_migration`): one entry per such consumer
     unlinked: dict[str, str] = field(default_factory=dict)
+    #: (going on past what is found) the other live providers holding a name too, by name, each
+    #: with the position it took it at (only a damaged or imported log has any)
+    shared: dict[str, dict[str, int]] | None = None
 
     def check(self, state: State, event_type: str, fields: Any, position: int) -> Impossible | None:
         """What the event (in ``state``, folded up to the event before it) does that no command
-        does there, or ``None``; then (``None``) what it changes of the names and deletions is
-        noted. Call it once per event, in order, before its fold."""
-        if event_type == "AllocationsReplaced":
-            if not fields.allocations:
-                note_unlinked(state, fields.consumer, self.unlinked)
-            return None
+        does there, or ``None``; and what it changes of the names, deletions and links is noted
+        (stopping at what is found: only if ``None``). Call it once per event of
+        :data:`REMEMBERED_TYPES`, in order, before its fold (and :meth:`emptied` for a plain
+        write emptying a consumer)."""
         held = HELD_CHECKS.get(event_type)
-        if held is not None and (found := held(state, fields, self.gone)) is not None:
+        found = None if held is None else held(state, fields, self.gone)
+        if found is not None and self.shared is None:
             return found
         if event_type in MIGRATION_ENDS:
-            found = not_its_migration(state, event_type, fields, self.unlinked)
             if found is None:
-                self.unlinked.pop(fields.migration, None)
-            return found
-        if event_type == "AllocationsReleased":
+                found = not_its_migration(state, event_type, fields, self.unlinked)
+                if found is None:
+                    self.unlinked.pop(fields.migration, None)
+        elif event_type == "AllocationsReleased":
             self.unlinked.pop(fields.consumer, None)
-        if event_type == "ProviderCreated":
+        elif event_type == "ProviderCreated":
             return self._name(state, fields.provider, fields.name, position)
-        if event_type == "ProviderUpdated":
+        elif event_type == "ProviderUpdated":
             prov = state.providers.get(fields.provider)
-            if prov is None or prov.name == fields.name:
-                return None  # (absent: the fold skips it; the same name: nothing changes)
-            return self._name(state, fields.provider, fields.name, position)
-        if event_type == "ProviderDeleted":
+            if prov is not None and prov.name != fields.name:  # (absent: the fold skips it)
+                return self._name(state, fields.provider, fields.name, position)
+        elif event_type == "ProviderDeleted":
             self._unname(state, fields.provider)
             self.gone[fields.provider] = position
-        return None
+        return found
+
+    def emptied(self, state: State, consumer: str) -> None:
+        """A plain write (``AllocationsReplaced``) empties ``consumer``: a link to the instance it
+        held for, which the fold drops there, is noted (see :func:`not_its_migration`). Called only
+        for such a write (rare: most of a log is allocations), which is all :meth:`check` would
+        look at in an ``AllocationsReplaced``."""
+        c = state.consumers.get(consumer)
+        if c is not None and c.on_behalf_of is not None:
+            self.unlinked[consumer] = c.on_behalf_of
 
     def _name(self, state: State, provider: str, name: str, position: int) -> Impossible | None:
         held = self.names.get(name)
-        if held is not None and held[0] != provider:
+        if held is not None and held[0] != provider and self.shared is None:
             return duplicate_name(provider, name, held[0], held[1])
         self._unname(state, provider)  # (its old name: renamed, or created again while it exists)
-        self.names[name] = (provider, position)
-        return None
+        held = self.names.get(name)
+        if held is None or self.shared is None:  # (stopping at a clash: none is left here)
+            self.names[name] = (provider, position)
+            return None
+        self.shared.setdefault(name, {})[provider] = position
+        return duplicate_name(provider, name, held[0], held[1])
 
     def _unname(self, state: State, provider: str) -> None:
+        """``provider`` (live) is about to lose its name (deleted, renamed or created again): the
+        index forgets it; a name another provider holds too passes to that one."""
         prov = state.providers.get(provider)
-        if prov is not None and (held := self.names.get(prov.name)) is not None and held[0] == provider:
-            del self.names[prov.name]
-
-
-def note_unlinked(state: State, consumer: str, unlinked: dict[str, str]) -> None:
-    """A plain write empties ``consumer``: a link to the instance it held for, which the fold drops
-    there, is noted in ``unlinked`` (see :func:`not_its_migration`)."""
-    c = state.consumers.get(consumer)
-    if c is not None and c.on_behalf_of is not None:
-        unlinked[consumer] = c.on_behalf_of
+        if prov is None:
+            return
+        name, names, shared = prov.name, self.names, self.shared
+        others = None if shared is None else shared.get(name)
+        held = names.get(name)
+        if held is not None and held[0] == provider:
+            if others:
+                names[name] = others.popitem()
+            else:
+                del names[name]
+        elif others is not None:
+            others.pop(provider, None)
+        if shared is not None and others is not None and not others:
+            del shared[name]
