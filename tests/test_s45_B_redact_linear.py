@@ -82,7 +82,9 @@ def test_redaction_of_a_large_adversarial_text_does_not_hang(call: str) -> None:
         print("done")
         """
     )
-    # (a child process: the regex engine holds the GIL, no thread of this one could time it out)
-    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=10)
+    # (a child process: the regex engine holds the GIL, no thread of this one could time it out;
+    # ~1.7 s here, minutes for a quadratic scan: 60 s, as 10 s failed twice on a machine loaded
+    # with three other test runs - stop 48's CI of db7b03b)
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "done"
