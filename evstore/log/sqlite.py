@@ -884,9 +884,10 @@ class _WriterCache:
             self.known_consumers |= missing
             self.now.consumers.update(loaded.consumers)
 
-    def settle(self, wanted: State, after: State) -> None:
-        """Record what a job's fold did to its slice (entities created, changed or forgotten)."""
-        consumers = wanted.consumers.keys() | after.consumers.keys()
+    def settle(self, loaded_consumers: Iterable[str], loaded_providers: Iterable[str], after: State) -> None:
+        """Record what a job's fold did to its slice (entities created, changed or forgotten):
+        ``loaded_*``, the uuids of the slice as loaded, and ``after``, the slice as folded."""
+        consumers = after.consumers.keys() | loaded_consumers
         for uuid in consumers:
             self.known_consumers.add(uuid)
             self.touched_consumers.add(uuid)
@@ -895,7 +896,7 @@ class _WriterCache:
             else:
                 self.now.consumers.pop(uuid, None)
         self._unindexed_consumers.extend(consumers)
-        providers = wanted.providers.keys() | after.providers.keys()
+        providers = after.providers.keys() | loaded_providers
         for uuid in providers:
             self.known_providers.add(uuid)
             self.touched_providers.add(uuid)
@@ -986,21 +987,28 @@ def _process(conn: sqlite3.Connection, tail: _Tail, job: Job, cache: _WriterCach
         ) from exc
     # From here on the job writes: nothing may reject it any more (see run_batch).
     try:
-        wanted = State(providers=dict(state.providers), consumers=dict(state.consumers))
+        # (the slice's keys before the fold: what settle records besides what the fold left)
+        loaded_consumers, loaded_providers = list(state.consumers), list(state.providers)
         appended = append_events(tail, events, job.metadata_json) if events else []
         for position, event in appended:
             evolve(state, event, position)
-        cache.settle(wanted, state)
+        cache.settle(loaded_consumers, loaded_providers, state)
+        consumers, providers = state.consumers, state.providers
         receipt = Receipt(
-            tuple(p for p, _ in appended),
-            {c: state.consumer(c).generation for c in sorted(n.consumers | set(state.consumers))},
-            {u: state.providers[u].generation for u in sorted(state.providers)},
+            tuple([p for p, _ in appended]),
+            {c: _generation(consumers.get(c)) for c in sorted(n.consumers | consumers.keys())},
+            {u: providers[u].generation for u in sorted(providers)},
         )
         if key is not None:
             conn.execute("INSERT INTO idempotency VALUES (?,?,?)", (key, job.fingerprint, receipt.to_json()))
     except err.EvstoreError as exc:
         raise BatchAborted(f"job failed after it started writing: {exc}") from exc
     return receipt
+
+
+def _generation(consumer: ConsumerState | None) -> int | None:
+    """A consumer's generation in a receipt (None: absent, as ``State.consumer`` makes it)."""
+    return None if consumer is None else consumer.generation
 
 
 class _CommitFailed(Exception):
