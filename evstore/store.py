@@ -1385,7 +1385,8 @@ class AllocationStore:
             *(_fingerprints(command) if key is not None else ("", "")),
             context=contextvars.copy_context(),
         )
-        fut: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
+        # (the store's loop, which _check_loop found running: asking asyncio again costs a getpid)
+        fut: asyncio.Future[Receipt] = (self._loop or asyncio.get_running_loop()).create_future()
         self._queue.append((job, fut))
         self._wake.set()
         try:
