@@ -84,3 +84,52 @@ async def test_what_a_batch_creates_changes_and_deletes_is_what_the_next_batches
     async with open_store(path) as store:  # (read from the rows the writer's cache wrote)
         assert {rp: dict(await store.usage(rp)) for rp in rps} == seen
         assert (await store.audit()).clean
+
+
+async def test_usage_counters_a_batch_empties_refills_and_starts_by_type(tmp_path: Path) -> None:
+    """One batch takes a (project, user)'s only INSTANCE to nothing and gives it back, starts a
+    type it never counted, and empties another user: the counters written once for the batch are
+    what the store answers, after a reopen too (the audit compares them with the fold)."""
+    path = f"sqlite:///{tmp_path}/s.db"
+
+    async def claim(store, rp: str, c: str, vcpu: int, user: str, ctype: str = "INSTANCE"):  # type: ignore[no-untyped-def]
+        return await store.set_allocations(
+            c,
+            {rp: {"VCPU": vcpu, "DISK_GB": 1}},
+            project_id="p",
+            user_id=user,
+            consumer_type=ctype,
+            generation=None,
+        )
+
+    async with open_store(path) as store:
+        rp = await make_provider(store, VCPU=100, DISK_GB=100)
+        a, b, c, d = (new_uuid() for _ in range(4))
+        await claim(store, rp, a, 2, "alice")
+        await claim(store, rp, b, 3, "bob")
+        await asyncio.gather(
+            store.delete_consumer(a),  # alice's INSTANCE count to 0 ...
+            claim(store, rp, c, 5, "alice"),  # ... and back to 1
+            claim(store, rp, d, 7, "alice", "MIGRATION"),  # a type alice had not counted
+            store.release(b),  # bob: nothing left
+        )
+        answers = [
+            (await store.usages("p", "alice")).by_consumer_type,
+            (await store.usages("p", "bob")).by_consumer_type,
+            (await store.usages("p")).usages,
+        ]
+        assert answers[0] == {
+            "INSTANCE": {"VCPU": 5, "DISK_GB": 1, "consumer_count": 1},
+            "MIGRATION": {"VCPU": 7, "DISK_GB": 1, "consumer_count": 1},
+        }
+        assert answers[1] == {}
+        assert answers[2] == {"VCPU": 12, "DISK_GB": 2}
+        assert (await store.audit()).clean
+    async with open_store(path) as store:
+        again = [
+            (await store.usages("p", "alice")).by_consumer_type,
+            (await store.usages("p", "bob")).by_consumer_type,
+            (await store.usages("p")).usages,
+        ]
+        assert again == answers
+        assert (await store.audit()).clean

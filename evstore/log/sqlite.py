@@ -326,27 +326,39 @@ def _count_usages(
     updated)."""
     known = {} if known is None else known
     _load_usage_counters(conn, {(project, user) for project, user, _ in deltas}, known)
-    changed: set[tuple[str, str]] = set()
+    # (each (project, user) looked up once per batch, not once per consumer type; a type it did
+    # not count yet starts from what the delta adds, not from a copy of an empty dict)
+    changed: dict[tuple[str, str], persisted.UserCounters] = {}
     for (project, user, ctype), (count, amounts) in deltas.items():
-        counters = known[(project, user)]
-        have_count, have = counters.get(ctype, (0, {}))
-        merged = dict(have)
-        for rc, amount in amounts.items():
-            if amount:
-                if v := merged.get(rc, 0) + amount:
-                    merged[rc] = v
-                else:
-                    del merged[rc]
-        total = have_count + count
+        key = (project, user)
+        counters = changed.get(key)
+        if counters is None:
+            counters = changed[key] = known[key]
+        had = counters.get(ctype)
+        if had is None:
+            total, merged = count, {rc: amount for rc, amount in amounts.items() if amount}
+        else:
+            total, merged = had[0] + count, dict(had[1])
+            for rc, amount in amounts.items():
+                if amount:
+                    if v := merged.get(rc, 0) + amount:
+                        merged[rc] = v
+                    else:
+                        del merged[rc]
         if total == 0 and not merged:
             counters.pop(ctype, None)
         else:
             counters[ctype] = (total, merged)
-        changed.add((project, user))
-    gone = [key for key in sorted(changed) if not known[key]]
+    gone: list[tuple[str, str]] = []
+    rows: list[tuple[str, str, str]] = []
+    for key in sorted(changed):
+        counters = changed[key]
+        if counters:
+            rows.append((*key, persisted.user_counters_json(counters)))
+        else:
+            gone.append(key)
     if gone:
         conn.executemany("DELETE FROM p_usages WHERE project_id = ? AND user_id = ?", gone)
-    rows = [(*key, persisted.user_counters_json(known[key])) for key in sorted(changed) if known[key]]
     if rows:
         conn.executemany("INSERT OR REPLACE INTO p_usages VALUES (?,?,?)", rows)
 
