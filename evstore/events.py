@@ -32,6 +32,7 @@ from evstore.schema import (
     Inventory,
     pydantic_message,
     pydantic_where,
+    refuse_assignment,
 )
 
 Allocs = dict[str, dict[str, int]]
@@ -942,6 +943,12 @@ class Metadata(BaseModel, metaclass=_RefusesAsInvalidInput):
             command_id: str | None = None,
             **extra: Any,
         ) -> None: ...
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        refuse_assignment(self, name)  # (Python's FrozenInstanceError, not pydantic's error)
+
+    def __delattr__(self, name: str) -> None:
+        refuse_assignment(self, name)
 
     @property
     def idempotency_key(self) -> str | None:

@@ -5,7 +5,7 @@
   own sentence for the same mistake;
 - F2: an integer in metadata past Python's int-to-text limit was refused as "an integer of more
   than 40 digits", while integers of 41 to 4,300 digits are accepted;
-- F6: assigning to a field of an ``Inventory`` or a ``ConsumerAllocations`` raised pydantic's
+- F6: assigning to a field of an ``Inventory``, a ``ConsumerAllocations`` or a ``Metadata`` raised pydantic's
   ``ValidationError``; the frozen dataclasses evstore answers raise ``FrozenInstanceError``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from evstore import ConsumerAllocations, InvalidInput, Inventory, open_store
+from evstore import ConsumerAllocations, InvalidInput, Inventory, Metadata, open_store
 from tests.conftest import make_provider, new_uuid
 
 PYDANTIC_WORDS = ("Value error", "String should", "should match pattern", "Input should")
@@ -105,6 +105,8 @@ async def test_a_metadata_integer_past_pythons_digit_limit_is_named_by_that_limi
     [
         (Inventory(total=4), "total"),
         (ConsumerAllocations(allocations={}, project_id="p", user_id="u", consumer_type="I"), "project_id"),
+        (Metadata(request_id="r", mine="x"), "request_id"),
+        (Metadata(request_id="r", mine="x"), "mine"),
     ],
 )
 def test_assigning_to_a_value_type_raises_pythons_frozen_error(value: Any, field: str) -> None:
